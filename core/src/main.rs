@@ -1,0 +1,151 @@
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use verl_core::{bench, report};
+use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
+
+#[derive(Parser)]
+#[command(name = "verl-core", version, about = "RL post-training of LLMs with pluggable engines, rollouts, devices and trackers")]
+struct Cli {
+    #[command(flatten)]
+    plugins: PluginArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct PluginArgs {
+    /// Directory to load plugins from; repeatable, searched before VERL_PLUGIN_PATH and the
+    /// `plugins` directory next to the binary.
+    #[arg(long = "plugin-dir", value_name = "DIR", global = true)]
+    plugin_dirs: Vec<PathBuf>,
+    /// sha256 allow-list (sha256sum format); only listed plugin files are loaded.
+    #[arg(long, value_name = "FILE", global = true, env = "VERL_PLUGIN_ALLOWLIST")]
+    plugin_allowlist: Option<PathBuf>,
+    /// Time budget for each device detection, in milliseconds.
+    #[arg(long, value_name = "MS", global = true, default_value_t = 2000)]
+    detect_timeout_ms: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Inspect plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
+    /// Show the selected device platform and every candidate's detection.
+    Platform {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure the plugin system.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    #[command(hide = true, name = "__startup-probe")]
+    StartupProbe,
+}
+
+#[derive(Subcommand)]
+enum PluginsCommand {
+    /// Every plugin found (loaded or rejected, with the reason), its components, and the device table.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load one plugin file and show what it registers; exits non-zero when it is rejected.
+    Check {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Start-up cost (discover + check + load + detect) and cross-ABI call overhead.
+    Plugins {
+        /// Start-up runs (each in a fresh process).
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_registry(args: &PluginArgs) -> anyhow::Result<Registry> {
+    let search = PluginSearch::standard(&args.plugin_dirs, args.plugin_allowlist.as_deref())?;
+    let mut registry = Registry::with_builtins();
+    registry.load_all(&search);
+    Ok(registry)
+}
+
+fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let timeout = Duration::from_millis(cli.plugins.detect_timeout_ms);
+    match cli.command {
+        Command::Plugins(PluginsCommand::List { json }) => {
+            let registry = load_registry(&cli.plugins)?;
+            let (platform, _) = detect_platform(&registry, &process_probe(), timeout);
+            let plugins = report::plugins_json(&registry);
+            let conflicts = report::conflicts_json(&registry);
+            if json {
+                print_json(&report::ListJson { plugins, conflicts, platform: Some(&platform) })?;
+            } else {
+                print!("{}\n{}", report::plugins_text(&plugins, &conflicts), report::platform_text(&platform));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plugins(PluginsCommand::Check { file, json }) => {
+            let allow_list = cli.plugins.plugin_allowlist.as_deref().map(verl_plugin_host::vet::AllowList::from_file).transpose()?;
+            let mut registry = Registry::with_builtins();
+            let loaded = registry.load_file(&file, allow_list.as_ref()).status.is_ok();
+            let plugins: Vec<_> = report::plugins_json(&registry).into_iter().filter(|p| p.path != "<built-in>").collect();
+            let conflicts = report::conflicts_json(&registry);
+            let ok = loaded && conflicts.is_empty();
+            if json {
+                print_json(&report::ListJson { plugins, conflicts, platform: None })?;
+            } else {
+                print!("{}", report::plugins_text(&plugins, &conflicts));
+            }
+            Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Command::Platform { json } => {
+            let registry = load_registry(&cli.plugins)?;
+            let (platform, selection) = detect_platform(&registry, &process_probe(), timeout);
+            if json {
+                print_json(&platform)?;
+            } else {
+                print!("{}", report::platform_text(&platform));
+            }
+            Ok(if selection.is_ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Command::Bench(BenchCommand::Plugins { runs }) => {
+            let exe = std::env::current_exe().context("locating the verl-core binary")?;
+            print!("{}", bench::plugins(&exe, &cli.plugins.plugin_dirs, runs)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::StartupProbe => {
+            let elapsed = bench::startup_once(&cli.plugins.plugin_dirs, timeout)?;
+            println!("{}", elapsed.as_nanos());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

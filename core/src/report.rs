@@ -1,0 +1,151 @@
+//! What `plugins list`, `plugins check` and `platform` print: a stable JSON shape for scripts and
+//! an aligned table for people.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use verl_plugin_host::{PlatformReport, Registry};
+
+#[derive(Debug, Serialize)]
+pub struct ComponentJson {
+    pub kind: String,
+    pub name: String,
+    pub priority: i32,
+    /// "active", "shadowed" (a higher priority one of the same name wins) or "conflict".
+    pub status: &'static str,
+    pub description: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PluginJson {
+    pub name: String,
+    pub version: String,
+    pub path: String,
+    /// "loaded" or "rejected".
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub description: String,
+    pub components: Vec<ComponentJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ConflictJson {
+    pub kind: String,
+    pub name: String,
+    pub priority: i32,
+    pub paths: Vec<String>,
+    pub error: String,
+}
+
+/// The `plugins list` document: `{"plugins": [...], "conflicts": [...], "platform": {...}}`.
+#[derive(Debug, Serialize)]
+pub struct ListJson<'a> {
+    pub plugins: Vec<PluginJson>,
+    pub conflicts: Vec<ConflictJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub platform: Option<&'a PlatformReport>,
+}
+
+pub fn plugins_json(registry: &Registry) -> Vec<PluginJson> {
+    registry
+        .plugins()
+        .iter()
+        .map(|p| PluginJson {
+            name: p.name.clone(),
+            version: p.version.clone(),
+            path: p.origin.describe(),
+            status: if p.status.is_ok() { "loaded" } else { "rejected" },
+            error: p.status.as_ref().err().map(ToString::to_string),
+            description: p.description.clone(),
+            components: p
+                .components
+                .iter()
+                .map(|c| ComponentJson {
+                    kind: c.kind.to_string(),
+                    name: c.name.clone(),
+                    priority: c.priority,
+                    status: registry.status(c).as_str(),
+                    description: c.description.clone(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+pub fn conflicts_json(registry: &Registry) -> Vec<ConflictJson> {
+    registry
+        .conflicts()
+        .into_iter()
+        .map(|c| ConflictJson {
+            kind: c.kind.to_string(),
+            name: c.name.clone(),
+            priority: c.priority,
+            paths: c.origins.iter().map(|o| o.describe()).collect(),
+            error: c.message(),
+        })
+        .collect()
+}
+
+pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> String {
+    let mut out = String::new();
+    let loaded = plugins.iter().filter(|p| p.status == "loaded").count();
+    let _ = writeln!(out, "Plugins: {loaded} loaded, {} rejected", plugins.len() - loaded);
+    for p in plugins {
+        match &p.error {
+            None => {
+                let _ = writeln!(out, "  [loaded]   {} {}  {}", p.name, p.version, p.path);
+                for c in &p.components {
+                    let note = if c.status == "active" { String::new() } else { format!("  ({})", c.status) };
+                    let _ = writeln!(out, "      {:<10} {:<14} priority {:>4}{note}", c.kind, c.name, c.priority);
+                }
+            }
+            Some(error) => {
+                let _ = writeln!(out, "  [rejected] {}", p.path);
+                for line in error.lines() {
+                    let _ = writeln!(out, "      {line}");
+                }
+            }
+        }
+    }
+    for c in conflicts {
+        let _ = writeln!(out, "  conflict: {}", c.error);
+    }
+    out
+}
+
+pub fn platform_text(report: &PlatformReport) -> String {
+    let mut out = String::new();
+    match (&report.selected, &report.error) {
+        (Some(name), _) => {
+            let how = report.override_value.as_ref().map_or("highest-priority available".to_owned(), |v| format!("VERL_PLATFORM={v}"));
+            let _ = writeln!(out, "Platform: {name} ({how})");
+        }
+        (None, Some(error)) => {
+            let _ = writeln!(out, "Platform: none selected: {error}");
+        }
+        (None, None) => {}
+    }
+    let _ = writeln!(out, "  {:<10} {:<9} {:>5} {:>8}  {:<8} {:<6} REASON", "DEVICE", "AVAILABLE", "COUNT", "PRIORITY", "VENDOR", "COMM");
+    for d in &report.devices {
+        let mark = if report.selected.as_deref() == Some(d.name.as_str()) { "*" } else { " " };
+        let _ = writeln!(
+            out,
+            "{mark} {:<10} {:<9} {:>5} {:>8}  {:<8} {:<6} {}",
+            d.name,
+            if d.available { "yes" } else { "no" },
+            d.count,
+            d.priority,
+            d.vendor,
+            d.comm_backend,
+            d.reason
+        );
+        if !d.device_names.is_empty() {
+            let _ = writeln!(out, "  {:<10} devices: {}", "", d.device_names.join(", "));
+        }
+        for (k, v) in &d.env_updates {
+            let _ = writeln!(out, "  {:<10} sets {k}={v}", "");
+        }
+    }
+    out
+}

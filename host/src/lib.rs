@@ -1,0 +1,68 @@
+//! # verl-plugin-host
+//!
+//! The host side of the plugin system, shared by the `verl-core` binary and by `verl-testkit`:
+//! discovery ([`PluginSearch`]), the checks made before a library is opened ([`vet`]), loading with
+//! abi_stable's layout and version checks, one [`Registry`] for built-in and loaded components, and
+//! device platform selection ([`detect_platform`]). The built-in `cpu` and `cuda` devices live here
+//! so every host, including plugin authors' tests, selects platforms the same way.
+
+mod builtin;
+mod discovery;
+mod load;
+mod platform;
+mod registry;
+pub mod vet;
+
+use std::path::{Path, PathBuf};
+
+pub use builtin::{CpuDevice, CudaDevice};
+pub use discovery::{ALLOW_LIST_ENV, Candidate, DirSource, PLUGIN_PATH_ENV, PluginSearch, default_plugin_dir};
+pub use load::load_manifest;
+pub use platform::{
+    DEFAULT_DETECT_TIMEOUT, DeviceReport, PLATFORM_ENV, PROBE_ROOT_ENV, PlatformError, PlatformReport, detect_platform, process_probe,
+};
+pub use registry::{BuiltinPlugin, Component, ComponentStatus, Conflict, LookupError, Origin, PluginRecord, Registry};
+pub use verl_plugin_api as api;
+
+/// Why a plugin library was rejected. Every variant names the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error("{}: cannot read plugin directory: {reason}", path.display())]
+    Directory { path: PathBuf, reason: String },
+    #[error("{}: cannot read: {reason}", path.display())]
+    Unreadable { path: PathBuf, reason: String },
+    #[error("{}: not a regular file", path.display())]
+    NotRegularFile { path: PathBuf },
+    #[error("{}: refused before loading: {noun} {} is writable by group or others (mode {mode:o}); run `chmod go-w` on it", path.display(), culprit.display())]
+    Writable { path: PathBuf, culprit: PathBuf, noun: &'static str, mode: u32 },
+    #[error("{}: sha256 {digest} is not in the allow-list {}", path.display(), allow_list.display())]
+    NotAllowListed { path: PathBuf, digest: String, allow_list: PathBuf },
+    #[error("allow-list {}: {reason}", path.display())]
+    AllowList { path: PathBuf, reason: String },
+    #[error("{}: not a loadable verl-core plugin: {reason}", path.display())]
+    Open { path: PathBuf, reason: String },
+    #[error("{}: incompatible plugin: {reason}", path.display())]
+    Version { path: PathBuf, reason: String },
+    #[error("{}: ABI layout check failed: {reason}", path.display())]
+    Abi { path: PathBuf, reason: String },
+    #[error("{}: plugin registration failed: {reason}", path.display())]
+    Registration { path: PathBuf, reason: String },
+}
+
+impl LoadError {
+    /// The plugin file (or directory) the error is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Directory { path, .. }
+            | Self::Unreadable { path, .. }
+            | Self::NotRegularFile { path }
+            | Self::Writable { path, .. }
+            | Self::NotAllowListed { path, .. }
+            | Self::AllowList { path, .. }
+            | Self::Open { path, .. }
+            | Self::Version { path, .. }
+            | Self::Abi { path, .. }
+            | Self::Registration { path, .. } => path,
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! Opening one plugin library: abi_stable's header, version and layout checks, then its manifest.
+
+use std::path::Path;
+
+use abi_stable::library::lib_header_from_path;
+use verl_plugin_api::{ABI_VERSION, PluginManifest, PluginModule_Ref, check_abi_compatible};
+
+use crate::LoadError;
+
+/// Opens `path` (already vetted) and returns the manifest its root module declares.
+///
+/// abi_stable checks its own header and a C-ABI self-test when reading the header; our semver rule
+/// runs next, before abi_stable's layout check of every type reachable from the root module, so a
+/// version mismatch is reported as such rather than as a layout difference. Libraries are never
+/// unloaded: objects they created may outlive any handle.
+pub fn load_manifest(path: &Path) -> Result<PluginManifest, LoadError> {
+    let header = lib_header_from_path(path).map_err(|e| LoadError::Open { path: path.into(), reason: first_lines(&e.to_string()) })?;
+    let plugin_abi = header.version_strings().version.to_string();
+    check_abi_compatible(ABI_VERSION, &plugin_abi).map_err(|reason| LoadError::Version { path: path.into(), reason })?;
+    let module = header
+        .init_root_module::<PluginModule_Ref>()
+        .map_err(|e| LoadError::Abi { path: path.into(), reason: first_lines(&e.to_string()) })?;
+    (module.manifest())()
+        .into_result()
+        .map_err(|e| LoadError::Registration { path: path.into(), reason: e.to_string() })
+}
+
+/// abi_stable's layout errors can run to hundreds of lines; keep the head, which names the problem.
+fn first_lines(text: &str) -> String {
+    tracing::debug!("{text}");
+    const MAX_LINES: usize = 12;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.len() <= MAX_LINES {
+        lines.join("\n")
+    } else {
+        format!("{}\n… ({} more lines; RUST_LOG=debug shows them)", lines[..MAX_LINES].join("\n"), lines.len() - MAX_LINES)
+    }
+}
+

@@ -1,0 +1,307 @@
+//! One registry for every component, whether built in (registered with `inventory`) or loaded from
+//! a plugin library. Same kind and name: the higher priority wins and the other is shadowed; equal
+//! priorities are a conflict that makes the name unusable until one plugin is removed.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use verl_plugin_api::{
+    CheckpointBox, ComponentKind, DeviceBox, EngineBox, FactoryBox, PluginBuilder, PluginError, PluginManifest, RolloutBox,
+    TrackerBox,
+};
+
+use crate::discovery::{Candidate, PluginSearch};
+use crate::{LoadError, load, vet};
+
+/// A host's built-in components, registered from any crate linked into the binary with
+/// `inventory::submit! { BuiltinPlugin(builder_fn) }`.
+pub struct BuiltinPlugin(pub fn() -> PluginBuilder);
+inventory::collect!(BuiltinPlugin);
+
+/// Where a component comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Builtin,
+    Library(PathBuf),
+}
+
+impl Origin {
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Builtin => "<built-in>".to_owned(),
+            Self::Library(p) => p.display().to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComponentStatus {
+    Active,
+    /// A component of the same kind and name with a higher priority is active.
+    Shadowed,
+    /// Another component of the same kind, name and priority exists.
+    Conflict,
+}
+
+impl ComponentStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::Shadowed => "shadowed",
+            Self::Conflict => "conflict",
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Component {
+    pub kind: ComponentKind,
+    pub name: String,
+    pub priority: i32,
+    pub description: String,
+    pub plugin: String,
+    pub origin: Origin,
+    factory: Arc<FactoryBox>,
+}
+
+impl std::fmt::Debug for Component {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Component")
+            .field("kind", &self.kind)
+            .field("name", &self.name)
+            .field("priority", &self.priority)
+            .field("plugin", &self.plugin)
+            .field("origin", &self.origin)
+            .finish()
+    }
+}
+
+/// A plugin library (or the built-in set) and what became of it.
+#[derive(Debug, Clone)]
+pub struct PluginRecord {
+    pub name: String,
+    pub version: String,
+    pub description: String,
+    pub origin: Origin,
+    /// `Err` holds why the library was rejected.
+    pub status: Result<(), LoadError>,
+    pub components: Vec<Component>,
+}
+
+/// Two or more components of one kind and name with the same priority.
+#[derive(Debug, Clone)]
+pub struct Conflict {
+    pub kind: ComponentKind,
+    pub name: String,
+    pub priority: i32,
+    pub origins: Vec<Origin>,
+}
+
+impl Conflict {
+    pub fn message(&self) -> String {
+        let origins: Vec<String> = self.origins.iter().map(Origin::describe).collect();
+        format!(
+            "{} `{}` is registered with the same priority {} by {}; remove one of them or give them different priorities",
+            self.kind,
+            self.name,
+            self.priority,
+            origins.join(" and ")
+        )
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("no {kind} component named `{name}`; available: {}", if available.is_empty() { "none".to_owned() } else { available.join(", ") })]
+    Unknown { kind: ComponentKind, name: String, available: Vec<String> },
+    #[error("{}", .0.message())]
+    Conflict(Conflict),
+    #[error("creating {kind} `{name}` from {origin}: {source}")]
+    Create { kind: ComponentKind, name: String, origin: String, source: PluginError },
+}
+
+#[derive(Default)]
+pub struct Registry {
+    plugins: Vec<PluginRecord>,
+}
+
+impl Registry {
+    /// A registry holding the built-in components of every crate linked into this binary.
+    pub fn with_builtins() -> Self {
+        let mut registry = Self::default();
+        for builtin in inventory::iter::<BuiltinPlugin> {
+            registry.add_manifest(builtin.0().into_manifest(), Origin::Builtin);
+        }
+        registry
+    }
+
+    /// Vets, opens and registers every plugin `search` finds, in its order. Failures are recorded
+    /// on the plugin's record and never stop the others.
+    pub fn load_all(&mut self, search: &PluginSearch) {
+        for candidate in search.candidates() {
+            match candidate {
+                Candidate::Library(path) => {
+                    self.load_file(&path, search.allow_list.as_ref());
+                }
+                Candidate::Unreadable(error) => self.reject(error),
+            }
+        }
+    }
+
+    /// Vets, opens and registers one library; returns its record.
+    pub fn load_file(&mut self, path: &Path, allow_list: Option<&vet::AllowList>) -> &PluginRecord {
+        let loaded = vet::vet(path, allow_list).and_then(|()| load::load_manifest(path));
+        match loaded {
+            Ok(manifest) => {
+                tracing::debug!(plugin = %manifest.name, path = %path.display(), "loaded plugin");
+                self.add_manifest(manifest, Origin::Library(path.into()));
+            }
+            Err(error) => self.reject(error),
+        }
+        self.plugins.last().expect("a record was just pushed")
+    }
+
+    fn reject(&mut self, error: LoadError) {
+        tracing::warn!("{error}");
+        let path = error.path().to_owned();
+        let name = path.file_stem().map(|s| s.to_string_lossy().trim_start_matches("lib").to_owned()).unwrap_or_default();
+        self.plugins.push(PluginRecord {
+            name,
+            version: String::new(),
+            description: String::new(),
+            origin: Origin::Library(path),
+            status: Err(error),
+            components: Vec::new(),
+        });
+    }
+
+    fn add_manifest(&mut self, manifest: PluginManifest, origin: Origin) {
+        let factory = Arc::new(manifest.factory);
+        let plugin = manifest.name.to_string();
+        let components = manifest
+            .components
+            .iter()
+            .map(|meta| Component {
+                kind: meta.kind,
+                name: meta.name.to_string(),
+                priority: meta.priority,
+                description: meta.description.to_string(),
+                plugin: plugin.clone(),
+                origin: origin.clone(),
+                factory: Arc::clone(&factory),
+            })
+            .collect();
+        self.plugins.push(PluginRecord {
+            name: plugin,
+            version: manifest.version.into(),
+            description: manifest.description.into(),
+            origin,
+            status: Ok(()),
+            components,
+        });
+    }
+
+    pub fn plugins(&self) -> &[PluginRecord] {
+        &self.plugins
+    }
+
+    /// Components of loaded plugins grouped by (kind, name), highest priority first.
+    fn groups(&self) -> BTreeMap<(ComponentKind, &str), Vec<&Component>> {
+        let mut groups: BTreeMap<(ComponentKind, &str), Vec<&Component>> = BTreeMap::new();
+        for c in self.plugins.iter().filter(|p| p.status.is_ok()).flat_map(|p| &p.components) {
+            groups.entry((c.kind, c.name.as_str())).or_default().push(c);
+        }
+        for group in groups.values_mut() {
+            group.sort_by_key(|c| std::cmp::Reverse(c.priority));
+        }
+        groups
+    }
+
+    /// Whether `component` is the one used for its kind and name.
+    pub fn status(&self, component: &Component) -> ComponentStatus {
+        let groups = self.groups();
+        let group = &groups[&(component.kind, component.name.as_str())];
+        let top = group[0].priority;
+        if component.priority < top {
+            ComponentStatus::Shadowed
+        } else if group.iter().filter(|c| c.priority == top).count() > 1 {
+            ComponentStatus::Conflict
+        } else {
+            ComponentStatus::Active
+        }
+    }
+
+    pub fn conflicts(&self) -> Vec<Conflict> {
+        self.groups()
+            .into_iter()
+            .filter_map(|((kind, name), group)| {
+                let top: Vec<&&Component> = group.iter().filter(|c| c.priority == group[0].priority).collect();
+                (top.len() > 1).then(|| Conflict {
+                    kind,
+                    name: name.to_owned(),
+                    priority: group[0].priority,
+                    origins: top.iter().map(|c| c.origin.clone()).collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// The names usable for `kind`, sorted.
+    pub fn names(&self, kind: ComponentKind) -> Vec<String> {
+        self.groups().keys().filter(|(k, _)| *k == kind).map(|(_, n)| (*n).to_owned()).collect()
+    }
+
+    /// The winning component of `kind` called `name`.
+    pub fn resolve(&self, kind: ComponentKind, name: &str) -> Result<Component, LookupError> {
+        let groups = self.groups();
+        let Some(group) = groups.get(&(kind, name)) else {
+            return Err(LookupError::Unknown { kind, name: name.to_owned(), available: self.names(kind) });
+        };
+        if let Some(conflict) = self.conflicts().into_iter().find(|c| c.kind == kind && c.name == name) {
+            return Err(LookupError::Conflict(conflict));
+        }
+        Ok(group[0].clone())
+    }
+
+    /// Every device name with its winning component (or why there is none), highest priority first.
+    pub fn devices(&self) -> Vec<(String, Result<Component, LookupError>)> {
+        let mut tops: Vec<(i32, String)> = self
+            .groups()
+            .into_iter()
+            .filter(|((kind, _), _)| *kind == ComponentKind::DEVICE)
+            .map(|((_, name), group)| (group[0].priority, name.to_owned()))
+            .collect();
+        tops.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        tops.into_iter().map(|(_, name)| {
+            let resolved = self.resolve(ComponentKind::DEVICE, &name);
+            (name, resolved)
+        }).collect()
+    }
+}
+
+impl Component {
+    fn created<T>(&self, made: abi_stable::std_types::RResult<T, PluginError>) -> Result<T, LookupError> {
+        made.into_result().map_err(|source| LookupError::Create {
+            kind: self.kind,
+            name: self.name.clone(),
+            origin: self.origin.describe(),
+            source,
+        })
+    }
+    pub fn create_device(&self) -> Result<DeviceBox, LookupError> {
+        self.created(self.factory.create_device(self.name.as_str().into()))
+    }
+    pub fn create_engine(&self) -> Result<EngineBox, LookupError> {
+        self.created(self.factory.create_engine(self.name.as_str().into()))
+    }
+    pub fn create_rollout(&self) -> Result<RolloutBox, LookupError> {
+        self.created(self.factory.create_rollout(self.name.as_str().into()))
+    }
+    pub fn create_checkpoint(&self) -> Result<CheckpointBox, LookupError> {
+        self.created(self.factory.create_checkpoint(self.name.as_str().into()))
+    }
+    pub fn create_tracker(&self) -> Result<TrackerBox, LookupError> {
+        self.created(self.factory.create_tracker(self.name.as_str().into()))
+    }
+}

@@ -89,6 +89,28 @@ pub fn vet(path: &Path, allow_list: Option<&AllowList>) -> Result<(), LoadError>
     if let Some(list) = allow_list {
         list.check(&resolved)?;
     }
+    check_complete_elf(path, &resolved, meta.len())
+}
+
+/// dlopen maps a library's segments without checking that they lie inside the file; touching a
+/// page past the end raises SIGBUS and kills the host. A truncated ELF file is refused here instead.
+/// Only the headers are read (lazily, through `ReadCache`). Non-ELF files are left to dlopen.
+fn check_complete_elf(plugin: &Path, resolved: &Path, len: u64) -> Result<(), LoadError> {
+    use object::{Object, ObjectSegment};
+    let truncated = |reason: String| LoadError::Open { path: plugin.into(), reason: format!("truncated or corrupt library: {reason}") };
+    let file = fs::File::open(resolved).map_err(|e| LoadError::Unreadable { path: plugin.into(), reason: e.to_string() })?;
+    let cache = object::ReadCache::new(file);
+    let mut magic = [0u8; 4];
+    if object::ReadRef::read_bytes_at(&cache, 0, 4).map(|b| magic.copy_from_slice(b)).is_err() || &magic != b"\x7fELF" {
+        return Ok(());
+    }
+    let elf = object::File::parse(&cache).map_err(|e| truncated(e.to_string()))?;
+    for segment in elf.segments() {
+        let (offset, size) = segment.file_range();
+        if offset.saturating_add(size) > len {
+            return Err(truncated(format!("a segment spans bytes {offset}..{} but the file has {len}", offset + size)));
+        }
+    }
     Ok(())
 }
 
@@ -132,6 +154,23 @@ mod tests {
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
         let err = vet(&ok, None).unwrap_err().to_string();
         assert!(err.contains("directory") && err.contains("777"), "{err}");
+    }
+
+    #[test]
+    fn truncated_elf_files_are_refused_before_dlopen() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        // This test binary is a complete ELF file; a prefix of it is a truncated one.
+        let exe = fs::read(std::env::current_exe().unwrap()).unwrap();
+        let whole = dir.path().join("libwhole.so");
+        fs::write(&whole, &exe).unwrap();
+        vet(&whole, None).unwrap();
+        for keep in [exe.len() / 2, 64 * 1024, 100] {
+            let cut = dir.path().join("libcut.so");
+            fs::write(&cut, &exe[..keep]).unwrap();
+            let err = vet(&cut, None).unwrap_err().to_string();
+            assert!(err.contains("truncated or corrupt library") && err.contains("libcut.so"), "{keep}: {err}");
+        }
     }
 
     #[test]

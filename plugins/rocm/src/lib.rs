@@ -98,9 +98,11 @@ impl VisibleFilters {
     fn from_probe(probe: &ProbeContext) -> Result<Self, PluginError> {
         let get = |key: &str| probe.var(key).map(str::to_owned);
         let filters = Self { rocr: get(ROCR), hip: get(HIP), cuda: get(CUDA) };
-        // ROCR filters first and HIP/CUDA then index into what is left; verl refuses the
-        // combination rather than guess which numbering the user meant.
-        if filters.rocr.is_some() && filters.cuda.is_some() {
+        // ROCR filters first and HIP/CUDA then index into what is left; verl refuses ROCR with
+        // CUDA rather than guess which numbering the user meant. A CUDA value equal to HIP's is
+        // HIP's alias — what this plugin's own translation sets — so re-detecting in a process
+        // that applied `env_updates` gives the same answer instead of an error.
+        if filters.rocr.is_some() && filters.cuda.is_some() && filters.hip.is_none() {
             return Err(PluginError::invalid_config(format!(
                 "both {ROCR} ({}) and {CUDA} ({}) are set: they number GPUs differently (ROCR filters first, CUDA indexes what is left); unset one of them",
                 filters.rocr.as_deref().unwrap_or_default(),
@@ -310,6 +312,16 @@ mod tests {
 
         let err = RocmDevice.detect(&root.probe_with(&FakeEnv::new().set(HIP, "0").set(CUDA, "1"))).unwrap_err();
         assert!(err.message().contains("disagree"), "{err}");
+
+        // ROCR with HIP composes; applying the HIP→CUDA translation must not turn that into a conflict.
+        let env = FakeEnv::new().set(ROCR, "1,0").set(HIP, "1");
+        let first = detect(&root.probe_with(&env));
+        let mut applied = env.clone();
+        for update in first.env_updates.iter() {
+            applied = applied.set(update.key.as_str(), update.value.as_str());
+        }
+        let again = detect(&root.probe_with(&applied));
+        assert_eq!((first.count, &first.device_names), (again.count, &again.device_names));
 
         // A configuration error is reported even on a machine without AMD GPUs: the environment is wrong.
         let err = RocmDevice.detect(&FakeRoot::new().env(ROCR, "0").env(CUDA, "0").probe()).unwrap_err();

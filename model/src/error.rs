@@ -1,0 +1,99 @@
+//! Typed errors. Every error about a file names the file; every error about a tensor names the tensor.
+
+use std::path::PathBuf;
+
+/// Errors of the model crate.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("{}: invalid JSON: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+
+    #[error(
+        "{}: unsupported architecture {architecture:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM)",
+        path.display()
+    )]
+    UnsupportedArchitecture { path: PathBuf, architecture: String },
+
+    #[error("{}: invalid config: {reason}", path.display())]
+    InvalidConfig { path: PathBuf, reason: String },
+
+    #[error("{}: corrupt safetensors file: {reason}", path.display())]
+    CorruptSafetensors { path: PathBuf, reason: String },
+
+    #[error("{}: tensor {tensor:?} is missing", path.display())]
+    MissingTensor { path: PathBuf, tensor: String },
+
+    #[error("{}: tensor {tensor:?} has shape {found:?}, the model needs {expected:?}", path.display())]
+    ShapeMismatch {
+        path: PathBuf,
+        tensor: String,
+        found: Vec<i64>,
+        expected: Vec<i64>,
+    },
+
+    #[error("{}: tensor {tensor:?} has unsupported dtype {dtype}", path.display())]
+    UnsupportedDtype {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+    },
+
+    #[error("{}: tokenizer error: {reason}", path.display())]
+    Tokenizer { path: PathBuf, reason: String },
+
+    /// An argument tensor (or list) with the wrong shape, dtype or value.
+    #[error("invalid input {tensor:?}: {reason}")]
+    InvalidInput { tensor: String, reason: String },
+
+    /// A named tensor handed to the model (weight sync) that it does not have or cannot take.
+    #[error("tensor {tensor:?}: {reason}")]
+    Tensor { tensor: String, reason: String },
+
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+impl ModelError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid_input(tensor: &str, reason: impl Into<String>) -> Self {
+        Self::InvalidInput {
+            tensor: tensor.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Reads and parses a JSON file, naming the file in any error.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|source| ModelError::Json {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Writes pretty JSON to a file, naming the file in any error.
+pub(crate) fn write_json<T: serde::Serialize>(path: &std::path::Path, value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|source| ModelError::Json {
+        path: path.to_owned(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(|e| ModelError::io(path, e))
+}

@@ -1,0 +1,351 @@
+//! Batched generation with a KV cache: prompts of different lengths are left-padded into one
+//! batch, prefilled once, then decoded one token per step for all sequences together.
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::model::{CausalLM, KvCache};
+use crate::rng::Rng;
+
+/// How to pick tokens. verl's rollout defaults: `n = 1, temperature = 1, top_p = 1, top_k = -1`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Samples per prompt.
+    pub n: usize,
+    pub max_new_tokens: usize,
+    /// 0 selects greedy decoding (verl's `do_sample = false`).
+    pub temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities sum to at least `top_p`.
+    pub top_p: f64,
+    /// Keep only the `top_k` most likely tokens; ≤ 0 keeps all.
+    pub top_k: i64,
+    /// Token ids that end a sequence besides the EOS ids (kept in the response, like EOS).
+    pub stop_token_ids: Vec<i64>,
+    /// Do not stop on the model's EOS ids (only on `stop_token_ids` and the length limit).
+    pub ignore_eos: bool,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            max_new_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            seed: 0,
+        }
+    }
+}
+
+/// Why a sequence ended, with the names vLLM and SGLang report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS or stop token was generated (and is the last response token).
+    Stop,
+    /// `max_new_tokens` was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// One generated sequence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// Index of the prompt this sample continues.
+    pub prompt_index: usize,
+    pub response_ids: Vec<i64>,
+    /// Log-probability of each response token under the distribution it was drawn from before
+    /// top-k/top-p filtering: `log_softmax(logits / temperature)` when sampling (what the trainer
+    /// recomputes as old log-probs), `log_softmax(logits)` when greedy.
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+}
+
+impl SamplingParams {
+    fn validate(&self, vocab_size: i64) -> Result<()> {
+        let bad = |what: &str, reason: String| Err(ModelError::invalid_input(what, reason));
+        if self.n == 0 {
+            return bad("n", "must be at least 1".into());
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad(
+                "temperature",
+                format!("must be ≥ 0, got {}", self.temperature),
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must lie in (0, 1], got {}", self.top_p));
+        }
+        if let Some(id) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id < 0 || id >= vocab_size)
+        {
+            return bad(
+                "stop_token_ids",
+                format!("{id} is outside the vocabulary [0, {vocab_size})"),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl CausalLM {
+    /// Continues every prompt `params.n` times. Results come prompt by prompt, the samples of a
+    /// prompt together (verl's `repeat_interleave` order). Same inputs and seed → same outputs.
+    pub fn generate(
+        &self,
+        prompts: &[Vec<i64>],
+        params: &SamplingParams,
+        eos_token_ids: &[i64],
+    ) -> Result<Vec<Completion>> {
+        self.lm_head()?;
+        let vocab = self.config().vocab_size;
+        params.validate(vocab)?;
+        for (i, prompt) in prompts.iter().enumerate() {
+            if prompt.is_empty() || prompt.iter().any(|&id| id < 0 || id >= vocab) {
+                return Err(ModelError::invalid_input(
+                    &format!("prompts[{i}]"),
+                    format!("must be non-empty with ids in [0, {vocab})"),
+                ));
+            }
+        }
+        if prompts.is_empty() || params.max_new_tokens == 0 {
+            return Ok(prompts
+                .iter()
+                .enumerate()
+                .flat_map(|(i, _)| (0..params.n).map(move |_| Completion::empty(i)))
+                .collect());
+        }
+        let mut stops: Vec<i64> = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stops.extend_from_slice(eos_token_ids);
+        }
+        tch::no_grad(|| self.decode(prompts, params, &stops))
+    }
+
+    fn decode(
+        &self,
+        prompts: &[Vec<i64>],
+        params: &SamplingParams,
+        stops: &[i64],
+    ) -> Result<Vec<Completion>> {
+        let device = self.device();
+        let n = params.n as i64;
+        let batch = prompts.len() as i64;
+        let width = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
+        // Left padding puts every prompt's last token in the last column.
+        let mut ids = vec![0i64; (batch * width) as usize];
+        let mut mask = vec![0i64; (batch * width) as usize];
+        for (row, prompt) in prompts.iter().enumerate() {
+            let start = row * width as usize + width as usize - prompt.len();
+            ids[start..start + prompt.len()].copy_from_slice(prompt);
+            mask[start..start + prompt.len()].fill(1);
+        }
+        let ids = Tensor::from_slice(&ids)
+            .view([batch, width])
+            .to_device(device);
+        let mut mask = Tensor::from_slice(&mask)
+            .view([batch, width])
+            .to_device(device);
+
+        let mut cache = KvCache::new(self, batch, width + params.max_new_tokens as i64);
+        let hidden = self.run(&ids, &mask, Some(&mut cache));
+        let mut logits = self.logits(&hidden.narrow(1, width - 1, 1))?.squeeze_dim(1);
+        if n > 1 {
+            // Prefill once per prompt, then give each sample its own copy of the cache.
+            cache.repeat_interleave(n);
+            logits = logits.repeat_interleave_self_int(n, 0, None);
+            mask = mask.repeat_interleave_self_int(n, 0, None);
+        }
+        let rows = (batch * n) as usize;
+        let mut rngs: Vec<Rng> = (0..rows as u64)
+            .map(|r| Rng::stream(params.seed, r))
+            .collect();
+        let mut out: Vec<Completion> = (0..rows).map(|r| Completion::empty(r / params.n)).collect();
+        let stop_ids = Tensor::from_slice(stops).to_device(device);
+        let ones = Tensor::ones([rows as i64, 1], (Kind::Int64, device));
+        let mut done = vec![false; rows];
+
+        for step in 0..params.max_new_tokens {
+            let (tokens, logprobs) = pick(&logits, params, &mut rngs);
+            let tokens_host = Vec::<i64>::try_from(&tokens)?;
+            let logprobs_host = Vec::<f32>::try_from(&logprobs)?;
+            let stopped = Vec::<bool>::try_from(&Tensor::isin(&tokens, &stop_ids, false, false))?;
+            for (r, completion) in out.iter_mut().enumerate() {
+                if done[r] {
+                    continue;
+                }
+                completion.response_ids.push(tokens_host[r]);
+                completion.logprobs.push(logprobs_host[r]);
+                if stopped[r] {
+                    completion.finish_reason = FinishReason::Stop;
+                    done[r] = true;
+                }
+            }
+            if done.iter().all(|&d| d) || step + 1 == params.max_new_tokens {
+                break;
+            }
+            // Finished rows keep decoding with the rest of the batch; their tokens are dropped.
+            mask = Tensor::cat(&[&mask, &ones], 1);
+            let hidden = self.run(&tokens.view([rows as i64, 1]), &mask, Some(&mut cache));
+            logits = self.logits(&hidden)?.squeeze_dim(1);
+        }
+        Ok(out)
+    }
+}
+
+impl Completion {
+    /// No tokens yet; `Length` until a stop token is seen.
+    fn empty(prompt_index: usize) -> Self {
+        Self {
+            prompt_index,
+            response_ids: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+        }
+    }
+}
+
+/// Chooses one token per row from fp32 `logits [rows, V]`; returns the tokens and their
+/// log-probabilities (see [`Completion::logprobs`]).
+fn pick(logits: &Tensor, params: &SamplingParams, rngs: &mut [Rng]) -> (Tensor, Tensor) {
+    if params.temperature == 0.0 {
+        let tokens = logits.argmax(-1, false);
+        let logprobs = crate::log_probs_from_logits(logits, &tokens);
+        return (tokens, logprobs);
+    }
+    let scaled = logits / params.temperature;
+    let (probs, order) = scaled.softmax(-1, Kind::Float).sort_stable(true, -1, true);
+    let vocab = probs.size()[1];
+    // Filter in sorted order, as transformers' and vLLM's warpers: drop ranks ≥ top_k and tokens
+    // whose more likely predecessors already hold top_p of the mass. The most likely token always
+    // survives.
+    let rank = Tensor::arange(vocab, (Kind::Int64, probs.device())).unsqueeze(0);
+    let mut keep = rank.lt(if params.top_k > 0 {
+        params.top_k
+    } else {
+        vocab
+    });
+    if params.top_p < 1.0 {
+        keep = keep.logical_and(&(probs.cumsum(-1, Kind::Float) - &probs).lt(params.top_p));
+    }
+    let cdf = (probs * keep.to_kind(Kind::Float)).cumsum(-1, Kind::Float);
+    // Inverse-CDF sampling with each row's own uniform draw, scaled to the kept mass.
+    let uniforms: Vec<f32> = rngs.iter_mut().map(|r| r.uniform() as f32).collect();
+    let target = Tensor::from_slice(&uniforms)
+        .to_device(cdf.device())
+        .unsqueeze(1)
+        * cdf.narrow(1, vocab - 1, 1);
+    let last_kept = keep.sum_dim_intlist(-1, true, Kind::Int64) - 1;
+    let rank = cdf
+        .le_tensor(&target)
+        .sum_dim_intlist(-1, true, Kind::Int64)
+        .minimum(&last_kept);
+    let tokens = order.gather(-1, &rank, false).squeeze_dim(-1);
+    let logprobs = crate::log_probs_from_logits(&scaled, &tokens);
+    (tokens, logprobs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Empirical token frequencies of `pick` over many rows sharing one distribution.
+    fn frequencies(probs: &[f64], params: &SamplingParams) -> Vec<f64> {
+        let rows = 20_000;
+        let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
+        let logits = Tensor::from_slice(&logits)
+            .unsqueeze(0)
+            .expand([rows, probs.len() as i64], false);
+        let mut rngs: Vec<Rng> = (0..rows as u64)
+            .map(|r| Rng::stream(params.seed, r))
+            .collect();
+        let (tokens, logprobs) = pick(&logits, params, &mut rngs);
+        // Reported log-probs are those of the unfiltered, tempered distribution: p^(1/T) / Σ p^(1/T).
+        let tilted: Vec<f64> = probs
+            .iter()
+            .map(|p| p.powf(1.0 / params.temperature))
+            .collect();
+        let z: f64 = tilted.iter().sum();
+        let log_tilted: Vec<f32> = tilted.iter().map(|t| (t / z).ln() as f32).collect();
+        let expected = Tensor::from_slice(&log_tilted).gather(0, &tokens, false);
+        assert!(f64::try_from((logprobs - expected).abs().max()).unwrap() < 1e-6);
+        let counts =
+            Vec::<i64>::try_from(tokens.bincount::<Tensor>(None, probs.len() as i64)).unwrap();
+        counts.iter().map(|&c| c as f64 / rows as f64).collect()
+    }
+
+    fn assert_close(got: &[f64], want: &[f64]) {
+        assert!(
+            got.iter().zip(want).all(|(g, w)| (g - w).abs() < 0.015),
+            "{got:?} vs {want:?}"
+        );
+    }
+
+    #[test]
+    fn top_k_and_top_p_renormalise_the_kept_tokens() {
+        let probs = [0.5, 0.3, 0.15, 0.05];
+        let base = SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..Default::default()
+        };
+        assert_close(&frequencies(&probs, &base), &probs);
+        // top_k = 2 keeps {0.5, 0.3} → 0.625, 0.375.
+        let top2 = [0.625, 0.375, 0.0, 0.0];
+        assert_close(
+            &frequencies(
+                &probs,
+                &SamplingParams {
+                    top_k: 2,
+                    ..base.clone()
+                },
+            ),
+            &top2,
+        );
+        // top_p = 0.7: the third token's predecessors hold 0.8 ≥ 0.7, so it goes: as top_k = 2.
+        assert_close(
+            &frequencies(
+                &probs,
+                &SamplingParams {
+                    top_p: 0.7,
+                    ..base.clone()
+                },
+            ),
+            &top2,
+        );
+        // top_p = 0.9 keeps three tokens: mass 0.95.
+        let top3 = [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0];
+        assert_close(
+            &frequencies(
+                &probs,
+                &SamplingParams {
+                    top_p: 0.9,
+                    ..base.clone()
+                },
+            ),
+            &top3,
+        );
+        // Temperature 0.5 squares the probabilities before renormalising.
+        let squared: Vec<f64> = probs.iter().map(|p| p * p / 0.365).collect();
+        let hot = SamplingParams {
+            temperature: 0.5,
+            ..base
+        };
+        assert_close(&frequencies(&probs, &hot), &squared);
+    }
+}

@@ -1,0 +1,27 @@
+//! libtorch compute core of verl-core: decoder-only transformers of the Llama/Qwen2 family read
+//! from Hugging Face model directories, per-token log-probs and entropy, KV-cache generation,
+//! verl's PPO loss kernels, and an AdamW optimiser whose state saves and restores exactly.
+
+mod config;
+mod error;
+mod export;
+mod generate;
+mod logprobs;
+pub mod losses;
+mod model;
+mod optim;
+mod rng;
+mod tokenizer;
+mod weights;
+
+pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use generate::{Completion, FinishReason, SamplingParams};
+pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
+pub use model::{CausalLM, Head, ModelOptions};
+pub use optim::{
+    AdamW, AdamWConfig, LrDecay, LrSchedule, TrainState, load_training_state, save_training_state,
+};
+pub use rng::Rng;
+pub use tokenizer::Tokenizer;
+pub use weights::{INDEX_FILE, SINGLE_FILE, read_safetensors, write_safetensors};

@@ -1,0 +1,150 @@
+//! Per-token log-probabilities and entropy of response tokens, in fp32.
+
+use tch::{Kind, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::model::CausalLM;
+
+/// `log softmax(logits)[label]` per position: `logits [.., V]`, `labels [..]` → `[..]`, fp32.
+pub fn log_probs_from_logits(logits: &Tensor, labels: &Tensor) -> Tensor {
+    logits
+        .log_softmax(-1, Kind::Float)
+        .gather(-1, &labels.unsqueeze(-1), false)
+        .squeeze_dim(-1)
+}
+
+/// Entropy of `softmax(logits)` per position, as verl: `logsumexp(z) − Σ softmax(z)·z`, fp32.
+pub fn entropy_from_logits(logits: &Tensor) -> Tensor {
+    let logits = logits.to_kind(Kind::Float);
+    let p = logits.softmax(-1, Kind::Float);
+    logits.logsumexp(-1, false) - (p * &logits).sum_dim_intlist(-1, false, Kind::Float)
+}
+
+/// Log-probs (and optionally entropy) of the response part of a batch, `[B, R]` fp32, zero where
+/// the response is padding.
+#[derive(Debug)]
+pub struct ResponseScores {
+    pub log_probs: Tensor,
+    pub entropy: Option<Tensor>,
+}
+
+impl CausalLM {
+    /// Scores the last `response_len` tokens of each row, verl's layout: `input_ids` is the prompt
+    /// (any padding) followed by the response (right-padded), `attention_mask` marks real tokens.
+    /// Logits are divided by `temperature` first, as the rollout sampled them. Gradients flow
+    /// unless the caller wraps this in `tch::no_grad`.
+    pub fn response_scores(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<ResponseScores> {
+        self.lm_head()?;
+        let hidden = self.hidden_states(input_ids, attention_mask)?;
+        self.response_scores_from_hidden(
+            &hidden,
+            input_ids,
+            attention_mask,
+            response_len,
+            temperature,
+            with_entropy,
+        )
+    }
+
+    /// [`Self::response_scores`] from final hidden states already computed (e.g. inside
+    /// [`Self::backward_checkpointed`]).
+    pub fn response_scores_from_hidden(
+        &self,
+        hidden: &Tensor,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<ResponseScores> {
+        let seq = hidden.size()[1];
+        check_response_len(seq, response_len)?;
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(ModelError::invalid_input(
+                "temperature",
+                format!("must be positive, got {temperature}"),
+            ));
+        }
+        // Position t predicts token t + 1: the response's predictors end one before the sequence.
+        // Only those positions go through the (large) LM head.
+        let logits =
+            self.logits(&hidden.narrow(1, seq - response_len - 1, response_len))? / temperature;
+        let labels = input_ids
+            .to_device(self.device())
+            .narrow(1, seq - response_len, response_len);
+        let mask = self.response_mask(attention_mask, response_len);
+        let log_probs = log_probs_from_logits(&logits, &labels) * &mask;
+        let entropy = with_entropy.then(|| entropy_from_logits(&logits) * &mask);
+        Ok(ResponseScores { log_probs, entropy })
+    }
+
+    /// Values of the response tokens, `[B, R]` fp32, zero on padding: the value at the position
+    /// that predicts each response token, as verl's critic takes them.
+    pub fn response_values(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+    ) -> Result<Tensor> {
+        let hidden = self.hidden_states(input_ids, attention_mask)?;
+        self.response_values_from_hidden(&hidden, attention_mask, response_len)
+    }
+
+    /// [`Self::response_values`] from final hidden states already computed.
+    pub fn response_values_from_hidden(
+        &self,
+        hidden: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+    ) -> Result<Tensor> {
+        let seq = hidden.size()[1];
+        check_response_len(seq, response_len)?;
+        let values =
+            self.values_from_hidden(&hidden.narrow(1, seq - response_len - 1, response_len))?;
+        Ok(values * self.response_mask(attention_mask, response_len))
+    }
+
+    /// The last `response_len` columns of the mask as fp32 on the model's device.
+    fn response_mask(&self, attention_mask: &Tensor, response_len: i64) -> Tensor {
+        let seq = attention_mask.size()[1];
+        attention_mask
+            .to_device(self.device())
+            .narrow(1, seq - response_len, response_len)
+            .to_kind(Kind::Float)
+    }
+}
+
+/// A response needs at least one prompt token before it to be predicted from.
+fn check_response_len(seq: i64, response_len: i64) -> Result<()> {
+    if response_len < 1 || response_len >= seq {
+        return Err(ModelError::invalid_input(
+            "response_len",
+            format!("must lie in [1, {seq}) for sequences of length {seq}, got {response_len}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_probs_and_entropy_match_hand_values() {
+        // logits [0, ln 3] → p = [1/4, 3/4]; log p = [-ln 4, ln 3 - ln 4].
+        let logits = Tensor::from_slice(&[0.0f32, 3f32.ln()]).view([1, 1, 2]);
+        let labels = Tensor::from_slice(&[1i64]).view([1, 1]);
+        let lp = log_probs_from_logits(&logits, &labels).double_value(&[0, 0]);
+        assert!((lp - (0.75f64).ln()).abs() < 1e-6);
+        // H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335...
+        let h = entropy_from_logits(&logits).double_value(&[0, 0]);
+        assert!((h - 0.562_335_144).abs() < 1e-6, "{h}");
+    }
+}

@@ -1,0 +1,192 @@
+//! The bad-plugin corpus: every broken or unsafe plugin gives a clear error naming its file, and
+//! never stops the good plugins next to it from loading.
+
+use std::time::{Duration, Instant};
+
+use crate::helpers::*;
+
+const ROCM: &str = "libverl_plugin_rocm.so";
+const ASCEND: &str = "libverl_plugin_ascend.so";
+
+fn assert_loaded(list: &serde_json::Value, file: &str) {
+    let entry = plugin_entry(list, file);
+    assert_eq!(entry["status"], "loaded", "{entry:#}");
+}
+
+fn assert_rejected(list: &serde_json::Value, file: &str, needles: &[&str]) {
+    let entry = plugin_entry(list, file);
+    assert_eq!(entry["status"], "rejected", "{entry:#}");
+    let error = entry["error"].as_str().unwrap();
+    assert!(error.contains(file), "error should name the file: {error}");
+    for needle in needles {
+        assert!(error.contains(needle), "error should mention `{needle}`: {error}");
+    }
+}
+
+#[test]
+fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let scratch = tempfile::tempdir().unwrap();
+    // Deterministic noise: an xorshift stream.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let noise: Vec<u8> = (0..64 * 1024)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let random = scratch.path().join("random");
+    std::fs::write(&random, noise).unwrap();
+    let truncated = scratch.path().join("truncated");
+    let bytes = std::fs::read(&rocm).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
+    let no_root = fixture_plugin(&["no-root-module"], None);
+    let major = fixture_plugin(&[], Some("2.0.0"));
+    let minor = fixture_plugin(&[], Some("1.1.0"));
+    let panics_registering = fixture_plugin(&["panic-register"], None);
+
+    let dir = plugin_dir(&[
+        (ROCM, &rocm),
+        (ASCEND, &bundled_plugin("verl_plugin_ascend")),
+        ("librandom.so", &random),
+        ("libtruncated.so", &truncated),
+        ("libnoroot.so", &no_root),
+        ("libmajor.so", &major),
+        ("libminor.so", &minor),
+        ("libpanicreg.so", &panics_registering),
+    ]);
+    std::fs::write(dir.path().join("README.md"), "plugins live here\n").unwrap();
+    std::fs::write(dir.path().join("libverl_plugin_rocm.so.sha256"), "x\n").unwrap();
+
+    let out = verl_core(&["plugins", "list", "--json", "--plugin-dir", dir.path().to_str().unwrap()], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let list = stdout_json(&out);
+    assert_loaded(&list, ROCM);
+    assert_loaded(&list, ASCEND);
+    assert_rejected(&list, "librandom.so", &["not a loadable verl-core plugin"]);
+    assert_rejected(&list, "libtruncated.so", &["truncated or corrupt library"]);
+    assert_rejected(&list, "libnoroot.so", &["not a loadable verl-core plugin"]);
+    assert_rejected(&list, "libmajor.so", &["2.0.0", "1.0.0", "major"]);
+    assert_rejected(&list, "libminor.so", &["1.1.0", "1.0.0", "newer"]);
+    assert_rejected(&list, "libpanicreg.so", &["registration", "fixture registration exploded"]);
+    // Non-plugin files are skipped quietly: not listed, not warned about.
+    let listed = list["plugins"].to_string();
+    assert!(!listed.contains("README") && !listed.contains(".sha256"), "{listed}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("README"), "{stderr}");
+    // The good plugins' devices still take part in detection.
+    for name in ["rocm", "ascend", "cpu", "cuda"] {
+        device(&list["platform"], name);
+    }
+    assert_eq!(list["platform"]["selected"], "cpu");
+}
+
+#[test]
+fn a_plugin_built_against_an_older_minor_loads() {
+    // The core is at 1.0.0: an older minor than that does not exist, so check the rule on the
+    // boundary that does: a plugin on exactly the core's version, built separately.
+    let same = fixture_plugin(&[], Some("1.0.0"));
+    let dir = plugin_dir(&[("libsame.so", &same)]);
+    let out = verl_core(&["plugins", "check", "--json", dir.path().join("libsame.so").to_str().unwrap()], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_loaded(&stdout_json(&out), "libsame.so");
+}
+
+#[test]
+fn panicking_and_hanging_detection_fail_alone() {
+    let dir = plugin_dir(&[
+        ("libpanicky.so", &fixture_plugin(&["panic-detect"], None)),
+        ("libhangs.so", &fixture_plugin(&["hang-detect"], None)),
+        (ROCM, &bundled_plugin("verl_plugin_rocm")),
+    ]);
+    let start = Instant::now();
+    let out = verl_core(&["platform", "--json", "--detect-timeout-ms", "500", "--plugin-dir", dir.path().to_str().unwrap()], &[]);
+    let elapsed = start.elapsed();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(elapsed < Duration::from_secs(10), "a hung detection must not hang the host ({elapsed:?})");
+    let platform = stdout_json(&out);
+    assert_eq!(platform["selected"], "cpu");
+    let panicky = device(&platform, "panicky");
+    assert_eq!(panicky["available"], false);
+    assert!(panicky["error"].as_str().unwrap().contains("panicked in detect: fixture detection exploded"), "{panicky:#}");
+    let hangs = device(&platform, "hangs");
+    assert_eq!(hangs["available"], false);
+    assert!(hangs["error"].as_str().unwrap().contains("did not finish within 500ms"), "{hangs:#}");
+    assert!(device(&platform, "rocm")["error"].is_null());
+}
+
+#[test]
+fn same_name_and_priority_is_a_conflict_naming_both_files() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let dir = plugin_dir(&[("liba_rocm.so", &rocm), ("libb_rocm.so", &rocm), (ASCEND, &bundled_plugin("verl_plugin_ascend"))]);
+    let out = verl_core(&["plugins", "list", "--json", "--plugin-dir", dir.path().to_str().unwrap()], &[]);
+    let list = stdout_json(&out);
+    assert_loaded(&list, ASCEND);
+    let conflicts = list["conflicts"].as_array().unwrap();
+    assert_eq!(conflicts.len(), 1, "{list:#}");
+    let error = conflicts[0]["error"].as_str().unwrap();
+    assert!(error.contains("liba_rocm.so") && error.contains("libb_rocm.so") && error.contains("priority 90"), "{error}");
+    for file in ["liba_rocm.so", "libb_rocm.so"] {
+        assert_eq!(plugin_entry(&list, file)["components"][0]["status"], "conflict");
+    }
+    let rocm_device = device(&list["platform"], "rocm");
+    assert!(rocm_device["error"].as_str().unwrap().contains("libb_rocm.so"), "{rocm_device:#}");
+    // `plugins check` on one copy alone is fine.
+    let out = verl_core(&["plugins", "check", dir.path().join("liba_rocm.so").to_str().unwrap()], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn writable_plugins_and_directories_are_refused_before_loading() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let ascend = bundled_plugin("verl_plugin_ascend");
+    let safe = plugin_dir(&[(ROCM, &rocm), (ASCEND, &ascend)]);
+    set_mode(&safe.path().join(ASCEND), 0o666);
+    let open_dir = plugin_dir(&[("libverl_plugin_other.so", &ascend)]);
+    set_mode(open_dir.path(), 0o777);
+    let out = verl_core(
+        &["plugins", "list", "--json", "--plugin-dir", safe.path().to_str().unwrap(), "--plugin-dir", open_dir.path().to_str().unwrap()],
+        &[],
+    );
+    let list = stdout_json(&out);
+    assert_loaded(&list, ROCM);
+    assert_rejected(&list, ASCEND, &["writable by group or others", "file", "666"]);
+    assert_rejected(&list, "libverl_plugin_other.so", &["writable by group or others", "directory", "777"]);
+    let out = verl_core(&["plugins", "check", safe.path().join(ASCEND).to_str().unwrap()], &[]);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn allow_list_admits_only_listed_digests() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let dir = plugin_dir(&[(ROCM, &rocm), (ASCEND, &bundled_plugin("verl_plugin_ascend"))]);
+    let digest = String::from_utf8(std::process::Command::new("sha256sum").arg(&rocm).output().unwrap().stdout).unwrap();
+    let allow = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(allow.path(), digest).unwrap();
+    let out = verl_core(
+        &["plugins", "list", "--json", "--plugin-dir", dir.path().to_str().unwrap()],
+        &[("VERL_PLUGIN_ALLOWLIST", allow.path().to_str().unwrap())],
+    );
+    let list = stdout_json(&out);
+    assert_loaded(&list, ROCM);
+    assert_rejected(&list, ASCEND, &["not in the allow-list"]);
+}
+
+#[test]
+fn discovery_order_is_flags_then_env_path() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let first = plugin_dir(&[("liba_rocm.so", &rocm)]);
+    let second = plugin_dir(&[(ASCEND, &bundled_plugin("verl_plugin_ascend"))]);
+    let missing = first.path().join("nope");
+    let out = verl_core(
+        &["plugins", "list", "--json", "--plugin-dir", first.path().to_str().unwrap()],
+        &[("VERL_PLUGIN_PATH", &format!("{}:{}", second.path().display(), missing.display()))],
+    );
+    let list = stdout_json(&out);
+    let paths: Vec<&str> = list["plugins"].as_array().unwrap().iter().map(|p| p["path"].as_str().unwrap()).collect();
+    let pos = |needle: &str| paths.iter().position(|p| p.ends_with(needle)).unwrap_or_else(|| panic!("{needle} in {paths:?}"));
+    assert!(pos("<built-in>") < pos("liba_rocm.so") && pos("liba_rocm.so") < pos(ASCEND), "{paths:?}");
+    assert_rejected(&list, "nope", &["cannot read plugin directory"]);
+}

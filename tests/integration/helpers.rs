@@ -1,0 +1,170 @@
+//! Building the binary and plugins once per test run, plugin directories with safe permissions,
+//! and running `verl-core` with a controlled environment.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Mutex, OnceLock};
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is inside the workspace").to_path_buf()
+}
+
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+fn run_cargo(mut cmd: Command, what: &str) {
+    let status = cmd.status().unwrap_or_else(|e| panic!("running cargo for {what}: {e}"));
+    assert!(status.success(), "cargo failed building {what}");
+}
+
+pub fn dylib_name(lib: &str) -> String {
+    format!("{}{lib}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
+}
+
+/// The release `verl-core` binary and the workspace's plugin libraries, built once (a no-op when the
+/// README's build command already built them).
+pub struct Release {
+    pub binary: PathBuf,
+    pub dir: PathBuf,
+}
+
+pub fn release() -> &'static Release {
+    static RELEASE: OnceLock<Release> = OnceLock::new();
+    RELEASE.get_or_init(|| {
+        let mut cmd = cargo();
+        cmd.current_dir(workspace_root()).args(["build", "--release", "-p", "verl-core", "-p", "verl-plugin-rocm", "-p", "verl-plugin-ascend"]);
+        run_cargo(cmd, "the release binary and plugins");
+        let dir = target_dir().join("release");
+        Release { binary: dir.join("verl-core"), dir }
+    })
+}
+
+pub fn bundled_plugin(lib: &str) -> PathBuf {
+    release().dir.join(dylib_name(lib))
+}
+
+/// Builds `tests/fixtures/test-plugin` with `features` (against plugin-api at `api_version` when
+/// given, from a copy of plugin-api with that version) and returns the library's path.
+pub fn fixture_plugin(features: &[&str], api_version: Option<&str>) -> PathBuf {
+    // Fixture builds share one target dir (their own, so they never wait on the outer cargo's lock)
+    // and run one at a time because a feature change rebuilds the same crate.
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let key = format!("{}-{}", api_version.unwrap_or("current"), if features.is_empty() { "default".into() } else { features.join("+") });
+    let out = target_dir().join("fixture-plugins").join(dylib_name(&format!("verl_test_plugin_{key}")));
+    let fixture = workspace_root().join("tests/fixtures/test-plugin");
+    let manifest = match api_version {
+        None => fixture.join("Cargo.toml"),
+        Some(version) => versioned_fixture(&fixture, version),
+    };
+    let mut cmd = cargo();
+    cmd.args(["build", "--quiet", "--manifest-path"]).arg(&manifest).env("CARGO_TARGET_DIR", target_dir().join("fixture-build"));
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
+    }
+    run_cargo(cmd, &format!("the test plugin ({key})"));
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    std::fs::copy(target_dir().join("fixture-build/debug").join(dylib_name("verl_test_plugin")), &out).unwrap();
+    out
+}
+
+/// A copy of plugin-api whose package version is `version`, and a copy of the fixture plugin that
+/// depends on it: what a plugin built against another release of the API looks like.
+fn versioned_fixture(fixture: &Path, version: &str) -> PathBuf {
+    let base = target_dir().join("fixture-api").join(version);
+    let api = base.join("plugin-api");
+    copy_dir(&workspace_root().join("plugin-api/src"), &api.join("src"));
+    let real = std::fs::read_to_string(workspace_root().join("plugin-api/Cargo.toml")).unwrap();
+    assert!(real.contains("version = \"1.0.0\""), "update the version bump tests: plugin-api's version changed");
+    std::fs::write(
+        api.join("Cargo.toml"),
+        format!(
+            "[package]\nname = \"verl-plugin-api\"\nversion = \"{version}\"\nedition = \"2024\"\n\n[dependencies]\n\
+             abi_stable = \"0.11.3\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n"
+        ),
+    )
+    .unwrap();
+    let plugin = base.join("test-plugin");
+    copy_dir(&fixture.join("src"), &plugin.join("src"));
+    let manifest = std::fs::read_to_string(fixture.join("Cargo.toml")).unwrap().replace("../../../plugin-api", "../plugin-api");
+    std::fs::write(plugin.join("Cargo.toml"), manifest).unwrap();
+    plugin.join("Cargo.toml")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let dest = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &dest);
+        } else {
+            std::fs::copy(entry.path(), dest).unwrap();
+        }
+    }
+}
+
+/// A fresh plugin directory (mode 755) holding copies of `plugins` (mode 644), named as given.
+pub fn plugin_dir(plugins: &[(&str, &Path)]) -> TempDir {
+    let dir = tempfile::Builder::new().prefix("verl-plugins-").tempdir().unwrap();
+    set_mode(dir.path(), 0o755);
+    for (name, source) in plugins {
+        let dest = dir.path().join(name);
+        std::fs::copy(source, &dest).unwrap_or_else(|e| panic!("copying {}: {e}", source.display()));
+        set_mode(&dest, 0o644);
+    }
+    dir
+}
+
+pub fn set_mode(path: &Path, mode: u32) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Runs the release binary with only `env` set (plus PATH), so the machine's own variables never
+/// leak into a test.
+pub fn verl_core(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(&release().binary);
+    cmd.env_clear().env("PATH", std::env::var_os("PATH").unwrap_or_default()).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("running verl-core")
+}
+
+pub fn stdout_json(output: &Output) -> Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}):\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+/// The `plugins` entry whose path ends with `file_name`.
+pub fn plugin_entry<'a>(list: &'a Value, file_name: &str) -> &'a Value {
+    list["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"].as_str().is_some_and(|path| path.ends_with(file_name)))
+        .unwrap_or_else(|| panic!("no plugin {file_name} in {list:#}"))
+}
+
+pub fn device<'a>(platform: &'a Value, name: &str) -> &'a Value {
+    platform["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == name)
+        .unwrap_or_else(|| panic!("no device {name} in {platform:#}"))
+}

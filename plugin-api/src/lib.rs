@@ -22,6 +22,7 @@ mod abi;
 mod components;
 mod device;
 mod error;
+pub mod keys;
 mod tensor;
 
 pub use abi::{

@@ -35,8 +35,16 @@ pub fn plugins(exe: &Path, plugin_dirs: &[PathBuf], runs: usize) -> anyhow::Resu
         r.load_all(&PluginSearch::standard(plugin_dirs, None)?);
         r
     };
-    let loaded = registry.plugins().iter().filter(|p| p.status.is_ok()).count();
-    let _ = writeln!(out, "plugins loaded: {loaded} (incl. built-ins), devices: {}", registry.devices().len());
+    let loaded = registry
+        .plugins()
+        .iter()
+        .filter(|p| p.status.is_ok())
+        .count();
+    let _ = writeln!(
+        out,
+        "plugins loaded: {loaded} (incl. built-ins), devices: {}",
+        registry.devices().len()
+    );
 
     // Each run is a fresh process, so dlopen and abi_stable's checks are really paid; the first run
     // warms the page cache and is discarded.
@@ -46,11 +54,20 @@ pub fn plugins(exe: &Path, plugin_dirs: &[PathBuf], runs: usize) -> anyhow::Resu
         for dir in plugin_dirs {
             cmd.arg("--plugin-dir").arg(dir);
         }
-        let output = cmd.arg("__startup-probe").output().context("running the start-up probe")?;
+        let output = cmd
+            .arg("__startup-probe")
+            .output()
+            .context("running the start-up probe")?;
         if !output.status.success() {
-            bail!("start-up probe failed: {}", String::from_utf8_lossy(&output.stderr));
+            bail!(
+                "start-up probe failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
         }
-        let nanos: f64 = String::from_utf8_lossy(&output.stdout).trim().parse().context("reading the start-up probe")?;
+        let nanos: f64 = String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .context("reading the start-up probe")?;
         if i > 0 {
             samples.push(nanos / 1e6);
         }
@@ -66,7 +83,9 @@ pub fn plugins(exe: &Path, plugin_dirs: &[PathBuf], runs: usize) -> anyhow::Resu
 
     // The same component called directly as a Rust trait object and through the stable ABI
     // (sabi_trait vtable + panic guard + RResult), interleaved, best of several rounds.
-    let cpu = registry.resolve(ComponentKind::DEVICE, "cpu")?.create_device()?;
+    let cpu = registry
+        .resolve(ComponentKind::DEVICE, "cpu")?
+        .create_device()?;
     let direct: &dyn Device = &CpuDevice;
     const CALLS: u32 = 200_000;
     let (mut best_direct, mut best_abi) = (f64::MAX, f64::MAX);

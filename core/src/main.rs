@@ -8,7 +8,11 @@ use verl_core::{bench, report};
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
 
 #[derive(Parser)]
-#[command(name = "verl-core", version, about = "RL post-training of LLMs with pluggable engines, rollouts, devices and trackers")]
+#[command(
+    name = "verl-core",
+    version,
+    about = "RL post-training of LLMs with pluggable engines, rollouts, devices and trackers"
+)]
 struct Cli {
     #[command(flatten)]
     plugins: PluginArgs,
@@ -23,7 +27,12 @@ struct PluginArgs {
     #[arg(long = "plugin-dir", value_name = "DIR", global = true)]
     plugin_dirs: Vec<PathBuf>,
     /// sha256 allow-list (sha256sum format); only listed plugin files are loaded.
-    #[arg(long, value_name = "FILE", global = true, env = "VERL_PLUGIN_ALLOWLIST")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        global = true,
+        env = "VERL_PLUGIN_ALLOWLIST"
+    )]
     plugin_allowlist: Option<PathBuf>,
     /// Time budget for each device detection, in milliseconds.
     #[arg(long, value_name = "MS", global = true, default_value_t = 2000)]
@@ -74,7 +83,9 @@ enum BenchCommand {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     match run(Cli::parse()) {
@@ -107,25 +118,52 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let plugins = report::plugins_json(&registry);
             let conflicts = report::conflicts_json(&registry);
             if json {
-                print_json(&report::ListJson { plugins, conflicts, platform: Some(&platform) })?;
+                print_json(&report::ListJson {
+                    plugins,
+                    conflicts,
+                    platform: Some(&platform),
+                })?;
             } else {
-                print!("{}\n{}", report::plugins_text(&plugins, &conflicts), report::platform_text(&platform));
+                print!(
+                    "{}\n{}",
+                    report::plugins_text(&plugins, &conflicts),
+                    report::platform_text(&platform)
+                );
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugins(PluginsCommand::Check { file, json }) => {
-            let allow_list = cli.plugins.plugin_allowlist.as_deref().map(verl_plugin_host::vet::AllowList::from_file).transpose()?;
+            let allow_list = cli
+                .plugins
+                .plugin_allowlist
+                .as_deref()
+                .map(verl_plugin_host::vet::AllowList::from_file)
+                .transpose()?;
             let mut registry = Registry::with_builtins();
-            let loaded = registry.load_file(&file, allow_list.as_ref()).status.is_ok();
-            let plugins: Vec<_> = report::plugins_json(&registry).into_iter().filter(|p| p.path != "<built-in>").collect();
+            let loaded = registry
+                .load_file(&file, allow_list.as_ref())
+                .status
+                .is_ok();
+            let plugins: Vec<_> = report::plugins_json(&registry)
+                .into_iter()
+                .filter(|p| p.path != "<built-in>")
+                .collect();
             let conflicts = report::conflicts_json(&registry);
             let ok = loaded && conflicts.is_empty();
             if json {
-                print_json(&report::ListJson { plugins, conflicts, platform: None })?;
+                print_json(&report::ListJson {
+                    plugins,
+                    conflicts,
+                    platform: None,
+                })?;
             } else {
                 print!("{}", report::plugins_text(&plugins, &conflicts));
             }
-            Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Command::Platform { json } => {
             let registry = load_registry(&cli.plugins)?;
@@ -135,7 +173,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 print!("{}", report::platform_text(&platform));
             }
-            Ok(if selection.is_ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if selection.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Command::Bench(BenchCommand::Plugins { runs }) => {
             let exe = std::env::current_exe().context("locating the verl-core binary")?;

@@ -55,7 +55,11 @@ pub fn plugins_json(registry: &Registry) -> Vec<PluginJson> {
             name: p.name.clone(),
             version: p.version.clone(),
             path: p.origin.describe(),
-            status: if p.status.is_ok() { "loaded" } else { "rejected" },
+            status: if p.status.is_ok() {
+                "loaded"
+            } else {
+                "rejected"
+            },
             error: p.status.as_ref().err().map(ToString::to_string),
             description: p.description.clone(),
             components: p
@@ -90,14 +94,26 @@ pub fn conflicts_json(registry: &Registry) -> Vec<ConflictJson> {
 pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> String {
     let mut out = String::new();
     let loaded = plugins.iter().filter(|p| p.status == "loaded").count();
-    let _ = writeln!(out, "Plugins: {loaded} loaded, {} rejected", plugins.len() - loaded);
+    let _ = writeln!(
+        out,
+        "Plugins: {loaded} loaded, {} rejected",
+        plugins.len() - loaded
+    );
     for p in plugins {
         match &p.error {
             None => {
                 let _ = writeln!(out, "  [loaded]   {} {}  {}", p.name, p.version, p.path);
                 for c in &p.components {
-                    let note = if c.status == "active" { String::new() } else { format!("  ({})", c.status) };
-                    let _ = writeln!(out, "      {:<10} {:<14} priority {:>4}{note}", c.kind, c.name, c.priority);
+                    let note = if c.status == "active" {
+                        String::new()
+                    } else {
+                        format!("  ({})", c.status)
+                    };
+                    let _ = writeln!(
+                        out,
+                        "      {:<10} {:<14} priority {:>4}{note}",
+                        c.kind, c.name, c.priority
+                    );
                 }
             }
             Some(error) => {
@@ -118,7 +134,12 @@ pub fn platform_text(report: &PlatformReport) -> String {
     let mut out = String::new();
     match (&report.selected, &report.error) {
         (Some(name), _) => {
-            let how = report.override_value.as_ref().map_or("highest-priority available".to_owned(), |v| format!("VERL_PLATFORM={v}"));
+            let how = report
+                .override_value
+                .as_ref()
+                .map_or("highest-priority available".to_owned(), |v| {
+                    format!("VERL_PLATFORM={v}")
+                });
             let _ = writeln!(out, "Platform: {name} ({how})");
         }
         (None, Some(error)) => {
@@ -126,9 +147,17 @@ pub fn platform_text(report: &PlatformReport) -> String {
         }
         (None, None) => {}
     }
-    let _ = writeln!(out, "  {:<10} {:<9} {:>5} {:>8}  {:<8} {:<6} REASON", "DEVICE", "AVAILABLE", "COUNT", "PRIORITY", "VENDOR", "COMM");
+    let _ = writeln!(
+        out,
+        "  {:<10} {:<9} {:>5} {:>8}  {:<8} {:<6} REASON",
+        "DEVICE", "AVAILABLE", "COUNT", "PRIORITY", "VENDOR", "COMM"
+    );
     for d in &report.devices {
-        let mark = if report.selected.as_deref() == Some(d.name.as_str()) { "*" } else { " " };
+        let mark = if report.selected.as_deref() == Some(d.name.as_str()) {
+            "*"
+        } else {
+            " "
+        };
         let _ = writeln!(
             out,
             "{mark} {:<10} {:<9} {:>5} {:>8}  {:<8} {:<6} {}",

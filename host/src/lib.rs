@@ -16,12 +16,19 @@ pub mod vet;
 use std::path::{Path, PathBuf};
 
 pub use builtin::{CpuDevice, CudaDevice};
-pub use discovery::{ALLOW_LIST_ENV, Candidate, DirSource, PLUGIN_PATH_ENV, PluginSearch, default_plugin_dir};
+pub use discovery::{
+    ALLOW_LIST_ENV, Candidate, DEFAULT_DIR_ENV, DirSource, PLUGIN_PATH_ENV, PluginSearch,
+    default_plugin_dir,
+};
 pub use load::load_manifest;
 pub use platform::{
-    DEFAULT_DETECT_TIMEOUT, DeviceReport, PLATFORM_ENV, PROBE_ROOT_ENV, PlatformError, PlatformReport, detect_platform, process_probe,
+    DEFAULT_DETECT_TIMEOUT, DeviceReport, PLATFORM_ENV, PROBE_ROOT_ENV, PlatformError,
+    PlatformReport, detect_platform, process_probe,
 };
-pub use registry::{BuiltinPlugin, Component, ComponentStatus, Conflict, LookupError, Origin, PluginRecord, Registry};
+pub use registry::{
+    BuiltinPlugin, Component, ComponentStatus, Conflict, LookupError, Origin, PluginRecord,
+    Registry,
+};
 pub use verl_plugin_api as api;
 
 /// Why a plugin library was rejected. Every variant names the file.
@@ -34,9 +41,18 @@ pub enum LoadError {
     #[error("{}: not a regular file", path.display())]
     NotRegularFile { path: PathBuf },
     #[error("{}: refused before loading: {noun} {} is writable by group or others (mode {mode:o}); run `chmod go-w` on it", path.display(), culprit.display())]
-    Writable { path: PathBuf, culprit: PathBuf, noun: &'static str, mode: u32 },
+    Writable {
+        path: PathBuf,
+        culprit: PathBuf,
+        noun: &'static str,
+        mode: u32,
+    },
     #[error("{}: sha256 {digest} is not in the allow-list {}", path.display(), allow_list.display())]
-    NotAllowListed { path: PathBuf, digest: String, allow_list: PathBuf },
+    NotAllowListed {
+        path: PathBuf,
+        digest: String,
+        allow_list: PathBuf,
+    },
     #[error("allow-list {}: {reason}", path.display())]
     AllowList { path: PathBuf, reason: String },
     #[error("{}: not a loadable verl-core plugin: {reason}", path.display())]
@@ -47,6 +63,12 @@ pub enum LoadError {
     Abi { path: PathBuf, reason: String },
     #[error("{}: plugin registration failed: {reason}", path.display())]
     Registration { path: PathBuf, reason: String },
+    #[error("{}: plugin `{name}` is already loaded from {}, found earlier in the search order; this copy is ignored", path.display(), first.display())]
+    Duplicate {
+        path: PathBuf,
+        name: String,
+        first: PathBuf,
+    },
 }
 
 impl LoadError {
@@ -62,7 +84,8 @@ impl LoadError {
             | Self::Open { path, .. }
             | Self::Version { path, .. }
             | Self::Abi { path, .. }
-            | Self::Registration { path, .. } => path,
+            | Self::Registration { path, .. }
+            | Self::Duplicate { path, .. } => path,
         }
     }
 }

@@ -14,15 +14,27 @@ use crate::LoadError;
 /// version mismatch is reported as such rather than as a layout difference. Libraries are never
 /// unloaded: objects they created may outlive any handle.
 pub fn load_manifest(path: &Path) -> Result<PluginManifest, LoadError> {
-    let header = lib_header_from_path(path).map_err(|e| LoadError::Open { path: path.into(), reason: first_lines(&e.to_string()) })?;
+    let header = lib_header_from_path(path).map_err(|e| LoadError::Open {
+        path: path.into(),
+        reason: first_lines(&e.to_string()),
+    })?;
     let plugin_abi = header.version_strings().version.to_string();
-    check_abi_compatible(ABI_VERSION, &plugin_abi).map_err(|reason| LoadError::Version { path: path.into(), reason })?;
+    check_abi_compatible(ABI_VERSION, &plugin_abi).map_err(|reason| LoadError::Version {
+        path: path.into(),
+        reason,
+    })?;
     let module = header
         .init_root_module::<PluginModule_Ref>()
-        .map_err(|e| LoadError::Abi { path: path.into(), reason: first_lines(&e.to_string()) })?;
+        .map_err(|e| LoadError::Abi {
+            path: path.into(),
+            reason: first_lines(&e.to_string()),
+        })?;
     (module.manifest())()
         .into_result()
-        .map_err(|e| LoadError::Registration { path: path.into(), reason: e.to_string() })
+        .map_err(|e| LoadError::Registration {
+            path: path.into(),
+            reason: e.to_string(),
+        })
 }
 
 /// abi_stable's layout errors can run to hundreds of lines; keep the head, which names the problem.
@@ -33,7 +45,10 @@ fn first_lines(text: &str) -> String {
     if lines.len() <= MAX_LINES {
         lines.join("\n")
     } else {
-        format!("{}\n… ({} more lines; RUST_LOG=debug shows them)", lines[..MAX_LINES].join("\n"), lines.len() - MAX_LINES)
+        format!(
+            "{}\n… ({} more lines; RUST_LOG=debug shows them)",
+            lines[..MAX_LINES].join("\n"),
+            lines.len() - MAX_LINES
+        )
     }
 }
-

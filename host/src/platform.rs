@@ -19,7 +19,10 @@ pub const DEFAULT_DETECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The real probe: `VERL_PROBE_ROOT` (default `/`) and this process's environment.
 pub fn process_probe() -> ProbeContext {
-    let root = std::env::var(PROBE_ROOT_ENV).ok().filter(|r| !r.is_empty()).unwrap_or_else(|| "/".to_owned());
+    let root = std::env::var(PROBE_ROOT_ENV)
+        .ok()
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| "/".to_owned());
     ProbeContext::new(root, std::env::vars())
 }
 
@@ -81,14 +84,20 @@ impl PlatformReport {
 type Probed = Result<(DeviceInfo, Detection), PluginError>;
 
 fn probe_one(component: &Component, probe: &ProbeContext) -> Probed {
-    let device = component.create_device().map_err(|e| PluginError::other(e.to_string()))?;
+    let device = component
+        .create_device()
+        .map_err(|e| PluginError::other(e.to_string()))?;
     let info = device.info().into_result()?;
     let detection = device.detect(probe).into_result()?;
     Ok((info, detection))
 }
 
 /// Detects every device family concurrently, each within `timeout`, and selects the platform.
-pub fn detect_platform(registry: &Registry, probe: &ProbeContext, timeout: Duration) -> (PlatformReport, Result<String, PlatformError>) {
+pub fn detect_platform(
+    registry: &Registry,
+    probe: &ProbeContext,
+    timeout: Duration,
+) -> (PlatformReport, Result<String, PlatformError>) {
     let devices = registry.devices();
     let (tx, rx) = mpsc::channel::<(usize, Probed)>();
     for (index, (_, resolved)) in devices.iter().enumerate() {
@@ -107,7 +116,9 @@ pub fn detect_platform(registry: &Registry, probe: &ProbeContext, timeout: Durat
     drop(tx);
     let mut results: Vec<Option<Probed>> = (0..devices.len()).map(|_| None).collect();
     let deadline = Instant::now() + timeout;
-    while let Ok((index, probed)) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+    while let Ok((index, probed)) =
+        rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+    {
         results[index] = Some(probed);
     }
 
@@ -117,10 +128,19 @@ pub fn detect_platform(registry: &Registry, probe: &ProbeContext, timeout: Durat
         .map(|((name, resolved), probed)| match resolved {
             Err(lookup) => failed_report(name, None, lookup.to_string(), false),
             Ok(component) => match probed {
-                None => failed_report(name, Some(component), format!("detection did not finish within {timeout:?}"), false),
+                None => failed_report(
+                    name,
+                    Some(component),
+                    format!("detection did not finish within {timeout:?}"),
+                    false,
+                ),
                 Some(Err(e)) => {
                     let fatal = e.kind == ErrorKind::INVALID_CONFIG;
-                    let message = if e.kind == ErrorKind::PANIC { format!("detection failed: {e}") } else { e.to_string() };
+                    let message = if e.kind == ErrorKind::PANIC {
+                        format!("detection failed: {e}")
+                    } else {
+                        e.to_string()
+                    };
                     failed_report(name, Some(component), message, fatal)
                 }
                 Some(Ok((info, detection))) => report(component, info, detection),
@@ -128,7 +148,11 @@ pub fn detect_platform(registry: &Registry, probe: &ProbeContext, timeout: Durat
         })
         .collect();
 
-    let override_value = probe.var(PLATFORM_ENV).map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned);
+    let override_value = probe
+        .var(PLATFORM_ENV)
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned);
     let selection = select(&reports, override_value.as_deref());
     let report = PlatformReport {
         selected: selection.as_ref().ok().cloned(),
@@ -144,25 +168,46 @@ fn select(reports: &[DeviceReport], override_value: Option<&str>) -> Result<Stri
         let Some(chosen) = reports.iter().find(|r| r.name.eq_ignore_ascii_case(value)) else {
             let mut valid: Vec<String> = reports.iter().map(|r| r.name.clone()).collect();
             valid.sort();
-            return Err(PlatformError::UnknownOverride { value: value.to_owned(), valid });
+            return Err(PlatformError::UnknownOverride {
+                value: value.to_owned(),
+                valid,
+            });
         };
         if let Some(error) = &chosen.error {
-            return Err(PlatformError::Detection { name: chosen.name.clone(), message: error.clone() });
+            return Err(PlatformError::Detection {
+                name: chosen.name.clone(),
+                message: error.clone(),
+            });
         }
         if !chosen.available {
-            return Err(PlatformError::OverrideUnavailable { name: chosen.name.clone(), reason: chosen.reason.clone() });
+            return Err(PlatformError::OverrideUnavailable {
+                name: chosen.name.clone(),
+                reason: chosen.reason.clone(),
+            });
         }
         return Ok(chosen.name.clone());
     }
     if let Some(fatal) = reports.iter().find(|r| r.fatal) {
-        return Err(PlatformError::Detection { name: fatal.name.clone(), message: fatal.error.clone().unwrap_or_default() });
+        return Err(PlatformError::Detection {
+            name: fatal.name.clone(),
+            message: fatal.error.clone().unwrap_or_default(),
+        });
     }
     let available: Vec<&DeviceReport> = reports.iter().filter(|r| r.available).collect();
-    let Some(top) = available.iter().map(|r| r.priority).max() else { return Err(PlatformError::NoDevice) };
-    let best: Vec<String> = available.iter().filter(|r| r.priority == top).map(|r| r.name.clone()).collect();
+    let Some(top) = available.iter().map(|r| r.priority).max() else {
+        return Err(PlatformError::NoDevice);
+    };
+    let best: Vec<String> = available
+        .iter()
+        .filter(|r| r.priority == top)
+        .map(|r| r.name.clone())
+        .collect();
     match best.as_slice() {
         [one] => Ok(one.clone()),
-        _ => Err(PlatformError::Ambiguous { names: best, priority: top }),
+        _ => Err(PlatformError::Ambiguous {
+            names: best,
+            priority: top,
+        }),
     }
 }
 
@@ -178,15 +223,32 @@ fn report(component: &Component, info: DeviceInfo, detection: Detection) -> Devi
         vendor: info.vendor.into(),
         device_type: info.device_type.into(),
         comm_backend: info.comm_backend.into(),
-        visible_devices_env: info.visible_devices_env.iter().map(ToString::to_string).collect(),
-        device_names: detection.device_names.iter().map(ToString::to_string).collect(),
-        env_updates: detection.env_updates.iter().map(|e| (e.key.to_string(), e.value.to_string())).collect(),
+        visible_devices_env: info
+            .visible_devices_env
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        device_names: detection
+            .device_names
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        env_updates: detection
+            .env_updates
+            .iter()
+            .map(|e| (e.key.to_string(), e.value.to_string()))
+            .collect(),
         error: None,
         fatal: false,
     }
 }
 
-fn failed_report(name: &str, component: Option<&Component>, error: String, fatal: bool) -> DeviceReport {
+fn failed_report(
+    name: &str,
+    component: Option<&Component>,
+    error: String,
+    fatal: bool,
+) -> DeviceReport {
     DeviceReport {
         name: name.to_owned(),
         available: false,

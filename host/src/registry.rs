@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use verl_plugin_api::{
-    CheckpointBox, ComponentKind, DeviceBox, EngineBox, FactoryBox, PluginBuilder, PluginError, PluginManifest, RolloutBox,
-    TrackerBox,
+    CheckpointBox, ComponentKind, DeviceBox, EngineBox, FactoryBox, PluginBuilder, PluginError,
+    PluginManifest, RolloutBox, TrackerBox,
 };
 
 use crate::discovery::{Candidate, PluginSearch};
@@ -114,11 +114,20 @@ impl Conflict {
 #[derive(Debug, thiserror::Error)]
 pub enum LookupError {
     #[error("no {kind} component named `{name}`; available: {}", if available.is_empty() { "none".to_owned() } else { available.join(", ") })]
-    Unknown { kind: ComponentKind, name: String, available: Vec<String> },
+    Unknown {
+        kind: ComponentKind,
+        name: String,
+        available: Vec<String>,
+    },
     #[error("{}", .0.message())]
     Conflict(Conflict),
     #[error("creating {kind} `{name}` from {origin}: {source}")]
-    Create { kind: ComponentKind, name: String, origin: String, source: PluginError },
+    Create {
+        kind: ComponentKind,
+        name: String,
+        origin: String,
+        source: PluginError,
+    },
 }
 
 #[derive(Default)]
@@ -131,7 +140,7 @@ impl Registry {
     pub fn with_builtins() -> Self {
         let mut registry = Self::default();
         for builtin in inventory::iter::<BuiltinPlugin> {
-            registry.add_manifest(builtin.0().into_manifest(), Origin::Builtin);
+            registry.add_builtin(builtin.0());
         }
         registry
     }
@@ -151,7 +160,22 @@ impl Registry {
 
     /// Vets, opens and registers one library; returns its record.
     pub fn load_file(&mut self, path: &Path, allow_list: Option<&vet::AllowList>) -> &PluginRecord {
-        let loaded = vet::vet(path, allow_list).and_then(|()| load::load_manifest(path));
+        let loaded = vet::vet(path, allow_list)
+            .and_then(|()| load::load_manifest(path))
+            .and_then(|manifest| {
+                match self
+                    .plugins
+                    .iter()
+                    .find(|p| p.status.is_ok() && p.name == manifest.name.as_str())
+                {
+                    Some(first) => Err(LoadError::Duplicate {
+                        path: path.into(),
+                        name: manifest.name.to_string(),
+                        first: PathBuf::from(first.origin.describe()),
+                    }),
+                    None => Ok(manifest),
+                }
+            });
         match loaded {
             Ok(manifest) => {
                 tracing::debug!(plugin = %manifest.name, path = %path.display(), "loaded plugin");
@@ -165,7 +189,10 @@ impl Registry {
     fn reject(&mut self, error: LoadError) {
         tracing::warn!("{error}");
         let path = error.path().to_owned();
-        let name = path.file_stem().map(|s| s.to_string_lossy().trim_start_matches("lib").to_owned()).unwrap_or_default();
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().trim_start_matches("lib").to_owned())
+            .unwrap_or_default();
         self.plugins.push(PluginRecord {
             name,
             version: String::new(),
@@ -174,6 +201,12 @@ impl Registry {
             status: Err(error),
             components: Vec::new(),
         });
+    }
+
+    /// Registers in-process components as built-ins (what `inventory` submissions become; also lets
+    /// plugin authors test a builder without building a library).
+    pub fn add_builtin(&mut self, builder: PluginBuilder) {
+        self.add_manifest(builder.into_manifest(), Origin::Builtin);
     }
 
     fn add_manifest(&mut self, manifest: PluginManifest, origin: Origin) {
@@ -209,7 +242,12 @@ impl Registry {
     /// Components of loaded plugins grouped by (kind, name), highest priority first.
     fn groups(&self) -> BTreeMap<(ComponentKind, &str), Vec<&Component>> {
         let mut groups: BTreeMap<(ComponentKind, &str), Vec<&Component>> = BTreeMap::new();
-        for c in self.plugins.iter().filter(|p| p.status.is_ok()).flat_map(|p| &p.components) {
+        for c in self
+            .plugins
+            .iter()
+            .filter(|p| p.status.is_ok())
+            .flat_map(|p| &p.components)
+        {
             groups.entry((c.kind, c.name.as_str())).or_default().push(c);
         }
         for group in groups.values_mut() {
@@ -236,7 +274,10 @@ impl Registry {
         self.groups()
             .into_iter()
             .filter_map(|((kind, name), group)| {
-                let top: Vec<&&Component> = group.iter().filter(|c| c.priority == group[0].priority).collect();
+                let top: Vec<&&Component> = group
+                    .iter()
+                    .filter(|c| c.priority == group[0].priority)
+                    .collect();
                 (top.len() > 1).then(|| Conflict {
                     kind,
                     name: name.to_owned(),
@@ -249,16 +290,28 @@ impl Registry {
 
     /// The names usable for `kind`, sorted.
     pub fn names(&self, kind: ComponentKind) -> Vec<String> {
-        self.groups().keys().filter(|(k, _)| *k == kind).map(|(_, n)| (*n).to_owned()).collect()
+        self.groups()
+            .keys()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, n)| (*n).to_owned())
+            .collect()
     }
 
     /// The winning component of `kind` called `name`.
     pub fn resolve(&self, kind: ComponentKind, name: &str) -> Result<Component, LookupError> {
         let groups = self.groups();
         let Some(group) = groups.get(&(kind, name)) else {
-            return Err(LookupError::Unknown { kind, name: name.to_owned(), available: self.names(kind) });
+            return Err(LookupError::Unknown {
+                kind,
+                name: name.to_owned(),
+                available: self.names(kind),
+            });
         };
-        if let Some(conflict) = self.conflicts().into_iter().find(|c| c.kind == kind && c.name == name) {
+        if let Some(conflict) = self
+            .conflicts()
+            .into_iter()
+            .find(|c| c.kind == kind && c.name == name)
+        {
             return Err(LookupError::Conflict(conflict));
         }
         Ok(group[0].clone())
@@ -273,15 +326,20 @@ impl Registry {
             .map(|((_, name), group)| (group[0].priority, name.to_owned()))
             .collect();
         tops.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        tops.into_iter().map(|(_, name)| {
-            let resolved = self.resolve(ComponentKind::DEVICE, &name);
-            (name, resolved)
-        }).collect()
+        tops.into_iter()
+            .map(|(_, name)| {
+                let resolved = self.resolve(ComponentKind::DEVICE, &name);
+                (name, resolved)
+            })
+            .collect()
     }
 }
 
 impl Component {
-    fn created<T>(&self, made: abi_stable::std_types::RResult<T, PluginError>) -> Result<T, LookupError> {
+    fn created<T>(
+        &self,
+        made: abi_stable::std_types::RResult<T, PluginError>,
+    ) -> Result<T, LookupError> {
         made.into_result().map_err(|source| LookupError::Create {
             kind: self.kind,
             name: self.name.clone(),
@@ -303,5 +361,99 @@ impl Component {
     }
     pub fn create_tracker(&self) -> Result<TrackerBox, LookupError> {
         self.created(self.factory.create_tracker(self.name.as_str().into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use verl_plugin_api::{Detection, Device, DeviceInfo, PluginError, ProbeContext};
+
+    use super::*;
+
+    struct Fake(&'static str);
+    impl Device for Fake {
+        fn info(&self) -> DeviceInfo {
+            DeviceInfo {
+                name: self.0.into(),
+                vendor: "test".into(),
+                device_type: "cpu".into(),
+                comm_backend: "gloo".into(),
+                visible_devices_env: Default::default(),
+            }
+        }
+        fn detect(&self, _: &ProbeContext) -> Result<Detection, PluginError> {
+            Ok(Detection::available(1, self.0))
+        }
+    }
+
+    fn plugin(name: &str, devices: &[(&'static str, i32)]) -> PluginBuilder {
+        devices.iter().fold(
+            PluginBuilder::new(name, "1.0.0", "test"),
+            |b, &(dev, prio)| b.device(dev, prio, "d", move || Fake(dev)),
+        )
+    }
+
+    #[test]
+    fn higher_priority_shadows_and_equal_priority_conflicts() {
+        let mut registry = Registry::default();
+        registry.add_builtin(plugin("low", &[("x", 1), ("y", 5)]));
+        registry.add_builtin(plugin("high", &[("x", 9)]));
+        registry.add_builtin(plugin("twin", &[("y", 5)]));
+        let x = registry.resolve(ComponentKind::DEVICE, "x").unwrap();
+        assert_eq!((x.plugin.as_str(), x.priority), ("high", 9));
+        let statuses: Vec<(String, &str)> = registry
+            .plugins()
+            .iter()
+            .flat_map(|p| {
+                p.components.iter().map(|c| {
+                    (
+                        format!("{}:{}", p.name, c.name),
+                        registry.status(c).as_str(),
+                    )
+                })
+            })
+            .collect();
+        assert_eq!(
+            statuses,
+            vec![
+                ("low:x".into(), "shadowed"),
+                ("low:y".into(), "conflict"),
+                ("high:x".into(), "active"),
+                ("twin:y".into(), "conflict")
+            ]
+        );
+        let err = registry
+            .resolve(ComponentKind::DEVICE, "y")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`y`") && err.contains("priority 5"), "{err}");
+        let err = registry
+            .resolve(ComponentKind::DEVICE, "z")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "no device component named `z`; available: x, y");
+        let err = registry
+            .resolve(ComponentKind::ENGINE, "fsdp")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "no engine component named `fsdp`; available: none");
+        let names: Vec<String> = registry
+            .devices()
+            .into_iter()
+            .map(|(n, r)| format!("{n}:{}", r.is_ok()))
+            .collect();
+        assert_eq!(names, vec!["x:true", "y:false"]);
+        assert_eq!(
+            registry
+                .resolve(ComponentKind::DEVICE, "x")
+                .unwrap()
+                .create_device()
+                .unwrap()
+                .detect(&ProbeContext::new("/", Vec::<(String, String)>::new()))
+                .unwrap()
+                .reason
+                .as_str(),
+            "x"
+        );
     }
 }

@@ -7,7 +7,10 @@ use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{RBox, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::{StableAbi, sabi_trait};
 
-use crate::components::{CheckpointEngine, ComponentInit, Engine, GenerateOutput, GenerateRequest, Rollout, Table, Tracker};
+use crate::components::{
+    CheckpointEngine, ComponentInit, Engine, GenerateOutput, GenerateRequest, Rollout, Table,
+    Tracker,
+};
 use crate::device::{Detection, Device, DeviceInfo, ProbeContext};
 use crate::error::{PluginError, guard};
 use crate::{Batch, Metric, NamedTensor, WeightBundle};
@@ -90,13 +93,19 @@ impl<T: Engine> StableEngine for Guarded<T> {
         guard("compute_values", || self.0.compute_values(batch))
     }
     fn update_actor(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError> {
-        guard("update_actor", || self.0.update_actor(batch).map(RVec::from))
+        guard("update_actor", || {
+            self.0.update_actor(batch).map(RVec::from)
+        })
     }
     fn update_critic(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError> {
-        guard("update_critic", || self.0.update_critic(batch).map(RVec::from))
+        guard("update_critic", || {
+            self.0.update_critic(batch).map(RVec::from)
+        })
     }
     fn save_checkpoint(&mut self, dir: RStr<'_>, global_step: u64) -> RResult<(), PluginError> {
-        guard("save_checkpoint", || self.0.save_checkpoint(dir.as_str(), global_step))
+        guard("save_checkpoint", || {
+            self.0.save_checkpoint(dir.as_str(), global_step)
+        })
     }
     fn load_checkpoint(&mut self, dir: RStr<'_>) -> RResult<u64, PluginError> {
         guard("load_checkpoint", || self.0.load_checkpoint(dir.as_str()))
@@ -168,7 +177,13 @@ impl ComponentKind {
     pub const ROLLOUT: Self = Self(2);
     pub const CHECKPOINT: Self = Self(3);
     pub const TRACKER: Self = Self(4);
-    pub const ALL: [Self; 5] = [Self::DEVICE, Self::ENGINE, Self::ROLLOUT, Self::CHECKPOINT, Self::TRACKER];
+    pub const ALL: [Self; 5] = [
+        Self::DEVICE,
+        Self::ENGINE,
+        Self::ROLLOUT,
+        Self::CHECKPOINT,
+        Self::TRACKER,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -241,7 +256,9 @@ impl RootModule for PluginModule_Ref {
 }
 
 #[doc(hidden)]
-pub fn __root_module(manifest: extern "C" fn() -> RResult<PluginManifest, PluginError>) -> PluginModule_Ref {
+pub fn __root_module(
+    manifest: extern "C" fn() -> RResult<PluginManifest, PluginError>,
+) -> PluginModule_Ref {
     use abi_stable::prefix_type::PrefixTypeTrait;
     PluginModule { manifest }.leak_into_prefix()
 }
@@ -276,28 +293,66 @@ pub struct PluginBuilder {
 }
 
 impl PluginBuilder {
-    pub fn new(name: impl Into<String>, version: impl Into<String>, description: impl Into<String>) -> Self {
-        Self { name: name.into(), version: version.into(), description: description.into(), components: Vec::new() }
+    pub fn new(
+        name: impl Into<String>,
+        version: impl Into<String>,
+        description: impl Into<String>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            version: version.into(),
+            description: description.into(),
+            components: Vec::new(),
+        }
     }
 
     fn add(mut self, name: &str, priority: i32, description: &str, ctor: Constructor) -> Self {
-        let meta = ComponentMeta { kind: ctor.kind(), name: name.into(), priority, description: description.into() };
+        let meta = ComponentMeta {
+            kind: ctor.kind(),
+            name: name.into(),
+            priority,
+            description: description.into(),
+        };
         self.components.push((meta, ctor));
         self
     }
 
-    pub fn device<T: Device>(self, name: &str, priority: i32, description: &str, new: impl Fn() -> T + Send + Sync + 'static) -> Self {
-        let ctor = Constructor::Device(Box::new(move || DeviceBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)));
+    pub fn device<T: Device>(
+        self,
+        name: &str,
+        priority: i32,
+        description: &str,
+        new: impl Fn() -> T + Send + Sync + 'static,
+    ) -> Self {
+        let ctor = Constructor::Device(Box::new(move || {
+            DeviceBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
+        }));
         self.add(name, priority, description, ctor)
     }
 
-    pub fn engine<T: Engine>(self, name: &str, priority: i32, description: &str, new: impl Fn() -> T + Send + Sync + 'static) -> Self {
-        let ctor = Constructor::Engine(Box::new(move || EngineBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)));
+    pub fn engine<T: Engine>(
+        self,
+        name: &str,
+        priority: i32,
+        description: &str,
+        new: impl Fn() -> T + Send + Sync + 'static,
+    ) -> Self {
+        let ctor = Constructor::Engine(Box::new(move || {
+            EngineBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
+        }));
         self.add(name, priority, description, ctor)
     }
 
-    pub fn rollout<T: Rollout>(self, name: &str, priority: i32, description: &str, new: impl Fn() -> T + Send + Sync + 'static) -> Self {
-        let ctor = Constructor::Rollout(Box::new(move || RolloutBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)));
+    pub fn rollout<T: Rollout>(
+        self,
+        name: &str,
+        priority: i32,
+        description: &str,
+        new: impl Fn() -> T + Send + Sync + 'static,
+    ) -> Self {
+        let ctor = Constructor::Rollout(Box::new(move || {
+            RolloutBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
+        }));
         self.add(name, priority, description, ctor)
     }
 
@@ -308,19 +363,35 @@ impl PluginBuilder {
         description: &str,
         new: impl Fn() -> T + Send + Sync + 'static,
     ) -> Self {
-        let ctor =
-            Constructor::Checkpoint(Box::new(move || CheckpointBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)));
+        let ctor = Constructor::Checkpoint(Box::new(move || {
+            CheckpointBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
+        }));
         self.add(name, priority, description, ctor)
     }
 
-    pub fn tracker<T: Tracker>(self, name: &str, priority: i32, description: &str, new: impl Fn() -> T + Send + Sync + 'static) -> Self {
-        let ctor = Constructor::Tracker(Box::new(move || TrackerBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)));
+    pub fn tracker<T: Tracker>(
+        self,
+        name: &str,
+        priority: i32,
+        description: &str,
+        new: impl Fn() -> T + Send + Sync + 'static,
+    ) -> Self {
+        let ctor = Constructor::Tracker(Box::new(move || {
+            TrackerBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
+        }));
         self.add(name, priority, description, ctor)
     }
 
     pub fn into_manifest(self) -> PluginManifest {
-        let components = self.components.iter().map(|(meta, _)| meta.clone()).collect();
-        let factory = Factory { plugin: self.name.clone(), components: self.components };
+        let components = self
+            .components
+            .iter()
+            .map(|(meta, _)| meta.clone())
+            .collect();
+        let factory = Factory {
+            plugin: self.name.clone(),
+            components: self.components,
+        };
         PluginManifest {
             name: self.name.into(),
             version: self.version.into(),
@@ -337,31 +408,71 @@ struct Factory {
 }
 
 impl Factory {
-    fn create<T>(&self, kind: ComponentKind, name: RStr<'_>, pick: impl Fn(&Constructor) -> Option<T>) -> RResult<T, PluginError> {
+    fn create<T>(
+        &self,
+        kind: ComponentKind,
+        name: RStr<'_>,
+        pick: impl Fn(&Constructor) -> Option<T>,
+    ) -> RResult<T, PluginError> {
         guard("component constructor", || {
             self.components
                 .iter()
                 .filter(|(meta, _)| meta.kind == kind && meta.name == name.as_str())
                 .find_map(|(_, ctor)| pick(ctor))
-                .ok_or_else(|| PluginError::other(format!("plugin `{}` has no {kind} component `{name}`", self.plugin)))
+                .ok_or_else(|| {
+                    PluginError::other(format!(
+                        "plugin `{}` has no {kind} component `{name}`",
+                        self.plugin
+                    ))
+                })
         })
     }
 }
 
 impl StableFactory for Factory {
     fn create_device(&self, name: RStr<'_>) -> RResult<DeviceBox, PluginError> {
-        self.create(ComponentKind::DEVICE, name, |c| if let Constructor::Device(f) = c { Some(f()) } else { None })
+        self.create(ComponentKind::DEVICE, name, |c| {
+            if let Constructor::Device(f) = c {
+                Some(f())
+            } else {
+                None
+            }
+        })
     }
     fn create_engine(&self, name: RStr<'_>) -> RResult<EngineBox, PluginError> {
-        self.create(ComponentKind::ENGINE, name, |c| if let Constructor::Engine(f) = c { Some(f()) } else { None })
+        self.create(ComponentKind::ENGINE, name, |c| {
+            if let Constructor::Engine(f) = c {
+                Some(f())
+            } else {
+                None
+            }
+        })
     }
     fn create_rollout(&self, name: RStr<'_>) -> RResult<RolloutBox, PluginError> {
-        self.create(ComponentKind::ROLLOUT, name, |c| if let Constructor::Rollout(f) = c { Some(f()) } else { None })
+        self.create(ComponentKind::ROLLOUT, name, |c| {
+            if let Constructor::Rollout(f) = c {
+                Some(f())
+            } else {
+                None
+            }
+        })
     }
     fn create_checkpoint(&self, name: RStr<'_>) -> RResult<CheckpointBox, PluginError> {
-        self.create(ComponentKind::CHECKPOINT, name, |c| if let Constructor::Checkpoint(f) = c { Some(f()) } else { None })
+        self.create(ComponentKind::CHECKPOINT, name, |c| {
+            if let Constructor::Checkpoint(f) = c {
+                Some(f())
+            } else {
+                None
+            }
+        })
     }
     fn create_tracker(&self, name: RStr<'_>) -> RResult<TrackerBox, PluginError> {
-        self.create(ComponentKind::TRACKER, name, |c| if let Constructor::Tracker(f) = c { Some(f()) } else { None })
+        self.create(ComponentKind::TRACKER, name, |c| {
+            if let Constructor::Tracker(f) = c {
+                Some(f())
+            } else {
+                None
+            }
+        })
     }
 }

@@ -37,8 +37,15 @@ pub struct ComponentInit {
 
 impl ComponentInit {
     /// Deserialises the config section, naming the component in the error.
-    pub fn config<T: serde::de::DeserializeOwned>(&self, component: &str) -> Result<T, PluginError> {
-        let text = if self.config_json.is_empty() { "{}" } else { self.config_json.as_str() };
+    pub fn config<T: serde::de::DeserializeOwned>(
+        &self,
+        component: &str,
+    ) -> Result<T, PluginError> {
+        let text = if self.config_json.is_empty() {
+            "{}"
+        } else {
+            self.config_json.as_str()
+        };
         serde_json::from_str(text)
             .map_err(|e| PluginError::invalid_config(format!("config of `{component}`: {e}")))
     }

@@ -16,7 +16,10 @@ pub struct EnvVar {
 
 impl EnvVar {
     pub fn new(key: impl Into<String>, value: impl Into<String>) -> Self {
-        Self { key: RString::from(key.into()), value: RString::from(value.into()) }
+        Self {
+            key: RString::from(key.into()),
+            value: RString::from(value.into()),
+        }
     }
 }
 
@@ -31,7 +34,10 @@ pub struct ProbeContext {
 }
 
 impl ProbeContext {
-    pub fn new<K: Into<String>, V: Into<String>>(root: impl Into<String>, env: impl IntoIterator<Item = (K, V)>) -> Self {
+    pub fn new<K: Into<String>, V: Into<String>>(
+        root: impl Into<String>,
+        env: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
         Self {
             root: RString::from(root.into()),
             env: env.into_iter().map(|(k, v)| EnvVar::new(k, v)).collect(),
@@ -40,7 +46,10 @@ impl ProbeContext {
 
     /// The variable's value; an empty value counts as set.
     pub fn var(&self, key: &str) -> Option<&str> {
-        self.env.iter().find(|e| e.key == key).map(|e| e.value.as_str())
+        self.env
+            .iter()
+            .find(|e| e.key == key)
+            .map(|e| e.value.as_str())
     }
 
     /// `absolute` ("/dev/kfd") re-rooted under the probe root.
@@ -54,13 +63,19 @@ impl ProbeContext {
 
     /// File contents with surrounding whitespace trimmed; `None` when unreadable.
     pub fn read_trimmed(&self, absolute: &str) -> Option<String> {
-        std::fs::read_to_string(self.path(absolute)).ok().map(|s| s.trim().to_owned())
+        std::fs::read_to_string(self.path(absolute))
+            .ok()
+            .map(|s| s.trim().to_owned())
     }
 
     /// Sorted entry names of a directory; empty when it is missing or unreadable.
     pub fn list_dir(&self, absolute: &str) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(self.path(absolute))
-            .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
             .unwrap_or_default();
         names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
         names
@@ -108,11 +123,19 @@ pub struct Detection {
 
 impl Detection {
     pub fn unavailable(reason: impl Into<String>) -> Self {
-        Self { reason: RString::from(reason.into()), ..Self::default() }
+        Self {
+            reason: RString::from(reason.into()),
+            ..Self::default()
+        }
     }
 
     pub fn available(count: u32, reason: impl Into<String>) -> Self {
-        Self { available: count > 0, count, reason: RString::from(reason.into()), ..Self::default() }
+        Self {
+            available: count > 0,
+            count,
+            reason: RString::from(reason.into()),
+            ..Self::default()
+        }
     }
 }
 
@@ -129,7 +152,9 @@ pub trait Device: Send + Sync + 'static {
 /// index (out of range, negative, garbage), repeats are ignored. UUID entries (`GPU-…`, `MIG-…`)
 /// cannot be mapped without the driver and are kept in order as the next unused index.
 pub fn visible_devices(physical: u32, value: Option<&str>) -> Vec<u32> {
-    let Some(value) = value else { return (0..physical).collect() };
+    let Some(value) = value else {
+        return (0..physical).collect();
+    };
     let mut visible = Vec::new();
     for token in value.split(',').map(str::trim) {
         let index = if token.starts_with("GPU-") || token.starts_with("MIG-") {
@@ -158,7 +183,10 @@ mod tests {
         assert_eq!(visible_devices(4, Some("1, 1,3")), vec![1, 3]);
         assert_eq!(visible_devices(4, Some("0,7,1")), vec![0]);
         assert_eq!(visible_devices(4, Some("-1")), Vec::<u32>::new());
-        assert_eq!(visible_devices(2, Some("GPU-abc,GPU-def,GPU-x")), vec![0, 1]);
+        assert_eq!(
+            visible_devices(2, Some("GPU-abc,GPU-def,GPU-x")),
+            vec![0, 1]
+        );
         assert_eq!(visible_devices(0, Some("0")), Vec::<u32>::new());
     }
 
@@ -170,7 +198,10 @@ mod tests {
             std::fs::write(dir.join("dev").join(n), " x\n").unwrap();
         }
         let probe = ProbeContext::new(dir.to_string_lossy(), [("A", "")]);
-        assert_eq!(probe.list_dir("/dev"), vec!["davinci2", "davinci10", "davinci_manager"]);
+        assert_eq!(
+            probe.list_dir("/dev"),
+            vec!["davinci2", "davinci10", "davinci_manager"]
+        );
         assert_eq!(probe.read_trimmed("/dev/davinci2").as_deref(), Some("x"));
         assert_eq!(probe.var("A"), Some(""));
         assert_eq!(probe.var("B"), None);

@@ -43,7 +43,10 @@ pub struct PluginError {
 
 impl PluginError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, message: RString::from(message.into()) }
+        Self {
+            kind,
+            message: RString::from(message.into()),
+        }
     }
     pub fn other(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::OTHER, message)
@@ -52,7 +55,10 @@ impl PluginError {
         Self::new(ErrorKind::INVALID_CONFIG, message)
     }
     pub fn unsupported(operation: &str) -> Self {
-        Self::new(ErrorKind::UNSUPPORTED, format!("this component does not support `{operation}`"))
+        Self::new(
+            ErrorKind::UNSUPPORTED,
+            format!("this component does not support `{operation}`"),
+        )
     }
     pub fn message(&self) -> &str {
         self.message.as_str()
@@ -93,7 +99,10 @@ impl From<&str> for PluginError {
 
 /// Runs `f`, turning a panic into a `PluginError` of kind `PANIC` so it never unwinds across the ABI
 /// (unwinding out of an `extern "C"` function aborts the whole process).
-pub fn guard<T>(operation: &str, f: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, PluginError> {
+pub fn guard<T>(
+    operation: &str,
+    f: impl FnOnce() -> Result<T, PluginError>,
+) -> RResult<T, PluginError> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(result) => result.into(),
         Err(payload) => {
@@ -102,7 +111,10 @@ pub fn guard<T>(operation: &str, f: impl FnOnce() -> Result<T, PluginError>) -> 
                 .map(|s| (*s).to_owned())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".to_owned());
-            RResult::RErr(PluginError::new(ErrorKind::PANIC, format!("panicked in {operation}: {reason}")))
+            RResult::RErr(PluginError::new(
+                ErrorKind::PANIC,
+                format!("panicked in {operation}: {reason}"),
+            ))
         }
     }
 }

@@ -26,13 +26,13 @@ pub mod keys;
 mod tensor;
 
 pub use abi::{
-    CheckpointBox, ComponentKind, ComponentMeta, DeviceBox, EngineBox, FactoryBox, PluginBuilder, PluginManifest, PluginModule,
-    PluginModule_Ref, RolloutBox, StableCheckpoint, StableDevice, StableEngine, StableFactory, StableRollout, StableTracker,
-    TrackerBox, __root_module,
+    __root_module, CheckpointBox, ComponentKind, ComponentMeta, DeviceBox, EngineBox, FactoryBox,
+    PluginBuilder, PluginManifest, PluginModule, PluginModule_Ref, RolloutBox, StableCheckpoint,
+    StableDevice, StableEngine, StableFactory, StableRollout, StableTracker, TrackerBox,
 };
 pub use components::{
-    CheckpointEngine, Completion, ComponentInit, Engine, FinishReason, GenerateOutput, GenerateRequest, Rollout, RunContext,
-    SamplingParams, Table, Tracker,
+    CheckpointEngine, Completion, ComponentInit, Engine, FinishReason, GenerateOutput,
+    GenerateRequest, Rollout, RunContext, SamplingParams, Table, Tracker,
 };
 pub use device::{Detection, Device, DeviceInfo, EnvVar, ProbeContext, visible_devices};
 pub use error::{ErrorKind, PluginError, guard};
@@ -62,17 +62,30 @@ pub fn check_abi_compatible(host: &str, plugin: &str) -> Result<(), String> {
         let mut parts = v.trim().splitn(3, '.');
         let major = parts.next()?.parse().ok()?;
         let minor = parts.next()?.parse().ok()?;
-        parts.next()?.split(['-', '+']).next()?.parse::<u64>().ok()?;
+        parts
+            .next()?
+            .split(['-', '+'])
+            .next()?
+            .parse::<u64>()
+            .ok()?;
         Some((major, minor))
     };
     let ((hmaj, hmin), (pmaj, pmin)) = match (parse(host), parse(plugin)) {
         (Some(h), Some(p)) => (h, p),
-        _ => return Err(format!("unreadable plugin API version `{plugin}` (core has {host})")),
+        _ => {
+            return Err(format!(
+                "unreadable plugin API version `{plugin}` (core has {host})"
+            ));
+        }
     };
     if pmaj != hmaj {
-        Err(format!("built against plugin API {plugin}, but this core has {host}: major versions differ; rebuild the plugin against verl-plugin-api {hmaj}.x"))
+        Err(format!(
+            "built against plugin API {plugin}, but this core has {host}: major versions differ; rebuild the plugin against verl-plugin-api {hmaj}.x"
+        ))
     } else if pmin > hmin {
-        Err(format!("built against plugin API {plugin}, newer than this core's {host}: upgrade verl-core or rebuild the plugin against verl-plugin-api {host}"))
+        Err(format!(
+            "built against plugin API {plugin}, newer than this core's {host}: upgrade verl-core or rebuild the plugin against verl-plugin-api {host}"
+        ))
     } else {
         Ok(())
     }
@@ -123,7 +136,10 @@ mod tests {
 
     #[test]
     fn root_module_symbol_matches_abi_stable() {
-        assert_eq!(__root_module_symbol!(), abi_stable::library::ROOT_MODULE_LOADER_NAME);
+        assert_eq!(
+            __root_module_symbol!(),
+            abi_stable::library::ROOT_MODULE_LOADER_NAME
+        );
     }
 
     #[test]
@@ -132,15 +148,23 @@ mod tests {
         assert!(check_abi_compatible("1.3.0", "1.1.7").is_ok());
         assert!(check_abi_compatible("1.3.0", "1.3.9").is_ok());
         let newer = check_abi_compatible("1.3.0", "1.4.0").unwrap_err();
-        assert!(newer.contains("1.4.0") && newer.contains("1.3.0"), "{newer}");
+        assert!(
+            newer.contains("1.4.0") && newer.contains("1.3.0"),
+            "{newer}"
+        );
         let major = check_abi_compatible("1.3.0", "2.0.0").unwrap_err();
-        assert!(major.contains("major") && major.contains("2.0.0") && major.contains("1.3.0"), "{major}");
+        assert!(
+            major.contains("major") && major.contains("2.0.0") && major.contains("1.3.0"),
+            "{major}"
+        );
         assert!(check_abi_compatible("1.0.0", "x.y").is_err());
     }
 
     #[test]
     fn panics_become_errors() {
-        let r = guard("detect", || -> Result<(), PluginError> { panic!("boom {}", 7) });
+        let r = guard("detect", || -> Result<(), PluginError> {
+            panic!("boom {}", 7)
+        });
         let e = r.into_result().unwrap_err();
         assert_eq!(e.kind, ErrorKind::PANIC);
         assert_eq!(e.message(), "panicked in detect: boom 7");
@@ -157,13 +181,25 @@ mod tests {
                 Ok(Detection::available(3, "three"))
             }
         }
-        let manifest = PluginBuilder::new("p", "0.1.0", "test").device("boom", 5, "d", || Boom).into_manifest();
+        let manifest = PluginBuilder::new("p", "0.1.0", "test")
+            .device("boom", 5, "d", || Boom)
+            .into_manifest();
         assert_eq!(manifest.components.len(), 1);
         assert_eq!(manifest.components[0].kind, ComponentKind::DEVICE);
         let dev = manifest.factory.create_device("boom".into()).unwrap();
-        assert_eq!(dev.detect(&ProbeContext::new("/", Vec::<(String, String)>::new())).unwrap().count, 3);
+        assert_eq!(
+            dev.detect(&ProbeContext::new("/", Vec::<(String, String)>::new()))
+                .unwrap()
+                .count,
+            3
+        );
         assert_eq!(dev.info().unwrap_err().kind, ErrorKind::PANIC);
-        let Err(missing) = manifest.factory.create_engine("boom".into()).into_result() else { panic!("no engine expected") };
-        assert!(missing.message().contains("no engine component `boom`"), "{missing}");
+        let Err(missing) = manifest.factory.create_engine("boom".into()).into_result() else {
+            panic!("no engine expected")
+        };
+        assert!(
+            missing.message().contains("no engine component `boom`"),
+            "{missing}"
+        );
     }
 }

@@ -95,7 +95,11 @@ impl Tensor {
         }
         let mut data = Vec::with_capacity(numel * std::mem::size_of::<T>());
         values.iter().for_each(|v| v.write_le(&mut data));
-        Ok(Self { dtype: T::DTYPE, shape: shape.into(), data: data.into() })
+        Ok(Self {
+            dtype: T::DTYPE,
+            shape: shape.into(),
+            data: data.into(),
+        })
     }
 
     /// The values, checking that the dtype and byte length agree with `T` and the shape.
@@ -142,7 +146,10 @@ pub struct NamedTensor {
 
 impl NamedTensor {
     pub fn new(name: impl Into<String>, tensor: Tensor) -> Self {
-        Self { name: RString::from(name.into()), tensor }
+        Self {
+            name: RString::from(name.into()),
+            tensor,
+        }
     }
 }
 
@@ -157,12 +164,16 @@ pub struct Batch {
 
 impl Batch {
     pub fn get(&self, name: &str) -> Option<&Tensor> {
-        self.tensors.iter().find(|t| t.name == name).map(|t| &t.tensor)
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| &t.tensor)
     }
 
     /// Like [`Batch::get`] but a missing tensor is an error naming it.
     pub fn require(&self, name: &str) -> Result<&Tensor, PluginError> {
-        self.get(name).ok_or_else(|| PluginError::other(format!("batch has no tensor `{name}`")))
+        self.get(name)
+            .ok_or_else(|| PluginError::other(format!("batch has no tensor `{name}`")))
     }
 
     /// Inserts or replaces the tensor called `name`.
@@ -193,7 +204,10 @@ pub struct Metric {
 
 impl Metric {
     pub fn new(key: impl Into<String>, value: f64) -> Self {
-        Self { key: RString::from(key.into()), value }
+        Self {
+            key: RString::from(key.into()),
+            value,
+        }
     }
 }
 
@@ -206,12 +220,22 @@ mod tests {
         let t = Tensor::from_slice(&[2, 2], &[1.0f32, -2.5, 3.25, 0.0]).unwrap();
         assert_eq!(t.data.len(), 16);
         assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0, -2.5, 3.25, 0.0]);
-        assert!(t.to_vec::<i64>().unwrap_err().message().contains("dtype F32"));
+        assert!(
+            t.to_vec::<i64>()
+                .unwrap_err()
+                .message()
+                .contains("dtype F32")
+        );
         assert!(Tensor::from_slice(&[3], &[1i64, 2]).is_err());
         assert!(Tensor::from_slice(&[-1], &[1i64]).is_err());
         let mut bad = t.clone();
         bad.data.pop();
-        assert!(bad.to_vec::<f32>().unwrap_err().message().contains("15 bytes"));
+        assert!(
+            bad.to_vec::<f32>()
+                .unwrap_err()
+                .message()
+                .contains("15 bytes")
+        );
     }
 
     #[test]

@@ -35,7 +35,10 @@ impl FakeEnv {
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.vars.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.vars
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn vars(&self) -> &[(String, String)] {
@@ -64,12 +67,24 @@ pub struct KfdGpu {
 impl KfdGpu {
     /// An Instinct MI300X as the kernel reports it (304 CUs x 4 SIMDs).
     pub fn mi300x() -> Self {
-        Self { name: Some("ip discovery".into()), gfx_target_version: 90402, vendor_id: 0x1002, device_id: 0x74a1, simd_count: 1216 }
+        Self {
+            name: Some("ip discovery".into()),
+            gfx_target_version: 90402,
+            vendor_id: 0x1002,
+            device_id: 0x74a1,
+            simd_count: 1216,
+        }
     }
 
     /// An Instinct MI250X GCD (kernels before IP discovery name it by ASIC).
     pub fn mi250x() -> Self {
-        Self { name: Some("aldebaran".into()), gfx_target_version: 90010, vendor_id: 0x1002, device_id: 0x740c, simd_count: 440 }
+        Self {
+            name: Some("aldebaran".into()),
+            gfx_target_version: 90010,
+            vendor_id: 0x1002,
+            device_id: 0x740c,
+            simd_count: 440,
+        }
     }
 }
 
@@ -88,12 +103,22 @@ pub struct IntelGpu {
 impl IntelGpu {
     /// The integrated Arc GPU of a Core Ultra (Meteor Lake) laptop.
     pub fn integrated() -> Self {
-        Self { pci_slot: "0000:00:02.0".into(), device_id: 0x7d55, driver: Some("i915".into()), render_node: true }
+        Self {
+            pci_slot: "0000:00:02.0".into(),
+            device_id: 0x7d55,
+            driver: Some("i915".into()),
+            render_node: true,
+        }
     }
 
     /// A discrete Data Center GPU Max 1100 on `bus`, driven by `xe`.
     pub fn discrete(bus: u8) -> Self {
-        Self { pci_slot: format!("0000:{bus:02x}:00.0"), device_id: 0x0bda, driver: Some("xe".into()), render_node: true }
+        Self {
+            pci_slot: format!("0000:{bus:02x}:00.0"),
+            device_id: 0x0bda,
+            driver: Some("xe".into()),
+            render_node: true,
+        }
     }
 }
 
@@ -115,7 +140,10 @@ pub struct FakeRoot {
 
 impl fmt::Debug for FakeRoot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FakeRoot").field("path", &self.dir.path()).field("env", &self.env).finish()
+        f.debug_struct("FakeRoot")
+            .field("path", &self.dir.path())
+            .field("env", &self.env)
+            .finish()
     }
 }
 
@@ -128,8 +156,14 @@ impl Default for FakeRoot {
 impl FakeRoot {
     /// An empty root: a machine with no accelerators, no `/proc` and no `/sys`.
     pub fn new() -> Self {
-        let dir = tempfile::Builder::new().prefix("verl-fake-root-").tempdir().expect("create a temporary directory");
-        Self { dir, env: FakeEnv::new() }
+        let dir = tempfile::Builder::new()
+            .prefix("verl-fake-root-")
+            .tempdir()
+            .expect("create a temporary directory");
+        Self {
+            dir,
+            env: FakeEnv::new(),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -141,7 +175,9 @@ impl FakeRoot {
     pub fn host_path(&self, absolute: &str) -> PathBuf {
         let relative = Path::new(absolute.trim_start_matches('/'));
         assert!(
-            relative.components().all(|c| matches!(c, Component::Normal(_))),
+            relative
+                .components()
+                .all(|c| matches!(c, Component::Normal(_))),
             "fake root paths must be plain absolute paths, got `{absolute}`"
         );
         self.dir.path().join(relative)
@@ -150,7 +186,8 @@ impl FakeRoot {
     /// Writes a file, creating its parent directories.
     pub fn file(self, absolute: &str, contents: impl AsRef<[u8]>) -> Self {
         let path = self.host_path(absolute);
-        std::fs::create_dir_all(path.parent().expect("a file path has a parent")).expect("create parent directories");
+        std::fs::create_dir_all(path.parent().expect("a file path has a parent"))
+            .expect("create parent directories");
         std::fs::write(&path, contents).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
         self
     }
@@ -165,7 +202,11 @@ impl FakeRoot {
     /// Removes a file or directory a layout created, to fake a machine that lacks it.
     pub fn remove(self, absolute: &str) -> Self {
         let path = self.host_path(absolute);
-        let result = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        let result = if path.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
         result.unwrap_or_else(|e| panic!("remove {}: {e}", path.display()));
         self
     }
@@ -207,7 +248,8 @@ impl FakeRoot {
                 "processor\t: {cpu}\nvendor_id\t: {vendor_id}\ncpu family\t: 25\nmodel name\t: {model_name}\nflags\t\t: fpu sse2 avx2\n\n"
             ));
         }
-        self.file("/sys/devices/system/cpu/online", format!("{online}\n")).file("/proc/cpuinfo", cpuinfo)
+        self.file("/sys/devices/system/cpu/online", format!("{online}\n"))
+            .file("/proc/cpuinfo", cpuinfo)
     }
 
     /// `n` NVIDIA GPUs as the proprietary/open kernel driver shows them: one
@@ -215,7 +257,10 @@ impl FakeRoot {
     /// `/dev/nvidiactl`.
     pub fn nvidia_gpus(mut self, n: u32, model: &str) -> Self {
         self = self
-            .file("/proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05\n")
+            .file(
+                "/proc/driver/nvidia/version",
+                "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05\n",
+            )
             .file("/dev/nvidiactl", "");
         for i in 0..n {
             let bus = format!("0000:{:02x}:00.0", 0x18 + 0x10 * i);
@@ -223,7 +268,9 @@ impl FakeRoot {
                 "Model: \t\t {model}\nIRQ:   \t\t {irq}\nGPU UUID: \t GPU-{i:08x}-1111-2222-3333-444455556666\nVideo BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\nBus Location: \t {bus}\nDevice Minor: \t {i}\nGPU Firmware: \t 580.95.05\nGPU Excluded:\t No\n",
                 irq = 200 + i
             );
-            self = self.file(&format!("/proc/driver/nvidia/gpus/{bus}/information"), info).file(&format!("/dev/nvidia{i}"), "");
+            self = self
+                .file(&format!("/proc/driver/nvidia/gpus/{bus}/information"), info)
+                .file(&format!("/dev/nvidia{i}"), "");
         }
         self
     }
@@ -235,7 +282,9 @@ impl FakeRoot {
             cpu_core_id_base 0\nsimd_id_base 0\nmax_waves_per_simd 0\nlds_size_in_kb 0\ngds_size_in_kb 0\n\
             wave_front_size 0\narray_count 0\ngfx_target_version 0\nvendor_id 0\ndevice_id 0\nlocation_id 0\n\
             domain 0\ndrm_render_minor 0\nmax_engine_clk_ccompute 3700\n";
-        self.file(&format!("{dir}/gpu_id"), "0\n").file(&format!("{dir}/name"), "\n").file(&format!("{dir}/properties"), properties)
+        self.file(&format!("{dir}/gpu_id"), "0\n")
+            .file(&format!("{dir}/name"), "\n")
+            .file(&format!("{dir}/properties"), properties)
     }
 
     /// A KFD GPU node at `/sys/class/kfd/kfd/topology/nodes/<node>`, with its render node.
@@ -272,7 +321,10 @@ impl FakeRoot {
         self = self
             .file("/dev/kfd", "")
             .file("/sys/class/kfd/kfd/topology/generation_id", "1\n")
-            .file("/sys/class/kfd/kfd/topology/system_properties", "platform_oem 0\nplatform_id 0\nplatform_rev 0\n")
+            .file(
+                "/sys/class/kfd/kfd/topology/system_properties",
+                "platform_oem 0\nplatform_id 0\nplatform_rev 0\n",
+            )
             .kfd_cpu_node(0);
         for node in 1..=n {
             self = self.kfd_gpu_node(node, &KfdGpu::mi300x());
@@ -316,13 +368,18 @@ impl FakeRoot {
         ));
         self = self
             .file(&format!("{dir}/device/vendor"), "0x8086\n")
-            .file(&format!("{dir}/device/device"), format!("0x{:04x}\n", gpu.device_id))
+            .file(
+                &format!("{dir}/device/device"),
+                format!("0x{:04x}\n", gpu.device_id),
+            )
             .file(&format!("{dir}/device/uevent"), uevent)
             .file(&format!("{dir}/dev"), format!("226:{card}\n"))
             .dir(&format!("/sys/class/drm/card{card}-DP-1"));
         if gpu.render_node {
             let minor = 128 + card;
-            self = self.dir(&format!("{dir}/device/drm/renderD{minor}")).dir(&format!("/sys/class/drm/renderD{minor}"));
+            self = self
+                .dir(&format!("{dir}/device/drm/renderD{minor}"))
+                .dir(&format!("/sys/class/drm/renderD{minor}"));
         }
         self
     }
@@ -358,12 +415,19 @@ mod tests {
 
     #[test]
     fn files_land_under_the_root_and_env_is_not_inherited() {
-        let root = FakeRoot::new().file("/a/b/c.txt", " hello \n").dir("/empty").env("X", "1");
+        let root = FakeRoot::new()
+            .file("/a/b/c.txt", " hello \n")
+            .dir("/empty")
+            .env("X", "1");
         let probe = root.probe();
         assert_eq!(probe.read_trimmed("/a/b/c.txt").as_deref(), Some("hello"));
         assert!(probe.exists("/empty"));
         assert_eq!(probe.var("X"), Some("1"));
-        assert_eq!(probe.var("PATH"), None, "the test process's environment must not leak in");
+        assert_eq!(
+            probe.var("PATH"),
+            None,
+            "the test process's environment must not leak in"
+        );
         let other = root.probe_with(&FakeEnv::new().set("Y", "").set("Y", "2").unset("X"));
         assert_eq!((other.var("X"), other.var("Y")), (None, Some("2")));
     }
@@ -376,9 +440,15 @@ mod tests {
 
     #[test]
     fn layouts_remove_and_drop() {
-        let root = FakeRoot::new().rocm_gpus(2).ascend_npus(1).remove("/dev/davinci_manager");
+        let root = FakeRoot::new()
+            .rocm_gpus(2)
+            .ascend_npus(1)
+            .remove("/dev/davinci_manager");
         let probe = root.probe();
-        assert_eq!(probe.list_dir("/sys/class/kfd/kfd/topology/nodes"), vec!["0", "1", "2"]);
+        assert_eq!(
+            probe.list_dir("/sys/class/kfd/kfd/topology/nodes"),
+            vec!["0", "1", "2"]
+        );
         assert!(probe.exists("/dev/davinci0") && !probe.exists("/dev/davinci_manager"));
         let path = root.path().to_owned();
         drop(root);

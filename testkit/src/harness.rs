@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use verl_plugin_api::{ComponentKind, Detection, DeviceBox, DeviceInfo, PluginError, ProbeContext};
 use verl_plugin_host::{
-    Component, DEFAULT_DETECT_TIMEOUT, DeviceReport, LoadError, PlatformError, PlatformReport, PluginRecord, Registry, detect_platform,
+    Component, DEFAULT_DETECT_TIMEOUT, DeviceReport, LoadError, PlatformError, PlatformReport,
+    PluginRecord, Registry, detect_platform,
 };
 
 use crate::FakeRoot;
@@ -16,8 +17,17 @@ use crate::FakeRoot;
 /// `cdylib` crate run after cargo has built the library itself, into the directory above `deps/`.
 pub fn built_plugin(lib_name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("path of the running test binary");
-    let file = format!("{}{lib_name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
-    let candidates: Vec<PathBuf> = exe.ancestors().skip(1).take(2).map(|dir| dir.join(&file)).collect();
+    let file = format!(
+        "{}{lib_name}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    );
+    let candidates: Vec<PathBuf> = exe
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join(&file))
+        .collect();
     candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
         panic!(
             "no built plugin `{file}` next to {} (looked at {candidates:?}); is `{lib_name}` a cdylib of this package?",
@@ -43,7 +53,9 @@ pub struct PluginHarness {
 
 impl std::fmt::Debug for PluginHarness {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PluginHarness").field("plugin", self.record()).finish()
+        f.debug_struct("PluginHarness")
+            .field("plugin", self.record())
+            .finish()
     }
 }
 
@@ -79,22 +91,40 @@ impl PluginHarness {
 
     /// The plugin's component of `kind` called `name`; panics listing what it does register.
     pub fn component(&self, kind: ComponentKind, name: &str) -> &Component {
-        self.components().iter().find(|c| c.kind == kind && c.name == name).unwrap_or_else(|| {
-            let have: Vec<String> = self.components().iter().map(|c| format!("{} `{}`", c.kind, c.name)).collect();
-            panic!("plugin `{}` registers no {kind} `{name}`; it registers: {}", self.record().name, have.join(", "))
-        })
+        self.components()
+            .iter()
+            .find(|c| c.kind == kind && c.name == name)
+            .unwrap_or_else(|| {
+                let have: Vec<String> = self
+                    .components()
+                    .iter()
+                    .map(|c| format!("{} `{}`", c.kind, c.name))
+                    .collect();
+                panic!(
+                    "plugin `{}` registers no {kind} `{name}`; it registers: {}",
+                    self.record().name,
+                    have.join(", ")
+                )
+            })
     }
 
     /// Asserts the plugin registers `kind` `name` with `priority`.
     pub fn assert_registers(&self, kind: ComponentKind, name: &str, priority: i32) -> &Self {
         let component = self.component(kind, name);
-        assert_eq!(component.priority, priority, "priority of {kind} `{name}` in plugin `{}`", self.record().name);
+        assert_eq!(
+            component.priority,
+            priority,
+            "priority of {kind} `{name}` in plugin `{}`",
+            self.record().name
+        );
         self
     }
 
     /// A fresh instance of the plugin's device `name`, through the ABI.
     pub fn device(&self, name: &str) -> DeviceBox {
-        self.component(ComponentKind::DEVICE, name).create_device().unwrap_or_else(|e| panic!("{e}"))
+        self.component(ComponentKind::DEVICE, name)
+            .create_device()
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     pub fn info(&self, name: &str) -> Result<DeviceInfo, PluginError> {
@@ -146,7 +176,13 @@ impl Selection {
 
     /// Asserts `name` was selected; on failure shows every candidate's detection.
     pub fn assert_selected(&self, name: &str) -> &DeviceReport {
-        assert_eq!(self.selected(), Some(name), "selection: {:?}\n{}", self.result, self.table());
+        assert_eq!(
+            self.selected(),
+            Some(name),
+            "selection: {:?}\n{}",
+            self.result,
+            self.table()
+        );
         self.device(name)
     }
 
@@ -154,13 +190,20 @@ impl Selection {
     pub fn error(&self) -> &PlatformError {
         match &self.result {
             Err(e) => e,
-            Ok(name) => panic!("expected selection to fail, but `{name}` was selected\n{}", self.table()),
+            Ok(name) => panic!(
+                "expected selection to fail, but `{name}` was selected\n{}",
+                self.table()
+            ),
         }
     }
 
     /// The report of device `name`; panics if no such device was probed.
     pub fn device(&self, name: &str) -> &DeviceReport {
-        self.report.devices.iter().find(|d| d.name == name).unwrap_or_else(|| panic!("no device `{name}` in\n{}", self.table()))
+        self.report
+            .devices
+            .iter()
+            .find(|d| d.name == name)
+            .unwrap_or_else(|| panic!("no device `{name}` in\n{}", self.table()))
     }
 
     /// One line per candidate, for assertion messages.
@@ -168,7 +211,12 @@ impl Selection {
         self.report
             .devices
             .iter()
-            .map(|d| format!("  {:<8} prio {:>4}  available={:<5} count={}  {}", d.name, d.priority, d.available, d.count, d.reason))
+            .map(|d| {
+                format!(
+                    "  {:<8} prio {:>4}  available={:<5} count={}  {}",
+                    d.name, d.priority, d.available, d.count, d.reason
+                )
+            })
             .collect::<Vec<_>>()
             .join("\n")
     }
@@ -183,7 +231,11 @@ mod tests {
     fn file_with(bytes: &[u8]) -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let path = dir.path().join(format!("{}bogus{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX));
+        let path = dir.path().join(format!(
+            "{}bogus{}",
+            std::env::consts::DLL_PREFIX,
+            std::env::consts::DLL_SUFFIX
+        ));
         std::fs::write(&path, bytes).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         (dir, path)
@@ -201,7 +253,10 @@ mod tests {
     fn a_writable_file_is_refused_before_loading() {
         let (_dir, path) = file_with(b"x");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-        assert!(matches!(PluginHarness::load_alone(&path).unwrap_err(), LoadError::Writable { .. }));
+        assert!(matches!(
+            PluginHarness::load_alone(&path).unwrap_err(),
+            LoadError::Writable { .. }
+        ));
     }
 
     #[test]
@@ -211,13 +266,25 @@ mod tests {
         let selection = select_platform(&registry, &cpu.probe());
         assert_eq!(selection.assert_selected("cpu").count, 4);
 
-        let gpus = FakeRoot::new().nvidia_gpus(2, "NVIDIA H100 80GB HBM3").env("CUDA_VISIBLE_DEVICES", "1");
+        let gpus = FakeRoot::new()
+            .nvidia_gpus(2, "NVIDIA H100 80GB HBM3")
+            .env("CUDA_VISIBLE_DEVICES", "1");
         let cuda = select_platform(&registry, &gpus.probe());
-        assert_eq!(cuda.assert_selected("cuda").device_names, ["NVIDIA H100 80GB HBM3"]);
+        assert_eq!(
+            cuda.assert_selected("cuda").device_names,
+            ["NVIDIA H100 80GB HBM3"]
+        );
         assert!(cuda.table().contains("cpu"), "{}", cuda.table());
 
-        let unknown = select_platform(&registry, &FakeRoot::new().env("VERL_PLATFORM", "Nope").probe());
-        assert!(unknown.error().to_string().contains("cpu, cuda"), "{}", unknown.error());
+        let unknown = select_platform(
+            &registry,
+            &FakeRoot::new().env("VERL_PLATFORM", "Nope").probe(),
+        );
+        assert!(
+            unknown.error().to_string().contains("cpu, cuda"),
+            "{}",
+            unknown.error()
+        );
         assert_eq!(unknown.selected(), None);
     }
 }

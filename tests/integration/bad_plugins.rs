@@ -19,7 +19,10 @@ fn assert_rejected(list: &serde_json::Value, file: &str, needles: &[&str]) {
     let error = entry["error"].as_str().unwrap();
     assert!(error.contains(file), "error should name the file: {error}");
     for needle in needles {
-        assert!(error.contains(needle), "error should mention `{needle}`: {error}");
+        assert!(
+            error.contains(needle),
+            "error should mention `{needle}`: {error}"
+        );
     }
 }
 
@@ -60,8 +63,21 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     std::fs::write(dir.path().join("README.md"), "plugins live here\n").unwrap();
     std::fs::write(dir.path().join("libverl_plugin_rocm.so.sha256"), "x\n").unwrap();
 
-    let out = verl_core(&["plugins", "list", "--json", "--plugin-dir", dir.path().to_str().unwrap()], &[]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let list = stdout_json(&out);
     assert_loaded(&list, ROCM);
     assert_loaded(&list, ASCEND);
@@ -70,10 +86,17 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     assert_rejected(&list, "libnoroot.so", &["not a loadable verl-core plugin"]);
     assert_rejected(&list, "libmajor.so", &["2.0.0", "1.0.0", "major"]);
     assert_rejected(&list, "libminor.so", &["1.1.0", "1.0.0", "newer"]);
-    assert_rejected(&list, "libpanicreg.so", &["registration", "fixture registration exploded"]);
+    assert_rejected(
+        &list,
+        "libpanicreg.so",
+        &["registration", "fixture registration exploded"],
+    );
     // Non-plugin files are skipped quietly: not listed, not warned about.
     let listed = list["plugins"].to_string();
-    assert!(!listed.contains("README") && !listed.contains(".sha256"), "{listed}");
+    assert!(
+        !listed.contains("README") && !listed.contains(".sha256"),
+        "{listed}"
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("README"), "{stderr}");
     // The good plugins' devices still take part in detection.
@@ -89,8 +112,20 @@ fn a_plugin_built_against_an_older_minor_loads() {
     // boundary that does: a plugin on exactly the core's version, built separately.
     let same = fixture_plugin(&[], Some("1.0.0"));
     let dir = plugin_dir(&[("libsame.so", &same)]);
-    let out = verl_core(&["plugins", "check", "--json", dir.path().join("libsame.so").to_str().unwrap()], &[]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = verl_core(
+        &[
+            "plugins",
+            "check",
+            "--json",
+            dir.path().join("libsame.so").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert_loaded(&stdout_json(&out), "libsame.so");
 }
 
@@ -102,40 +137,147 @@ fn panicking_and_hanging_detection_fail_alone() {
         (ROCM, &bundled_plugin("verl_plugin_rocm")),
     ]);
     let start = Instant::now();
-    let out = verl_core(&["platform", "--json", "--detect-timeout-ms", "500", "--plugin-dir", dir.path().to_str().unwrap()], &[]);
+    let out = verl_core(
+        &[
+            "platform",
+            "--json",
+            "--detect-timeout-ms",
+            "500",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+        &[],
+    );
     let elapsed = start.elapsed();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(elapsed < Duration::from_secs(10), "a hung detection must not hang the host ({elapsed:?})");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "a hung detection must not hang the host ({elapsed:?})"
+    );
     let platform = stdout_json(&out);
     assert_eq!(platform["selected"], "cpu");
     let panicky = device(&platform, "panicky");
     assert_eq!(panicky["available"], false);
-    assert!(panicky["error"].as_str().unwrap().contains("panicked in detect: fixture detection exploded"), "{panicky:#}");
+    assert!(
+        panicky["error"]
+            .as_str()
+            .unwrap()
+            .contains("panicked in detect: fixture detection exploded"),
+        "{panicky:#}"
+    );
     let hangs = device(&platform, "hangs");
     assert_eq!(hangs["available"], false);
-    assert!(hangs["error"].as_str().unwrap().contains("did not finish within 500ms"), "{hangs:#}");
+    assert!(
+        hangs["error"]
+            .as_str()
+            .unwrap()
+            .contains("did not finish within 500ms"),
+        "{hangs:#}"
+    );
     assert!(device(&platform, "rocm")["error"].is_null());
 }
 
 #[test]
 fn same_name_and_priority_is_a_conflict_naming_both_files() {
-    let rocm = bundled_plugin("verl_plugin_rocm");
-    let dir = plugin_dir(&[("liba_rocm.so", &rocm), ("libb_rocm.so", &rocm), (ASCEND, &bundled_plugin("verl_plugin_ascend"))]);
-    let out = verl_core(&["plugins", "list", "--json", "--plugin-dir", dir.path().to_str().unwrap()], &[]);
+    let clone = fixture_plugin(&["rocm-clone"], None);
+    let dir = plugin_dir(&[
+        (ROCM, &bundled_plugin("verl_plugin_rocm")),
+        ("librocm_clone.so", &clone),
+        (ASCEND, &bundled_plugin("verl_plugin_ascend")),
+    ]);
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+        &[],
+    );
     let list = stdout_json(&out);
     assert_loaded(&list, ASCEND);
     let conflicts = list["conflicts"].as_array().unwrap();
     assert_eq!(conflicts.len(), 1, "{list:#}");
     let error = conflicts[0]["error"].as_str().unwrap();
-    assert!(error.contains("liba_rocm.so") && error.contains("libb_rocm.so") && error.contains("priority 90"), "{error}");
-    for file in ["liba_rocm.so", "libb_rocm.so"] {
-        assert_eq!(plugin_entry(&list, file)["components"][0]["status"], "conflict");
+    assert!(
+        error.contains(ROCM) && error.contains("librocm_clone.so") && error.contains("priority 90"),
+        "{error}"
+    );
+    for file in [ROCM, "librocm_clone.so"] {
+        assert_eq!(
+            plugin_entry(&list, file)["components"][0]["status"],
+            "conflict"
+        );
     }
     let rocm_device = device(&list["platform"], "rocm");
-    assert!(rocm_device["error"].as_str().unwrap().contains("libb_rocm.so"), "{rocm_device:#}");
-    // `plugins check` on one copy alone is fine.
-    let out = verl_core(&["plugins", "check", dir.path().join("liba_rocm.so").to_str().unwrap()], &[]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        rocm_device["error"]
+            .as_str()
+            .unwrap()
+            .contains("librocm_clone.so"),
+        "{rocm_device:#}"
+    );
+    assert_eq!(list["platform"]["selected"], "cpu");
+    // `plugins check` reports the conflict with the bundled plugin only when both are loaded.
+    let out = verl_core(
+        &[
+            "plugins",
+            "check",
+            dir.path().join("librocm_clone.so").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn a_second_copy_of_a_plugin_is_ignored_in_favour_of_the_first_found() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let first = plugin_dir(&[(ROCM, &rocm)]);
+    let second = plugin_dir(&[(ROCM, &rocm)]);
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            first.path().to_str().unwrap(),
+            "--plugin-dir",
+            second.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    let list = stdout_json(&out);
+    assert!(list["conflicts"].as_array().unwrap().is_empty(), "{list:#}");
+    let entries: Vec<&serde_json::Value> = list["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["path"].as_str().unwrap().ends_with(ROCM))
+        .collect();
+    assert_eq!(entries.len(), 2);
+    assert_eq!(entries[0]["status"], "loaded");
+    assert!(
+        entries[0]["path"]
+            .as_str()
+            .unwrap()
+            .starts_with(first.path().to_str().unwrap())
+    );
+    assert_eq!(entries[1]["status"], "rejected");
+    let error = entries[1]["error"].as_str().unwrap();
+    assert!(
+        error.contains("already loaded from") && error.contains(first.path().to_str().unwrap()),
+        "{error}"
+    );
 }
 
 #[test]
@@ -147,26 +289,65 @@ fn writable_plugins_and_directories_are_refused_before_loading() {
     let open_dir = plugin_dir(&[("libverl_plugin_other.so", &ascend)]);
     set_mode(open_dir.path(), 0o777);
     let out = verl_core(
-        &["plugins", "list", "--json", "--plugin-dir", safe.path().to_str().unwrap(), "--plugin-dir", open_dir.path().to_str().unwrap()],
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            safe.path().to_str().unwrap(),
+            "--plugin-dir",
+            open_dir.path().to_str().unwrap(),
+        ],
         &[],
     );
     let list = stdout_json(&out);
     assert_loaded(&list, ROCM);
-    assert_rejected(&list, ASCEND, &["writable by group or others", "file", "666"]);
-    assert_rejected(&list, "libverl_plugin_other.so", &["writable by group or others", "directory", "777"]);
-    let out = verl_core(&["plugins", "check", safe.path().join(ASCEND).to_str().unwrap()], &[]);
+    assert_rejected(
+        &list,
+        ASCEND,
+        &["writable by group or others", "file", "666"],
+    );
+    assert_rejected(
+        &list,
+        "libverl_plugin_other.so",
+        &["writable by group or others", "directory", "777"],
+    );
+    let out = verl_core(
+        &[
+            "plugins",
+            "check",
+            safe.path().join(ASCEND).to_str().unwrap(),
+        ],
+        &[],
+    );
     assert!(!out.status.success());
 }
 
 #[test]
 fn allow_list_admits_only_listed_digests() {
     let rocm = bundled_plugin("verl_plugin_rocm");
-    let dir = plugin_dir(&[(ROCM, &rocm), (ASCEND, &bundled_plugin("verl_plugin_ascend"))]);
-    let digest = String::from_utf8(std::process::Command::new("sha256sum").arg(&rocm).output().unwrap().stdout).unwrap();
+    let dir = plugin_dir(&[
+        (ROCM, &rocm),
+        (ASCEND, &bundled_plugin("verl_plugin_ascend")),
+    ]);
+    let digest = String::from_utf8(
+        std::process::Command::new("sha256sum")
+            .arg(&rocm)
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
     let allow = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(allow.path(), digest).unwrap();
     let out = verl_core(
-        &["plugins", "list", "--json", "--plugin-dir", dir.path().to_str().unwrap()],
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
         &[("VERL_PLUGIN_ALLOWLIST", allow.path().to_str().unwrap())],
     );
     let list = stdout_json(&out);
@@ -181,12 +362,34 @@ fn discovery_order_is_flags_then_env_path() {
     let second = plugin_dir(&[(ASCEND, &bundled_plugin("verl_plugin_ascend"))]);
     let missing = first.path().join("nope");
     let out = verl_core(
-        &["plugins", "list", "--json", "--plugin-dir", first.path().to_str().unwrap()],
-        &[("VERL_PLUGIN_PATH", &format!("{}:{}", second.path().display(), missing.display()))],
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            first.path().to_str().unwrap(),
+        ],
+        &[(
+            "VERL_PLUGIN_PATH",
+            &format!("{}:{}", second.path().display(), missing.display()),
+        )],
     );
     let list = stdout_json(&out);
-    let paths: Vec<&str> = list["plugins"].as_array().unwrap().iter().map(|p| p["path"].as_str().unwrap()).collect();
-    let pos = |needle: &str| paths.iter().position(|p| p.ends_with(needle)).unwrap_or_else(|| panic!("{needle} in {paths:?}"));
-    assert!(pos("<built-in>") < pos("liba_rocm.so") && pos("liba_rocm.so") < pos(ASCEND), "{paths:?}");
+    let paths: Vec<&str> = list["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["path"].as_str().unwrap())
+        .collect();
+    let pos = |needle: &str| {
+        paths
+            .iter()
+            .position(|p| p.ends_with(needle))
+            .unwrap_or_else(|| panic!("{needle} in {paths:?}"))
+    };
+    assert!(
+        pos("<built-in>") < pos("liba_rocm.so") && pos("liba_rocm.so") < pos(ASCEND),
+        "{paths:?}"
+    );
     assert_rejected(&list, "nope", &["cannot read plugin directory"]);
 }

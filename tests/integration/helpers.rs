@@ -10,11 +10,16 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is inside the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is inside the workspace")
+        .to_path_buf()
 }
 
 pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
 }
 
 fn cargo() -> Command {
@@ -22,12 +27,18 @@ fn cargo() -> Command {
 }
 
 fn run_cargo(mut cmd: Command, what: &str) {
-    let status = cmd.status().unwrap_or_else(|e| panic!("running cargo for {what}: {e}"));
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("running cargo for {what}: {e}"));
     assert!(status.success(), "cargo failed building {what}");
 }
 
 pub fn dylib_name(lib: &str) -> String {
-    format!("{}{lib}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
+    format!(
+        "{}{lib}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    )
 }
 
 /// The release `verl-core` binary and the workspace's plugin libraries, built once (a no-op when the
@@ -41,10 +52,22 @@ pub fn release() -> &'static Release {
     static RELEASE: OnceLock<Release> = OnceLock::new();
     RELEASE.get_or_init(|| {
         let mut cmd = cargo();
-        cmd.current_dir(workspace_root()).args(["build", "--release", "-p", "verl-core", "-p", "verl-plugin-rocm", "-p", "verl-plugin-ascend"]);
+        cmd.current_dir(workspace_root()).args([
+            "build",
+            "--release",
+            "-p",
+            "verl-core",
+            "-p",
+            "verl-plugin-rocm",
+            "-p",
+            "verl-plugin-ascend",
+        ]);
         run_cargo(cmd, "the release binary and plugins");
         let dir = target_dir().join("release");
-        Release { binary: dir.join("verl-core"), dir }
+        Release {
+            binary: dir.join("verl-core"),
+            dir,
+        }
     })
 }
 
@@ -59,21 +82,39 @@ pub fn fixture_plugin(features: &[&str], api_version: Option<&str>) -> PathBuf {
     // and run one at a time because a feature change rebuilds the same crate.
     static LOCK: Mutex<()> = Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let key = format!("{}-{}", api_version.unwrap_or("current"), if features.is_empty() { "default".into() } else { features.join("+") });
-    let out = target_dir().join("fixture-plugins").join(dylib_name(&format!("verl_test_plugin_{key}")));
+    let key = format!(
+        "{}-{}",
+        api_version.unwrap_or("current"),
+        if features.is_empty() {
+            "default".into()
+        } else {
+            features.join("+")
+        }
+    );
+    let out = target_dir()
+        .join("fixture-plugins")
+        .join(dylib_name(&format!("verl_test_plugin_{key}")));
     let fixture = workspace_root().join("tests/fixtures/test-plugin");
     let manifest = match api_version {
         None => fixture.join("Cargo.toml"),
         Some(version) => versioned_fixture(&fixture, version),
     };
     let mut cmd = cargo();
-    cmd.args(["build", "--quiet", "--manifest-path"]).arg(&manifest).env("CARGO_TARGET_DIR", target_dir().join("fixture-build"));
+    cmd.args(["build", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .env("CARGO_TARGET_DIR", target_dir().join("fixture-build"));
     if !features.is_empty() {
         cmd.args(["--features", &features.join(",")]);
     }
     run_cargo(cmd, &format!("the test plugin ({key})"));
     std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-    std::fs::copy(target_dir().join("fixture-build/debug").join(dylib_name("verl_test_plugin")), &out).unwrap();
+    std::fs::copy(
+        target_dir()
+            .join("fixture-build/debug")
+            .join(dylib_name("verl_test_plugin")),
+        &out,
+    )
+    .unwrap();
     out
 }
 
@@ -84,7 +125,10 @@ fn versioned_fixture(fixture: &Path, version: &str) -> PathBuf {
     let api = base.join("plugin-api");
     copy_dir(&workspace_root().join("plugin-api/src"), &api.join("src"));
     let real = std::fs::read_to_string(workspace_root().join("plugin-api/Cargo.toml")).unwrap();
-    assert!(real.contains("version = \"1.0.0\""), "update the version bump tests: plugin-api's version changed");
+    assert!(
+        real.contains("version = \"1.0.0\""),
+        "update the version bump tests: plugin-api's version changed"
+    );
     std::fs::write(
         api.join("Cargo.toml"),
         format!(
@@ -95,7 +139,9 @@ fn versioned_fixture(fixture: &Path, version: &str) -> PathBuf {
     .unwrap();
     let plugin = base.join("test-plugin");
     copy_dir(&fixture.join("src"), &plugin.join("src"));
-    let manifest = std::fs::read_to_string(fixture.join("Cargo.toml")).unwrap().replace("../../../plugin-api", "../plugin-api");
+    let manifest = std::fs::read_to_string(fixture.join("Cargo.toml"))
+        .unwrap()
+        .replace("../../../plugin-api", "../plugin-api");
     std::fs::write(plugin.join("Cargo.toml"), manifest).unwrap();
     plugin.join("Cargo.toml")
 }
@@ -115,11 +161,15 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// A fresh plugin directory (mode 755) holding copies of `plugins` (mode 644), named as given.
 pub fn plugin_dir(plugins: &[(&str, &Path)]) -> TempDir {
-    let dir = tempfile::Builder::new().prefix("verl-plugins-").tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("verl-plugins-")
+        .tempdir()
+        .unwrap();
     set_mode(dir.path(), 0o755);
     for (name, source) in plugins {
         let dest = dir.path().join(name);
-        std::fs::copy(source, &dest).unwrap_or_else(|e| panic!("copying {}: {e}", source.display()));
+        std::fs::copy(source, &dest)
+            .unwrap_or_else(|e| panic!("copying {}: {e}", source.display()));
         set_mode(&dest, 0o644);
     }
     dir
@@ -133,7 +183,11 @@ pub fn set_mode(path: &Path, mode: u32) {
 /// leak into a test.
 pub fn verl_core(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(&release().binary);
-    cmd.env_clear().env("PATH", std::env::var_os("PATH").unwrap_or_default()).args(args);
+    // No default plugin directory: an installed target/release/plugins must not leak into tests.
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("VERL_PLUGIN_DEFAULT_DIR", "")
+        .args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -156,7 +210,11 @@ pub fn plugin_entry<'a>(list: &'a Value, file_name: &str) -> &'a Value {
         .as_array()
         .unwrap()
         .iter()
-        .find(|p| p["path"].as_str().is_some_and(|path| path.ends_with(file_name)))
+        .find(|p| {
+            p["path"]
+                .as_str()
+                .is_some_and(|path| path.ends_with(file_name))
+        })
         .unwrap_or_else(|| panic!("no plugin {file_name} in {list:#}"))
 }
 

@@ -11,13 +11,32 @@ use crate::helpers::*;
 /// `verl-core platform --json` with the bundled plugins on `root`, its fake environment only.
 fn platform(root: &FakeRoot) -> (Output, Value) {
     let dir = plugin_dir(&[
-        ("libverl_plugin_rocm.so", &bundled_plugin("verl_plugin_rocm")),
-        ("libverl_plugin_ascend.so", &bundled_plugin("verl_plugin_ascend")),
+        (
+            "libverl_plugin_rocm.so",
+            &bundled_plugin("verl_plugin_rocm"),
+        ),
+        (
+            "libverl_plugin_ascend.so",
+            &bundled_plugin("verl_plugin_ascend"),
+        ),
     ]);
     let root_path = root.path().to_str().unwrap().to_owned();
-    let mut env: Vec<(&str, &str)> = root.fake_env().vars().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut env: Vec<(&str, &str)> = root
+        .fake_env()
+        .vars()
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     env.push(("VERL_PROBE_ROOT", &root_path));
-    let out = verl_core(&["platform", "--json", "--plugin-dir", dir.path().to_str().unwrap()], &env);
+    let out = verl_core(
+        &[
+            "platform",
+            "--json",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+        &env,
+    );
     let json = stdout_json(&out);
     (out, json)
 }
@@ -28,7 +47,11 @@ fn machine() -> FakeRoot {
 
 fn assert_selected(root: &FakeRoot, name: &str, count: u64) -> Value {
     let (out, json) = platform(root);
-    assert!(out.status.success(), "{json:#}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{json:#}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(json["selected"], name, "{json:#}");
     assert_eq!(device(&json, name)["count"], count, "{json:#}");
     json
@@ -53,7 +76,12 @@ fn cpu_is_the_fallback_on_a_machine_without_accelerators() {
         assert_eq!(d["available"], false);
         assert!(!d["reason"].as_str().unwrap().is_empty());
     }
-    assert_eq!(device(&json, "cpu")["reason"].as_str().map(|r| r.contains("8")), Some(true));
+    assert_eq!(
+        device(&json, "cpu")["reason"]
+            .as_str()
+            .map(|r| r.contains("8")),
+        Some(true)
+    );
 }
 
 #[test]
@@ -64,64 +92,143 @@ fn rocm_counts_gpu_nodes_not_cpu_nodes() {
     assert_eq!(rocm["comm_backend"], "nccl");
     assert_eq!(rocm["device_type"], "cuda");
     // Non-contiguous node numbering with an extra CPU node in the middle.
-    let root = machine().rocm_gpus(0).kfd_gpu_node(2, &KfdGpu::mi250x()).kfd_cpu_node(3).kfd_gpu_node(7, &KfdGpu::mi300x());
+    let root = machine()
+        .rocm_gpus(0)
+        .kfd_gpu_node(2, &KfdGpu::mi250x())
+        .kfd_cpu_node(3)
+        .kfd_gpu_node(7, &KfdGpu::mi300x());
     assert_selected(&root, "rocm", 2);
 }
 
 #[test]
 fn rocm_visible_device_filters() {
-    assert_selected(&machine().rocm_gpus(4).env("ROCR_VISIBLE_DEVICES", "0,2"), "rocm", 2);
-    let json = assert_selected(&machine().rocm_gpus(4).env("HIP_VISIBLE_DEVICES", "3"), "rocm", 1);
+    assert_selected(
+        &machine().rocm_gpus(4).env("ROCR_VISIBLE_DEVICES", "0,2"),
+        "rocm",
+        2,
+    );
+    let json = assert_selected(
+        &machine().rocm_gpus(4).env("HIP_VISIBLE_DEVICES", "3"),
+        "rocm",
+        1,
+    );
     let updates = device(&json, "rocm")["env_updates"].to_string();
-    assert!(updates.contains("CUDA_VISIBLE_DEVICES") && updates.contains('3'), "HIP is translated for CUDA libraries: {updates}");
+    assert!(
+        updates.contains("CUDA_VISIBLE_DEVICES") && updates.contains('3'),
+        "HIP is translated for CUDA libraries: {updates}"
+    );
     // Everything hidden: not available, so the CPU takes over.
-    assert_selected(&machine().rocm_gpus(2).env("HIP_VISIBLE_DEVICES", ""), "cpu", 8);
+    assert_selected(
+        &machine().rocm_gpus(2).env("HIP_VISIBLE_DEVICES", ""),
+        "cpu",
+        8,
+    );
 }
 
 #[test]
 fn rocr_and_cuda_visible_devices_together_are_an_error() {
-    let root = machine().rocm_gpus(2).env("ROCR_VISIBLE_DEVICES", "0").env("CUDA_VISIBLE_DEVICES", "1");
-    assert_selection_error(&root, &["rocm", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"]);
+    let root = machine()
+        .rocm_gpus(2)
+        .env("ROCR_VISIBLE_DEVICES", "0")
+        .env("CUDA_VISIBLE_DEVICES", "1");
+    assert_selection_error(
+        &root,
+        &["rocm", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"],
+    );
 }
 
 #[test]
 fn ascend_counts_davinci_devices_and_filters() {
     let json = assert_selected(&machine().ascend_npus(8), "ascend", 8);
     let ascend = device(&json, "ascend");
-    assert_eq!((ascend["vendor"].as_str(), ascend["comm_backend"].as_str()), (Some("huawei"), Some("hccl")));
-    assert_selected(&machine().ascend_npus(8).env("ASCEND_RT_VISIBLE_DEVICES", "1,3,5"), "ascend", 3);
+    assert_eq!(
+        (ascend["vendor"].as_str(), ascend["comm_backend"].as_str()),
+        (Some("huawei"), Some("hccl"))
+    );
+    assert_selected(
+        &machine()
+            .ascend_npus(8)
+            .env("ASCEND_RT_VISIBLE_DEVICES", "1,3,5"),
+        "ascend",
+        3,
+    );
     // Control devices alone are no NPU.
     assert_selected(&machine().ascend_npus(0), "cpu", 8);
 }
 
 #[test]
 fn nvidia_from_driver_proc_entries_and_filters() {
-    let json = assert_selected(&machine().nvidia_gpus(2, "NVIDIA H100 80GB HBM3"), "cuda", 2);
-    assert!(device(&json, "cuda")["device_names"].to_string().contains("H100"), "{json:#}");
-    assert_selected(&machine().nvidia_gpus(4, "NVIDIA A100").env("CUDA_VISIBLE_DEVICES", "1,2"), "cuda", 2);
-    assert_selected(&machine().nvidia_gpus(2, "NVIDIA A100").env("CUDA_VISIBLE_DEVICES", ""), "cpu", 8);
+    let json = assert_selected(
+        &machine().nvidia_gpus(2, "NVIDIA H100 80GB HBM3"),
+        "cuda",
+        2,
+    );
+    assert!(
+        device(&json, "cuda")["device_names"]
+            .to_string()
+            .contains("H100"),
+        "{json:#}"
+    );
+    assert_selected(
+        &machine()
+            .nvidia_gpus(4, "NVIDIA A100")
+            .env("CUDA_VISIBLE_DEVICES", "1,2"),
+        "cuda",
+        2,
+    );
+    assert_selected(
+        &machine()
+            .nvidia_gpus(2, "NVIDIA A100")
+            .env("CUDA_VISIBLE_DEVICES", ""),
+        "cpu",
+        8,
+    );
 }
 
 #[test]
 fn the_highest_priority_available_platform_wins() {
-    let everything = || machine().nvidia_gpus(2, "NVIDIA H100").rocm_gpus(4).ascend_npus(8);
+    let everything = || {
+        machine()
+            .nvidia_gpus(2, "NVIDIA H100")
+            .rocm_gpus(4)
+            .ascend_npus(8)
+    };
     assert_selected(&everything(), "cuda", 2);
     assert_selected(&machine().rocm_gpus(4).ascend_npus(8), "rocm", 4);
-    assert_selected(&everything().env("CUDA_VISIBLE_DEVICES", "").env("HIP_VISIBLE_DEVICES", ""), "ascend", 8);
+    assert_selected(
+        &everything()
+            .env("CUDA_VISIBLE_DEVICES", "")
+            .env("HIP_VISIBLE_DEVICES", ""),
+        "ascend",
+        8,
+    );
 }
 
 #[test]
 fn verl_platform_overrides_case_insensitively() {
-    let everything = || machine().nvidia_gpus(2, "NVIDIA H100").rocm_gpus(4).ascend_npus(8);
+    let everything = || {
+        machine()
+            .nvidia_gpus(2, "NVIDIA H100")
+            .rocm_gpus(4)
+            .ascend_npus(8)
+    };
     assert_selected(&everything().env("VERL_PLATFORM", "AsCeNd"), "ascend", 8);
     assert_selected(&everything().env("VERL_PLATFORM", "CPU"), "cpu", 8);
     // Another platform's configuration error does not matter when one is chosen explicitly.
-    let conflicting = everything().env("ROCR_VISIBLE_DEVICES", "0").env("CUDA_VISIBLE_DEVICES", "0");
+    let conflicting = everything()
+        .env("ROCR_VISIBLE_DEVICES", "0")
+        .env("CUDA_VISIBLE_DEVICES", "0");
     assert_selected(&conflicting.env("VERL_PLATFORM", "ascend"), "ascend", 8);
 }
 
 #[test]
 fn verl_platform_errors_name_the_valid_choices() {
-    assert_selection_error(&machine().env("VERL_PLATFORM", "tpu"), &["VERL_PLATFORM=tpu", "ascend", "cpu", "cuda", "rocm"]);
-    assert_selection_error(&machine().env("VERL_PLATFORM", "rocm"), &["rocm", "not available", "KFD"]);
+    assert_selection_error(
+        &machine().env("VERL_PLATFORM", "tpu"),
+        &["VERL_PLATFORM=tpu", "ascend", "cpu", "cuda", "rocm"],
+    );
+    assert_selection_error(
+        &machine().env("VERL_PLATFORM", "rocm"),
+        &["rocm", "not available", "KFD"],
+    );
 }

@@ -9,31 +9,53 @@ use crate::helpers::*;
 fn vendor_plugin_built_separately_loads_into_the_release_binary() {
     let manifest = workspace_root().join("examples/vendor-plugin/Cargo.toml");
     let target = target_dir().join("vendor-plugin");
-    let status = std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-        .args(["build", "--release", "--quiet", "--manifest-path"])
-        .arg(&manifest)
-        .env("CARGO_TARGET_DIR", &target)
-        .status()
-        .unwrap();
+    let status =
+        std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+            .args(["build", "--release", "--quiet", "--manifest-path"])
+            .arg(&manifest)
+            .env("CARGO_TARGET_DIR", &target)
+            .status()
+            .unwrap();
     assert!(status.success(), "building the vendor example");
     let lib = target.join("release").join(dylib_name("verl_plugin_xpu"));
     let dir = plugin_dir(&[("libverl_plugin_xpu.so", &lib)]);
     let dir_arg = dir.path().to_str().unwrap();
 
-    let out = verl_core(&["plugins", "check", "--json", dir.path().join("libverl_plugin_xpu.so").to_str().unwrap()], &[]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = verl_core(
+        &[
+            "plugins",
+            "check",
+            "--json",
+            dir.path().join("libverl_plugin_xpu.so").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let check = stdout_json(&out);
     let entry = plugin_entry(&check, "libverl_plugin_xpu.so");
     assert_eq!(entry["components"][0]["kind"], "device");
     assert_eq!(entry["components"][0]["name"], "xpu");
 
-    let root = FakeRoot::new().cpus("0-3", "GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+").intel_gpus(2, true);
+    let root = FakeRoot::new()
+        .cpus("0-3", "GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+")
+        .intel_gpus(2, true);
     let root_path = root.path().to_str().unwrap();
-    let out = verl_core(&["platform", "--json", "--plugin-dir", dir_arg], &[("VERL_PROBE_ROOT", root_path)]);
+    let out = verl_core(
+        &["platform", "--json", "--plugin-dir", dir_arg],
+        &[("VERL_PROBE_ROOT", root_path)],
+    );
     let platform = stdout_json(&out);
     assert!(out.status.success(), "{platform:#}");
     assert_eq!(platform["selected"], "xpu", "{platform:#}");
-    assert_eq!(device(&platform, "xpu")["count"], 2, "only the discrete GPUs count: {platform:#}");
+    assert_eq!(
+        device(&platform, "xpu")["count"],
+        2,
+        "only the discrete GPUs count: {platform:#}"
+    );
 
     let out = verl_core(
         &["platform", "--json", "--plugin-dir", dir_arg],

@@ -32,9 +32,12 @@ impl Device for CpuDevice {
             // Containers without /sys still have at least the CPU this code runs on.
             None => (1, "assumed (/sys/devices/system/cpu/online unreadable)"),
         };
-        let info = cpuinfo_prefix(probe).map(|text| CpuIdentity::parse(&text)).unwrap_or_default();
+        let info = cpuinfo_prefix(probe)
+            .map(|text| CpuIdentity::parse(&text))
+            .unwrap_or_default();
         let vendor = info.vendor.as_deref().unwrap_or("unknown vendor");
-        let mut detection = Detection::available(count, format!("{count} CPU(s) {source}; {vendor}"));
+        let mut detection =
+            Detection::available(count, format!("{count} CPU(s) {source}; {vendor}"));
         detection.device_names = vec![info.model.unwrap_or_else(|| "CPU".to_owned()).into()].into();
         Ok(detection)
     }
@@ -75,8 +78,12 @@ impl CpuIdentity {
                 (k.trim() == key && !v.trim().is_empty()).then(|| v.trim().to_owned())
             })
         };
-        let vendor = field("vendor_id").or_else(|| field("CPU implementer").map(|id| format!("CPU implementer {id}")));
-        Self { vendor, model: field("model name") }
+        let vendor = field("vendor_id")
+            .or_else(|| field("CPU implementer").map(|id| format!("CPU implementer {id}")));
+        Self {
+            vendor,
+            model: field("model name"),
+        }
     }
 }
 
@@ -98,12 +105,18 @@ mod tests {
     #[test]
     fn counts_online_cpus_and_reads_the_vendor() {
         let cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\n\nprocessor\t: 1\n";
-        let (_dir, probe) = probe_with(&[("/sys/devices/system/cpu/online", "0-15\n"), ("/proc/cpuinfo", cpuinfo)]);
+        let (_dir, probe) = probe_with(&[
+            ("/sys/devices/system/cpu/online", "0-15\n"),
+            ("/proc/cpuinfo", cpuinfo),
+        ]);
         let d = CpuDevice.detect(&probe).unwrap();
         assert!(d.available);
         assert_eq!(d.count, 16);
         assert!(d.reason.contains("AuthenticAMD"), "{}", d.reason);
-        assert_eq!(d.device_names.as_slice(), ["AMD EPYC 9654 96-Core Processor"]);
+        assert_eq!(
+            d.device_names.as_slice(),
+            ["AMD EPYC 9654 96-Core Processor"]
+        );
     }
 
     #[test]
@@ -122,7 +135,11 @@ mod tests {
         let (_dir, probe) = probe_with(&[]);
         let d = CpuDevice.detect(&probe).unwrap();
         assert!(d.available && d.count == 1, "{d:?}");
-        assert!(d.reason.contains("assumed") && d.reason.contains("unknown vendor"), "{}", d.reason);
+        assert!(
+            d.reason.contains("assumed") && d.reason.contains("unknown vendor"),
+            "{}",
+            d.reason
+        );
         assert_eq!(d.device_names.as_slice(), ["CPU"]);
 
         let (_dir, probe) = probe_with(&[("/sys/devices/system/cpu/online", "garbage")]);
@@ -131,8 +148,12 @@ mod tests {
 
     #[test]
     fn arm_cpuinfo_has_no_vendor_id() {
-        let cpuinfo = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n";
-        let (_dir, probe) = probe_with(&[("/sys/devices/system/cpu/online", "0-63"), ("/proc/cpuinfo", cpuinfo)]);
+        let cpuinfo =
+            "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n";
+        let (_dir, probe) = probe_with(&[
+            ("/sys/devices/system/cpu/online", "0-63"),
+            ("/proc/cpuinfo", cpuinfo),
+        ]);
         let d = CpuDevice.detect(&probe).unwrap();
         assert_eq!(d.count, 64);
         assert!(d.reason.contains("CPU implementer 0x41"), "{}", d.reason);
@@ -140,18 +161,29 @@ mod tests {
 
     #[test]
     fn reads_only_the_start_of_a_huge_cpuinfo() {
-        let mut cpuinfo = String::from("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\n\n");
+        let mut cpuinfo =
+            String::from("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\n\n");
         cpuinfo.push_str(&"processor\t: n\nvendor_id\t: Other\nflags\t: x\n\n".repeat(50_000));
         let (_dir, probe) = probe_with(&[("/proc/cpuinfo", &cpuinfo)]);
         let text = cpuinfo_prefix(&probe).unwrap();
         assert_eq!(text.len() as u64, CPUINFO_PREFIX);
-        assert_eq!(CpuIdentity::parse(&text).vendor.as_deref(), Some("GenuineIntel"));
+        assert_eq!(
+            CpuIdentity::parse(&text).vendor.as_deref(),
+            Some("GenuineIntel")
+        );
     }
 
     #[test]
     fn info_is_gloo_with_no_visible_devices_variable() {
         let info = CpuDevice.info();
-        assert_eq!((info.name.as_str(), info.device_type.as_str(), info.comm_backend.as_str()), ("cpu", "cpu", "gloo"));
+        assert_eq!(
+            (
+                info.name.as_str(),
+                info.device_type.as_str(),
+                info.comm_backend.as_str()
+            ),
+            ("cpu", "cpu", "gloo")
+        );
         assert!(info.visible_devices_env.is_empty());
     }
 }

@@ -32,20 +32,35 @@ impl Device for CudaDevice {
         let (gpus, source) = match proc_gpus(probe) {
             gpus if !gpus.is_empty() => (gpus, PROC_GPUS.to_owned()),
             _ => match dev_nodes(probe) {
-                Ok(n) => (vec![ProcGpu::default(); n], "/dev/nvidia* device nodes".to_owned()),
+                Ok(n) => (
+                    vec![ProcGpu::default(); n],
+                    "/dev/nvidia* device nodes".to_owned(),
+                ),
                 Err(reason) => return Ok(Detection::unavailable(reason)),
             },
         };
         let filter = probe.var(VISIBLE);
-        let visible = visible_devices(gpus.len() as u32, filter.map(|v| uuids_to_indices(v, &gpus)).as_deref());
+        let visible = visible_devices(
+            gpus.len() as u32,
+            filter.map(|v| uuids_to_indices(v, &gpus)).as_deref(),
+        );
         let mut reason = format!("{} NVIDIA GPU(s) in {source}", gpus.len());
         if let Some(value) = filter {
-            reason.push_str(&format!(", {} visible with {VISIBLE}={value}", visible.len()));
+            reason.push_str(&format!(
+                ", {} visible with {VISIBLE}={value}",
+                visible.len()
+            ));
         }
         let mut detection = Detection::available(visible.len() as u32, reason);
         detection.device_names = visible
             .iter()
-            .map(|&i| gpus[i as usize].model.clone().unwrap_or_else(|| "NVIDIA GPU".to_owned()).into())
+            .map(|&i| {
+                gpus[i as usize]
+                    .model
+                    .clone()
+                    .unwrap_or_else(|| "NVIDIA GPU".to_owned())
+                    .into()
+            })
             .collect();
         Ok(detection)
     }
@@ -60,7 +75,9 @@ fn proc_gpus(probe: &ProbeContext) -> Vec<ProcGpu> {
     buses
         .iter()
         .filter_map(|bus| {
-            let text = probe.read_trimmed(&format!("{PROC_GPUS}/{bus}/information")).unwrap_or_default();
+            let text = probe
+                .read_trimmed(&format!("{PROC_GPUS}/{bus}/information"))
+                .unwrap_or_default();
             let field = |key: &str| {
                 text.lines().find_map(|line| {
                     let (k, v) = line.split_once(':')?;
@@ -68,7 +85,10 @@ fn proc_gpus(probe: &ProbeContext) -> Vec<ProcGpu> {
                 })
             };
             let excluded = field("GPU Excluded").is_some_and(|v| v.eq_ignore_ascii_case("yes"));
-            (!excluded).then(|| ProcGpu { model: field("Model"), uuid: field("GPU UUID") })
+            (!excluded).then(|| ProcGpu {
+                model: field("Model"),
+                uuid: field("GPU UUID"),
+            })
         })
         .collect()
 }
@@ -83,8 +103,12 @@ fn dev_nodes(probe: &ProbeContext) -> Result<usize, String> {
         .filter(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
         .count();
     match (count, probe.exists("/dev/nvidiactl")) {
-        (0, _) => Err(format!("no NVIDIA GPU: {PROC_GPUS} is empty or missing and there is no /dev/nvidiaN")),
-        (n, false) => Err(format!("{n} /dev/nvidiaN node(s) but no /dev/nvidiactl (in a container, run with the NVIDIA runtime)")),
+        (0, _) => Err(format!(
+            "no NVIDIA GPU: {PROC_GPUS} is empty or missing and there is no /dev/nvidiaN"
+        )),
+        (n, false) => Err(format!(
+            "{n} /dev/nvidiaN node(s) but no /dev/nvidiactl (in a container, run with the NVIDIA runtime)"
+        )),
         (n, true) => Ok(n),
     }
 }
@@ -99,7 +123,10 @@ fn uuids_to_indices(value: &str, gpus: &[ProcGpu]) -> String {
             if !token.starts_with("GPU-") {
                 return token.to_owned();
             }
-            let mut matches = gpus.iter().enumerate().filter(|(_, g)| g.uuid.as_deref().is_some_and(|u| u.starts_with(token)));
+            let mut matches = gpus
+                .iter()
+                .enumerate()
+                .filter(|(_, g)| g.uuid.as_deref().is_some_and(|u| u.starts_with(token)));
             match (matches.next(), matches.next()) {
                 (Some((i, _)), None) => i.to_string(),
                 // Unknown or ambiguous: an invalid entry, which ends the list as CUDA does.
@@ -135,7 +162,10 @@ mod tests {
             self.file(&format!("{PROC_GPUS}/{bus}/information"), &info)
         }
         fn detect(&self, env: &[(&str, &str)]) -> Detection {
-            let probe = ProbeContext::new(self.0.path().to_string_lossy(), env.iter().map(|&(k, v)| (k, v)));
+            let probe = ProbeContext::new(
+                self.0.path().to_string_lossy(),
+                env.iter().map(|&(k, v)| (k, v)),
+            );
             CudaDevice.detect(&probe).unwrap()
         }
     }
@@ -147,12 +177,29 @@ mod tests {
     fn eight_mixed() -> Root {
         let mut root = Root::new().file("/dev/nvidiactl", "");
         // Created out of order and with gaps in the bus numbers, as on real boards.
-        for (i, bus) in ["0000:db:00.0", "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0", "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0"]
-            .iter()
-            .enumerate()
+        for (i, bus) in [
+            "0000:db:00.0",
+            "0000:18:00.0",
+            "0000:2a:00.0",
+            "0000:3a:00.0",
+            "0000:5d:00.0",
+            "0000:9a:00.0",
+            "0000:ab:00.0",
+            "0000:ba:00.0",
+        ]
+        .iter()
+        .enumerate()
         {
-            let model = if *bus == "0000:db:00.0" { "NVIDIA L4" } else { "NVIDIA H100 80GB HBM3" };
-            root = root.gpu(bus, model, &format!("GPU-{i}aaaaaaa-0000-1111-2222-333344445555"));
+            let model = if *bus == "0000:db:00.0" {
+                "NVIDIA L4"
+            } else {
+                "NVIDIA H100 80GB HBM3"
+            };
+            root = root.gpu(
+                bus,
+                model,
+                &format!("GPU-{i}aaaaaaa-0000-1111-2222-333344445555"),
+            );
         }
         root
     }
@@ -162,7 +209,12 @@ mod tests {
         let d = eight_mixed().detect(&[]);
         assert!(d.available && d.count == 8, "{d:?}");
         assert_eq!(names(&d)[7], "NVIDIA L4", "bus 0xdb sorts last");
-        assert!(d.reason.contains("8 NVIDIA GPU(s) in /proc/driver/nvidia/gpus"), "{}", d.reason);
+        assert!(
+            d.reason
+                .contains("8 NVIDIA GPU(s) in /proc/driver/nvidia/gpus"),
+            "{}",
+            d.reason
+        );
     }
 
     #[test]
@@ -170,12 +222,24 @@ mod tests {
         let root = eight_mixed();
         let d = root.detect(&[(VISIBLE, "7,0")]);
         assert_eq!(names(&d), ["NVIDIA L4", "NVIDIA H100 80GB HBM3"]);
-        assert!(d.reason.contains("2 visible with CUDA_VISIBLE_DEVICES=7,0"), "{}", d.reason);
+        assert!(
+            d.reason.contains("2 visible with CUDA_VISIBLE_DEVICES=7,0"),
+            "{}",
+            d.reason
+        );
         // UUID prefixes: GPU-0… is on bus 0xdb (index 7), GPU-1… on bus 0x18 (index 0).
         let d = root.detect(&[(VISIBLE, "GPU-0aaa,GPU-1aaaaaaa-0000")]);
         assert_eq!(names(&d), ["NVIDIA L4", "NVIDIA H100 80GB HBM3"]);
-        assert_eq!(root.detect(&[(VISIBLE, "GPU-ffff,0")]).count, 0, "an unknown UUID ends the list");
-        assert_eq!(root.detect(&[(VISIBLE, "GPU-")]).count, 0, "an ambiguous prefix ends the list");
+        assert_eq!(
+            root.detect(&[(VISIBLE, "GPU-ffff,0")]).count,
+            0,
+            "an unknown UUID ends the list"
+        );
+        assert_eq!(
+            root.detect(&[(VISIBLE, "GPU-")]).count,
+            0,
+            "an ambiguous prefix ends the list"
+        );
         let hidden = root.detect(&[(VISIBLE, "")]);
         assert!(!hidden.available && hidden.count == 0);
         assert_eq!(root.detect(&[(VISIBLE, "-1")]).count, 0);
@@ -185,7 +249,10 @@ mod tests {
     fn excluded_gpus_and_missing_fields() {
         let root = Root::new()
             .gpu("0000:01:00.0", "NVIDIA A100-SXM4-80GB", "GPU-a")
-            .file(&format!("{PROC_GPUS}/0000:02:00.0/information"), "GPU Excluded:\t Yes\nModel: \t X\n")
+            .file(
+                &format!("{PROC_GPUS}/0000:02:00.0/information"),
+                "GPU Excluded:\t Yes\nModel: \t X\n",
+            )
             .file(&format!("{PROC_GPUS}/0000:03:00.0/information"), "IRQ: 1\n");
         let d = root.detect(&[]);
         assert_eq!(names(&d), ["NVIDIA A100-SXM4-80GB", "NVIDIA GPU"]);
@@ -193,22 +260,38 @@ mod tests {
 
     #[test]
     fn falls_back_to_device_nodes() {
-        let root = Root::new().file("/dev/nvidia0", "").file("/dev/nvidia1", "").file("/dev/nvidiactl", "").file("/dev/nvidia-uvm", "").file("/dev/nvidia-caps/x", "");
+        let root = Root::new()
+            .file("/dev/nvidia0", "")
+            .file("/dev/nvidia1", "")
+            .file("/dev/nvidiactl", "")
+            .file("/dev/nvidia-uvm", "")
+            .file("/dev/nvidia-caps/x", "");
         let d = root.detect(&[]);
         assert_eq!(d.count, 2);
         assert_eq!(names(&d), ["NVIDIA GPU", "NVIDIA GPU"]);
-        assert!(d.reason.contains("/dev/nvidia* device nodes"), "{}", d.reason);
+        assert!(
+            d.reason.contains("/dev/nvidia* device nodes"),
+            "{}",
+            d.reason
+        );
         assert_eq!(root.detect(&[(VISIBLE, "1")]).count, 1);
         // UUIDs cannot be mapped without the driver's proc entries: plugin-api's rule applies.
         assert_eq!(root.detect(&[(VISIBLE, "GPU-x")]).count, 1);
 
         let no_ctl = Root::new().file("/dev/nvidia0", "").detect(&[]);
-        assert!(!no_ctl.available && no_ctl.reason.contains("no /dev/nvidiactl"), "{}", no_ctl.reason);
+        assert!(
+            !no_ctl.available && no_ctl.reason.contains("no /dev/nvidiactl"),
+            "{}",
+            no_ctl.reason
+        );
     }
 
     #[test]
     fn no_hardware() {
-        let d = Root::new().file("/dev/nvidiactl", "").file("/proc/driver/nvidia/version", "NVRM").detect(&[]);
+        let d = Root::new()
+            .file("/dev/nvidiactl", "")
+            .file("/proc/driver/nvidia/version", "NVRM")
+            .detect(&[]);
         assert!(!d.available && d.count == 0);
         assert!(d.reason.contains("no NVIDIA GPU"), "{}", d.reason);
     }
@@ -216,7 +299,14 @@ mod tests {
     #[test]
     fn info_is_nvidia_nccl() {
         let info = CudaDevice.info();
-        assert_eq!((info.vendor.as_str(), info.device_type.as_str(), info.comm_backend.as_str()), ("nvidia", "cuda", "nccl"));
+        assert_eq!(
+            (
+                info.vendor.as_str(),
+                info.device_type.as_str(),
+                info.comm_backend.as_str()
+            ),
+            ("nvidia", "cuda", "nccl")
+        );
         assert_eq!(info.visible_devices_env.as_slice(), [VISIBLE]);
     }
 }

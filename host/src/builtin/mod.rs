@@ -13,9 +13,23 @@ use crate::BuiltinPlugin;
 pub const PLUGIN_NAME: &str = "verl-core";
 
 fn builtin_devices() -> PluginBuilder {
-    PluginBuilder::new(PLUGIN_NAME, env!("CARGO_PKG_VERSION"), "devices built into verl-core")
-        .device("cpu", 0, "host CPUs (gloo); always available, the fallback platform", || CpuDevice)
-        .device("cuda", 100, "NVIDIA GPUs (nccl), detected from the driver's /proc and /dev entries", || CudaDevice)
+    PluginBuilder::new(
+        PLUGIN_NAME,
+        env!("CARGO_PKG_VERSION"),
+        "devices built into verl-core",
+    )
+    .device(
+        "cpu",
+        0,
+        "host CPUs (gloo); always available, the fallback platform",
+        || CpuDevice,
+    )
+    .device(
+        "cuda",
+        100,
+        "NVIDIA GPUs (nccl), detected from the driver's /proc and /dev entries",
+        || CudaDevice,
+    )
 }
 
 inventory::submit! { BuiltinPlugin(builtin_devices) }

@@ -13,7 +13,9 @@
 //! verl-core computes through libtorch; on Ascend that needs torch_npu's libraries, which this
 //! build does not link. Detection therefore reports the hardware honestly and says so.
 
-use verl_plugin_api::{Detection, Device, DeviceInfo, PluginBuilder, PluginError, ProbeContext, visible_devices};
+use verl_plugin_api::{
+    Detection, Device, DeviceInfo, PluginBuilder, PluginError, ProbeContext, visible_devices,
+};
 
 pub const NAME: &str = "ascend";
 /// Below CUDA (100) and ROCm (90), above CPU (0).
@@ -26,7 +28,12 @@ const MANAGER: &str = "/dev/davinci_manager";
 const TOOLKIT_ENV: [&str; 2] = ["ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"];
 
 verl_plugin_api::export_plugin!(
-    PluginBuilder::new("ascend", env!("CARGO_PKG_VERSION"), "Huawei Ascend NPUs (npu device type, HCCL)").device(
+    PluginBuilder::new(
+        "ascend",
+        env!("CARGO_PKG_VERSION"),
+        "Huawei Ascend NPUs (npu device type, HCCL)"
+    )
+    .device(
         NAME,
         PRIORITY,
         "Ascend NPUs found as /dev/davinciN with the driver at /usr/local/Ascend/driver",
@@ -51,19 +58,33 @@ impl Device for AscendDevice {
     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
         let npus = davinci_devices(probe);
         if npus.is_empty() {
-            return Ok(Detection::unavailable("no /dev/davinciN device (no Ascend NPU, or the driver is not loaded)"));
+            return Ok(Detection::unavailable(
+                "no /dev/davinciN device (no Ascend NPU, or the driver is not loaded)",
+            ));
         }
-        let listed = npus.iter().map(|n| format!("davinci{n}")).collect::<Vec<_>>().join(", ");
+        let listed = npus
+            .iter()
+            .map(|n| format!("davinci{n}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let mut missing = Vec::new();
         if !probe.exists(MANAGER) {
-            missing.push(format!("{MANAGER} is missing (in a container, pass it with --device)"));
+            missing.push(format!(
+                "{MANAGER} is missing (in a container, pass it with --device)"
+            ));
         }
         let driver = DriverInfo::read(probe);
         if driver.is_none() {
-            missing.push(format!("no driver at {DRIVER_DIR} (install it, or mount it into the container)"));
+            missing.push(format!(
+                "no driver at {DRIVER_DIR} (install it, or mount it into the container)"
+            ));
         }
         if !missing.is_empty() {
-            return Ok(Detection::unavailable(format!("{} NPU device(s) ({listed}) but {}", npus.len(), missing.join("; "))));
+            return Ok(Detection::unavailable(format!(
+                "{} NPU device(s) ({listed}) but {}",
+                npus.len(),
+                missing.join("; ")
+            )));
         }
         let driver = driver.unwrap_or_default();
 
@@ -71,9 +92,16 @@ impl Device for AscendDevice {
         // indices refer to positions in `npus`, not to the N of /dev/davinciN.
         let filter = probe.var(VISIBLE);
         let visible = visible_devices(npus.len() as u32, filter);
-        let mut reason = format!("{} NPU device(s) ({listed}), driver {}", npus.len(), driver.version);
+        let mut reason = format!(
+            "{} NPU device(s) ({listed}), driver {}",
+            npus.len(),
+            driver.version
+        );
         if let Some(value) = filter {
-            reason.push_str(&format!(", {} visible with {VISIBLE}={value}", visible.len()));
+            reason.push_str(&format!(
+                ", {} visible with {VISIBLE}={value}",
+                visible.len()
+            ));
         }
         reason.push_str(&match toolkit(probe) {
             Some(path) => format!("; CANN toolkit at {path}"),
@@ -84,7 +112,14 @@ impl Device for AscendDevice {
         let mut detection = Detection::available(visible.len() as u32, reason);
         detection.device_names = visible
             .iter()
-            .map(|&i| format!("{} (/dev/davinci{})", driver.chip.as_deref().unwrap_or("Ascend NPU"), npus[i as usize]).into())
+            .map(|&i| {
+                format!(
+                    "{} (/dev/davinci{})",
+                    driver.chip.as_deref().unwrap_or("Ascend NPU"),
+                    npus[i as usize]
+                )
+                .into()
+            })
             .collect();
         Ok(detection)
     }
@@ -120,17 +155,24 @@ impl DriverInfo {
         if !probe.exists(DRIVER_DIR) {
             return None;
         }
-        let text = probe.read_trimmed(&format!("{DRIVER_DIR}/version.info")).unwrap_or_default();
+        let text = probe
+            .read_trimmed(&format!("{DRIVER_DIR}/version.info"))
+            .unwrap_or_default();
         let field = |keys: &[&str]| {
             keys.iter().find_map(|key| {
                 text.lines().find_map(|line| {
                     let (k, v) = line.split_once('=')?;
-                    (k.trim().eq_ignore_ascii_case(key) && !v.trim().is_empty()).then(|| v.trim().to_owned())
+                    (k.trim().eq_ignore_ascii_case(key) && !v.trim().is_empty())
+                        .then(|| v.trim().to_owned())
                 })
             })
         };
-        let version = field(&["Version", "package_version"]).unwrap_or_else(|| "of unknown version".to_owned());
-        Some(Self { version, chip: field(&["chip_name", "soc_version"]) })
+        let version = field(&["Version", "package_version"])
+            .unwrap_or_else(|| "of unknown version".to_owned());
+        Some(Self {
+            version,
+            chip: field(&["chip_name", "soc_version"]),
+        })
     }
 }
 
@@ -141,7 +183,11 @@ fn toolkit(probe: &ProbeContext) -> Option<String> {
         .filter_map(|key| probe.var(key))
         .find(|path| !path.is_empty())
         .map(str::to_owned)
-        .or_else(|| probe.exists("/usr/local/Ascend/ascend-toolkit").then(|| "/usr/local/Ascend/ascend-toolkit".to_owned()))
+        .or_else(|| {
+            probe
+                .exists("/usr/local/Ascend/ascend-toolkit")
+                .then(|| "/usr/local/Ascend/ascend-toolkit".to_owned())
+        })
 }
 
 #[cfg(test)]
@@ -151,7 +197,9 @@ mod tests {
     use super::*;
 
     fn detect(probe: &ProbeContext) -> Detection {
-        AscendDevice.detect(probe).expect("detection never fails on configuration")
+        AscendDevice
+            .detect(probe)
+            .expect("detection never fails on configuration")
     }
 
     fn names(d: &Detection) -> Vec<&str> {
@@ -161,8 +209,14 @@ mod tests {
     #[test]
     fn info_is_npu_with_hccl() {
         let info = AscendDevice.info();
-        assert_eq!((info.name.as_str(), info.vendor.as_str()), ("ascend", "huawei"));
-        assert_eq!((info.device_type.as_str(), info.comm_backend.as_str()), ("npu", "hccl"));
+        assert_eq!(
+            (info.name.as_str(), info.vendor.as_str()),
+            ("ascend", "huawei")
+        );
+        assert_eq!(
+            (info.device_type.as_str(), info.comm_backend.as_str()),
+            ("npu", "hccl")
+        );
         assert_eq!(info.visible_devices_env.as_slice(), [VISIBLE]);
     }
 
@@ -190,9 +244,17 @@ mod tests {
             .dir("/usr/local/Ascend/ascend-toolkit");
         assert_eq!(davinci_devices(&root.probe()), [3, 5]);
         let d = detect(&root.probe());
-        assert_eq!(names(&d), ["Ascend NPU (/dev/davinci3)", "Ascend NPU (/dev/davinci5)"]);
+        assert_eq!(
+            names(&d),
+            ["Ascend NPU (/dev/davinci3)", "Ascend NPU (/dev/davinci5)"]
+        );
         assert!(d.reason.contains("(davinci3, davinci5)"), "{}", d.reason);
-        assert!(d.reason.contains("CANN toolkit at /usr/local/Ascend/ascend-toolkit"), "{}", d.reason);
+        assert!(
+            d.reason
+                .contains("CANN toolkit at /usr/local/Ascend/ascend-toolkit"),
+            "{}",
+            d.reason
+        );
 
         // ASCEND_RT_VISIBLE_DEVICES indexes the visible devices in order: 1 is davinci5.
         let d = detect(&root.probe_with(&FakeEnv::new().set(VISIBLE, "1")));
@@ -205,8 +267,16 @@ mod tests {
         let case = |value: &str| detect(&root.probe_with(&FakeEnv::new().set(VISIBLE, value)));
         let d = case("6,7");
         assert_eq!(d.count, 2);
-        assert_eq!(names(&d), ["Ascend NPU (/dev/davinci6)", "Ascend NPU (/dev/davinci7)"]);
-        assert!(d.reason.contains("2 visible with ASCEND_RT_VISIBLE_DEVICES=6,7"), "{}", d.reason);
+        assert_eq!(
+            names(&d),
+            ["Ascend NPU (/dev/davinci6)", "Ascend NPU (/dev/davinci7)"]
+        );
+        assert!(
+            d.reason
+                .contains("2 visible with ASCEND_RT_VISIBLE_DEVICES=6,7"),
+            "{}",
+            d.reason
+        );
         assert_eq!(case("0,8").count, 1, "out-of-range entries end the list");
         let none = case("");
         assert!(!none.available && none.count == 0);
@@ -216,17 +286,43 @@ mod tests {
     fn missing_pieces_are_named() {
         let no_manager = detect(&FakeRoot::new().ascend_npus(2).remove(MANAGER).probe());
         assert!(!no_manager.available && no_manager.count == 0);
-        assert!(no_manager.reason.contains("/dev/davinci_manager is missing"), "{}", no_manager.reason);
+        assert!(
+            no_manager
+                .reason
+                .contains("/dev/davinci_manager is missing"),
+            "{}",
+            no_manager.reason
+        );
 
         let no_driver = detect(&FakeRoot::new().ascend_npus(2).remove(DRIVER_DIR).probe());
         assert!(!no_driver.available);
-        assert!(no_driver.reason.contains("no driver at /usr/local/Ascend/driver"), "{}", no_driver.reason);
+        assert!(
+            no_driver
+                .reason
+                .contains("no driver at /usr/local/Ascend/driver"),
+            "{}",
+            no_driver.reason
+        );
 
-        let neither = detect(&FakeRoot::new().ascend_npus(1).remove(DRIVER_DIR).remove(MANAGER).probe());
-        assert!(neither.reason.contains("davinci_manager") && neither.reason.contains("no driver"), "{}", neither.reason);
+        let neither = detect(
+            &FakeRoot::new()
+                .ascend_npus(1)
+                .remove(DRIVER_DIR)
+                .remove(MANAGER)
+                .probe(),
+        );
+        assert!(
+            neither.reason.contains("davinci_manager") && neither.reason.contains("no driver"),
+            "{}",
+            neither.reason
+        );
 
         let nothing = detect(&FakeRoot::new().probe());
-        assert!(!nothing.available && nothing.reason.contains("no /dev/davinciN"), "{}", nothing.reason);
+        assert!(
+            !nothing.available && nothing.reason.contains("no /dev/davinciN"),
+            "{}",
+            nothing.reason
+        );
         // The driver alone (a host prepared for NPUs that are not there) is not a device.
         let driver_only = detect(&FakeRoot::new().ascend_npus(0).probe());
         assert!(!driver_only.available);
@@ -244,21 +340,50 @@ mod tests {
         assert_eq!(read(None).version, "of unknown version");
         assert_eq!(read(Some("package_version=23.0.3\n")).version, "23.0.3");
         let named = read(Some("Version=25.0.rc1\nchip_name=910B3\n"));
-        assert_eq!((named.version.as_str(), named.chip.as_deref()), ("25.0.rc1", Some("910B3")));
+        assert_eq!(
+            (named.version.as_str(), named.chip.as_deref()),
+            ("25.0.rc1", Some("910B3"))
+        );
         assert_eq!(DriverInfo::read(&FakeRoot::new().probe()), None);
 
-        let root = FakeRoot::new().ascend_npus(1).file("/usr/local/Ascend/driver/version.info", "Version=25.0.rc1\nchip_name=910B3\n");
+        let root = FakeRoot::new().ascend_npus(1).file(
+            "/usr/local/Ascend/driver/version.info",
+            "Version=25.0.rc1\nchip_name=910B3\n",
+        );
         assert_eq!(names(&detect(&root.probe())), ["910B3 (/dev/davinci0)"]);
-        let toolkit = detect(&root.probe_with(&FakeEnv::new().set("ASCEND_TOOLKIT_HOME", "/opt/cann/latest")));
-        assert!(toolkit.reason.contains("CANN toolkit at /opt/cann/latest"), "{}", toolkit.reason);
+        let toolkit = detect(
+            &root.probe_with(&FakeEnv::new().set("ASCEND_TOOLKIT_HOME", "/opt/cann/latest")),
+        );
+        assert!(
+            toolkit.reason.contains("CANN toolkit at /opt/cann/latest"),
+            "{}",
+            toolkit.reason
+        );
     }
 
     #[test]
     fn exported_manifest_registers_the_device() {
         let manifest = __verl_plugin_manifest().into_result().expect("manifest");
         assert_eq!(manifest.name.as_str(), "ascend");
-        assert_eq!((manifest.components[0].name.as_str(), manifest.components[0].priority), (NAME, PRIORITY));
-        let device = manifest.factory.create_device(NAME.into()).into_result().expect("device");
-        assert_eq!(device.detect(&FakeRoot::new().ascend_npus(2).probe()).into_result().expect("detect").count, 2);
+        assert_eq!(
+            (
+                manifest.components[0].name.as_str(),
+                manifest.components[0].priority
+            ),
+            (NAME, PRIORITY)
+        );
+        let device = manifest
+            .factory
+            .create_device(NAME.into())
+            .into_result()
+            .expect("device");
+        assert_eq!(
+            device
+                .detect(&FakeRoot::new().ascend_npus(2).probe())
+                .into_result()
+                .expect("detect")
+                .count,
+            2
+        );
     }
 }

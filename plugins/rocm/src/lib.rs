@@ -11,7 +11,10 @@
 
 use std::collections::HashMap;
 
-use verl_plugin_api::{Detection, Device, DeviceInfo, EnvVar, PluginBuilder, PluginError, ProbeContext, visible_devices};
+use verl_plugin_api::{
+    Detection, Device, DeviceInfo, EnvVar, PluginBuilder, PluginError, ProbeContext,
+    visible_devices,
+};
 
 pub const NAME: &str = "rocm";
 /// Below CUDA (100): a machine with both vendors' drivers defaults to NVIDIA, as in verl.
@@ -24,7 +27,12 @@ const HIP: &str = "HIP_VISIBLE_DEVICES";
 const CUDA: &str = "CUDA_VISIBLE_DEVICES";
 
 verl_plugin_api::export_plugin!(
-    PluginBuilder::new("rocm", env!("CARGO_PKG_VERSION"), "AMD GPUs through ROCm (HIP as CUDA, RCCL as nccl)").device(
+    PluginBuilder::new(
+        "rocm",
+        env!("CARGO_PKG_VERSION"),
+        "AMD GPUs through ROCm (HIP as CUDA, RCCL as nccl)"
+    )
+    .device(
         NAME,
         PRIORITY,
         "AMD Instinct / Radeon GPUs found in the KFD topology",
@@ -61,7 +69,9 @@ impl Device for RocmDevice {
         let gpus = gpu_nodes(probe);
         if gpus.is_empty() {
             let reason = if probe.exists(TOPOLOGY_NODES) {
-                format!("no AMD GPU node in {TOPOLOGY_NODES} (only CPU nodes, or properties unreadable)")
+                format!(
+                    "no AMD GPU node in {TOPOLOGY_NODES} (only CPU nodes, or properties unreadable)"
+                )
             } else {
                 format!("no KFD topology at {TOPOLOGY_NODES} (amdgpu driver not loaded)")
             };
@@ -76,8 +86,14 @@ impl Device for RocmDevice {
 
         let physical = gpus.len() as u32;
         let visible = filters.apply(physical);
-        let mut detection = Detection::available(visible.len() as u32, filters.describe(physical, visible.len()));
-        detection.device_names = visible.iter().map(|&i| gpus[i as usize].display_name.as_str().into()).collect();
+        let mut detection = Detection::available(
+            visible.len() as u32,
+            filters.describe(physical, visible.len()),
+        );
+        detection.device_names = visible
+            .iter()
+            .map(|&i| gpus[i as usize].display_name.as_str().into())
+            .collect();
         if let Some(hip) = &filters.hip {
             // CUDA-compatible libraries (and code written for CUDA) read CUDA_VISIBLE_DEVICES only.
             detection.env_updates.push(EnvVar::new(CUDA, hip.as_str()));
@@ -97,7 +113,11 @@ struct VisibleFilters {
 impl VisibleFilters {
     fn from_probe(probe: &ProbeContext) -> Result<Self, PluginError> {
         let get = |key: &str| probe.var(key).map(str::to_owned);
-        let filters = Self { rocr: get(ROCR), hip: get(HIP), cuda: get(CUDA) };
+        let filters = Self {
+            rocr: get(ROCR),
+            hip: get(HIP),
+            cuda: get(CUDA),
+        };
         // ROCR filters first and HIP/CUDA then index into what is left; verl refuses ROCR with
         // CUDA rather than guess which numbering the user meant. A CUDA value equal to HIP's is
         // HIP's alias — what this plugin's own translation sets — so re-detecting in a process
@@ -123,7 +143,10 @@ impl VisibleFilters {
     fn apply(&self, physical: u32) -> Vec<u32> {
         let after_rocr = visible_devices(physical, self.rocr.as_deref());
         let hip_or_cuda = self.hip.as_deref().or(self.cuda.as_deref());
-        visible_devices(after_rocr.len() as u32, hip_or_cuda).into_iter().map(|i| after_rocr[i as usize]).collect()
+        visible_devices(after_rocr.len() as u32, hip_or_cuda)
+            .into_iter()
+            .map(|i| after_rocr[i as usize])
+            .collect()
     }
 
     fn describe(&self, physical: u32, visible: usize) -> String {
@@ -155,8 +178,12 @@ pub fn gpu_nodes(probe: &ProbeContext) -> Vec<GpuNode> {
             let dir = format!("{TOPOLOGY_NODES}/{node}");
             let text = probe.read_trimmed(&format!("{dir}/properties"))?;
             let props = parse_properties(&text);
-            let is_amd_gpu = props.get("simd_count").is_some_and(|&n| n > 0) && props.get("vendor_id") == Some(&AMD_VENDOR_ID);
-            is_amd_gpu.then(|| GpuNode { display_name: display_name(probe.read_trimmed(&format!("{dir}/name")), &props), node })
+            let is_amd_gpu = props.get("simd_count").is_some_and(|&n| n > 0)
+                && props.get("vendor_id") == Some(&AMD_VENDOR_ID);
+            is_amd_gpu.then(|| GpuNode {
+                display_name: display_name(probe.read_trimmed(&format!("{dir}/name")), &props),
+                node,
+            })
         })
         .collect()
 }
@@ -174,7 +201,14 @@ fn parse_properties(text: &str) -> HashMap<&str, u64> {
 /// "gfx942" from gfx_target_version 90402 (major*10000 + minor*100 + stepping; minor and stepping
 /// print in hex, so 90010 is gfx90a). `None` for 0, which CPU nodes and very old kernels report.
 pub fn gfx_target(version: u64) -> Option<String> {
-    (version > 0).then(|| format!("gfx{}{:x}{:x}", version / 10000, (version / 100) % 100, version % 100))
+    (version > 0).then(|| {
+        format!(
+            "gfx{}{:x}{:x}",
+            version / 10000,
+            (version / 100) % 100,
+            version % 100
+        )
+    })
 }
 
 /// The node's `name` file holds the ASIC name ("aldebaran"), or "ip discovery" on ASICs the
@@ -187,7 +221,10 @@ fn display_name(name_file: Option<String>, props: &HashMap<&str, u64>) -> String
         (Some(asic), Some(gfx)) => format!("AMD {asic} ({gfx})"),
         (Some(asic), None) => format!("AMD {asic}"),
         (None, Some(gfx)) => format!("AMD GPU {gfx}"),
-        (None, None) => format!("AMD GPU [1002:{:04x}]", props.get("device_id").copied().unwrap_or_default()),
+        (None, None) => format!(
+            "AMD GPU [1002:{:04x}]",
+            props.get("device_id").copied().unwrap_or_default()
+        ),
     }
 }
 
@@ -210,8 +247,15 @@ mod tests {
     fn info_is_cuda_compatible_amd() {
         let info = RocmDevice.info();
         assert_eq!((info.name.as_str(), info.vendor.as_str()), ("rocm", "amd"));
-        assert_eq!((info.device_type.as_str(), info.comm_backend.as_str()), ("cuda", "nccl"));
-        let vars: Vec<&str> = info.visible_devices_env.iter().map(|v| v.as_str()).collect();
+        assert_eq!(
+            (info.device_type.as_str(), info.comm_backend.as_str()),
+            ("cuda", "nccl")
+        );
+        let vars: Vec<&str> = info
+            .visible_devices_env
+            .iter()
+            .map(|v| v.as_str())
+            .collect();
         assert_eq!(vars, [HIP, ROCR, CUDA]);
     }
 
@@ -222,8 +266,15 @@ mod tests {
             assert!(d.available, "{d:?}");
             assert_eq!(d.count, n);
             assert_eq!(d.device_names.len(), n as usize);
-            assert!(names(&d).iter().all(|&name| name == "AMD GPU gfx942"), "{d:?}");
-            assert!(d.reason.contains(&format!("{n} AMD GPU node(s)")), "{}", d.reason);
+            assert!(
+                names(&d).iter().all(|&name| name == "AMD GPU gfx942"),
+                "{d:?}"
+            );
+            assert!(
+                d.reason.contains(&format!("{n} AMD GPU node(s)")),
+                "{}",
+                d.reason
+            );
             assert!(d.env_updates.is_empty());
         }
     }
@@ -238,15 +289,33 @@ mod tests {
             .kfd_cpu_node(1)
             .kfd_gpu_node(10, &KfdGpu::mi250x())
             .kfd_gpu_node(2, &KfdGpu::mi300x())
-            .kfd_gpu_node(3, &KfdGpu { name: None, ..KfdGpu::mi250x() })
-            .kfd_gpu_node(11, &KfdGpu { vendor_id: 0x10de, ..KfdGpu::mi300x() })
+            .kfd_gpu_node(
+                3,
+                &KfdGpu {
+                    name: None,
+                    ..KfdGpu::mi250x()
+                },
+            )
+            .kfd_gpu_node(
+                11,
+                &KfdGpu {
+                    vendor_id: 0x10de,
+                    ..KfdGpu::mi300x()
+                },
+            )
             .dir("/sys/class/kfd/kfd/topology/nodes/README");
         let d = detect(&root.probe());
         assert_eq!(d.count, 3);
         // Numeric node order is HIP order: 2, 3, 10.
-        assert_eq!(names(&d), ["AMD GPU gfx942", "AMD GPU gfx90a", "AMD aldebaran (gfx90a)"]);
+        assert_eq!(
+            names(&d),
+            ["AMD GPU gfx942", "AMD GPU gfx90a", "AMD aldebaran (gfx90a)"]
+        );
 
-        let nodes: Vec<String> = gpu_nodes(&root.probe()).into_iter().map(|n| n.node).collect();
+        let nodes: Vec<String> = gpu_nodes(&root.probe())
+            .into_iter()
+            .map(|n| n.node)
+            .collect();
         assert_eq!(nodes, ["2", "3", "10"]);
     }
 
@@ -254,7 +323,14 @@ mod tests {
     fn names_fall_back_to_pci_id_and_unreadable_nodes_are_skipped() {
         let root = FakeRoot::new()
             .file("/dev/kfd", "")
-            .kfd_gpu_node(1, &KfdGpu { name: Some(String::new()), gfx_target_version: 0, ..KfdGpu::mi300x() })
+            .kfd_gpu_node(
+                1,
+                &KfdGpu {
+                    name: Some(String::new()),
+                    gfx_target_version: 0,
+                    ..KfdGpu::mi300x()
+                },
+            )
             // A node without a properties file (e.g. hidden by the device cgroup) is not counted.
             .dir("/sys/class/kfd/kfd/topology/nodes/2");
         let d = detect(&root.probe());
@@ -268,16 +344,34 @@ mod tests {
             .kfd_cpu_node(0)
             .kfd_gpu_node(1, &KfdGpu::mi250x())
             .kfd_gpu_node(2, &KfdGpu::mi300x())
-            .kfd_gpu_node(5, &KfdGpu { name: Some("navi31".into()), gfx_target_version: 110000, ..KfdGpu::mi300x() })
+            .kfd_gpu_node(
+                5,
+                &KfdGpu {
+                    name: Some("navi31".into()),
+                    gfx_target_version: 110000,
+                    ..KfdGpu::mi300x()
+                },
+            )
             .kfd_gpu_node(6, &KfdGpu::mi300x());
         let case = |env: FakeEnv| detect(&root.probe_with(&env));
 
         let d = case(FakeEnv::new().set(HIP, "2,0"));
-        assert_eq!(names(&d), ["AMD navi31 (gfx1100)", "AMD aldebaran (gfx90a)"]);
-        assert!(d.reason.contains("2 visible with HIP_VISIBLE_DEVICES=2,0"), "{}", d.reason);
+        assert_eq!(
+            names(&d),
+            ["AMD navi31 (gfx1100)", "AMD aldebaran (gfx90a)"]
+        );
+        assert!(
+            d.reason.contains("2 visible with HIP_VISIBLE_DEVICES=2,0"),
+            "{}",
+            d.reason
+        );
 
         assert_eq!(case(FakeEnv::new().set(CUDA, "3")).count, 1);
-        assert_eq!(case(FakeEnv::new().set(CUDA, "1,9,2")).count, 1, "a list ends at its first invalid entry");
+        assert_eq!(
+            case(FakeEnv::new().set(CUDA, "1,9,2")).count,
+            1,
+            "a list ends at its first invalid entry"
+        );
 
         // ROCR first, then HIP relative to what ROCR left: ROCR 3,1 → physical [3, 1]; HIP 1 → physical 1.
         let d = case(FakeEnv::new().set(ROCR, "3,1").set(HIP, "1"));
@@ -286,7 +380,10 @@ mod tests {
         assert_eq!(names(&d), ["AMD navi31 (gfx1100)"]);
 
         let hidden = case(FakeEnv::new().set(HIP, ""));
-        assert!(!hidden.available && hidden.count == 0, "an empty list hides every GPU: {hidden:?}");
+        assert!(
+            !hidden.available && hidden.count == 0,
+            "an empty list hides every GPU: {hidden:?}"
+        );
         assert!(hidden.reason.contains("0 visible"), "{}", hidden.reason);
     }
 
@@ -300,17 +397,28 @@ mod tests {
         let same = detect(&root.probe_with(&FakeEnv::new().set(HIP, "0").set(CUDA, "0")));
         assert_eq!(same.count, 1);
         // Without HIP_VISIBLE_DEVICES nothing is translated.
-        assert!(detect(&root.probe_with(&FakeEnv::new().set(CUDA, "0"))).env_updates.is_empty());
+        assert!(
+            detect(&root.probe_with(&FakeEnv::new().set(CUDA, "0")))
+                .env_updates
+                .is_empty()
+        );
     }
 
     #[test]
     fn conflicting_variables_are_configuration_errors() {
         let root = FakeRoot::new().rocm_gpus(2);
-        let err = RocmDevice.detect(&root.probe_with(&FakeEnv::new().set(ROCR, "0").set(CUDA, "1"))).unwrap_err();
+        let err = RocmDevice
+            .detect(&root.probe_with(&FakeEnv::new().set(ROCR, "0").set(CUDA, "1")))
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
-        assert!(err.message().contains(ROCR) && err.message().contains(CUDA), "{err}");
+        assert!(
+            err.message().contains(ROCR) && err.message().contains(CUDA),
+            "{err}"
+        );
 
-        let err = RocmDevice.detect(&root.probe_with(&FakeEnv::new().set(HIP, "0").set(CUDA, "1"))).unwrap_err();
+        let err = RocmDevice
+            .detect(&root.probe_with(&FakeEnv::new().set(HIP, "0").set(CUDA, "1")))
+            .unwrap_err();
         assert!(err.message().contains("disagree"), "{err}");
 
         // ROCR with HIP composes; applying the HIP→CUDA translation must not turn that into a conflict.
@@ -321,10 +429,15 @@ mod tests {
             applied = applied.set(update.key.as_str(), update.value.as_str());
         }
         let again = detect(&root.probe_with(&applied));
-        assert_eq!((first.count, &first.device_names), (again.count, &again.device_names));
+        assert_eq!(
+            (first.count, &first.device_names),
+            (again.count, &again.device_names)
+        );
 
         // A configuration error is reported even on a machine without AMD GPUs: the environment is wrong.
-        let err = RocmDevice.detect(&FakeRoot::new().env(ROCR, "0").env(CUDA, "0").probe()).unwrap_err();
+        let err = RocmDevice
+            .detect(&FakeRoot::new().env(ROCR, "0").env(CUDA, "0").probe())
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
     }
 
@@ -332,15 +445,33 @@ mod tests {
     fn no_hardware_and_partial_setups() {
         let empty = detect(&FakeRoot::new().probe());
         assert!(!empty.available && empty.count == 0);
-        assert!(empty.reason.contains("amdgpu driver not loaded"), "{}", empty.reason);
+        assert!(
+            empty.reason.contains("amdgpu driver not loaded"),
+            "{}",
+            empty.reason
+        );
 
-        let cpu_only = detect(&FakeRoot::new().file("/dev/kfd", "").kfd_cpu_node(0).kfd_cpu_node(1).probe());
+        let cpu_only = detect(
+            &FakeRoot::new()
+                .file("/dev/kfd", "")
+                .kfd_cpu_node(0)
+                .kfd_cpu_node(1)
+                .probe(),
+        );
         assert!(!cpu_only.available);
-        assert!(cpu_only.reason.contains("no AMD GPU node"), "{}", cpu_only.reason);
+        assert!(
+            cpu_only.reason.contains("no AMD GPU node"),
+            "{}",
+            cpu_only.reason
+        );
 
         let no_kfd = detect(&FakeRoot::new().rocm_gpus(2).remove("/dev/kfd").probe());
         assert!(!no_kfd.available && no_kfd.count == 0);
-        assert!(no_kfd.reason.contains("/dev/kfd is missing"), "{}", no_kfd.reason);
+        assert!(
+            no_kfd.reason.contains("/dev/kfd is missing"),
+            "{}",
+            no_kfd.reason
+        );
     }
 
     #[test]
@@ -357,9 +488,22 @@ mod tests {
         let manifest = __verl_plugin_manifest().into_result().expect("manifest");
         assert_eq!(manifest.name.as_str(), "rocm");
         assert_eq!(manifest.components.len(), 1);
-        assert_eq!((manifest.components[0].name.as_str(), manifest.components[0].priority), (NAME, PRIORITY));
-        let device = manifest.factory.create_device(NAME.into()).into_result().expect("device");
-        let d = device.detect(&FakeRoot::new().rocm_gpus(3).probe()).into_result().expect("detect");
+        assert_eq!(
+            (
+                manifest.components[0].name.as_str(),
+                manifest.components[0].priority
+            ),
+            (NAME, PRIORITY)
+        );
+        let device = manifest
+            .factory
+            .create_device(NAME.into())
+            .into_result()
+            .expect("device");
+        let d = device
+            .detect(&FakeRoot::new().rocm_gpus(3).probe())
+            .into_result()
+            .expect("detect");
         assert_eq!(d.count, 3);
     }
 }

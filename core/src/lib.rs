@@ -1,4 +1,10 @@
 //! verl-core: the library behind the `verl-core` binary.
 
+pub mod algo;
 pub mod bench;
+pub mod builtin;
+pub mod checkpoint;
+pub mod config;
+pub mod reward;
+pub mod data;
 pub mod report;

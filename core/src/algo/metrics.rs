@@ -1,0 +1,155 @@
+//! Per-step data metrics under verl's names (`metric_utils.compute_data_metrics`).
+
+use std::collections::BTreeMap;
+
+use super::{AlgoError, Matrix};
+
+/// One training batch after advantages were computed; every matrix is `[batch × response_length]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DataMetricsInput<'a> {
+    pub token_level_scores: &'a Matrix,
+    pub token_level_rewards: &'a Matrix,
+    pub advantages: &'a Matrix,
+    pub returns: &'a Matrix,
+    pub response_mask: &'a Matrix,
+    /// Critic values, when a critic is used (adds `critic/values/*` and `critic/vf_explained_var`).
+    pub values: Option<&'a Matrix>,
+    /// Prompt tokens of every row.
+    pub prompt_lengths: &'a [usize],
+    /// `data.max_prompt_length` (for `prompt_length/clip_ratio`).
+    pub max_prompt_length: usize,
+}
+
+/// `critic/{score,rewards,advantages,returns}/{mean,max,min}`, `critic/values/*`,
+/// `critic/vf_explained_var`, `response_length/{mean,max,min,clip_ratio}`, `response/aborted_ratio`
+/// and `prompt_length/{mean,max,min,clip_ratio}`. Scores and rewards skip aborted (empty)
+/// responses, as verl does; a response is clipped when it used all `response_length` tokens.
+pub fn compute_data_metrics(input: &DataMetricsInput<'_>) -> Result<BTreeMap<String, f64>, AlgoError> {
+    let mask = input.response_mask;
+    let shape = mask.shape();
+    for (what, m) in [
+        ("token_level_scores", input.token_level_scores),
+        ("token_level_rewards", input.token_level_rewards),
+        ("advantages", input.advantages),
+        ("returns", input.returns),
+    ]
+    .into_iter()
+    .chain(input.values.map(|v| ("values", v)))
+    {
+        m.expect_shape(what, shape)?;
+    }
+    if input.prompt_lengths.len() != shape.0 {
+        return Err(AlgoError::Length { what: "prompt_lengths", expected: shape.0, got: input.prompt_lengths.len() });
+    }
+    let response_lengths = mask.row_sums();
+    let live: Vec<usize> = (0..shape.0).filter(|&i| response_lengths[i] > 0.0).collect();
+    if live.is_empty() {
+        return Err(AlgoError::AllAborted);
+    }
+    let mut out = BTreeMap::new();
+    let scores = input.token_level_scores.row_sums();
+    let rewards = input.token_level_rewards.row_sums();
+    put_stats(&mut out, "critic/score", &live.iter().map(|&i| scores[i]).collect::<Vec<_>>());
+    put_stats(&mut out, "critic/rewards", &live.iter().map(|&i| rewards[i]).collect::<Vec<_>>());
+    let masked = |m: &Matrix| -> Vec<f64> {
+        m.data().iter().zip(mask.data()).filter(|(_, k)| **k > 0.0).map(|(&v, _)| f64::from(v)).collect()
+    };
+    let returns = masked(input.returns);
+    put_stats(&mut out, "critic/advantages", &masked(input.advantages));
+    put_stats(&mut out, "critic/returns", &returns);
+    if let Some(values) = input.values {
+        let values = masked(values);
+        put_stats(&mut out, "critic/values", &values);
+        let residual: Vec<f64> = returns.iter().zip(&values).map(|(r, v)| r - v).collect();
+        out.insert("critic/vf_explained_var".into(), 1.0 - unbiased_var(&residual) / (unbiased_var(&returns) + 1e-5));
+    }
+    let max_response = shape.1 as f64;
+    put_stats(&mut out, "response_length", &response_lengths);
+    out.insert("response_length/clip_ratio".into(), fraction(&response_lengths, |l| l == max_response));
+    out.insert("response/aborted_ratio".into(), fraction(&response_lengths, |l| l == 0.0));
+    let prompts: Vec<f64> = input.prompt_lengths.iter().map(|&l| l as f64).collect();
+    put_stats(&mut out, "prompt_length", &prompts);
+    out.insert("prompt_length/clip_ratio".into(), fraction(&prompts, |l| l == input.max_prompt_length as f64));
+    Ok(out)
+}
+
+fn put_stats(out: &mut BTreeMap<String, f64>, prefix: &str, values: &[f64]) {
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    out.insert(format!("{prefix}/mean"), mean);
+    out.insert(format!("{prefix}/max"), max);
+    out.insert(format!("{prefix}/min"), min);
+}
+
+fn fraction(values: &[f64], pred: impl Fn(f64) -> bool) -> f64 {
+    values.iter().filter(|&&v| pred(v)).count() as f64 / values.len() as f64
+}
+
+/// torch.var's default (Bessel-corrected); NaN below two values, as torch gives.
+fn unbiased_var(values: &[f64]) -> f64 {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_have_verls_names_and_values() {
+        let m = |rows: &[&[f32]]| Matrix::from_rows(rows).unwrap();
+        let mask = m(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
+        let scores = m(&[&[0.0, 0.0, 1.0], &[0.0, 0.0, 0.0], &[0.0, 0.0, 9.0]]);
+        let rewards = m(&[&[0.0, -0.5, 1.0], &[0.0, 0.0, 0.0], &[0.0, 0.0, 9.0]]);
+        let adv = m(&[&[1.0, 2.0, 3.0], &[-4.0, 7.0, 7.0], &[7.0, 7.0, 7.0]]);
+        let returns = m(&[&[2.0, 2.0, 2.0], &[0.0, 7.0, 7.0], &[7.0, 7.0, 7.0]]);
+        let values = m(&[&[1.0, 2.0, 3.0], &[0.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
+        let input = DataMetricsInput {
+            token_level_scores: &scores,
+            token_level_rewards: &rewards,
+            advantages: &adv,
+            returns: &returns,
+            response_mask: &mask,
+            values: Some(&values),
+            prompt_lengths: &[4, 2, 4],
+            max_prompt_length: 4,
+        };
+        let out = compute_data_metrics(&input).unwrap();
+        // Row 2 is aborted (no tokens): scores over rows 0, 1 = {1, 0}; rewards {0.5, 0}.
+        assert_eq!(out["critic/score/mean"], 0.5);
+        assert_eq!(out["critic/score/max"], 1.0);
+        assert_eq!(out["critic/rewards/min"], 0.0);
+        assert_eq!(out["critic/rewards/max"], 0.5);
+        // Masked advantages {1, 2, 3, −4}: mean 0.5.
+        assert_eq!(out["critic/advantages/mean"], 0.5);
+        assert_eq!(out["critic/advantages/min"], -4.0);
+        assert_eq!(out["critic/returns/mean"], 1.5);
+        // returns {2,2,2,0} − values {1,2,3,0} = {1,0,−1,0}: var 2/3; var(returns) = 1 → 1 − (2/3)/(1+1e-5).
+        assert!((out["critic/vf_explained_var"] - (1.0 - (2.0 / 3.0) / (1.0 + 1e-5))).abs() < 1e-9);
+        // Lengths {3, 1, 0}: one of three is full length 3, one is aborted.
+        assert_eq!(out["response_length/mean"], 4.0 / 3.0);
+        assert_eq!(out["response_length/clip_ratio"], 1.0 / 3.0);
+        assert_eq!(out["response/aborted_ratio"], 1.0 / 3.0);
+        assert_eq!(out["prompt_length/clip_ratio"], 2.0 / 3.0);
+        assert_eq!(out["prompt_length/min"], 2.0);
+        assert!(out.values().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn all_aborted_is_an_error() {
+        let zero = Matrix::zeros(1, 2);
+        let input = DataMetricsInput {
+            token_level_scores: &zero,
+            token_level_rewards: &zero,
+            advantages: &zero,
+            returns: &zero,
+            response_mask: &zero,
+            values: None,
+            prompt_lengths: &[1],
+            max_prompt_length: 4,
+        };
+        assert_eq!(compute_data_metrics(&input), Err(AlgoError::AllAborted));
+    }
+}

@@ -1,0 +1,38 @@
+//! RL algorithm building blocks with verl's semantics: advantage estimators, KL-in-reward
+//! controllers, token-level reward placement, DAPO group filtering and the per-step data metrics.
+//!
+//! Everything works on [`Matrix`], a row-major `[batch × response_length]` f32 array, with masks as
+//! 0/1 matrices of the same shape, so the trainer can feed engine outputs in without libtorch.
+
+mod advantage;
+mod filter;
+mod kl;
+mod metrics;
+mod tensor;
+
+pub use advantage::{AdvEstimator, AdvantageInput, AdvantageParams, compute_advantage, masked_mean, masked_whiten};
+pub use filter::{DynamicSampler, SamplerProgress, filter_groups};
+pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_penalty, kl_penalty};
+pub use metrics::{DataMetricsInput, compute_data_metrics};
+pub use tensor::{Matrix, place_scores};
+
+/// What can go wrong in an algorithm call: always a caller's shape or configuration mistake.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum AlgoError {
+    #[error("`{what}` has shape {got:?}, expected {expected:?}")]
+    Shape { what: &'static str, expected: (usize, usize), got: (usize, usize) },
+    #[error("`{what}` has {got} entries, expected {expected}")]
+    Length { what: &'static str, expected: usize, got: usize },
+    #[error("matrix data has {len} values, which is not {rows}×{cols}")]
+    Data { rows: usize, cols: usize, len: usize },
+    #[error("masked whitening needs at least two unmasked values, the mask has {0}")]
+    TooFewMasked(usize),
+    #[error("advantage estimator `{0}` needs `{1}`")]
+    MissingInput(&'static str, &'static str),
+    #[error("algorithm.kl_ctrl.horizon must be larger than 0 for the adaptive controller")]
+    Horizon,
+    #[error("every response in the batch is empty (aborted)")]
+    AllAborted,
+    #[error("dynamic sampling generated {0} batches without filling the batch (algorithm.filter_groups.max_num_gen_batches); the data may be too easy or too hard")]
+    TooManyGenBatches(u64),
+}

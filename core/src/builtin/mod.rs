@@ -1,0 +1,23 @@
+//! Components built into verl-core, registered through `inventory` next to the host's built-in
+//! devices: the `console` and `file` trackers and the `naive` and `disk` weight-sync engines.
+
+mod console;
+mod file_logger;
+mod weight_sync;
+
+use verl_plugin_api::PluginBuilder;
+use verl_plugin_host::BuiltinPlugin;
+
+pub use console::ConsoleTracker;
+pub use file_logger::{FILE_LOGGER_PATH_ENV, FileTracker};
+pub use weight_sync::{DiskWeightSync, NaiveWeightSync};
+
+fn builtin_components() -> PluginBuilder {
+    PluginBuilder::new("verl-core-trainer", env!("CARGO_PKG_VERSION"), "trackers and weight sync built into verl-core")
+        .tracker("console", 0, "compact metric table per step and a progress bar on stderr", ConsoleTracker::default)
+        .tracker("file", 0, "JSONL, one {\"step\", \"data\"} object per step (verl's file logger)", FileTracker::default)
+        .checkpoint("naive", 0, "hands weights over in memory (trainer and rollout in one process)", NaiveWeightSync::default)
+        .checkpoint("disk", 0, "hands weights over through a safetensors file", DiskWeightSync::default)
+}
+
+inventory::submit! { BuiltinPlugin(builtin_components) }

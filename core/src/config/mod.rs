@@ -1,0 +1,289 @@
+//! The run config with verl's keys and defaults, layered with `figment`:
+//! built-in defaults < config file (YAML or TOML by extension) < `VERL_` environment variables <
+//! Hydra-style command-line overrides (`actor_rollout_ref.actor.optim.lr=1e-6`,
+//! `trainer.logger=[console,file]`). `${trainer.project_name}`-style interpolation is resolved
+//! last, on the merged result.
+//!
+//! Environment variables: `VERL_` + the key path with sections joined by `__`, any case:
+//! `VERL_TRAINER__TOTAL_EPOCHS=3`, `VERL_ACTOR_ROLLOUT_REF__ACTOR__OPTIM__LR=1e-6`. Values use the
+//! override syntax. Every config key sits in a section, so only names containing `__` are config:
+//! `VERL_PLATFORM`, `VERL_PLUGIN_PATH`, `VERL_PROBE_ROOT`, `VERL_PLUGIN_ALLOWLIST`,
+//! `VERL_FILE_LOGGER_PATH` and verl's own single-level variables are never read as config.
+//!
+//! Unknown keys and wrong types are errors naming the full key path and where the value came from;
+//! unknown keys come with the nearest valid key. In files, verl's `_target_` markers and Hydra's
+//! top-level `defaults`/`hydra` entries are ignored.
+
+mod interp;
+mod overrides;
+mod plugin;
+mod schema;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use figment::providers::{Format, Serialized, Toml, Yaml};
+use figment::value::{Dict, Map};
+use figment::{Figment, Metadata, Profile, Provider};
+use serde_json::Value;
+
+pub use plugin::EngineRole;
+pub use schema::*;
+
+/// Prefix of config environment variables.
+pub const ENV_PREFIX: &str = "VERL_";
+/// Separator of key-path segments in config environment variables.
+pub const ENV_SEPARATOR: &str = "__";
+
+/// A config that cannot be used; every variant says which key and which source.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("unknown config key `{key}` (from {origin}){}", suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default())]
+    UnknownKey { key: String, origin: String, suggestion: Option<String> },
+    #[error("config key `{key}` (from {origin}): {message}")]
+    Invalid { key: String, origin: String, message: String },
+    #[error("config file {}: {message}", path.display())]
+    File { path: PathBuf, message: String },
+    #[error("{origin}: {message}")]
+    Syntax { origin: String, message: String },
+    #[error("config key `{key}`: {message}")]
+    Interpolation { key: String, message: String },
+}
+
+/// One layer's values with where they came from, as a figment provider.
+struct Layer {
+    tree: Value,
+    metadata: Metadata,
+}
+
+impl Layer {
+    /// `origin(key path)` names the source of a key in errors.
+    fn new(tree: Value, name: &'static str, origin: impl Fn(&[&str]) -> String + Clone + Send + Sync + 'static) -> Self {
+        let metadata = Metadata::named(name).interpolater(move |_: &Profile, keys: &[&str]| origin(keys));
+        Self { tree, metadata }
+    }
+}
+
+impl Provider for Layer {
+    fn metadata(&self) -> Metadata {
+        self.metadata.clone()
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        Serialized::defaults(&self.tree).data()
+    }
+}
+
+/// The valid keys: the defaults serialised, with [`FREE_FORM`] sections taking anything.
+struct Schema {
+    root: Value,
+}
+
+/// Where a key path ends in the schema.
+enum Lookup<'a> {
+    Value(&'a Value),
+    FreeForm,
+}
+
+impl Schema {
+    fn new() -> Self {
+        Self { root: serde_json::to_value(Config::default()).expect("defaults serialise") }
+    }
+
+    /// Checks `path` exists; `origin` names the source for the error.
+    fn lookup(&self, path: &[String], origin: &str) -> Result<Lookup<'_>, ConfigError> {
+        let mut node = &self.root;
+        for (i, segment) in path.iter().enumerate() {
+            if i > 0 && FREE_FORM.contains(&path[..i].join(".").as_str()) {
+                return Ok(Lookup::FreeForm);
+            }
+            let key = path[..=i].join(".");
+            let Value::Object(map) = node else {
+                return Err(ConfigError::Invalid { key: path[..i].join("."), origin: origin.to_owned(), message: format!("is a value, not a section (cannot set `{key}`)") });
+            };
+            match map.get(segment) {
+                Some(child) => node = child,
+                None if FREE_FORM.contains(&key.as_str()) => return Ok(Lookup::FreeForm),
+                None => return Err(ConfigError::UnknownKey { suggestion: self.suggest(&path[..i], segment), key, origin: origin.to_owned() }),
+            }
+        }
+        if FREE_FORM.contains(&path.join(".").as_str()) { Ok(Lookup::FreeForm) } else { Ok(Lookup::Value(node)) }
+    }
+
+    /// The nearest sibling by edit distance, else the first key with the same name elsewhere.
+    fn suggest(&self, parent: &[String], segment: &str) -> Option<String> {
+        let prefix = |k: &str| parent.iter().map(String::as_str).chain([k]).collect::<Vec<_>>().join(".");
+        let siblings = parent.iter().try_fold(&self.root, |v, k| v.get(k)).and_then(Value::as_object);
+        let close = siblings.into_iter().flat_map(|m| m.keys()).map(|k| (strsim::levenshtein(k, segment), k)).filter(|(d, k)| *d <= (k.len() / 3).max(2)).min();
+        if let Some((_, k)) = close {
+            return Some(prefix(k));
+        }
+        let mut found = Vec::new();
+        collect_paths(&self.root, &mut Vec::new(), &mut |path| {
+            if path.last().is_some_and(|k| k == segment) {
+                found.push(path.join("."));
+            }
+        });
+        // Sorted key order: `actor_rollout_ref.*` comes before `critic.*`.
+        found.into_iter().next()
+    }
+
+    /// Checks every key of a file's tree.
+    fn check_tree(&self, tree: &Value, path: &mut Vec<String>, origin: &str) -> Result<(), ConfigError> {
+        if let Value::Object(map) = tree {
+            for (k, v) in map {
+                path.push(k.clone());
+                if let Lookup::Value(Value::Object(_)) = self.lookup(path, origin)? {
+                    self.check_tree(v, path, origin)?;
+                }
+                path.pop();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn collect_paths(v: &Value, path: &mut Vec<String>, f: &mut impl FnMut(&[String])) {
+    if let Value::Object(map) = v {
+        for (k, child) in map {
+            path.push(k.clone());
+            f(path);
+            collect_paths(child, path, f);
+            path.pop();
+        }
+    }
+}
+
+/// Sets `path` in `tree`, creating sections.
+fn insert(tree: &mut Value, path: &[String], value: Value) {
+    let mut node = tree;
+    for segment in &path[..path.len() - 1] {
+        if !node.get(segment).is_some_and(Value::is_object) {
+            node[segment.as_str()] = Value::Object(Default::default());
+        }
+        node = &mut node[segment.as_str()];
+    }
+    node[path[path.len() - 1].as_str()] = value;
+}
+
+/// Drops verl's structured-config markers and Hydra's composition entries.
+fn strip_markers(tree: &mut Value, top: bool) {
+    if let Value::Object(map) = tree {
+        map.remove("_target_");
+        if top {
+            map.remove("defaults");
+            map.remove("hydra");
+        }
+        map.values_mut().for_each(|v| strip_markers(v, false));
+    }
+}
+
+fn read_file(path: &Path) -> Result<Value, ConfigError> {
+    let file_err = |message: String| ConfigError::File { path: path.to_owned(), message };
+    let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+    let data = match path.extension().and_then(|e| e.to_str()) {
+        Some("yaml" | "yml") => Yaml::string(&text).data(),
+        Some("toml") => Toml::string(&text).data(),
+        _ => return Err(file_err("unknown format (expected .yaml, .yml or .toml)".into())),
+    }
+    .map_err(|e| file_err(e.to_string()))?;
+    let dict = data.into_values().next().unwrap_or_default();
+    let mut tree = serde_json::to_value(dict).map_err(|e| file_err(e.to_string()))?;
+    if tree.is_null() {
+        tree = Value::Object(Default::default());
+    }
+    strip_markers(&mut tree, true);
+    Ok(tree)
+}
+
+impl Config {
+    /// Loads the config from the process environment (see [`Config::load`]).
+    pub fn from_process(file: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        Self::load(file, std::env::vars(), overrides)
+    }
+
+    /// Layers defaults, `file`, the `VERL_…__…` variables among `env`, and `overrides`; then
+    /// resolves interpolations (`${oc.env:…}` reads `env`).
+    pub fn load(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>, overrides: &[String]) -> Result<Self, ConfigError> {
+        let env: HashMap<String, String> = env.into_iter().collect();
+        let schema = Schema::new();
+        let mut figment = Figment::from(Layer::new(schema.root.clone(), "built-in defaults", |_| "built-in defaults".to_owned()));
+
+        if let Some(path) = file {
+            let tree = read_file(path)?;
+            let origin = format!("config file {}", path.display());
+            schema.check_tree(&tree, &mut Vec::new(), &origin)?;
+            figment = figment.merge(Layer::new(tree, "config file", move |_| origin.clone()));
+        }
+
+        let mut env_tree = Value::Object(Default::default());
+        let mut vars: Vec<(&String, &String)> = env.iter().filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains(ENV_SEPARATOR)).collect();
+        vars.sort();
+        for (name, text) in vars {
+            let origin = format!("environment variable {name}");
+            let path: Vec<String> = name[ENV_PREFIX.len()..].split(ENV_SEPARATOR).map(str::to_ascii_lowercase).collect();
+            let value = parse_for(&schema, &path, text, &origin)?;
+            insert(&mut env_tree, &path, value);
+        }
+        figment = figment.merge(Layer::new(env_tree, "environment", |keys| {
+            format!("environment variable {ENV_PREFIX}{}", keys.join(ENV_SEPARATOR).to_ascii_uppercase())
+        }));
+
+        let mut cli_tree = Value::Object(Default::default());
+        let mut cli_args: HashMap<String, String> = HashMap::new();
+        for arg in overrides {
+            let origin = format!("command-line override `{arg}`");
+            let (path, text) = overrides::split_override(arg).map_err(|message| ConfigError::Syntax { origin: origin.clone(), message })?;
+            let value = parse_for(&schema, &path, text, &origin)?;
+            cli_args.insert(path.join("."), arg.clone());
+            insert(&mut cli_tree, &path, value);
+        }
+        let cli_args = Arc::new(cli_args);
+        figment = figment.merge(Layer::new(cli_tree, "command line", move |keys| {
+            // A type error may name a key inside the overridden value: report the override.
+            (1..=keys.len())
+                .rev()
+                .find_map(|n| cli_args.get(&keys[..n].join(".")))
+                .map_or_else(|| "the command line".to_owned(), |arg| format!("command-line override `{arg}`"))
+        }));
+
+        let config: Config = figment.extract().map_err(from_figment)?;
+        let mut tree = serde_json::to_value(&config).expect("config serialises");
+        interp::resolve_all(&mut tree, &env).map_err(|(key, message)| ConfigError::Interpolation { key, message })?;
+        Ok(serde_json::from_value(tree).expect("interpolation only rewrites strings"))
+    }
+
+    /// The config as YAML (`verl-core config show`).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("config serialises")
+    }
+
+    /// The config as JSON (what trackers log as run parameters).
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(self).expect("config serialises")
+    }
+
+    /// One key or section by dotted path (`verl-core config show trainer`).
+    pub fn get(&self, path: &str) -> Option<Value> {
+        path.split('.').filter(|s| !s.is_empty()).try_fold(self.to_json(), |v, k| v.get(k).cloned())
+    }
+}
+
+/// Parses an env/CLI value after checking its key; bare values of string keys stay strings.
+fn parse_for(schema: &Schema, path: &[String], text: &str, origin: &str) -> Result<Value, ConfigError> {
+    let as_string = matches!(schema.lookup(path, origin)?, Lookup::Value(Value::String(_)));
+    overrides::parse_value(text, as_string).map_err(|message| ConfigError::Syntax { origin: origin.to_owned(), message })
+}
+
+fn from_figment(error: figment::Error) -> ConfigError {
+    let key = error.path.join(".");
+    let origin = match &error.metadata {
+        Some(m) => m.interpolate(&error.profile.clone().unwrap_or_default(), &error.path),
+        None => "unknown source".to_owned(),
+    };
+    ConfigError::Invalid { key, origin, message: error.kind.to_string() }
+}
+
+#[cfg(test)]
+mod tests;

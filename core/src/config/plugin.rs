@@ -1,0 +1,176 @@
+//! The JSON each plugin component receives: its verl section plus what it cannot see on its own
+//! (`role`, `model`, values verl interpolates from other sections).
+
+use serde_json::{Value, json};
+
+use super::Config;
+use crate::data::expand_home;
+
+/// Which model an engine instance holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineRole {
+    Actor,
+    Ref,
+    Critic,
+}
+
+impl EngineRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Actor => "actor",
+            Self::Ref => "ref",
+            Self::Critic => "critic",
+        }
+    }
+}
+
+fn section<T: serde::Serialize>(value: &T) -> Value {
+    serde_json::to_value(value).expect("config sections serialise")
+}
+
+impl Config {
+    /// Whether a critic is trained: `critic.enable`, else whether the estimator needs one.
+    pub fn critic_enabled(&self) -> bool {
+        self.critic.enable.unwrap_or_else(|| self.algorithm.adv_estimator.needs_critic())
+    }
+
+    /// Whether reference log-probs are needed (KL in the loss or in the reward).
+    pub fn ref_enabled(&self) -> bool {
+        self.actor_rollout_ref.actor.use_kl_loss || self.algorithm.use_kl_in_reward
+    }
+
+    /// The engine plugin's name for `role`.
+    pub fn engine_strategy(&self, role: EngineRole) -> &str {
+        let arr = &self.actor_rollout_ref;
+        match role {
+            EngineRole::Actor => &arr.actor.strategy,
+            EngineRole::Ref => arr.reference.strategy.as_deref().unwrap_or(&arr.actor.strategy),
+            EngineRole::Critic => &self.critic.strategy,
+        }
+    }
+
+    /// `{"path", "random_init", "enable_gradient_checkpointing", "dtype"}` of the policy model
+    /// (`~/` expanded).
+    pub fn model_json(&self) -> Value {
+        let m = &self.actor_rollout_ref.model;
+        json!({
+            "path": expand_home(&m.path),
+            "random_init": m.random_init,
+            "enable_gradient_checkpointing": m.enable_gradient_checkpointing,
+            "dtype": m.dtype,
+        })
+    }
+
+    /// An engine's config: the actor section (ref: overlaid with `ref`; critic: the `critic`
+    /// section) plus `role` and `model`. `ppo_mini_batch_size` is converted from prompts to
+    /// sequences (× `rollout.n`) as verl's workers do; the critic's unset keys take the actor's
+    /// values, as verl's config interpolates them.
+    pub fn engine_json(&self, role: EngineRole) -> Value {
+        let arr = &self.actor_rollout_ref;
+        let n = arr.rollout.n;
+        let mut out = match role {
+            EngineRole::Actor => {
+                let mut v = section(&arr.actor);
+                v["ppo_mini_batch_size"] = json!(arr.actor.ppo_mini_batch_size * n);
+                // Old log-probs are computed with the rollout's micro-batch size in verl.
+                v["log_prob_micro_batch_size_per_gpu"] = json!(arr.rollout.log_prob_micro_batch_size_per_gpu);
+                v["model"] = self.model_json();
+                v
+            }
+            EngineRole::Ref => {
+                let mut v = section(&arr.actor);
+                if let (Value::Object(base), Value::Object(overlay)) = (&mut v, section(&arr.reference)) {
+                    base.extend(overlay);
+                }
+                v["strategy"] = json!(self.engine_strategy(role));
+                v["model"] = self.model_json();
+                v
+            }
+            EngineRole::Critic => {
+                let c = &self.critic;
+                let mut v = section(c);
+                v["ppo_mini_batch_size"] = json!(c.ppo_mini_batch_size.unwrap_or(arr.actor.ppo_mini_batch_size) * n);
+                v["ppo_epochs"] = json!(c.ppo_epochs.unwrap_or(arr.actor.ppo_epochs));
+                v["loss_agg_mode"] = json!(c.loss_agg_mode.as_deref().unwrap_or(&arr.actor.loss_agg_mode));
+                let actor_model = self.model_json();
+                let own = |key: &str| c.model.get(key).filter(|v| !v.is_null()).cloned();
+                v["model"] = json!({
+                    "path": own("path").and_then(|p| p.as_str().map(expand_home)).map_or_else(|| actor_model["path"].clone(), |p| json!(p)),
+                    "random_init": own("random_init").unwrap_or_else(|| actor_model["random_init"].clone()),
+                    "enable_gradient_checkpointing": own("enable_gradient_checkpointing").unwrap_or(json!(true)),
+                    "dtype": own("dtype").unwrap_or_else(|| actor_model["dtype"].clone()),
+                });
+                v
+            }
+        };
+        out["role"] = json!(role.as_str());
+        out
+    }
+
+    /// The rollout's config: `actor_rollout_ref.rollout` plus `model`, with `prompt_length` and
+    /// `response_length` taken from `data` when unset (verl's interpolation).
+    pub fn rollout_json(&self) -> Value {
+        let rollout = &self.actor_rollout_ref.rollout;
+        let mut v = section(rollout);
+        v["prompt_length"] = json!(rollout.prompt_length.unwrap_or(self.data.max_prompt_length));
+        v["response_length"] = json!(rollout.response_length.unwrap_or(self.data.max_response_length));
+        v["model"] = self.model_json();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::AdvEstimator;
+
+    #[test]
+    fn engine_sections_carry_role_and_model() {
+        let mut c = Config::default();
+        c.actor_rollout_ref.model.path = "/m".into();
+        c.actor_rollout_ref.rollout.n = 4;
+        c.actor_rollout_ref.actor.ppo_mini_batch_size = 8;
+        c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = Some(2);
+        c.actor_rollout_ref.reference.log_prob_micro_batch_size_per_gpu = Some(3);
+        let actor = c.engine_json(EngineRole::Actor);
+        assert_eq!(actor["role"], "actor");
+        assert_eq!(actor["model"], json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "dtype": "float32"}));
+        assert_eq!(actor["ppo_mini_batch_size"], 32);
+        assert_eq!(actor["log_prob_micro_batch_size_per_gpu"], 2);
+        assert_eq!(actor["optim"]["lr"], 1e-6);
+        let reference = c.engine_json(EngineRole::Ref);
+        assert_eq!((reference["role"].as_str(), reference["log_prob_micro_batch_size_per_gpu"].as_i64()), (Some("ref"), Some(3)));
+        assert_eq!(reference["strategy"], "fsdp");
+        let critic = c.engine_json(EngineRole::Critic);
+        assert_eq!(critic["role"], "critic");
+        assert_eq!(critic["model"]["path"], "/m");
+        assert_eq!(critic["ppo_mini_batch_size"], 32);
+        assert_eq!(critic["optim"]["lr"], 1e-5);
+        assert_eq!(critic["loss_agg_mode"], "token-mean");
+        c.critic.model["path"] = json!("/critic");
+        assert_eq!(c.engine_json(EngineRole::Critic)["model"]["path"], "/critic");
+    }
+
+    #[test]
+    fn rollout_section_fills_lengths() {
+        let mut c = Config::default();
+        c.data.max_prompt_length = 16;
+        c.actor_rollout_ref.rollout.response_length = Some(8);
+        let r = c.rollout_json();
+        assert_eq!((r["prompt_length"].as_u64(), r["response_length"].as_u64()), (Some(16), Some(8)));
+        assert_eq!(r["checkpoint_engine"]["backend"], "naive");
+        assert_eq!(r["val_kwargs"]["temperature"], 0.0);
+        assert_eq!(r["model"]["dtype"], "float32");
+    }
+
+    #[test]
+    fn switches() {
+        let mut c = Config::default();
+        assert!(c.critic_enabled() && !c.ref_enabled());
+        c.algorithm.adv_estimator = AdvEstimator::Grpo;
+        c.actor_rollout_ref.actor.use_kl_loss = true;
+        assert!(!c.critic_enabled() && c.ref_enabled());
+        c.critic.enable = Some(true);
+        assert!(c.critic_enabled());
+    }
+}

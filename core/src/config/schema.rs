@@ -1,0 +1,745 @@
+//! The run config: verl's sections, key names and defaults (verl's `ppo_trainer.yaml`), for the
+//! keys verl-core reads or that verl's own example scripts set. Additions of ours are marked.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Value, json};
+
+use crate::algo::{AdvEstimator, KlCtrlType, KlPenalty};
+use crate::data::Truncation;
+
+/// verl accepts a single string where a list is expected (`trainer.logger=console`,
+/// `data.train_files=a.parquet`).
+fn one_or_many<'de, D: Deserializer<'de>>(de: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(de)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
+}
+
+fn empty_object() -> Value {
+    json!({})
+}
+
+/// The whole config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub data: DataConfig,
+    pub actor_rollout_ref: ActorRolloutRefConfig,
+    pub critic: CriticConfig,
+    pub reward_model: RewardModelConfig,
+    pub custom_reward_function: CustomRewardFunctionConfig,
+    pub algorithm: AlgorithmConfig,
+    pub trainer: TrainerConfig,
+    /// Tracker settings read by tracker plugins (also accepted under `trainer.<name>`); free-form.
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub wandb: Value,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub mlflow: Value,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub tensorboard: Value,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub trackio: Value,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            data: DataConfig::default(),
+            actor_rollout_ref: ActorRolloutRefConfig::default(),
+            critic: CriticConfig::default(),
+            reward_model: RewardModelConfig::default(),
+            custom_reward_function: CustomRewardFunctionConfig::default(),
+            algorithm: AlgorithmConfig::default(),
+            trainer: TrainerConfig::default(),
+            wandb: Value::Null,
+            mlflow: Value::Null,
+            tensorboard: Value::Null,
+            trackio: Value::Null,
+        }
+    }
+}
+
+/// Sections whose contents are not checked: plugin settings and verl's pass-through dicts.
+pub const FREE_FORM: [&str; 16] = [
+    "wandb",
+    "mlflow",
+    "tensorboard",
+    "trackio",
+    "trainer.wandb",
+    "trainer.mlflow",
+    "trainer.tensorboard",
+    "trainer.trackio",
+    "data.apply_chat_template_kwargs",
+    "actor_rollout_ref.model.override_config",
+    "actor_rollout_ref.actor.fsdp_config",
+    "actor_rollout_ref.ref.fsdp_config",
+    "actor_rollout_ref.rollout.engine_kwargs",
+    "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs",
+    "critic.model",
+    "reward_model.model",
+];
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    pub tokenizer: Option<String>,
+    pub use_shm: bool,
+    #[serde(deserialize_with = "one_or_many")]
+    pub train_files: Vec<String>,
+    #[serde(deserialize_with = "one_or_many")]
+    pub val_files: Vec<String>,
+    /// −1: all rows.
+    pub train_max_samples: i64,
+    pub val_max_samples: i64,
+    pub prompt_key: String,
+    /// The column the reward is dispatched on.
+    pub reward_fn_key: String,
+    pub max_prompt_length: usize,
+    pub max_response_length: usize,
+    /// Prompts per step (each sampled `rollout.n` times).
+    pub train_batch_size: usize,
+    /// None: the whole validation set at once.
+    pub val_batch_size: Option<usize>,
+    pub return_raw_chat: bool,
+    pub return_full_prompt: bool,
+    pub shuffle: bool,
+    /// Shuffle seed; None: `trainer.seed`.
+    pub seed: Option<u64>,
+    pub dataloader_num_workers: usize,
+    pub validation_shuffle: bool,
+    pub filter_overlong_prompts: bool,
+    pub filter_overlong_prompts_workers: usize,
+    pub truncation: Truncation,
+    pub trust_remote_code: bool,
+    pub apply_chat_template_kwargs: Value,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            tokenizer: None,
+            use_shm: false,
+            train_files: vec!["~/data/rlhf/gsm8k/train.parquet".into()],
+            val_files: vec!["~/data/rlhf/gsm8k/test.parquet".into()],
+            train_max_samples: -1,
+            val_max_samples: -1,
+            prompt_key: "prompt".into(),
+            reward_fn_key: "data_source".into(),
+            max_prompt_length: 512,
+            max_response_length: 512,
+            train_batch_size: 1024,
+            val_batch_size: None,
+            return_raw_chat: true,
+            return_full_prompt: false,
+            shuffle: true,
+            seed: None,
+            dataloader_num_workers: 8,
+            validation_shuffle: false,
+            filter_overlong_prompts: false,
+            filter_overlong_prompts_workers: 1,
+            truncation: Truncation::Error,
+            trust_remote_code: false,
+            apply_chat_template_kwargs: empty_object(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorRolloutRefConfig {
+    pub hybrid_engine: bool,
+    pub model: ModelConfig,
+    pub actor: ActorConfig,
+    #[serde(rename = "ref")]
+    pub reference: RefConfig,
+    pub rollout: RolloutConfig,
+}
+
+impl Default for ActorRolloutRefConfig {
+    fn default() -> Self {
+        Self {
+            hybrid_engine: true,
+            model: ModelConfig::default(),
+            actor: ActorConfig::default(),
+            reference: RefConfig::default(),
+            rollout: RolloutConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A Hugging Face model directory.
+    pub path: String,
+    pub tokenizer_path: Option<String>,
+    /// Jinja source overriding the tokenizer's chat template.
+    pub custom_chat_template: Option<String>,
+    pub external_lib: Option<String>,
+    pub override_config: Value,
+    pub enable_gradient_checkpointing: bool,
+    pub enable_activation_offload: bool,
+    pub use_remove_padding: bool,
+    pub use_shm: bool,
+    pub trust_remote_code: bool,
+    pub lora_rank: usize,
+    pub lora_alpha: usize,
+    pub use_liger: bool,
+    pub use_fused_kernels: bool,
+    /// Ours: build the weights from `config.json` and the seed instead of reading them.
+    pub random_init: bool,
+    /// Ours: parameter dtype of the engine (`float32` | `bfloat16`).
+    pub dtype: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            path: "~/models/deepseek-llm-7b-chat".into(),
+            tokenizer_path: None,
+            custom_chat_template: None,
+            external_lib: None,
+            override_config: empty_object(),
+            enable_gradient_checkpointing: true,
+            enable_activation_offload: false,
+            use_remove_padding: true,
+            use_shm: false,
+            trust_remote_code: false,
+            lora_rank: 0,
+            lora_alpha: 16,
+            use_liger: false,
+            use_fused_kernels: false,
+            random_init: false,
+            dtype: "float32".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    pub optimizer: String,
+    pub lr: f64,
+    pub lr_warmup_steps_ratio: f64,
+    /// −1: filled in by the trainer.
+    pub total_training_steps: i64,
+    pub weight_decay: f64,
+    /// −1: derived from `lr_warmup_steps_ratio`.
+    pub lr_warmup_steps: i64,
+    pub betas: [f64; 2],
+    pub clip_grad: f64,
+    pub min_lr_ratio: f64,
+    pub num_cycles: f64,
+    /// `constant` | `cosine`.
+    pub lr_scheduler_type: String,
+    /// Older spelling of `lr_scheduler_type`.
+    pub warmup_style: Option<String>,
+}
+
+impl OptimConfig {
+    fn with_lr(lr: f64) -> Self {
+        Self {
+            optimizer: "AdamW".into(),
+            lr,
+            lr_warmup_steps_ratio: 0.0,
+            total_training_steps: -1,
+            weight_decay: 0.01,
+            lr_warmup_steps: -1,
+            betas: [0.9, 0.999],
+            clip_grad: 1.0,
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+            lr_scheduler_type: "constant".into(),
+            warmup_style: None,
+        }
+    }
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self::with_lr(1e-6)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyLossConfig {
+    /// `vanilla` | `gspo` | … (the engine validates).
+    pub loss_mode: String,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        Self { loss_mode: "vanilla".into() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorConfig {
+    /// The engine plugin (`fsdp`, `megatron`, …).
+    pub strategy: String,
+    /// Prompts per optimizer step (the engine gets it × `rollout.n`).
+    pub ppo_mini_batch_size: usize,
+    pub ppo_micro_batch_size: Option<usize>,
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    pub use_dynamic_bsz: bool,
+    pub ppo_max_token_len_per_gpu: usize,
+    pub clip_ratio: f64,
+    /// None: `clip_ratio`.
+    pub clip_ratio_low: Option<f64>,
+    pub clip_ratio_high: Option<f64>,
+    pub clip_ratio_c: f64,
+    pub policy_loss: PolicyLossConfig,
+    /// `token-mean` | `seq-mean-token-sum` | `seq-mean-token-mean` | `seq-mean-token-sum-norm`.
+    pub loss_agg_mode: String,
+    pub entropy_coeff: f64,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f64,
+    pub kl_loss_type: String,
+    pub ppo_epochs: usize,
+    pub shuffle: bool,
+    pub data_loader_seed: u64,
+    /// Older place of `optim.clip_grad`.
+    pub grad_clip: Option<f64>,
+    pub ulysses_sequence_parallel_size: usize,
+    pub use_torch_compile: bool,
+    pub optim: OptimConfig,
+    pub fsdp_config: Value,
+}
+
+impl Default for ActorConfig {
+    fn default() -> Self {
+        Self {
+            strategy: "fsdp".into(),
+            ppo_mini_batch_size: 256,
+            ppo_micro_batch_size: None,
+            ppo_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: false,
+            ppo_max_token_len_per_gpu: 16384,
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            clip_ratio_c: 3.0,
+            policy_loss: PolicyLossConfig::default(),
+            loss_agg_mode: "token-mean".into(),
+            entropy_coeff: 0.0,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: "low_var_kl".into(),
+            ppo_epochs: 1,
+            shuffle: false,
+            data_loader_seed: 42,
+            grad_clip: None,
+            ulysses_sequence_parallel_size: 1,
+            use_torch_compile: true,
+            optim: OptimConfig::default(),
+            fsdp_config: empty_object(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RefConfig {
+    /// None: the actor's strategy.
+    pub strategy: Option<String>,
+    pub log_prob_micro_batch_size: Option<usize>,
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    pub log_prob_use_dynamic_bsz: bool,
+    pub log_prob_max_token_len_per_gpu: usize,
+    pub ulysses_sequence_parallel_size: usize,
+    pub fsdp_config: Value,
+}
+
+impl Default for RefConfig {
+    fn default() -> Self {
+        Self {
+            strategy: None,
+            log_prob_micro_batch_size: None,
+            log_prob_micro_batch_size_per_gpu: None,
+            log_prob_use_dynamic_bsz: false,
+            log_prob_max_token_len_per_gpu: 16384,
+            ulysses_sequence_parallel_size: 1,
+            fsdp_config: empty_object(),
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.val_kwargs`: sampling for validation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValKwargs {
+    pub top_k: i64,
+    pub top_p: f64,
+    pub temperature: f64,
+    pub n: usize,
+    pub do_sample: bool,
+}
+
+impl Default for ValKwargs {
+    fn default() -> Self {
+        Self { top_k: -1, top_p: 1.0, temperature: 0.0, n: 1, do_sample: false }
+    }
+}
+
+/// `actor_rollout_ref.rollout.checkpoint_engine`: how weights reach the rollout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointEngineConfig {
+    /// The checkpoint component (`naive` in-process, `disk` safetensors, …).
+    pub backend: String,
+    pub update_weights_bucket_megabytes: usize,
+    pub engine_kwargs: Value,
+}
+
+impl Default for CheckpointEngineConfig {
+    fn default() -> Self {
+        Self { backend: "naive".into(), update_weights_bucket_megabytes: 2048, engine_kwargs: empty_object() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// The rollout plugin (`native`, `vllm`, `sglang`). verl has no default; ours is `native`.
+    pub name: String,
+    pub mode: String,
+    pub temperature: f64,
+    pub top_k: i64,
+    pub top_p: f64,
+    pub do_sample: bool,
+    /// Responses per prompt.
+    pub n: usize,
+    /// None: `data.max_prompt_length` / `data.max_response_length`.
+    pub prompt_length: Option<usize>,
+    pub response_length: Option<usize>,
+    pub dtype: String,
+    pub gpu_memory_utilization: f64,
+    pub ignore_eos: bool,
+    pub enforce_eager: bool,
+    pub free_cache_engine: bool,
+    /// verl's default is 2; ours is 1 (one device is the common case here).
+    pub tensor_model_parallel_size: usize,
+    pub data_parallel_size: usize,
+    pub pipeline_model_parallel_size: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: Option<usize>,
+    pub max_num_seqs: usize,
+    pub enable_chunked_prefill: bool,
+    pub enable_prefix_caching: bool,
+    pub load_format: String,
+    pub log_prob_micro_batch_size: Option<usize>,
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    pub log_prob_use_dynamic_bsz: bool,
+    pub log_prob_max_token_len_per_gpu: usize,
+    pub disable_log_stats: bool,
+    pub calculate_log_probs: bool,
+    pub skip_tokenizer_init: bool,
+    pub engine_kwargs: Value,
+    pub val_kwargs: ValKwargs,
+    pub checkpoint_engine: CheckpointEngineConfig,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            name: "native".into(),
+            mode: "async".into(),
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            do_sample: true,
+            n: 1,
+            prompt_length: None,
+            response_length: None,
+            dtype: "bfloat16".into(),
+            gpu_memory_utilization: 0.5,
+            ignore_eos: false,
+            enforce_eager: false,
+            free_cache_engine: true,
+            tensor_model_parallel_size: 1,
+            data_parallel_size: 1,
+            pipeline_model_parallel_size: 1,
+            max_num_batched_tokens: 8192,
+            max_model_len: None,
+            max_num_seqs: 256,
+            enable_chunked_prefill: true,
+            enable_prefix_caching: true,
+            load_format: "dummy".into(),
+            log_prob_micro_batch_size: None,
+            log_prob_micro_batch_size_per_gpu: None,
+            log_prob_use_dynamic_bsz: false,
+            log_prob_max_token_len_per_gpu: 16384,
+            disable_log_stats: true,
+            calculate_log_probs: false,
+            skip_tokenizer_init: true,
+            engine_kwargs: json!({"vllm": {}, "sglang": {}}),
+            val_kwargs: ValKwargs::default(),
+            checkpoint_engine: CheckpointEngineConfig::default(),
+        }
+    }
+}
+
+/// `critic`. Keys verl interpolates from the actor are options here, resolved by
+/// [`Config::engine_json`](super::Config::engine_json). `critic.model` is free-form: `path`
+/// (None: the actor's model), `random_init`, `dtype`, `enable_gradient_checkpointing`, and verl's
+/// pass-through keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CriticConfig {
+    /// None: enabled exactly when the advantage estimator needs a critic (GAE).
+    pub enable: Option<bool>,
+    pub strategy: String,
+    pub optim: OptimConfig,
+    pub model: Value,
+    pub ppo_mini_batch_size: Option<usize>,
+    pub ppo_micro_batch_size: Option<usize>,
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    pub forward_micro_batch_size: Option<usize>,
+    pub forward_micro_batch_size_per_gpu: Option<usize>,
+    pub use_dynamic_bsz: bool,
+    pub ppo_max_token_len_per_gpu: usize,
+    pub forward_max_token_len_per_gpu: Option<usize>,
+    pub ppo_epochs: Option<usize>,
+    pub shuffle: bool,
+    pub data_loader_seed: u64,
+    pub cliprange_value: f64,
+    pub loss_agg_mode: Option<String>,
+    pub grad_clip: Option<f64>,
+    pub ulysses_sequence_parallel_size: usize,
+}
+
+impl Default for CriticConfig {
+    fn default() -> Self {
+        Self {
+            enable: None,
+            strategy: "fsdp".into(),
+            optim: OptimConfig::with_lr(1e-5),
+            model: json!({"path": null, "enable_gradient_checkpointing": true, "use_remove_padding": false, "fsdp_config": {}}),
+            ppo_mini_batch_size: None,
+            ppo_micro_batch_size: None,
+            ppo_micro_batch_size_per_gpu: None,
+            forward_micro_batch_size: None,
+            forward_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: false,
+            ppo_max_token_len_per_gpu: 32768,
+            forward_max_token_len_per_gpu: None,
+            ppo_epochs: None,
+            shuffle: false,
+            data_loader_seed: 42,
+            cliprange_value: 0.5,
+            loss_agg_mode: None,
+            grad_clip: None,
+            ulysses_sequence_parallel_size: 1,
+        }
+    }
+}
+
+/// `reward_model`: only the switches; a model-based reward is not built in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardModelConfig {
+    pub enable: bool,
+    pub strategy: String,
+    pub model: Value,
+    pub micro_batch_size: Option<usize>,
+    pub micro_batch_size_per_gpu: Option<usize>,
+    pub max_length: Option<usize>,
+    pub reward_manager: String,
+    pub launch_reward_fn_async: bool,
+}
+
+impl Default for RewardModelConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            strategy: "fsdp".into(),
+            model: empty_object(),
+            micro_batch_size: None,
+            micro_batch_size_per_gpu: None,
+            max_length: None,
+            reward_manager: "naive".into(),
+            launch_reward_fn_async: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CustomRewardFunctionConfig {
+    pub path: Option<String>,
+    pub name: String,
+}
+
+impl Default for CustomRewardFunctionConfig {
+    fn default() -> Self {
+        Self { path: None, name: "compute_score".into() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KlCtrlConfig {
+    #[serde(rename = "type")]
+    pub kind: KlCtrlType,
+    pub kl_coef: f64,
+    pub horizon: u64,
+    pub target_kl: f64,
+}
+
+impl Default for KlCtrlConfig {
+    fn default() -> Self {
+        Self { kind: KlCtrlType::Fixed, kl_coef: 0.001, horizon: 10000, target_kl: 0.1 }
+    }
+}
+
+/// DAPO dynamic sampling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterGroupsConfig {
+    pub enable: bool,
+    /// `acc` | `score` | `seq_reward` | `seq_final_reward`; None: `acc`.
+    pub metric: Option<String>,
+    /// ≤ 0: unbounded.
+    pub max_num_gen_batches: i64,
+}
+
+impl Default for FilterGroupsConfig {
+    fn default() -> Self {
+        Self { enable: false, metric: None, max_num_gen_batches: 0 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlgorithmConfig {
+    pub gamma: f64,
+    pub lam: f64,
+    pub adv_estimator: AdvEstimator,
+    pub norm_adv_by_std_in_grpo: bool,
+    pub use_kl_in_reward: bool,
+    pub kl_penalty: KlPenalty,
+    pub kl_ctrl: KlCtrlConfig,
+    pub filter_groups: FilterGroupsConfig,
+}
+
+impl Default for AlgorithmConfig {
+    fn default() -> Self {
+        Self {
+            gamma: 1.0,
+            lam: 1.0,
+            adv_estimator: AdvEstimator::Gae,
+            norm_adv_by_std_in_grpo: true,
+            use_kl_in_reward: false,
+            kl_penalty: KlPenalty::Kl,
+            kl_ctrl: KlCtrlConfig::default(),
+            filter_groups: FilterGroupsConfig::default(),
+        }
+    }
+}
+
+/// `trainer.resume_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Resume from the latest complete checkpoint in `default_local_dir`, if any.
+    Auto,
+    /// Start fresh.
+    Disable,
+    /// Resume from `resume_from_path`.
+    ResumePath,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    pub balance_batch: bool,
+    pub total_epochs: u64,
+    /// None: `total_epochs` × batches per epoch.
+    pub total_training_steps: Option<u64>,
+    pub project_name: String,
+    pub experiment_name: String,
+    /// Tracker plugins by name.
+    #[serde(deserialize_with = "one_or_many")]
+    pub logger: Vec<String>,
+    pub log_val_generations: usize,
+    pub rollout_data_dir: Option<String>,
+    pub validation_data_dir: Option<String>,
+    pub nnodes: usize,
+    /// verl's default is 8; ours is 1.
+    pub n_gpus_per_node: usize,
+    /// −1: never.
+    pub save_freq: i64,
+    pub resume_mode: ResumeMode,
+    pub resume_from_path: Option<String>,
+    pub val_before_train: bool,
+    pub val_only: bool,
+    /// −1: never.
+    pub test_freq: i64,
+    pub critic_warmup: u64,
+    pub default_hdfs_dir: Option<String>,
+    pub del_local_ckpt_after_load: bool,
+    /// verl's default, with `${…}` interpolation.
+    pub default_local_dir: String,
+    pub max_actor_ckpt_to_keep: Option<usize>,
+    pub max_critic_ckpt_to_keep: Option<usize>,
+    /// `auto` (ours; verl: `cuda`) picks the platform by device detection.
+    pub device: String,
+    /// Ours: the run's seed (model init, sampling, shuffling when `data.seed` is unset).
+    pub seed: u64,
+    /// Ours: bit-identical resumed runs (deterministic kernels, no thread-count dependence).
+    pub deterministic: bool,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub wandb: Value,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub mlflow: Value,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub tensorboard: Value,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    pub trackio: Value,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            balance_batch: true,
+            total_epochs: 30,
+            total_training_steps: None,
+            project_name: "verl_examples".into(),
+            experiment_name: "gsm8k".into(),
+            logger: vec!["console".into()],
+            log_val_generations: 0,
+            rollout_data_dir: None,
+            validation_data_dir: None,
+            nnodes: 1,
+            n_gpus_per_node: 1,
+            save_freq: -1,
+            resume_mode: ResumeMode::Auto,
+            resume_from_path: None,
+            val_before_train: true,
+            val_only: false,
+            test_freq: -1,
+            critic_warmup: 0,
+            default_hdfs_dir: None,
+            del_local_ckpt_after_load: false,
+            default_local_dir: "checkpoints/${trainer.project_name}/${trainer.experiment_name}".into(),
+            max_actor_ckpt_to_keep: None,
+            max_critic_ckpt_to_keep: None,
+            device: "auto".into(),
+            seed: 42,
+            deterministic: false,
+            wandb: Value::Null,
+            mlflow: Value::Null,
+            tensorboard: Value::Null,
+            trackio: Value::Null,
+        }
+    }
+}

@@ -5,11 +5,35 @@
 //! [`Engine`], [`Rollout`], [`CheckpointEngine`], [`Tracker`]) in plain Rust and exports them with
 //! one [`export_plugin!`] call:
 //!
-//! ```ignore
+//! ```
+//! use verl_plugin_api::{Detection, Device, DeviceInfo, PluginError, ProbeContext};
+//!
+//! struct XpuDevice;
+//!
+//! impl Device for XpuDevice {
+//!     fn info(&self) -> DeviceInfo {
+//!         DeviceInfo {
+//!             name: "xpu".into(),
+//!             vendor: "intel".into(),
+//!             device_type: "xpu".into(),
+//!             comm_backend: "ccl".into(),
+//!             visible_devices_env: vec!["ZE_AFFINITY_MASK".into()].into(),
+//!         }
+//!     }
+//!     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
+//!         let cards = probe.list_dir("/sys/class/drm").into_iter().filter(|n| n.starts_with("card")).count();
+//!         Ok(Detection::available(cards as u32, format!("{cards} DRM cards")))
+//!     }
+//! }
+//!
 //! verl_plugin_api::export_plugin!(
 //!     verl_plugin_api::PluginBuilder::new("xpu", env!("CARGO_PKG_VERSION"), "Intel GPUs")
 //!         .device("xpu", 70, "Intel Data Center / Arc GPUs", || XpuDevice)
 //! );
+//! # fn main() {
+//! #     let manifest = __verl_plugin_manifest().unwrap();
+//! #     assert_eq!(manifest.components[0].name.as_str(), "xpu");
+//! # }
 //! ```
 //!
 //! The host checks the library with abi_stable before running any of its code (header, layout of

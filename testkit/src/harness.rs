@@ -39,7 +39,9 @@ pub fn built_plugin(lib_name: &str) -> PathBuf {
 /// A plugin library loaded into a host registry next to the host's built-in devices, as the CLI
 /// would load it (same pre-dlopen checks, same ABI checks).
 ///
-/// ```ignore
+/// ```no_run
+/// # use verl_plugin_api::ComponentKind;
+/// # use verl_testkit::{FakeRoot, PluginHarness, built_plugin};
 /// let plugin = PluginHarness::load(built_plugin("verl_plugin_xpu")).unwrap();
 /// plugin.assert_registers(ComponentKind::DEVICE, "xpu", 70);
 /// let detection = plugin.detect("xpu", &FakeRoot::new().intel_gpus(2, false).probe()).unwrap();

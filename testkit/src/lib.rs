@@ -6,7 +6,8 @@
 //! default) — load a built plugin file and assert what it registers and detects
 //! ([`PluginHarness`]), or run the host's platform selection over fake roots ([`select_platform`]).
 //!
-//! ```ignore
+//! ```no_run
+//! // `no_run`: needs the xpu example's built library, which the example's own tests have.
 //! use verl_testkit::{FakeRoot, PluginHarness, built_plugin};
 //! use verl_plugin_api::ComponentKind;
 //!

@@ -1,10 +1,12 @@
 //! verl-core: the library behind the `verl-core` binary.
 
 pub mod algo;
+pub mod batch;
 pub mod bench;
 pub mod builtin;
 pub mod checkpoint;
 pub mod config;
 pub mod reward;
 pub mod data;
+pub mod inference;
 pub mod report;

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use verl_core::{bench, report};
+use verl_core::{bench, inference, report};
+use verl_plugin_api::SamplingParams;
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
 
 #[derive(Parser)]
@@ -49,11 +50,63 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Generate from a Hugging Face model directory with a rollout plugin (default: native).
+    Generate(GenerateArgs),
+    /// Per-token log-probs of given responses under a model, computed by an engine plugin.
+    Score(ScoreArgs),
     /// Measure the plugin system.
     #[command(subcommand)]
     Bench(BenchCommand),
     #[command(hide = true, name = "__startup-probe")]
     StartupProbe,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// A text prompt (tokenized with the model's tokenizer.json); repeatable.
+    #[arg(long = "prompt")]
+    prompts: Vec<String>,
+    /// A prompt as comma-separated token ids; repeatable.
+    #[arg(long = "prompt-ids", value_delimiter = ',', num_args = 1, action = clap::ArgAction::Append)]
+    prompt_ids: Vec<u32>,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: u32,
+    /// Greedy decoding (the default unless --temperature is given).
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    greedy: bool,
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    top_k: Option<i32>,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 1)]
+    n: u32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Rollout component to generate with.
+    #[arg(long, default_value = "native")]
+    rollout: String,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// JSONL: one {"prompt_ids": [...], "response_ids": [...]} per line.
+    #[arg(long)]
+    input: PathBuf,
+    /// Engine component to score with.
+    #[arg(long, default_value = "fsdp")]
+    engine: String,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -102,6 +155,14 @@ fn load_registry(args: &PluginArgs) -> anyhow::Result<Registry> {
     let mut registry = Registry::with_builtins();
     registry.load_all(&search);
     Ok(registry)
+}
+
+/// Rank 0 on the selected platform; a selection error stops the command.
+fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<inference::Placement> {
+    let (report, selection) = detect_platform(registry, &process_probe(), timeout);
+    selection.context("selecting the device platform (see `verl-core platform`)")?;
+    let device = report.selected_device().expect("a selected platform has a report");
+    Ok(inference::Placement::on_platform(device, seed))
 }
 
 fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
@@ -178,6 +239,53 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Command::Generate(args) => {
+            let registry = load_registry(&cli.plugins)?;
+            let placement = placement(&registry, timeout, args.seed)?;
+            let tokenizer = if args.prompts.is_empty() && !args.json { None } else { inference::load_tokenizer(&args.model).ok() };
+            let mut prompts: Vec<Vec<u32>> = Vec::new();
+            for text in &args.prompts {
+                let tokenizer = tokenizer.as_ref().ok_or_else(|| anyhow::anyhow!("--prompt needs {}/tokenizer.json", args.model.display()))?;
+                prompts.push(inference::encode(tokenizer, text)?);
+            }
+            if !args.prompt_ids.is_empty() {
+                prompts.push(args.prompt_ids.clone());
+            }
+            anyhow::ensure!(!prompts.is_empty(), "give at least one --prompt or --prompt-ids");
+            let sampling = SamplingParams {
+                n: args.n,
+                greedy: args.temperature.is_none() || args.greedy,
+                temperature: args.temperature.unwrap_or(1.0),
+                top_p: args.top_p.unwrap_or(1.0),
+                top_k: args.top_k.unwrap_or(-1),
+                max_new_tokens: args.max_new_tokens,
+                seed: Some(args.seed).into(),
+                ..SamplingParams::default()
+            };
+            let results = inference::generate(&registry, &args.rollout, &args.model, prompts, sampling, &placement, tokenizer.as_ref())?;
+            if args.json {
+                print_json(&serde_json::json!({ "results": results }))?;
+            } else {
+                for r in &results {
+                    println!("[{}] ({}) {}", r.prompt_index, r.finish_reason, r.text.clone().unwrap_or_else(|| format!("{:?}", r.response_ids)));
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Score(args) => {
+            let registry = load_registry(&cli.plugins)?;
+            let placement = placement(&registry, timeout, 0)?;
+            let (prompts, responses) = inference::read_score_input(&args.input)?;
+            let results = inference::score(&registry, &args.engine, &args.model, &prompts, &responses, &placement)?;
+            if args.json {
+                print_json(&serde_json::json!({ "results": results }))?;
+            } else {
+                for (i, r) in results.iter().enumerate() {
+                    println!("[{i}] sum {:.6}  {:?}", r.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>(), r.logprobs);
+                }
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench(BenchCommand::Plugins { runs }) => {
             let exe = std::env::current_exe().context("locating the verl-core binary")?;

@@ -1,0 +1,101 @@
+//! Building the tensors an engine consumes (see `verl_plugin_api::keys` for the layout): prompts
+//! left-padded to the longest prompt, responses right-padded to the longest response, so every
+//! response starts at the same column.
+
+use verl_plugin_api::{Batch, PluginError, Tensor, keys};
+
+/// Row-major `[rows, cols]` values read back from a batch tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub values: Vec<f32>,
+}
+
+impl Matrix {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[i * self.cols..(i + 1) * self.cols]
+    }
+
+    pub fn from_tensor(name: &str, tensor: &Tensor) -> Result<Self, PluginError> {
+        let [rows, cols] = tensor.shape.as_slice() else {
+            return Err(PluginError::other(format!("`{name}` should be 2-D, has shape {:?}", tensor.shape.as_slice())));
+        };
+        let values = tensor.to_vec::<f32>().map_err(|e| PluginError::other(format!("`{name}`: {e}")))?;
+        Ok(Self { rows: *rows as usize, cols: *cols as usize, values })
+    }
+
+    pub fn to_tensor(&self) -> Tensor {
+        Tensor::from_slice(&[self.rows as i64, self.cols as i64], &self.values).expect("shape matches values")
+    }
+}
+
+/// The engine batch for `prompts[i]` followed by `responses[i]`.
+pub fn build(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad_id: u32) -> Result<Batch, PluginError> {
+    if prompts.len() != responses.len() || prompts.is_empty() {
+        return Err(PluginError::other(format!("{} prompts for {} responses", prompts.len(), responses.len())));
+    }
+    let rows = prompts.len();
+    let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    // At least one response column, so an empty response still has a well-formed (masked) row.
+    let response_len = responses.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let width = prompt_len + response_len;
+    let mut input_ids = vec![i64::from(pad_id); rows * width];
+    let mut attention = vec![0i64; rows * width];
+    let mut response_ids = vec![i64::from(pad_id); rows * response_len];
+    let mut response_mask = vec![0f32; rows * response_len];
+    for (row, (prompt, response)) in prompts.iter().zip(responses).enumerate() {
+        let start = row * width + prompt_len - prompt.len();
+        for (i, &t) in prompt.iter().enumerate() {
+            input_ids[start + i] = i64::from(t);
+            attention[start + i] = 1;
+        }
+        for (i, &t) in response.iter().enumerate() {
+            input_ids[row * width + prompt_len + i] = i64::from(t);
+            attention[row * width + prompt_len + i] = 1;
+            response_ids[row * response_len + i] = i64::from(t);
+            response_mask[row * response_len + i] = 1.0;
+        }
+    }
+    let mut batch = Batch::default();
+    batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[rows as i64, width as i64], &input_ids)?);
+    batch.insert(keys::ATTENTION_MASK, Tensor::from_slice(&[rows as i64, width as i64], &attention)?);
+    batch.insert(keys::RESPONSES, Tensor::from_slice(&[rows as i64, response_len as i64], &response_ids)?);
+    batch.insert(keys::RESPONSE_MASK, Tensor::from_slice(&[rows as i64, response_len as i64], &response_mask)?);
+    Ok(batch)
+}
+
+/// A per-token response tensor (`log_probs`, `values`, …) cut back to each response's length.
+pub fn response_values(batch: &Batch, name: &str, lengths: &[usize]) -> Result<Vec<Vec<f32>>, PluginError> {
+    let matrix = Matrix::from_tensor(name, batch.require(name)?)?;
+    if matrix.rows != lengths.len() || lengths.iter().any(|&l| l > matrix.cols) {
+        return Err(PluginError::other(format!("`{name}` has shape [{}, {}], too small for the responses", matrix.rows, matrix.cols)));
+    }
+    Ok(lengths.iter().enumerate().map(|(i, &len)| matrix.row(i)[..len].to_vec()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_pad_left_and_responses_pad_right() {
+        let batch = build(&[vec![5, 6, 7], vec![8]], &[vec![1], vec![2, 3]], 0).unwrap();
+        let ids = batch.require(keys::INPUT_IDS).unwrap();
+        assert_eq!(ids.shape.as_slice(), &[2, 5]);
+        assert_eq!(ids.to_vec::<i64>().unwrap(), vec![5, 6, 7, 1, 0, 0, 0, 8, 2, 3]);
+        assert_eq!(batch.require(keys::ATTENTION_MASK).unwrap().to_vec::<i64>().unwrap(), vec![1, 1, 1, 1, 0, 0, 0, 1, 1, 1]);
+        assert_eq!(batch.require(keys::RESPONSES).unwrap().to_vec::<i64>().unwrap(), vec![1, 0, 2, 3]);
+        assert_eq!(batch.require(keys::RESPONSE_MASK).unwrap().to_vec::<f32>().unwrap(), vec![1.0, 0.0, 1.0, 1.0]);
+        assert!(build(&[vec![1]], &[], 0).is_err());
+    }
+
+    #[test]
+    fn response_values_are_trimmed_per_row() {
+        let mut batch = Batch::default();
+        batch.insert("log_probs", Tensor::from_slice(&[2, 3], &[-1.0f32, -2.0, 0.0, -3.0, 0.0, 0.0]).unwrap());
+        assert_eq!(response_values(&batch, "log_probs", &[2, 1]).unwrap(), vec![vec![-1.0, -2.0], vec![-3.0]]);
+        assert!(response_values(&batch, "log_probs", &[4, 1]).is_err());
+        assert!(response_values(&batch, "values", &[1, 1]).is_err());
+    }
+}

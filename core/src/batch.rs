@@ -4,30 +4,21 @@
 
 use verl_plugin_api::{Batch, PluginError, Tensor, keys};
 
-/// Row-major `[rows, cols]` values read back from a batch tensor.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Matrix {
-    pub rows: usize,
-    pub cols: usize,
-    pub values: Vec<f32>,
+use crate::algo::Matrix;
+
+/// A 2-D F32 batch tensor as an algorithm matrix.
+pub fn matrix(name: &str, tensor: &Tensor) -> Result<Matrix, PluginError> {
+    let [rows, cols] = tensor.shape.as_slice() else {
+        return Err(PluginError::other(format!("`{name}` should be 2-D, has shape {:?}", tensor.shape.as_slice())));
+    };
+    let values = tensor.to_vec::<f32>().map_err(|e| PluginError::other(format!("`{name}`: {e}")))?;
+    Matrix::new(*rows as usize, *cols as usize, values).map_err(|e| PluginError::other(format!("`{name}`: {e}")))
 }
 
-impl Matrix {
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.values[i * self.cols..(i + 1) * self.cols]
-    }
-
-    pub fn from_tensor(name: &str, tensor: &Tensor) -> Result<Self, PluginError> {
-        let [rows, cols] = tensor.shape.as_slice() else {
-            return Err(PluginError::other(format!("`{name}` should be 2-D, has shape {:?}", tensor.shape.as_slice())));
-        };
-        let values = tensor.to_vec::<f32>().map_err(|e| PluginError::other(format!("`{name}`: {e}")))?;
-        Ok(Self { rows: *rows as usize, cols: *cols as usize, values })
-    }
-
-    pub fn to_tensor(&self) -> Tensor {
-        Tensor::from_slice(&[self.rows as i64, self.cols as i64], &self.values).expect("shape matches values")
-    }
+/// An algorithm matrix as a 2-D F32 batch tensor.
+pub fn tensor(matrix: &Matrix) -> Tensor {
+    let (rows, cols) = matrix.shape();
+    Tensor::from_slice(&[rows as i64, cols as i64], matrix.data()).expect("a matrix's shape matches its data")
 }
 
 /// The engine batch for `prompts[i]` followed by `responses[i]`.
@@ -67,9 +58,10 @@ pub fn build(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad_id: u32) -> Resul
 
 /// A per-token response tensor (`log_probs`, `values`, …) cut back to each response's length.
 pub fn response_values(batch: &Batch, name: &str, lengths: &[usize]) -> Result<Vec<Vec<f32>>, PluginError> {
-    let matrix = Matrix::from_tensor(name, batch.require(name)?)?;
-    if matrix.rows != lengths.len() || lengths.iter().any(|&l| l > matrix.cols) {
-        return Err(PluginError::other(format!("`{name}` has shape [{}, {}], too small for the responses", matrix.rows, matrix.cols)));
+    let matrix = matrix(name, batch.require(name)?)?;
+    let (rows, cols) = matrix.shape();
+    if rows != lengths.len() || lengths.iter().any(|&l| l > cols) {
+        return Err(PluginError::other(format!("`{name}` has shape [{rows}, {cols}], too small for the responses")));
     }
     Ok(lengths.iter().enumerate().map(|(i, &len)| matrix.row(i)[..len].to_vec()).collect())
 }

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use verl_core::{bench, inference, report};
+use verl_core::config::Config;
+use verl_core::data::synthetic::AdditionTask;
+use verl_core::{bench, inference, quickstart, report, trainer};
 use verl_plugin_api::SamplingParams;
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
 
@@ -50,6 +52,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Train: GRPO/PPO/… with verl's config keys. Without --config, runs the embedded quickstart.
+    Run(RunArgs),
+    /// Supervised fine-tuning on the data's reference answers (`sft.*` keys).
+    Sft(RunArgs),
+    /// Show the resolved config.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Datasets.
+    #[command(subcommand)]
+    Data(DataCommand),
     /// Generate from a Hugging Face model directory with a rollout plugin (default: native).
     Generate(GenerateArgs),
     /// Per-token log-probs of given responses under a model, computed by an engine plugin.
@@ -59,6 +71,50 @@ enum Command {
     Bench(BenchCommand),
     #[command(hide = true, name = "__startup-probe")]
     StartupProbe,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// YAML or TOML config; without it, `run` uses the embedded examples/quickstart.yaml.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// verl-style overrides: `trainer.total_training_steps=10 trainer.logger=[console,file]`.
+    overrides: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print the config after defaults, file, VERL_* variables and overrides.
+    Show {
+        #[command(flatten)]
+        run: RunArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Write the synthetic addition task in verl's parquet format (train.parquet, test.parquet).
+    Gen {
+        #[arg(long, default_value = "data/addition")]
+        output: PathBuf,
+        #[arg(long, default_value_t = 2048)]
+        train_size: usize,
+        #[arg(long, default_value_t = 128)]
+        val_size: usize,
+        #[arg(long, default_value_t = 1)]
+        min_digits: u32,
+        #[arg(long, default_value_t = 2)]
+        max_digits: u32,
+        #[arg(long, default_value_t = 2)]
+        operands: u32,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Also write the task's character-level tokenizer into this directory.
+        #[arg(long)]
+        tokenizer: bool,
+    },
 }
 
 #[derive(Args)]
@@ -157,6 +213,42 @@ fn load_registry(args: &PluginArgs) -> anyhow::Result<Registry> {
     Ok(registry)
 }
 
+/// The config from `--config` (or, for `run`, the embedded quickstart), VERL_* variables and
+/// overrides.
+fn load_config(args: &RunArgs, embedded_default: bool) -> anyhow::Result<Config> {
+    match (&args.config, embedded_default) {
+        (Some(path), _) => Ok(Config::from_process(Some(path), &args.overrides)?),
+        (None, true) => {
+            // figment reads files, so the embedded YAML goes through one.
+            let path = std::env::temp_dir().join(format!("verl-core-quickstart-{}.yaml", std::process::id()));
+            std::fs::write(&path, quickstart::QUICKSTART_YAML).with_context(|| format!("writing {}", path.display()))?;
+            let config = Config::from_process(Some(&path), &args.overrides);
+            let _ = std::fs::remove_file(&path);
+            Ok(config.context("the embedded examples/quickstart.yaml")?)
+        }
+        (None, false) => Ok(Config::from_process(None, &args.overrides)?),
+    }
+}
+
+/// The torch device for rank 0: `trainer.device=auto` follows platform selection, anything else
+/// names a platform (or a torch device type) explicitly.
+fn training_device(config: &Config, registry: &Registry, timeout: Duration) -> anyhow::Result<String> {
+    let wanted = config.trainer.device.trim().to_ascii_lowercase();
+    let (report, selection) = detect_platform(registry, &process_probe(), timeout);
+    if wanted.is_empty() || wanted == "auto" {
+        selection.context("selecting the device platform (see `verl-core platform`)")?;
+        let device = report.selected_device().expect("a selected platform has a report");
+        return Ok(inference::Placement::on_platform(device, 0).device);
+    }
+    let device = report
+        .devices
+        .iter()
+        .find(|d| d.name == wanted || d.device_type == wanted)
+        .ok_or_else(|| anyhow::anyhow!("trainer.device={wanted} names no platform; known: {}", report.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")))?;
+    anyhow::ensure!(device.available, "trainer.device={wanted}: {} is not available: {}", device.name, device.reason);
+    Ok(inference::Placement::on_platform(device, 0).device)
+}
+
 /// Rank 0 on the selected platform; a selection error stops the command.
 fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<inference::Placement> {
     let (report, selection) = detect_platform(registry, &process_probe(), timeout);
@@ -239,6 +331,49 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Command::Run(args) => {
+            let config = load_config(&args, true)?;
+            let registry = load_registry(&cli.plugins)?;
+            let device = training_device(&config, &registry, timeout)?;
+            quickstart::prepare(&config, &registry, &device)?;
+            let summary = trainer::run(config, &registry, &device)?;
+            if let (Some(first), Some(last)) = (summary.validations.first(), summary.validations.last()) {
+                for (key, value) in &last.1 {
+                    let before = first.1.get(key).copied().unwrap_or(f64::NAN);
+                    eprintln!("{key}: {before:.3} (step {}) -> {value:.3} (step {})", first.0, last.0);
+                }
+            }
+            if let Some(model) = summary.final_model {
+                eprintln!("final model: {}", model.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Sft(args) => {
+            let config = load_config(&args, false)?;
+            let registry = load_registry(&cli.plugins)?;
+            let device = training_device(&config, &registry, timeout)?;
+            quickstart::run_sft(&config, &config.sft, &registry, &device)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Config(ConfigCommand::Show { run, json }) => {
+            let config = load_config(&run, true)?;
+            if json {
+                print_json(&config.to_json())?;
+            } else {
+                print!("{}", config.to_yaml());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Data(DataCommand::Gen { output, train_size, val_size, min_digits, max_digits, operands, seed, tokenizer }) => {
+            let task = AdditionTask { min_digits, max_digits, operands, train_size, val_size, seed };
+            let (train, val) = task.write(&output)?;
+            println!("{}\n{}", train.display(), val.display());
+            if tokenizer {
+                verl_core::data::synthetic::write_tokenizer(&output)?;
+                println!("{}", output.join("tokenizer.json").display());
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Generate(args) => {
             let registry = load_registry(&cli.plugins)?;

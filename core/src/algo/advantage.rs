@@ -44,7 +44,12 @@ pub struct AdvantageParams {
 
 impl Default for AdvantageParams {
     fn default() -> Self {
-        Self { gamma: 1.0, lam: 1.0, norm_adv_by_std_in_grpo: true, epsilon: 1e-6 }
+        Self {
+            gamma: 1.0,
+            lam: 1.0,
+            norm_adv_by_std_in_grpo: true,
+            epsilon: 1e-6,
+        }
     }
 }
 
@@ -70,18 +75,34 @@ pub fn compute_advantage(
     let shape = input.token_level_rewards.shape();
     input.response_mask.expect_shape("response_mask", shape)?;
     if input.index.len() != shape.0 {
-        return Err(AlgoError::Length { what: "index", expected: shape.0, got: input.index.len() });
+        return Err(AlgoError::Length {
+            what: "index",
+            expected: shape.0,
+            got: input.index.len(),
+        });
     }
     match estimator {
         AdvEstimator::Gae => {
-            let values = input.values.ok_or(AlgoError::MissingInput("gae", "values"))?;
+            let values = input
+                .values
+                .ok_or(AlgoError::MissingInput("gae", "values"))?;
             values.expect_shape("values", shape)?;
-            gae(input.token_level_rewards, values, input.response_mask, params.gamma, params.lam)
+            gae(
+                input.token_level_rewards,
+                values,
+                input.response_mask,
+                params.gamma,
+                params.lam,
+            )
         }
         AdvEstimator::Grpo => {
             let eps = f64::from(params.epsilon);
             let adv = group_outcome(input, |score, g| {
-                if params.norm_adv_by_std_in_grpo { (score - g.mean) / (g.std + eps) } else { score - g.mean }
+                if params.norm_adv_by_std_in_grpo {
+                    (score - g.mean) / (g.std + eps)
+                } else {
+                    score - g.mean
+                }
             });
             Ok((adv.clone(), adv))
         }
@@ -99,18 +120,31 @@ pub fn compute_advantage(
         }
         AdvEstimator::ReinforcePlusPlusBaseline => {
             let centred = group_outcome(input, |score, g| score - g.mean);
-            let adv = mask_out(masked_whiten(&centred, input.response_mask)?, input.response_mask);
+            let adv = mask_out(
+                masked_whiten(&centred, input.response_mask)?,
+                input.response_mask,
+            );
             Ok((adv.clone(), adv))
         }
         AdvEstimator::ReinforcePlusPlus => {
-            let returns = discounted_returns(input.token_level_rewards, input.response_mask, params.gamma);
-            let adv = mask_out(masked_whiten(&returns, input.response_mask)?, input.response_mask);
+            let returns =
+                discounted_returns(input.token_level_rewards, input.response_mask, params.gamma);
+            let adv = mask_out(
+                masked_whiten(&returns, input.response_mask)?,
+                input.response_mask,
+            );
             Ok((adv, returns))
         }
         AdvEstimator::Remax => {
-            let baselines = input.reward_baselines.ok_or(AlgoError::MissingInput("remax", "reward_baselines"))?;
+            let baselines = input
+                .reward_baselines
+                .ok_or(AlgoError::MissingInput("remax", "reward_baselines"))?;
             if baselines.len() != shape.0 {
-                return Err(AlgoError::Length { what: "reward_baselines", expected: shape.0, got: baselines.len() });
+                return Err(AlgoError::Length {
+                    what: "reward_baselines",
+                    expected: shape.0,
+                    got: baselines.len(),
+                });
             }
             remax(input.token_level_rewards, input.response_mask, baselines)
         }
@@ -134,19 +168,29 @@ pub fn masked_whiten(values: &Matrix, mask: &Matrix) -> Result<Matrix, AlgoError
     }
     let var = squares / (count + 1e-8) * count / (count - 1.0);
     let scale = 1.0 / (var + 1e-8).sqrt();
-    let data = values.data().iter().map(|&v| ((f64::from(v) - mean) * scale) as f32).collect();
+    let data = values
+        .data()
+        .iter()
+        .map(|&v| ((f64::from(v) - mean) * scale) as f32)
+        .collect();
     Matrix::new(values.rows(), values.cols(), data)
 }
 
 /// `(Σ f(v)·m, Σ m)`.
 fn masked_sum(values: &Matrix, mask: &Matrix, f: impl Fn(f64) -> f64) -> (f64, f64) {
-    values.data().iter().zip(mask.data()).fold((0.0, 0.0), |(sum, count), (&v, &m)| {
-        (sum + f(f64::from(v)) * f64::from(m), count + f64::from(m))
-    })
+    values
+        .data()
+        .iter()
+        .zip(mask.data())
+        .fold((0.0, 0.0), |(sum, count), (&v, &m)| {
+            (sum + f(f64::from(v)) * f64::from(m), count + f64::from(m))
+        })
 }
 
 fn mask_out(values: Matrix, mask: &Matrix) -> Matrix {
-    values.zip_map(mask, "mask", |v, m| v * m).expect("shapes checked by the caller")
+    values
+        .zip_map(mask, "mask", |v, m| v * m)
+        .expect("shapes checked by the caller")
 }
 
 /// Size, mean and unbiased std of one group's sequence scores. A group of one has mean 0 and
@@ -170,11 +214,20 @@ fn group_outcome(input: &AdvantageInput<'_>, f: impl Fn(f64, &GroupStats) -> f64
         .map(|(id, members)| {
             let n = members.len();
             let stats = if n == 1 {
-                GroupStats { n, mean: 0.0, std: 1.0 }
+                GroupStats {
+                    n,
+                    mean: 0.0,
+                    std: 1.0,
+                }
             } else {
                 let mean = members.iter().sum::<f64>() / n as f64;
-                let var = members.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n as f64 - 1.0);
-                GroupStats { n, mean, std: var.sqrt() }
+                let var =
+                    members.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n as f64 - 1.0);
+                GroupStats {
+                    n,
+                    mean,
+                    std: var.sqrt(),
+                }
             };
             (id, stats)
         })
@@ -190,7 +243,13 @@ fn group_outcome(input: &AdvantageInput<'_>, f: impl Fn(f64, &GroupStats) -> f64
     out
 }
 
-fn gae(rewards: &Matrix, values: &Matrix, mask: &Matrix, gamma: f32, lam: f32) -> Result<(Matrix, Matrix), AlgoError> {
+fn gae(
+    rewards: &Matrix,
+    values: &Matrix,
+    mask: &Matrix,
+    gamma: f32,
+    lam: f32,
+) -> Result<(Matrix, Matrix), AlgoError> {
     let mut adv = Matrix::zeros(rewards.rows(), rewards.cols());
     for i in 0..rewards.rows() {
         let (r, v, m) = (rewards.row(i), values.row(i), mask.row(i));
@@ -226,7 +285,11 @@ fn discounted_returns(rewards: &Matrix, mask: &Matrix, gamma: f32) -> Matrix {
 }
 
 /// ReMax: reward-to-go minus the greedy response's reward on every response token.
-fn remax(rewards: &Matrix, mask: &Matrix, baselines: &[f32]) -> Result<(Matrix, Matrix), AlgoError> {
+fn remax(
+    rewards: &Matrix,
+    mask: &Matrix,
+    baselines: &[f32],
+) -> Result<(Matrix, Matrix), AlgoError> {
     let mut returns = Matrix::zeros(rewards.rows(), rewards.cols());
     let mut adv = Matrix::zeros(rewards.rows(), rewards.cols());
     for (i, &baseline) in baselines.iter().enumerate() {
@@ -256,22 +319,52 @@ mod tests {
         }
     }
 
-    fn run(est: AdvEstimator, params: AdvantageParams, rewards: &Matrix, mask: &Matrix, index: &[u64]) -> (Matrix, Matrix) {
-        let input = AdvantageInput { token_level_rewards: rewards, response_mask: mask, index, values: None, reward_baselines: None };
+    fn run(
+        est: AdvEstimator,
+        params: AdvantageParams,
+        rewards: &Matrix,
+        mask: &Matrix,
+        index: &[u64],
+    ) -> (Matrix, Matrix) {
+        let input = AdvantageInput {
+            token_level_rewards: rewards,
+            response_mask: mask,
+            index,
+            values: None,
+            reward_baselines: None,
+        };
         compute_advantage(est, &params, &input).unwrap()
     }
 
     /// Group 7: scores 1, 0, 1, 0 (the reward sits on the last valid token); group 9: one score 3.
     fn grouped() -> (Matrix, Matrix, Vec<u64>) {
-        let rewards = m(&[&[0.0, 1.0], &[0.0, 0.0], &[1.0, 0.0], &[0.0, 0.0], &[0.0, 3.0]]);
-        let mask = m(&[&[1.0, 1.0], &[1.0, 1.0], &[1.0, 0.0], &[1.0, 0.0], &[1.0, 1.0]]);
+        let rewards = m(&[
+            &[0.0, 1.0],
+            &[0.0, 0.0],
+            &[1.0, 0.0],
+            &[0.0, 0.0],
+            &[0.0, 3.0],
+        ]);
+        let mask = m(&[
+            &[1.0, 1.0],
+            &[1.0, 1.0],
+            &[1.0, 0.0],
+            &[1.0, 0.0],
+            &[1.0, 1.0],
+        ]);
         (rewards, mask, vec![7, 7, 7, 7, 9])
     }
 
     #[test]
     fn grpo_normalises_by_the_unbiased_group_std() {
         let (rewards, mask, index) = grouped();
-        let (adv, returns) = run(AdvEstimator::Grpo, AdvantageParams::default(), &rewards, &mask, &index);
+        let (adv, returns) = run(
+            AdvEstimator::Grpo,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &index,
+        );
         // Group 7: mean 0.5, unbiased var = 4·0.25/3 = 1/3, std = 0.57735 → ±0.5/0.57735 = ±0.866025.
         // Group 9 (alone): mean 0, std 1 → 3/(1+1e-6) ≈ 3.
         let a = 0.5 / (1.0f32 / 3.0).sqrt();
@@ -282,17 +375,29 @@ mod tests {
     #[test]
     fn dr_grpo_only_centres() {
         let (rewards, mask, index) = grouped();
-        let params = AdvantageParams { norm_adv_by_std_in_grpo: false, ..Default::default() };
+        let params = AdvantageParams {
+            norm_adv_by_std_in_grpo: false,
+            ..Default::default()
+        };
         let (adv, _) = run(AdvEstimator::Grpo, params, &rewards, &mask, &index);
         // Group 7: R − 0.5; group 9: 3 − 0.
-        close(adv.data(), &[0.5, 0.5, -0.5, -0.5, 0.5, 0.0, -0.5, 0.0, 3.0, 3.0]);
+        close(
+            adv.data(),
+            &[0.5, 0.5, -0.5, -0.5, 0.5, 0.0, -0.5, 0.0, 3.0, 3.0],
+        );
     }
 
     #[test]
     fn grpo_with_equal_scores_gives_zero() {
         let rewards = m(&[&[1.0], &[1.0]]);
         let mask = m(&[&[1.0], &[1.0]]);
-        let (adv, _) = run(AdvEstimator::Grpo, AdvantageParams::default(), &rewards, &mask, &[1, 1]);
+        let (adv, _) = run(
+            AdvEstimator::Grpo,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &[1, 1],
+        );
         // std 0: (1−1)/(0+1e-6) = 0.
         close(adv.data(), &[0.0, 0.0]);
     }
@@ -301,7 +406,13 @@ mod tests {
     fn rloo_uses_the_leave_one_out_mean() {
         let rewards = m(&[&[1.0], &[0.0], &[0.0], &[2.0]]);
         let mask = m(&[&[1.0], &[1.0], &[1.0], &[1.0]]);
-        let (adv, _) = run(AdvEstimator::Rloo, AdvantageParams::default(), &rewards, &mask, &[1, 1, 1, 2]);
+        let (adv, _) = run(
+            AdvEstimator::Rloo,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &[1, 1, 1, 2],
+        );
         // Group 1 (n=3, mean 1/3): 3/2·(1 − 1/3) = 1, 3/2·(0 − 1/3) = −0.5. Group 2 alone: 2.
         close(adv.data(), &[1.0, -0.5, -0.5, 2.0]);
     }
@@ -310,12 +421,21 @@ mod tests {
     fn reinforce_plus_plus_baseline_centres_then_whitens() {
         let rewards = m(&[&[0.0, 1.0], &[0.0, 0.0]]);
         let mask = m(&[&[1.0, 1.0], &[1.0, 0.0]]);
-        let (adv, returns) = run(AdvEstimator::ReinforcePlusPlusBaseline, AdvantageParams::default(), &rewards, &mask, &[4, 4]);
+        let (adv, returns) = run(
+            AdvEstimator::ReinforcePlusPlusBaseline,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &[4, 4],
+        );
         // Centred: 1 − 0.5 = 0.5 on both tokens of row 0, −0.5 on row 1's one token.
         // Over the mask {0.5, 0.5, −0.5}: mean 1/6, deviations 1/3, 1/3, −2/3, Σd² = 2/3,
         // unbiased var = (2/3)/2 = 1/3, std 0.57735 → 0.57735, 0.57735, −1.1547; padding stays 0.
         let s = (1.0f32 / 3.0).sqrt();
-        close(adv.data(), &[(1.0 / 3.0) / s, (1.0 / 3.0) / s, (-2.0 / 3.0) / s, 0.0]);
+        close(
+            adv.data(),
+            &[(1.0 / 3.0) / s, (1.0 / 3.0) / s, (-2.0 / 3.0) / s, 0.0],
+        );
         assert_eq!(adv, returns);
     }
 
@@ -323,12 +443,31 @@ mod tests {
     fn reinforce_plus_plus_discounts_and_whitens() {
         let rewards = m(&[&[0.0, 0.0, 1.0], &[1.0, 0.0, 5.0]]);
         let mask = m(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0]]);
-        let params = AdvantageParams { gamma: 0.5, ..Default::default() };
-        let (adv, returns) = run(AdvEstimator::ReinforcePlusPlus, params, &rewards, &mask, &[0, 1]);
+        let params = AdvantageParams {
+            gamma: 0.5,
+            ..Default::default()
+        };
+        let (adv, returns) = run(
+            AdvEstimator::ReinforcePlusPlus,
+            params,
+            &rewards,
+            &mask,
+            &[0, 1],
+        );
         // Row 0: G = [0.25, 0.5, 1]. Row 1: G_2 = 5 then reset (mask 0), G_1 = 0 (reset again), G_0 = 1.
         close(returns.data(), &[0.25, 0.5, 1.0, 1.0, 0.0, 5.0]);
         // Over {0.25, 0.5, 1, 1}: mean 0.6875, Σd² = 0.421875, unbiased var 0.140625, std 0.375.
-        close(adv.data(), &[-0.4375 / 0.375, -0.1875 / 0.375, 0.3125 / 0.375, 0.3125 / 0.375, 0.0, 0.0]);
+        close(
+            adv.data(),
+            &[
+                -0.4375 / 0.375,
+                -0.1875 / 0.375,
+                0.3125 / 0.375,
+                0.3125 / 0.375,
+                0.0,
+                0.0,
+            ],
+        );
     }
 
     #[test]
@@ -336,14 +475,27 @@ mod tests {
         let rewards = m(&[&[0.0, 0.0, 1.0], &[0.0, 2.0, 7.0]]);
         let mask = m(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
         let baselines = [0.4, 1.0];
-        let input = AdvantageInput { token_level_rewards: &rewards, response_mask: &mask, index: &[0, 1], values: None, reward_baselines: Some(&baselines) };
-        let (adv, returns) = compute_advantage(AdvEstimator::Remax, &AdvantageParams::default(), &input).unwrap();
+        let input = AdvantageInput {
+            token_level_rewards: &rewards,
+            response_mask: &mask,
+            index: &[0, 1],
+            values: None,
+            reward_baselines: Some(&baselines),
+        };
+        let (adv, returns) =
+            compute_advantage(AdvEstimator::Remax, &AdvantageParams::default(), &input).unwrap();
         // Row 0: reward-to-go [1, 1, 1] − 0.4. Row 1: masked rewards [0, 2, 0] → to-go [2, 2, 0];
         // the baseline only on response tokens → [1, 1, 0].
         close(returns.data(), &[1.0, 1.0, 1.0, 2.0, 2.0, 0.0]);
         close(adv.data(), &[0.6, 0.6, 0.6, 1.0, 1.0, 0.0]);
-        let missing = AdvantageInput { reward_baselines: None, ..input };
-        assert_eq!(compute_advantage(AdvEstimator::Remax, &AdvantageParams::default(), &missing), Err(AlgoError::MissingInput("remax", "reward_baselines")));
+        let missing = AdvantageInput {
+            reward_baselines: None,
+            ..input
+        };
+        assert_eq!(
+            compute_advantage(AdvEstimator::Remax, &AdvantageParams::default(), &missing),
+            Err(AlgoError::MissingInput("remax", "reward_baselines"))
+        );
     }
 
     #[test]
@@ -351,8 +503,18 @@ mod tests {
         let rewards = m(&[&[0.0, 0.0, 1.0], &[0.0, 2.0, 0.0]]);
         let values = m(&[&[0.5, 0.5, 0.5], &[1.0, 1.0, 9.0]]);
         let mask = m(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
-        let params = AdvantageParams { gamma: 0.5, lam: 0.5, ..Default::default() };
-        let input = AdvantageInput { token_level_rewards: &rewards, response_mask: &mask, index: &[0, 1], values: Some(&values), reward_baselines: None };
+        let params = AdvantageParams {
+            gamma: 0.5,
+            lam: 0.5,
+            ..Default::default()
+        };
+        let input = AdvantageInput {
+            token_level_rewards: &rewards,
+            response_mask: &mask,
+            index: &[0, 1],
+            values: Some(&values),
+            reward_baselines: None,
+        };
         let (adv, returns) = compute_advantage(AdvEstimator::Gae, &params, &input).unwrap();
         // Row 0 (γλ = 0.25): t2 δ = 1 − 0.5 = 0.5 → A=0.5; t1 δ = 0.5·0.5 − 0.5 = −0.25 → A = −0.25 + 0.25·0.5 = −0.125;
         //   t0 δ = −0.25 → A = −0.25 + 0.25·(−0.125) = −0.28125.
@@ -372,26 +534,61 @@ mod tests {
     fn gae_without_values_or_enough_tokens_is_an_error() {
         let rewards = m(&[&[1.0, 0.0]]);
         let mask = m(&[&[1.0, 0.0]]);
-        let input = AdvantageInput { token_level_rewards: &rewards, response_mask: &mask, index: &[0], values: None, reward_baselines: None };
-        assert_eq!(compute_advantage(AdvEstimator::Gae, &AdvantageParams::default(), &input), Err(AlgoError::MissingInput("gae", "values")));
+        let input = AdvantageInput {
+            token_level_rewards: &rewards,
+            response_mask: &mask,
+            index: &[0],
+            values: None,
+            reward_baselines: None,
+        };
+        assert_eq!(
+            compute_advantage(AdvEstimator::Gae, &AdvantageParams::default(), &input),
+            Err(AlgoError::MissingInput("gae", "values"))
+        );
         let values = m(&[&[0.0, 0.0]]);
-        let input = AdvantageInput { values: Some(&values), ..input };
-        assert_eq!(compute_advantage(AdvEstimator::Gae, &AdvantageParams::default(), &input), Err(AlgoError::TooFewMasked(1)));
+        let input = AdvantageInput {
+            values: Some(&values),
+            ..input
+        };
+        assert_eq!(
+            compute_advantage(AdvEstimator::Gae, &AdvantageParams::default(), &input),
+            Err(AlgoError::TooFewMasked(1))
+        );
     }
 
     #[test]
     fn shapes_are_checked() {
         let rewards = m(&[&[1.0, 0.0]]);
         let mask = m(&[&[1.0]]);
-        let input = AdvantageInput { token_level_rewards: &rewards, response_mask: &mask, index: &[0], values: None, reward_baselines: None };
-        assert!(matches!(compute_advantage(AdvEstimator::Grpo, &AdvantageParams::default(), &input), Err(AlgoError::Shape { what: "response_mask", .. })));
-        let input = AdvantageInput { response_mask: &rewards, index: &[], ..input };
-        assert!(matches!(compute_advantage(AdvEstimator::Grpo, &AdvantageParams::default(), &input), Err(AlgoError::Length { what: "index", .. })));
+        let input = AdvantageInput {
+            token_level_rewards: &rewards,
+            response_mask: &mask,
+            index: &[0],
+            values: None,
+            reward_baselines: None,
+        };
+        assert!(matches!(
+            compute_advantage(AdvEstimator::Grpo, &AdvantageParams::default(), &input),
+            Err(AlgoError::Shape {
+                what: "response_mask",
+                ..
+            })
+        ));
+        let input = AdvantageInput {
+            response_mask: &rewards,
+            index: &[],
+            ..input
+        };
+        assert!(matches!(
+            compute_advantage(AdvEstimator::Grpo, &AdvantageParams::default(), &input),
+            Err(AlgoError::Length { what: "index", .. })
+        ));
     }
 
     #[test]
     fn estimator_names_are_verls() {
-        let parsed: AdvEstimator = serde_json::from_str("\"reinforce_plus_plus_baseline\"").unwrap();
+        let parsed: AdvEstimator =
+            serde_json::from_str("\"reinforce_plus_plus_baseline\"").unwrap();
         assert_eq!(parsed, AdvEstimator::ReinforcePlusPlusBaseline);
         assert!(AdvEstimator::Gae.needs_critic() && !AdvEstimator::Grpo.needs_critic());
     }

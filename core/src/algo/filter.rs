@@ -11,7 +11,11 @@ use super::AlgoError;
 /// groups.
 pub fn filter_groups(index: &[u64], metric: &[f64]) -> Result<(Vec<usize>, usize), AlgoError> {
     if index.len() != metric.len() {
-        return Err(AlgoError::Length { what: "metric", expected: index.len(), got: metric.len() });
+        return Err(AlgoError::Length {
+            what: "metric",
+            expected: index.len(),
+            got: metric.len(),
+        });
     }
     let mut groups: HashMap<u64, Vec<f64>> = HashMap::new();
     for (&id, &value) in index.iter().zip(metric) {
@@ -51,7 +55,12 @@ pub struct DynamicSampler {
 
 impl DynamicSampler {
     pub fn new(target_prompts: usize, max_num_gen_batches: i64) -> Self {
-        Self { target_prompts, max_num_gen_batches, gen_batches: 0, kept_prompts: 0 }
+        Self {
+            target_prompts,
+            max_num_gen_batches,
+            gen_batches: 0,
+            kept_prompts: 0,
+        }
     }
 
     /// Records one generated batch that kept `kept_groups` prompts.
@@ -62,7 +71,9 @@ impl DynamicSampler {
             return Ok(SamplerProgress::Full);
         }
         match u64::try_from(self.max_num_gen_batches) {
-            Ok(max) if max > 0 && self.gen_batches >= max => Err(AlgoError::TooManyGenBatches(self.gen_batches)),
+            Ok(max) if max > 0 && self.gen_batches >= max => {
+                Err(AlgoError::TooManyGenBatches(self.gen_batches))
+            }
             _ => Ok(SamplerProgress::NeedMore),
         }
     }

@@ -6,19 +6,23 @@ use serde::{Deserialize, Serialize};
 use super::{AlgoError, Matrix};
 
 /// `algorithm.kl_penalty`: the per-token KL estimator (http://joschu.net/blog/kl-approx.html).
+/// The `+` spellings (`k3+`: k2's gradient through a straight-through estimator) differ only in
+/// the gradient, so in the reward they are taken as the plain estimator (verl's
+/// `kl_penalty_forward` rejects them there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlPenalty {
     /// k1: `logp − ref`.
-    #[serde(alias = "k1")]
+    #[serde(alias = "k1", alias = "k1+", alias = "kl+")]
     Kl,
     /// `|logp − ref|`.
+    #[serde(alias = "abs+")]
     Abs,
     /// k2: `½(logp − ref)²`.
     #[serde(alias = "k2")]
     Mse,
     /// k3: `e^{ref−logp} − (ref−logp) − 1`, clamped to ±10.
-    #[serde(alias = "k3")]
+    #[serde(alias = "k3", alias = "k3+", alias = "low_var_kl+")]
     LowVarKl,
 }
 
@@ -55,11 +59,21 @@ pub struct KlController {
 }
 
 impl KlController {
-    pub fn new(kind: KlCtrlType, kl_coef: f64, target_kl: f64, horizon: u64) -> Result<Self, AlgoError> {
+    pub fn new(
+        kind: KlCtrlType,
+        kl_coef: f64,
+        target_kl: f64,
+        horizon: u64,
+    ) -> Result<Self, AlgoError> {
         if kind == KlCtrlType::Adaptive && horizon == 0 {
             return Err(AlgoError::Horizon);
         }
-        Ok(Self { kind, value: kl_coef, target: target_kl, horizon })
+        Ok(Self {
+            kind,
+            value: kl_coef,
+            target: target_kl,
+            horizon,
+        })
     }
 
     /// Adaptive (Ziegler et al. 2019): `β ← β·(1 + clip(kl/target − 1, ±0.2)·n_steps/horizon)`.
@@ -84,7 +98,10 @@ pub struct KlPenaltyOutput {
 impl KlPenaltyOutput {
     /// `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff`.
     pub fn metrics(&self) -> [(&'static str, f64); 2] {
-        [("actor/reward_kl_penalty", self.current_kl), ("actor/reward_kl_penalty_coeff", self.beta)]
+        [
+            ("actor/reward_kl_penalty", self.current_kl),
+            ("actor/reward_kl_penalty_coeff", self.beta),
+        ]
     }
 }
 
@@ -101,7 +118,9 @@ pub fn apply_kl_penalty(
     let shape = token_level_scores.shape();
     old_log_probs.expect_shape("old_log_probs", shape)?;
     let kld = old_log_probs
-        .zip_map(ref_log_probs, "ref_log_probs", |lp, rp| kl_penalty(lp, rp, kind))?
+        .zip_map(ref_log_probs, "ref_log_probs", |lp, rp| {
+            kl_penalty(lp, rp, kind)
+        })?
         .zip_map(response_mask, "response_mask", |k, m| k * m)?;
     let beta = controller.value;
     let token_level_rewards = token_level_scores.zip_map(&kld, "kl", |s, k| s - beta as f32 * k)?;
@@ -111,9 +130,17 @@ pub fn apply_kl_penalty(
             kld.row(i).iter().map(|&k| f64::from(k)).sum::<f64>() / (tokens + 1e-8)
         })
         .sum();
-    let current_kl = if shape.0 == 0 { 0.0 } else { per_sequence / shape.0 as f64 };
+    let current_kl = if shape.0 == 0 {
+        0.0
+    } else {
+        per_sequence / shape.0 as f64
+    };
     controller.update(current_kl, shape.0);
-    Ok(KlPenaltyOutput { token_level_rewards, current_kl, beta })
+    Ok(KlPenaltyOutput {
+        token_level_rewards,
+        current_kl,
+        beta,
+    })
 }
 
 #[cfg(test)]
@@ -130,8 +157,14 @@ mod tests {
         assert!((kl_penalty(-1.0, -2.0, KlPenalty::LowVarKl) - (-1.0f32).exp()).abs() < 1e-6);
         // ref − logp = 30 → clamped to 20 → e^20 − 21, clamped to 10.
         assert_eq!(kl_penalty(-30.0, 0.0, KlPenalty::LowVarKl), 10.0);
-        let k3: KlPenalty = serde_json::from_str("\"k3\"").unwrap();
-        assert_eq!(k3, KlPenalty::LowVarKl);
+        for (name, kind) in [
+            ("\"k3\"", KlPenalty::LowVarKl),
+            ("\"k3+\"", KlPenalty::LowVarKl),
+            ("\"k1\"", KlPenalty::Kl),
+            ("\"k2\"", KlPenalty::Mse),
+        ] {
+            assert_eq!(serde_json::from_str::<KlPenalty>(name).unwrap(), kind);
+        }
     }
 
     #[test]
@@ -146,7 +179,10 @@ mod tests {
         let mut fixed = KlController::new(KlCtrlType::Fixed, 0.1, 0.05, 0).unwrap();
         fixed.update(10.0, 4);
         assert_eq!(fixed.value, 0.1);
-        assert_eq!(KlController::new(KlCtrlType::Adaptive, 0.1, 0.05, 0), Err(AlgoError::Horizon));
+        assert_eq!(
+            KlController::new(KlCtrlType::Adaptive, 0.1, 0.05, 0),
+            Err(AlgoError::Horizon)
+        );
     }
 
     #[test]
@@ -156,7 +192,8 @@ mod tests {
         let reference = Matrix::from_rows(&[&[-1.5, -2.0], &[-1.0, -3.0]]).unwrap();
         let mask = Matrix::from_rows(&[&[1.0, 1.0], &[1.0, 0.0]]).unwrap();
         let mut c = KlController::new(KlCtrlType::Adaptive, 0.5, 1.0, 10).unwrap();
-        let out = apply_kl_penalty(&scores, &old, &reference, &mask, KlPenalty::Kl, &mut c).unwrap();
+        let out =
+            apply_kl_penalty(&scores, &old, &reference, &mask, KlPenalty::Kl, &mut c).unwrap();
         // k1 = [0.5, 1.0 | 0, 2·0(masked)]; rewards = scores − 0.5·k1.
         assert_eq!(out.token_level_rewards.data(), &[-0.25, 0.5, 0.0, 0.0]);
         // Per-sequence means: 1.5/2 = 0.75 and 0/1 = 0 → batch 0.375.

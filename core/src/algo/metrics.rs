@@ -24,7 +24,9 @@ pub struct DataMetricsInput<'a> {
 /// `critic/vf_explained_var`, `response_length/{mean,max,min,clip_ratio}`, `response/aborted_ratio`
 /// and `prompt_length/{mean,max,min,clip_ratio}`. Scores and rewards skip aborted (empty)
 /// responses, as verl does; a response is clipped when it used all `response_length` tokens.
-pub fn compute_data_metrics(input: &DataMetricsInput<'_>) -> Result<BTreeMap<String, f64>, AlgoError> {
+pub fn compute_data_metrics(
+    input: &DataMetricsInput<'_>,
+) -> Result<BTreeMap<String, f64>, AlgoError> {
     let mask = input.response_mask;
     let shape = mask.shape();
     for (what, m) in [
@@ -39,20 +41,39 @@ pub fn compute_data_metrics(input: &DataMetricsInput<'_>) -> Result<BTreeMap<Str
         m.expect_shape(what, shape)?;
     }
     if input.prompt_lengths.len() != shape.0 {
-        return Err(AlgoError::Length { what: "prompt_lengths", expected: shape.0, got: input.prompt_lengths.len() });
+        return Err(AlgoError::Length {
+            what: "prompt_lengths",
+            expected: shape.0,
+            got: input.prompt_lengths.len(),
+        });
     }
     let response_lengths = mask.row_sums();
-    let live: Vec<usize> = (0..shape.0).filter(|&i| response_lengths[i] > 0.0).collect();
+    let live: Vec<usize> = (0..shape.0)
+        .filter(|&i| response_lengths[i] > 0.0)
+        .collect();
     if live.is_empty() {
         return Err(AlgoError::AllAborted);
     }
     let mut out = BTreeMap::new();
     let scores = input.token_level_scores.row_sums();
     let rewards = input.token_level_rewards.row_sums();
-    put_stats(&mut out, "critic/score", &live.iter().map(|&i| scores[i]).collect::<Vec<_>>());
-    put_stats(&mut out, "critic/rewards", &live.iter().map(|&i| rewards[i]).collect::<Vec<_>>());
+    put_stats(
+        &mut out,
+        "critic/score",
+        &live.iter().map(|&i| scores[i]).collect::<Vec<_>>(),
+    );
+    put_stats(
+        &mut out,
+        "critic/rewards",
+        &live.iter().map(|&i| rewards[i]).collect::<Vec<_>>(),
+    );
     let masked = |m: &Matrix| -> Vec<f64> {
-        m.data().iter().zip(mask.data()).filter(|(_, k)| **k > 0.0).map(|(&v, _)| f64::from(v)).collect()
+        m.data()
+            .iter()
+            .zip(mask.data())
+            .filter(|(_, k)| **k > 0.0)
+            .map(|(&v, _)| f64::from(v))
+            .collect()
     };
     let returns = masked(input.returns);
     put_stats(&mut out, "critic/advantages", &masked(input.advantages));
@@ -61,15 +82,87 @@ pub fn compute_data_metrics(input: &DataMetricsInput<'_>) -> Result<BTreeMap<Str
         let values = masked(values);
         put_stats(&mut out, "critic/values", &values);
         let residual: Vec<f64> = returns.iter().zip(&values).map(|(r, v)| r - v).collect();
-        out.insert("critic/vf_explained_var".into(), 1.0 - unbiased_var(&residual) / (unbiased_var(&returns) + 1e-5));
+        out.insert(
+            "critic/vf_explained_var".into(),
+            1.0 - unbiased_var(&residual) / (unbiased_var(&returns) + 1e-5),
+        );
     }
     let max_response = shape.1 as f64;
     put_stats(&mut out, "response_length", &response_lengths);
-    out.insert("response_length/clip_ratio".into(), fraction(&response_lengths, |l| l == max_response));
-    out.insert("response/aborted_ratio".into(), fraction(&response_lengths, |l| l == 0.0));
+    out.insert(
+        "response_length/clip_ratio".into(),
+        fraction(&response_lengths, |l| l == max_response),
+    );
+    out.insert(
+        "response/aborted_ratio".into(),
+        fraction(&response_lengths, |l| l == 0.0),
+    );
     let prompts: Vec<f64> = input.prompt_lengths.iter().map(|&l| l as f64).collect();
     put_stats(&mut out, "prompt_length", &prompts);
-    out.insert("prompt_length/clip_ratio".into(), fraction(&prompts, |l| l == input.max_prompt_length as f64));
+    out.insert(
+        "prompt_length/clip_ratio".into(),
+        fraction(&prompts, |l| l == input.max_prompt_length as f64),
+    );
+    Ok(out)
+}
+
+/// Validation metrics from one score per response (verl's `process_validation_metrics` for the
+/// `reward` variable): per data source, `mean@N` over each prompt's N responses averaged over
+/// prompts, as `val-core/<source>/reward/mean@N` (N the largest group), and `std@N` (population
+/// std, N > 1) as `val-aux/…`. verl's bootstrapped `best@k`/`worst@k`/`maj@k` are not computed.
+pub fn validation_metrics(
+    data_sources: &[String],
+    uids: &[u64],
+    scores: &[f64],
+) -> Result<BTreeMap<String, f64>, AlgoError> {
+    for (what, len) in [("uids", uids.len()), ("scores", scores.len())] {
+        if len != data_sources.len() {
+            return Err(AlgoError::Length {
+                what,
+                expected: data_sources.len(),
+                got: len,
+            });
+        }
+    }
+    // source → uid → scores, in first-seen order of uids so sums are reproducible.
+    let mut groups: BTreeMap<&str, Vec<(u64, Vec<f64>)>> = BTreeMap::new();
+    for ((source, &uid), &score) in data_sources.iter().zip(uids).zip(scores) {
+        let per_source = groups.entry(source).or_default();
+        match per_source.iter_mut().find(|(u, _)| *u == uid) {
+            Some((_, values)) => values.push(score),
+            None => per_source.push((uid, vec![score])),
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (source, prompts) in groups {
+        let n_max = prompts.iter().map(|(_, v)| v.len()).max().unwrap_or(0);
+        // metric name → per-prompt values.
+        let mut per_metric: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        for (_, values) in &prompts {
+            let n = values.len();
+            let mean = values.iter().sum::<f64>() / n as f64;
+            per_metric
+                .entry(format!("mean@{n}"))
+                .or_default()
+                .push(mean);
+            if n > 1 {
+                let std =
+                    (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64).sqrt();
+                per_metric.entry(format!("std@{n}")).or_default().push(std);
+            }
+        }
+        for (metric, values) in per_metric {
+            let section = if metric == format!("mean@{n_max}") {
+                "val-core"
+            } else {
+                "val-aux"
+            };
+            out.insert(
+                format!("{section}/{source}/reward/{metric}"),
+                values.iter().sum::<f64>() / values.len() as f64,
+            );
+        }
+    }
     Ok(out)
 }
 
@@ -135,6 +228,22 @@ mod tests {
         assert_eq!(out["prompt_length/clip_ratio"], 2.0 / 3.0);
         assert_eq!(out["prompt_length/min"], 2.0);
         assert!(out.values().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn validation_metrics_average_per_prompt() {
+        let sources: Vec<String> = ["a", "a", "a", "a", "b"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        // Source a: prompt 1 scores {1, 0} (mean 0.5, std 0.5), prompt 2 {1, 1} (mean 1, std 0).
+        let out =
+            validation_metrics(&sources, &[1, 1, 2, 2, 3], &[1.0, 0.0, 1.0, 1.0, 0.25]).unwrap();
+        assert_eq!(out["val-core/a/reward/mean@2"], 0.75);
+        assert_eq!(out["val-aux/a/reward/std@2"], 0.25);
+        assert_eq!(out["val-core/b/reward/mean@1"], 0.25);
+        assert_eq!(out.len(), 3);
+        assert!(validation_metrics(&sources, &[1], &[]).is_err());
     }
 
     #[test]

@@ -10,21 +10,35 @@ mod kl;
 mod metrics;
 mod tensor;
 
-pub use advantage::{AdvEstimator, AdvantageInput, AdvantageParams, compute_advantage, masked_mean, masked_whiten};
+pub use advantage::{
+    AdvEstimator, AdvantageInput, AdvantageParams, compute_advantage, masked_mean, masked_whiten,
+};
 pub use filter::{DynamicSampler, SamplerProgress, filter_groups};
 pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_penalty, kl_penalty};
-pub use metrics::{DataMetricsInput, compute_data_metrics};
+pub use metrics::{DataMetricsInput, compute_data_metrics, validation_metrics};
 pub use tensor::{Matrix, place_scores};
 
 /// What can go wrong in an algorithm call: always a caller's shape or configuration mistake.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum AlgoError {
     #[error("`{what}` has shape {got:?}, expected {expected:?}")]
-    Shape { what: &'static str, expected: (usize, usize), got: (usize, usize) },
+    Shape {
+        what: &'static str,
+        expected: (usize, usize),
+        got: (usize, usize),
+    },
     #[error("`{what}` has {got} entries, expected {expected}")]
-    Length { what: &'static str, expected: usize, got: usize },
+    Length {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
     #[error("matrix data has {len} values, which is not {rows}×{cols}")]
-    Data { rows: usize, cols: usize, len: usize },
+    Data {
+        rows: usize,
+        cols: usize,
+        len: usize,
+    },
     #[error("masked whitening needs at least two unmasked values, the mask has {0}")]
     TooFewMasked(usize),
     #[error("advantage estimator `{0}` needs `{1}`")]
@@ -33,6 +47,8 @@ pub enum AlgoError {
     Horizon,
     #[error("every response in the batch is empty (aborted)")]
     AllAborted,
-    #[error("dynamic sampling generated {0} batches without filling the batch (algorithm.filter_groups.max_num_gen_batches); the data may be too easy or too hard")]
+    #[error(
+        "dynamic sampling generated {0} batches without filling the batch (algorithm.filter_groups.max_num_gen_batches); the data may be too easy or too hard"
+    )]
     TooManyGenBatches(u64),
 }

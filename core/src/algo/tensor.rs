@@ -13,13 +13,21 @@ pub struct Matrix {
 impl Matrix {
     pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self, AlgoError> {
         if data.len() != rows * cols {
-            return Err(AlgoError::Data { rows, cols, len: data.len() });
+            return Err(AlgoError::Data {
+                rows,
+                cols,
+                len: data.len(),
+            });
         }
         Ok(Self { rows, cols, data })
     }
 
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        Self { rows, cols, data: vec![0.0; rows * cols] }
+        Self {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
     }
 
     /// Builds a matrix from equally long rows (handy in tests and for small batches).
@@ -59,18 +67,46 @@ impl Matrix {
 
     /// Per-row sums (verl's `tensor.sum(-1)`), accumulated in f64.
     pub fn row_sums(&self) -> Vec<f64> {
-        (0..self.rows).map(|i| self.row(i).iter().map(|&v| f64::from(v)).sum()).collect()
+        (0..self.rows)
+            .map(|i| self.row(i).iter().map(|&v| f64::from(v)).sum())
+            .collect()
     }
 
     /// Elementwise `f(self, other)`; shapes must match.
-    pub fn zip_map(&self, other: &Matrix, what: &'static str, f: impl Fn(f32, f32) -> f32) -> Result<Matrix, AlgoError> {
+    pub fn zip_map(
+        &self,
+        other: &Matrix,
+        what: &'static str,
+        f: impl Fn(f32, f32) -> f32,
+    ) -> Result<Matrix, AlgoError> {
         other.expect_shape(what, self.shape())?;
-        let data = self.data.iter().zip(&other.data).map(|(&a, &b)| f(a, b)).collect();
-        Ok(Matrix { rows: self.rows, cols: self.cols, data })
+        let data = self
+            .data
+            .iter()
+            .zip(&other.data)
+            .map(|(&a, &b)| f(a, b))
+            .collect();
+        Ok(Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        })
     }
 
-    pub(crate) fn expect_shape(&self, what: &'static str, expected: (usize, usize)) -> Result<(), AlgoError> {
-        if self.shape() == expected { Ok(()) } else { Err(AlgoError::Shape { what, expected, got: self.shape() }) }
+    pub(crate) fn expect_shape(
+        &self,
+        what: &'static str,
+        expected: (usize, usize),
+    ) -> Result<(), AlgoError> {
+        if self.shape() == expected {
+            Ok(())
+        } else {
+            Err(AlgoError::Shape {
+                what,
+                expected,
+                got: self.shape(),
+            })
+        }
     }
 }
 
@@ -80,7 +116,11 @@ impl Matrix {
 /// gets no reward (verl would index `-1`, the last padding column).
 pub fn place_scores(scores: &[f32], response_mask: &Matrix) -> Result<Matrix, AlgoError> {
     if scores.len() != response_mask.rows() {
-        return Err(AlgoError::Length { what: "scores", expected: response_mask.rows(), got: scores.len() });
+        return Err(AlgoError::Length {
+            what: "scores",
+            expected: response_mask.rows(),
+            got: scores.len(),
+        });
     }
     let mut out = Matrix::zeros(response_mask.rows(), response_mask.cols());
     for (i, &score) in scores.iter().enumerate() {
@@ -98,7 +138,14 @@ mod tests {
 
     #[test]
     fn new_checks_the_data_length() {
-        assert_eq!(Matrix::new(2, 3, vec![0.0; 5]), Err(AlgoError::Data { rows: 2, cols: 3, len: 5 }));
+        assert_eq!(
+            Matrix::new(2, 3, vec![0.0; 5]),
+            Err(AlgoError::Data {
+                rows: 2,
+                cols: 3,
+                len: 5
+            })
+        );
         let m = Matrix::from_rows(&[&[1.0, 2.0], &[3.0, 4.0]]).unwrap();
         assert_eq!(m.row(1), &[3.0, 4.0]);
         assert_eq!(m.row_sums(), vec![3.0, 7.0]);
@@ -106,9 +153,16 @@ mod tests {
 
     #[test]
     fn scores_land_on_the_last_valid_token() {
-        let mask = Matrix::from_rows(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]).unwrap();
+        let mask =
+            Matrix::from_rows(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]).unwrap();
         let placed = place_scores(&[2.0, -1.0, 5.0], &mask).unwrap();
-        assert_eq!(placed.data(), &[0.0, 0.0, 2.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
-        assert!(matches!(place_scores(&[1.0], &mask), Err(AlgoError::Length { .. })));
+        assert_eq!(
+            placed.data(),
+            &[0.0, 0.0, 2.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        assert!(matches!(
+            place_scores(&[1.0], &mask),
+            Err(AlgoError::Length { .. })
+        ));
     }
 }

@@ -7,7 +7,10 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 /// Resolves every string in `root`. `env` answers `oc.env`. Errors name the key and the problem.
-pub fn resolve_all(root: &mut Value, env: &HashMap<String, String>) -> Result<(), (String, String)> {
+pub fn resolve_all(
+    root: &mut Value,
+    env: &HashMap<String, String>,
+) -> Result<(), (String, String)> {
     let snapshot = root.clone();
     walk(root, &mut Vec::new(), &mut |path, s| {
         let key = path.join(".");
@@ -15,7 +18,11 @@ pub fn resolve_all(root: &mut Value, env: &HashMap<String, String>) -> Result<()
     })
 }
 
-fn walk(value: &mut Value, path: &mut Vec<String>, f: &mut impl FnMut(&[String], &str) -> Result<String, (String, String)>) -> Result<(), (String, String)> {
+fn walk(
+    value: &mut Value,
+    path: &mut Vec<String>,
+    f: &mut impl FnMut(&[String], &str) -> Result<String, (String, String)>,
+) -> Result<(), (String, String)> {
     match value {
         Value::String(s) if s.contains("${") => *s = f(path, s)?,
         Value::Object(map) => {
@@ -37,12 +44,20 @@ fn walk(value: &mut Value, path: &mut Vec<String>, f: &mut impl FnMut(&[String],
     Ok(())
 }
 
-fn resolve(root: &Value, text: &str, env: &HashMap<String, String>, stack: &mut Vec<String>) -> Result<String, String> {
+fn resolve(
+    root: &Value,
+    text: &str,
+    env: &HashMap<String, String>,
+    stack: &mut Vec<String>,
+) -> Result<String, String> {
     let mut out = String::new();
     let mut rest = text;
     while let Some(start) = rest.find("${") {
         out.push_str(&rest[..start]);
-        let end = rest[start..].find('}').ok_or_else(|| format!("unclosed `${{` in `{text}`"))? + start;
+        let end = rest[start..]
+            .find('}')
+            .ok_or_else(|| format!("unclosed `${{` in `{text}`"))?
+            + start;
         let expr = rest[start + 2..end].trim();
         out.push_str(&evaluate(root, expr, env, stack)?);
         rest = &rest[end + 1..];
@@ -51,7 +66,12 @@ fn resolve(root: &Value, text: &str, env: &HashMap<String, String>, stack: &mut 
     Ok(out)
 }
 
-fn evaluate(root: &Value, expr: &str, env: &HashMap<String, String>, stack: &mut Vec<String>) -> Result<String, String> {
+fn evaluate(
+    root: &Value,
+    expr: &str,
+    env: &HashMap<String, String>,
+    stack: &mut Vec<String>,
+) -> Result<String, String> {
     if let Some(args) = expr.strip_prefix("oc.env:") {
         let (name, default) = match args.split_once(',') {
             Some((n, d)) => (n.trim(), Some(d.trim().trim_matches(['\'', '"']))),
@@ -61,12 +81,22 @@ fn evaluate(root: &Value, expr: &str, env: &HashMap<String, String>, stack: &mut
             .get(name)
             .cloned()
             .or(default.map(str::to_owned))
-            .ok_or_else(|| format!("environment variable `{name}` is not set and `${{oc.env:…}}` has no default"));
+            .ok_or_else(|| {
+                format!(
+                    "environment variable `{name}` is not set and `${{oc.env:…}}` has no default"
+                )
+            });
     }
     if stack.iter().any(|k| k == expr) {
-        return Err(format!("interpolation cycle: {} -> {expr}", stack.join(" -> ")));
+        return Err(format!(
+            "interpolation cycle: {} -> {expr}",
+            stack.join(" -> ")
+        ));
     }
-    let target = expr.split('.').try_fold(root, |v, k| v.get(k)).ok_or_else(|| format!("`${{{expr}}}` refers to no config key"))?;
+    let target = expr
+        .split('.')
+        .try_fold(root, |v, k| v.get(k))
+        .ok_or_else(|| format!("`${{{expr}}}` refers to no config key"))?;
     match target {
         Value::String(s) => {
             stack.push(expr.to_owned());
@@ -76,7 +106,9 @@ fn evaluate(root: &Value, expr: &str, env: &HashMap<String, String>, stack: &mut
         }
         // OmegaConf renders a null as "None".
         Value::Null => Ok("None".into()),
-        Value::Object(_) | Value::Array(_) => Err(format!("`${{{expr}}}` is a section, not a value")),
+        Value::Object(_) | Value::Array(_) => {
+            Err(format!("`${{{expr}}}` is a section, not a value"))
+        }
         other => Ok(other.to_string()),
     }
 }
@@ -107,8 +139,18 @@ mod tests {
         assert_eq!(key, "a.x");
         assert!(err.contains("cycle"), "{err}");
         let mut v = json!({"a": "${b.c}"});
-        assert!(resolve_all(&mut v, &HashMap::new()).unwrap_err().1.contains("refers to no config key"));
+        assert!(
+            resolve_all(&mut v, &HashMap::new())
+                .unwrap_err()
+                .1
+                .contains("refers to no config key")
+        );
         let mut v = json!({"a": "${oc.env:UNSET_VAR}"});
-        assert!(resolve_all(&mut v, &HashMap::new()).unwrap_err().1.contains("UNSET_VAR"));
+        assert!(
+            resolve_all(&mut v, &HashMap::new())
+                .unwrap_err()
+                .1
+                .contains("UNSET_VAR")
+        );
     }
 }

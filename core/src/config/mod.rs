@@ -40,9 +40,17 @@ pub const ENV_SEPARATOR: &str = "__";
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
     #[error("unknown config key `{key}` (from {origin}){}", suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default())]
-    UnknownKey { key: String, origin: String, suggestion: Option<String> },
+    UnknownKey {
+        key: String,
+        origin: String,
+        suggestion: Option<String>,
+    },
     #[error("config key `{key}` (from {origin}): {message}")]
-    Invalid { key: String, origin: String, message: String },
+    Invalid {
+        key: String,
+        origin: String,
+        message: String,
+    },
     #[error("config file {}: {message}", path.display())]
     File { path: PathBuf, message: String },
     #[error("{origin}: {message}")]
@@ -59,8 +67,13 @@ struct Layer {
 
 impl Layer {
     /// `origin(key path)` names the source of a key in errors.
-    fn new(tree: Value, name: &'static str, origin: impl Fn(&[&str]) -> String + Clone + Send + Sync + 'static) -> Self {
-        let metadata = Metadata::named(name).interpolater(move |_: &Profile, keys: &[&str]| origin(keys));
+    fn new(
+        tree: Value,
+        name: &'static str,
+        origin: impl Fn(&[&str]) -> String + Clone + Send + Sync + 'static,
+    ) -> Self {
+        let metadata =
+            Metadata::named(name).interpolater(move |_: &Profile, keys: &[&str]| origin(keys));
         Self { tree, metadata }
     }
 }
@@ -88,7 +101,9 @@ enum Lookup<'a> {
 
 impl Schema {
     fn new() -> Self {
-        Self { root: serde_json::to_value(Config::default()).expect("defaults serialise") }
+        Self {
+            root: serde_json::to_value(Config::default()).expect("defaults serialise"),
+        }
     }
 
     /// Checks `path` exists; `origin` names the source for the error.
@@ -100,22 +115,51 @@ impl Schema {
             }
             let key = path[..=i].join(".");
             let Value::Object(map) = node else {
-                return Err(ConfigError::Invalid { key: path[..i].join("."), origin: origin.to_owned(), message: format!("is a value, not a section (cannot set `{key}`)") });
+                return Err(ConfigError::Invalid {
+                    key: path[..i].join("."),
+                    origin: origin.to_owned(),
+                    message: format!("is a value, not a section (cannot set `{key}`)"),
+                });
             };
             match map.get(segment) {
                 Some(child) => node = child,
                 None if FREE_FORM.contains(&key.as_str()) => return Ok(Lookup::FreeForm),
-                None => return Err(ConfigError::UnknownKey { suggestion: self.suggest(&path[..i], segment), key, origin: origin.to_owned() }),
+                None => {
+                    return Err(ConfigError::UnknownKey {
+                        suggestion: self.suggest(&path[..i], segment),
+                        key,
+                        origin: origin.to_owned(),
+                    });
+                }
             }
         }
-        if FREE_FORM.contains(&path.join(".").as_str()) { Ok(Lookup::FreeForm) } else { Ok(Lookup::Value(node)) }
+        if FREE_FORM.contains(&path.join(".").as_str()) {
+            Ok(Lookup::FreeForm)
+        } else {
+            Ok(Lookup::Value(node))
+        }
     }
 
     /// The nearest sibling by edit distance, else the first key with the same name elsewhere.
     fn suggest(&self, parent: &[String], segment: &str) -> Option<String> {
-        let prefix = |k: &str| parent.iter().map(String::as_str).chain([k]).collect::<Vec<_>>().join(".");
-        let siblings = parent.iter().try_fold(&self.root, |v, k| v.get(k)).and_then(Value::as_object);
-        let close = siblings.into_iter().flat_map(|m| m.keys()).map(|k| (strsim::levenshtein(k, segment), k)).filter(|(d, k)| *d <= (k.len() / 3).max(2)).min();
+        let prefix = |k: &str| {
+            parent
+                .iter()
+                .map(String::as_str)
+                .chain([k])
+                .collect::<Vec<_>>()
+                .join(".")
+        };
+        let siblings = parent
+            .iter()
+            .try_fold(&self.root, |v, k| v.get(k))
+            .and_then(Value::as_object);
+        let close = siblings
+            .into_iter()
+            .flat_map(|m| m.keys())
+            .map(|k| (strsim::levenshtein(k, segment), k))
+            .filter(|(d, k)| *d <= (k.len() / 3).max(2))
+            .min();
         if let Some((_, k)) = close {
             return Some(prefix(k));
         }
@@ -130,7 +174,12 @@ impl Schema {
     }
 
     /// Checks every key of a file's tree.
-    fn check_tree(&self, tree: &Value, path: &mut Vec<String>, origin: &str) -> Result<(), ConfigError> {
+    fn check_tree(
+        &self,
+        tree: &Value,
+        path: &mut Vec<String>,
+        origin: &str,
+    ) -> Result<(), ConfigError> {
         if let Value::Object(map) = tree {
             for (k, v) in map {
                 path.push(k.clone());
@@ -180,12 +229,19 @@ fn strip_markers(tree: &mut Value, top: bool) {
 }
 
 fn read_file(path: &Path) -> Result<Value, ConfigError> {
-    let file_err = |message: String| ConfigError::File { path: path.to_owned(), message };
+    let file_err = |message: String| ConfigError::File {
+        path: path.to_owned(),
+        message,
+    };
     let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
     let data = match path.extension().and_then(|e| e.to_str()) {
         Some("yaml" | "yml") => Yaml::string(&text).data(),
         Some("toml") => Toml::string(&text).data(),
-        _ => return Err(file_err("unknown format (expected .yaml, .yml or .toml)".into())),
+        _ => {
+            return Err(file_err(
+                "unknown format (expected .yaml, .yml or .toml)".into(),
+            ));
+        }
     }
     .map_err(|e| file_err(e.to_string()))?;
     let dict = data.into_values().next().unwrap_or_default();
@@ -205,10 +261,17 @@ impl Config {
 
     /// Layers defaults, `file`, the `VERL_…__…` variables among `env`, and `overrides`; then
     /// resolves interpolations (`${oc.env:…}` reads `env`).
-    pub fn load(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>, overrides: &[String]) -> Result<Self, ConfigError> {
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
         let env: HashMap<String, String> = env.into_iter().collect();
         let schema = Schema::new();
-        let mut figment = Figment::from(Layer::new(schema.root.clone(), "built-in defaults", |_| "built-in defaults".to_owned()));
+        let mut figment =
+            Figment::from(Layer::new(schema.root.clone(), "built-in defaults", |_| {
+                "built-in defaults".to_owned()
+            }));
 
         if let Some(path) = file {
             let tree = read_file(path)?;
@@ -218,23 +281,36 @@ impl Config {
         }
 
         let mut env_tree = Value::Object(Default::default());
-        let mut vars: Vec<(&String, &String)> = env.iter().filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains(ENV_SEPARATOR)).collect();
+        let mut vars: Vec<(&String, &String)> = env
+            .iter()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains(ENV_SEPARATOR))
+            .collect();
         vars.sort();
         for (name, text) in vars {
             let origin = format!("environment variable {name}");
-            let path: Vec<String> = name[ENV_PREFIX.len()..].split(ENV_SEPARATOR).map(str::to_ascii_lowercase).collect();
+            let path: Vec<String> = name[ENV_PREFIX.len()..]
+                .split(ENV_SEPARATOR)
+                .map(str::to_ascii_lowercase)
+                .collect();
             let value = parse_for(&schema, &path, text, &origin)?;
             insert(&mut env_tree, &path, value);
         }
         figment = figment.merge(Layer::new(env_tree, "environment", |keys| {
-            format!("environment variable {ENV_PREFIX}{}", keys.join(ENV_SEPARATOR).to_ascii_uppercase())
+            format!(
+                "environment variable {ENV_PREFIX}{}",
+                keys.join(ENV_SEPARATOR).to_ascii_uppercase()
+            )
         }));
 
         let mut cli_tree = Value::Object(Default::default());
         let mut cli_args: HashMap<String, String> = HashMap::new();
         for arg in overrides {
             let origin = format!("command-line override `{arg}`");
-            let (path, text) = overrides::split_override(arg).map_err(|message| ConfigError::Syntax { origin: origin.clone(), message })?;
+            let (path, text) =
+                overrides::split_override(arg).map_err(|message| ConfigError::Syntax {
+                    origin: origin.clone(),
+                    message,
+                })?;
             let value = parse_for(&schema, &path, text, &origin)?;
             cli_args.insert(path.join("."), arg.clone());
             insert(&mut cli_tree, &path, value);
@@ -245,12 +321,16 @@ impl Config {
             (1..=keys.len())
                 .rev()
                 .find_map(|n| cli_args.get(&keys[..n].join(".")))
-                .map_or_else(|| "the command line".to_owned(), |arg| format!("command-line override `{arg}`"))
+                .map_or_else(
+                    || "the command line".to_owned(),
+                    |arg| format!("command-line override `{arg}`"),
+                )
         }));
 
         let config: Config = figment.extract().map_err(from_figment)?;
         let mut tree = serde_json::to_value(&config).expect("config serialises");
-        interp::resolve_all(&mut tree, &env).map_err(|(key, message)| ConfigError::Interpolation { key, message })?;
+        interp::resolve_all(&mut tree, &env)
+            .map_err(|(key, message)| ConfigError::Interpolation { key, message })?;
         Ok(serde_json::from_value(tree).expect("interpolation only rewrites strings"))
     }
 
@@ -266,14 +346,27 @@ impl Config {
 
     /// One key or section by dotted path (`verl-core config show trainer`).
     pub fn get(&self, path: &str) -> Option<Value> {
-        path.split('.').filter(|s| !s.is_empty()).try_fold(self.to_json(), |v, k| v.get(k).cloned())
+        path.split('.')
+            .filter(|s| !s.is_empty())
+            .try_fold(self.to_json(), |v, k| v.get(k).cloned())
     }
 }
 
 /// Parses an env/CLI value after checking its key; bare values of string keys stay strings.
-fn parse_for(schema: &Schema, path: &[String], text: &str, origin: &str) -> Result<Value, ConfigError> {
-    let as_string = matches!(schema.lookup(path, origin)?, Lookup::Value(Value::String(_)));
-    overrides::parse_value(text, as_string).map_err(|message| ConfigError::Syntax { origin: origin.to_owned(), message })
+fn parse_for(
+    schema: &Schema,
+    path: &[String],
+    text: &str,
+    origin: &str,
+) -> Result<Value, ConfigError> {
+    let as_string = matches!(
+        schema.lookup(path, origin)?,
+        Lookup::Value(Value::String(_))
+    );
+    overrides::parse_value(text, as_string).map_err(|message| ConfigError::Syntax {
+        origin: origin.to_owned(),
+        message,
+    })
 }
 
 fn from_figment(error: figment::Error) -> ConfigError {
@@ -282,7 +375,11 @@ fn from_figment(error: figment::Error) -> ConfigError {
         Some(m) => m.interpolate(&error.profile.clone().unwrap_or_default(), &error.path),
         None => "unknown source".to_owned(),
     };
-    ConfigError::Invalid { key, origin, message: error.kind.to_string() }
+    ConfigError::Invalid {
+        key,
+        origin,
+        message: error.kind.to_string(),
+    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,12 @@ pub fn split_override(arg: &str) -> Result<(Vec<String>, &str), String> {
     let (key, value) = arg.split_once('=').ok_or("expected `key.path=value`")?;
     let key = key.trim();
     let path: Vec<String> = key.split('.').map(str::to_owned).collect();
-    if path.iter().any(|p| p.is_empty() || !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')) {
+    if path.iter().any(|p| {
+        p.is_empty()
+            || !p
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    }) {
         return Err(format!("`{key}` is not a dotted key path"));
     }
     Ok((path, value))
@@ -25,11 +30,17 @@ pub fn parse_value(text: &str, as_string: bool) -> Result<Value, String> {
     if as_string && !trimmed.starts_with(['\'', '"']) {
         return Ok(Value::String(trimmed.to_owned()));
     }
-    let mut parser = Parser { chars: trimmed.chars().collect(), pos: 0 };
+    let mut parser = Parser {
+        chars: trimmed.chars().collect(),
+        pos: 0,
+    };
     let value = parser.value(true)?;
     parser.skip_ws();
     if parser.pos != parser.chars.len() {
-        return Err(format!("unexpected `{}` at position {}", parser.chars[parser.pos], parser.pos));
+        return Err(format!(
+            "unexpected `{}` at position {}",
+            parser.chars[parser.pos], parser.pos
+        ));
     }
     Ok(value)
 }
@@ -173,8 +184,16 @@ fn scalar(text: &str) -> Value {
     if let Ok(i) = text.parse::<i64>() {
         return Value::Number(i.into());
     }
-    let looks_numeric = text.chars().next().is_some_and(|c| c.is_ascii_digit() || matches!(c, '-' | '+' | '.'));
-    match text.parse::<f64>().ok().filter(|_| looks_numeric).and_then(Number::from_f64) {
+    let looks_numeric = text
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_digit() || matches!(c, '-' | '+' | '.'));
+    match text
+        .parse::<f64>()
+        .ok()
+        .filter(|_| looks_numeric)
+        .and_then(Number::from_f64)
+    {
         Some(n) => Value::Number(n),
         None => Value::String(text.to_owned()),
     }
@@ -201,7 +220,10 @@ mod tests {
         assert_eq!(p("'1e-6'"), json!("1e-6"));
         assert_eq!(p(r#""a \"b\"""#), json!("a \"b\""));
         assert_eq!(p(""), json!(""));
-        assert_eq!(p("checkpoints/${trainer.project_name}/x"), json!("checkpoints/${trainer.project_name}/x"));
+        assert_eq!(
+            p("checkpoints/${trainer.project_name}/x"),
+            json!("checkpoints/${trainer.project_name}/x")
+        );
         assert_eq!(parse_value("2024", true).unwrap(), json!("2024"));
         assert_eq!(parse_value("'quoted'", true).unwrap(), json!("quoted"));
     }
@@ -211,18 +233,40 @@ mod tests {
         assert_eq!(p("[console,file]"), json!(["console", "file"]));
         assert_eq!(p("[ 'a b' , 2, [true] ]"), json!(["a b", 2, [true]]));
         assert_eq!(p("[]"), json!([]));
-        assert_eq!(p("{project: x, 'tags': [1, 2]}"), json!({"project": "x", "tags": [1, 2]}));
+        assert_eq!(
+            p("{project: x, 'tags': [1, 2]}"),
+            json!({"project": "x", "tags": [1, 2]})
+        );
         assert_eq!(p("[${a.b},c]"), json!(["${a.b}", "c"]));
-        assert!(parse_value("[a,b", false).unwrap_err().contains("expected `,` or `]`"));
-        assert!(parse_value("'open", false).unwrap_err().contains("unterminated"));
-        assert!(parse_value("[a] x", false).unwrap_err().contains("unexpected"));
+        assert!(
+            parse_value("[a,b", false)
+                .unwrap_err()
+                .contains("expected `,` or `]`")
+        );
+        assert!(
+            parse_value("'open", false)
+                .unwrap_err()
+                .contains("unterminated")
+        );
+        assert!(
+            parse_value("[a] x", false)
+                .unwrap_err()
+                .contains("unexpected")
+        );
     }
 
     #[test]
     fn keys() {
-        assert_eq!(split_override("a.b_c=1").unwrap(), (vec!["a".to_owned(), "b_c".to_owned()], "1"));
+        assert_eq!(
+            split_override("a.b_c=1").unwrap(),
+            (vec!["a".to_owned(), "b_c".to_owned()], "1")
+        );
         assert_eq!(split_override("a=x=y").unwrap().1, "x=y");
-        assert!(split_override("+a.b=1").unwrap_err().contains("not supported"));
+        assert!(
+            split_override("+a.b=1")
+                .unwrap_err()
+                .contains("not supported")
+        );
         assert!(split_override("a..b=1").is_err());
         assert!(split_override("novalue").is_err());
     }

@@ -31,7 +31,9 @@ fn section<T: serde::Serialize>(value: &T) -> Value {
 impl Config {
     /// Whether a critic is trained: `critic.enable`, else whether the estimator needs one.
     pub fn critic_enabled(&self) -> bool {
-        self.critic.enable.unwrap_or_else(|| self.algorithm.adv_estimator.needs_critic())
+        self.critic
+            .enable
+            .unwrap_or_else(|| self.algorithm.adv_estimator.needs_critic())
     }
 
     /// Whether reference log-probs are needed (KL in the loss or in the reward).
@@ -44,7 +46,11 @@ impl Config {
         let arr = &self.actor_rollout_ref;
         match role {
             EngineRole::Actor => &arr.actor.strategy,
-            EngineRole::Ref => arr.reference.strategy.as_deref().unwrap_or(&arr.actor.strategy),
+            EngineRole::Ref => arr
+                .reference
+                .strategy
+                .as_deref()
+                .unwrap_or(&arr.actor.strategy),
             EngineRole::Critic => &self.critic.strategy,
         }
     }
@@ -73,13 +79,16 @@ impl Config {
                 let mut v = section(&arr.actor);
                 v["ppo_mini_batch_size"] = json!(arr.actor.ppo_mini_batch_size * n);
                 // Old log-probs are computed with the rollout's micro-batch size in verl.
-                v["log_prob_micro_batch_size_per_gpu"] = json!(arr.rollout.log_prob_micro_batch_size_per_gpu);
+                v["log_prob_micro_batch_size_per_gpu"] =
+                    json!(arr.rollout.log_prob_micro_batch_size_per_gpu);
                 v["model"] = self.model_json();
                 v
             }
             EngineRole::Ref => {
                 let mut v = section(&arr.actor);
-                if let (Value::Object(base), Value::Object(overlay)) = (&mut v, section(&arr.reference)) {
+                if let (Value::Object(base), Value::Object(overlay)) =
+                    (&mut v, section(&arr.reference))
+                {
                     base.extend(overlay);
                 }
                 v["strategy"] = json!(self.engine_strategy(role));
@@ -89,9 +98,17 @@ impl Config {
             EngineRole::Critic => {
                 let c = &self.critic;
                 let mut v = section(c);
-                v["ppo_mini_batch_size"] = json!(c.ppo_mini_batch_size.unwrap_or(arr.actor.ppo_mini_batch_size) * n);
+                v["ppo_mini_batch_size"] = json!(
+                    c.ppo_mini_batch_size
+                        .unwrap_or(arr.actor.ppo_mini_batch_size)
+                        * n
+                );
                 v["ppo_epochs"] = json!(c.ppo_epochs.unwrap_or(arr.actor.ppo_epochs));
-                v["loss_agg_mode"] = json!(c.loss_agg_mode.as_deref().unwrap_or(&arr.actor.loss_agg_mode));
+                v["loss_agg_mode"] = json!(
+                    c.loss_agg_mode
+                        .as_deref()
+                        .unwrap_or(&arr.actor.loss_agg_mode)
+                );
                 let actor_model = self.model_json();
                 let own = |key: &str| c.model.get(key).filter(|v| !v.is_null()).cloned();
                 v["model"] = json!({
@@ -113,7 +130,11 @@ impl Config {
         let rollout = &self.actor_rollout_ref.rollout;
         let mut v = section(rollout);
         v["prompt_length"] = json!(rollout.prompt_length.unwrap_or(self.data.max_prompt_length));
-        v["response_length"] = json!(rollout.response_length.unwrap_or(self.data.max_response_length));
+        v["response_length"] = json!(
+            rollout
+                .response_length
+                .unwrap_or(self.data.max_response_length)
+        );
         v["model"] = self.model_json();
         v
     }
@@ -130,16 +151,29 @@ mod tests {
         c.actor_rollout_ref.model.path = "/m".into();
         c.actor_rollout_ref.rollout.n = 4;
         c.actor_rollout_ref.actor.ppo_mini_batch_size = 8;
-        c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = Some(2);
-        c.actor_rollout_ref.reference.log_prob_micro_batch_size_per_gpu = Some(3);
+        c.actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size_per_gpu = Some(2);
+        c.actor_rollout_ref
+            .reference
+            .log_prob_micro_batch_size_per_gpu = Some(3);
         let actor = c.engine_json(EngineRole::Actor);
         assert_eq!(actor["role"], "actor");
-        assert_eq!(actor["model"], json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "dtype": "float32"}));
+        assert_eq!(
+            actor["model"],
+            json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "dtype": "float32"})
+        );
         assert_eq!(actor["ppo_mini_batch_size"], 32);
         assert_eq!(actor["log_prob_micro_batch_size_per_gpu"], 2);
         assert_eq!(actor["optim"]["lr"], 1e-6);
         let reference = c.engine_json(EngineRole::Ref);
-        assert_eq!((reference["role"].as_str(), reference["log_prob_micro_batch_size_per_gpu"].as_i64()), (Some("ref"), Some(3)));
+        assert_eq!(
+            (
+                reference["role"].as_str(),
+                reference["log_prob_micro_batch_size_per_gpu"].as_i64()
+            ),
+            (Some("ref"), Some(3))
+        );
         assert_eq!(reference["strategy"], "fsdp");
         let critic = c.engine_json(EngineRole::Critic);
         assert_eq!(critic["role"], "critic");
@@ -148,7 +182,10 @@ mod tests {
         assert_eq!(critic["optim"]["lr"], 1e-5);
         assert_eq!(critic["loss_agg_mode"], "token-mean");
         c.critic.model["path"] = json!("/critic");
-        assert_eq!(c.engine_json(EngineRole::Critic)["model"]["path"], "/critic");
+        assert_eq!(
+            c.engine_json(EngineRole::Critic)["model"]["path"],
+            "/critic"
+        );
     }
 
     #[test]
@@ -157,7 +194,10 @@ mod tests {
         c.data.max_prompt_length = 16;
         c.actor_rollout_ref.rollout.response_length = Some(8);
         let r = c.rollout_json();
-        assert_eq!((r["prompt_length"].as_u64(), r["response_length"].as_u64()), (Some(16), Some(8)));
+        assert_eq!(
+            (r["prompt_length"].as_u64(), r["response_length"].as_u64()),
+            (Some(16), Some(8))
+        );
         assert_eq!(r["checkpoint_engine"]["backend"], "naive");
         assert_eq!(r["val_kwargs"]["temperature"], 0.0);
         assert_eq!(r["model"]["dtype"], "float32");

@@ -1,25 +1,34 @@
 //! The run config: verl's sections, key names and defaults (verl's `ppo_trainer.yaml`), for the
 //! keys verl-core reads or that verl's own example scripts set. Additions of ours are marked.
 
+use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
 
-use crate::algo::{AdvEstimator, KlCtrlType, KlPenalty};
+use crate::algo::{AdvEstimator, AdvantageParams, AlgoError, KlController, KlCtrlType, KlPenalty};
 use crate::data::Truncation;
 
 /// verl accepts a single string where a list is expected (`trainer.logger=console`,
 /// `data.train_files=a.parquet`).
 fn one_or_many<'de, D: Deserializer<'de>>(de: D) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum OneOrMany {
-        One(String),
-        Many(Vec<String>),
+    struct OneOrMany;
+    impl<'de> Visitor<'de> for OneOrMany {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a string or a list of strings")
+        }
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            Ok(vec![s.to_owned()])
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut items = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                items.push(item);
+            }
+            Ok(items)
+        }
     }
-    Ok(match OneOrMany::deserialize(de)? {
-        OneOrMany::One(s) => vec![s],
-        OneOrMany::Many(v) => v,
-    })
+    de.deserialize_any(OneOrMany)
 }
 
 fn empty_object() -> Value {
@@ -37,6 +46,11 @@ pub struct Config {
     pub custom_reward_function: CustomRewardFunctionConfig,
     pub algorithm: AlgorithmConfig,
     pub trainer: TrainerConfig,
+    /// Prepare the synthetic task, a tiny model and its warm-up when missing (`verl-core run`'s
+    /// embedded default).
+    pub quickstart: crate::quickstart::QuickstartConfig,
+    /// Supervised fine-tuning (`verl-core sft`, and the quickstart's warm-up).
+    pub sft: crate::quickstart::SftConfig,
     /// Tracker settings read by tracker plugins (also accepted under `trainer.<name>`); free-form.
     #[serde(skip_serializing_if = "Value::is_null")]
     pub wandb: Value,
@@ -58,6 +72,8 @@ impl Default for Config {
             custom_reward_function: CustomRewardFunctionConfig::default(),
             algorithm: AlgorithmConfig::default(),
             trainer: TrainerConfig::default(),
+            quickstart: Default::default(),
+            sft: Default::default(),
             wandb: Value::Null,
             mlflow: Value::Null,
             tensorboard: Value::Null,
@@ -277,7 +293,9 @@ pub struct PolicyLossConfig {
 
 impl Default for PolicyLossConfig {
     fn default() -> Self {
-        Self { loss_mode: "vanilla".into() }
+        Self {
+            loss_mode: "vanilla".into(),
+        }
     }
 }
 
@@ -386,7 +404,13 @@ pub struct ValKwargs {
 
 impl Default for ValKwargs {
     fn default() -> Self {
-        Self { top_k: -1, top_p: 1.0, temperature: 0.0, n: 1, do_sample: false }
+        Self {
+            top_k: -1,
+            top_p: 1.0,
+            temperature: 0.0,
+            n: 1,
+            do_sample: false,
+        }
     }
 }
 
@@ -402,7 +426,11 @@ pub struct CheckpointEngineConfig {
 
 impl Default for CheckpointEngineConfig {
     fn default() -> Self {
-        Self { backend: "naive".into(), update_weights_bucket_megabytes: 2048, engine_kwargs: empty_object() }
+        Self {
+            backend: "naive".into(),
+            update_weights_bucket_megabytes: 2048,
+            engine_kwargs: empty_object(),
+        }
     }
 }
 
@@ -581,7 +609,10 @@ pub struct CustomRewardFunctionConfig {
 
 impl Default for CustomRewardFunctionConfig {
     fn default() -> Self {
-        Self { path: None, name: "compute_score".into() }
+        Self {
+            path: None,
+            name: "compute_score".into(),
+        }
     }
 }
 
@@ -597,12 +628,24 @@ pub struct KlCtrlConfig {
 
 impl Default for KlCtrlConfig {
     fn default() -> Self {
-        Self { kind: KlCtrlType::Fixed, kl_coef: 0.001, horizon: 10000, target_kl: 0.1 }
+        Self {
+            kind: KlCtrlType::Fixed,
+            kl_coef: 0.001,
+            horizon: 10000,
+            target_kl: 0.1,
+        }
+    }
+}
+
+impl KlCtrlConfig {
+    /// The controller of `algorithm.use_kl_in_reward`.
+    pub fn controller(&self) -> Result<KlController, AlgoError> {
+        KlController::new(self.kind, self.kl_coef, self.target_kl, self.horizon)
     }
 }
 
 /// DAPO dynamic sampling.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FilterGroupsConfig {
     pub enable: bool,
@@ -610,12 +653,6 @@ pub struct FilterGroupsConfig {
     pub metric: Option<String>,
     /// ≤ 0: unbounded.
     pub max_num_gen_batches: i64,
-}
-
-impl Default for FilterGroupsConfig {
-    fn default() -> Self {
-        Self { enable: false, metric: None, max_num_gen_batches: 0 }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -642,6 +679,18 @@ impl Default for AlgorithmConfig {
             kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: FilterGroupsConfig::default(),
+        }
+    }
+}
+
+impl AlgorithmConfig {
+    /// The estimator's parameters (GRPO's ε is verl's fixed 1e-6).
+    pub fn advantage_params(&self) -> AdvantageParams {
+        AdvantageParams {
+            gamma: self.gamma as f32,
+            lam: self.lam as f32,
+            norm_adv_by_std_in_grpo: self.norm_adv_by_std_in_grpo,
+            ..AdvantageParams::default()
         }
     }
 }
@@ -730,7 +779,8 @@ impl Default for TrainerConfig {
             critic_warmup: 0,
             default_hdfs_dir: None,
             del_local_ckpt_after_load: false,
-            default_local_dir: "checkpoints/${trainer.project_name}/${trainer.experiment_name}".into(),
+            default_local_dir: "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+                .into(),
             max_actor_ckpt_to_keep: None,
             max_critic_ckpt_to_keep: None,
             device: "auto".into(),

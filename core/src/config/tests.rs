@@ -20,11 +20,17 @@ fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
 #[test]
 fn defaults_are_verls() {
     let c = load(None, &[], &[]).unwrap();
-    assert_eq!(c.trainer.default_local_dir, "checkpoints/verl_examples/gsm8k");
+    assert_eq!(
+        c.trainer.default_local_dir,
+        "checkpoints/verl_examples/gsm8k"
+    );
     assert_eq!(c.actor_rollout_ref.actor.optim.lr, 1e-6);
     assert_eq!(c.data.train_batch_size, 1024);
     assert_eq!(c.algorithm.adv_estimator, AdvEstimator::Gae);
-    assert_eq!(c.actor_rollout_ref.rollout.checkpoint_engine.backend, "naive");
+    assert_eq!(
+        c.actor_rollout_ref.rollout.checkpoint_engine.backend,
+        "naive"
+    );
     assert_eq!(c.trainer.logger, vec!["console"]);
     let mut expected = Config::default();
     expected.trainer.default_local_dir = c.trainer.default_local_dir.clone();
@@ -34,14 +40,32 @@ fn defaults_are_verls() {
 #[test]
 fn layers_override_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    let file = write(&dir, "run.yaml", "trainer:\n  total_epochs: 5\n  project_name: proj\n  experiment_name: exp\ndata:\n  train_files: [a.parquet, b.parquet]\n");
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_epochs: 5\n  project_name: proj\n  experiment_name: exp\ndata:\n  train_files: [a.parquet, b.parquet]\n",
+    );
     let c = load(Some(&file), &[], &[]).unwrap();
-    assert_eq!((c.trainer.total_epochs, c.trainer.default_local_dir.as_str()), (5, "checkpoints/proj/exp"));
+    assert_eq!(
+        (c.trainer.total_epochs, c.trainer.default_local_dir.as_str()),
+        (5, "checkpoints/proj/exp")
+    );
     assert_eq!(c.data.train_files, vec!["a.parquet", "b.parquet"]);
-    let env = [("VERL_TRAINER__TOTAL_EPOCHS", "6"), ("VERL_trainer__project_name", "envproj")];
+    let env = [
+        ("VERL_TRAINER__TOTAL_EPOCHS", "6"),
+        ("VERL_trainer__project_name", "envproj"),
+    ];
     let c = load(Some(&file), &env, &[]).unwrap();
-    assert_eq!((c.trainer.total_epochs, c.trainer.project_name.as_str()), (6, "envproj"));
-    let c = load(Some(&file), &env, &["trainer.total_epochs=7", "trainer.experiment_name=cli"]).unwrap();
+    assert_eq!(
+        (c.trainer.total_epochs, c.trainer.project_name.as_str()),
+        (6, "envproj")
+    );
+    let c = load(
+        Some(&file),
+        &env,
+        &["trainer.total_epochs=7", "trainer.experiment_name=cli"],
+    )
+    .unwrap();
     assert_eq!(c.trainer.total_epochs, 7);
     // Interpolation sees the final values of every layer.
     assert_eq!(c.trainer.default_local_dir, "checkpoints/envproj/cli");
@@ -50,29 +74,45 @@ fn layers_override_in_order() {
 #[test]
 fn toml_files_work() {
     let dir = tempfile::tempdir().unwrap();
-    let file = write(&dir, "run.toml", "[actor_rollout_ref.actor.optim]\nlr = 3e-6\n[algorithm]\nadv_estimator = \"grpo\"\n");
+    let file = write(
+        &dir,
+        "run.toml",
+        "[actor_rollout_ref.actor.optim]\nlr = 3e-6\n[algorithm]\nadv_estimator = \"grpo\"\n",
+    );
     let c = load(Some(&file), &[], &[]).unwrap();
     assert_eq!(c.actor_rollout_ref.actor.optim.lr, 3e-6);
     assert_eq!(c.algorithm.adv_estimator, AdvEstimator::Grpo);
     let bad = write(&dir, "run.ini", "");
-    assert!(load(Some(&bad), &[], &[]).unwrap_err().to_string().contains("unknown format"));
+    assert!(
+        load(Some(&bad), &[], &[])
+            .unwrap_err()
+            .to_string()
+            .contains("unknown format")
+    );
     let broken = write(&dir, "broken.yaml", "trainer: [\n");
-    assert!(matches!(load(Some(&broken), &[], &[]), Err(ConfigError::File { .. })));
+    assert!(matches!(
+        load(Some(&broken), &[], &[]),
+        Err(ConfigError::File { .. })
+    ));
 }
 
 #[test]
 fn hydra_overrides() {
-    let c = load(None, &[], &[
-        "actor_rollout_ref.actor.optim.lr=1e-6",
-        "trainer.logger=[console,file]",
-        "trainer.experiment_name=2024",
-        "trainer.project_name='my project'",
-        "critic.optim.lr=1",
-        "trainer.total_training_steps=5",
-        "actor_rollout_ref.rollout.n=8",
-        "data.truncation=left",
-        "algorithm.kl_ctrl.type=adaptive",
-    ])
+    let c = load(
+        None,
+        &[],
+        &[
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "trainer.logger=[console,file]",
+            "trainer.experiment_name=2024",
+            "trainer.project_name='my project'",
+            "critic.optim.lr=1",
+            "trainer.total_training_steps=5",
+            "actor_rollout_ref.rollout.n=8",
+            "data.truncation=left",
+            "algorithm.kl_ctrl.type=adaptive",
+        ],
+    )
     .unwrap();
     assert_eq!(c.trainer.logger, vec!["console", "file"]);
     assert_eq!(c.trainer.experiment_name, "2024");
@@ -82,11 +122,25 @@ fn hydra_overrides() {
     assert_eq!(c.actor_rollout_ref.rollout.n, 8);
     assert_eq!(c.data.truncation, crate::data::Truncation::Left);
     assert_eq!(c.algorithm.kl_ctrl.kind, crate::algo::KlCtrlType::Adaptive);
-    let c = load(None, &[], &["trainer.logger=console", "trainer.total_training_steps=null"]).unwrap();
+    let c = load(
+        None,
+        &[],
+        &[
+            "trainer.logger=console",
+            "trainer.total_training_steps=null",
+        ],
+    )
+    .unwrap();
     assert_eq!(c.trainer.logger, vec!["console"]);
     assert_eq!(c.trainer.total_training_steps, None);
-    let err = load(None, &[], &["trainer.logger=[a"]).unwrap_err().to_string();
-    assert!(err.contains("command-line override `trainer.logger=[a`") && err.contains("expected `,` or `]`"), "{err}");
+    let err = load(None, &[], &["trainer.logger=[a"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("command-line override `trainer.logger=[a`")
+            && err.contains("expected `,` or `]`"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -100,65 +154,201 @@ fn unknown_keys_name_source_and_suggest() {
             suggestion: Some("trainer.total_epochs".into()),
         }
     );
-    assert!(err.to_string().contains("did you mean `trainer.total_epochs`?"));
+    assert!(
+        err.to_string()
+            .contains("did you mean `trainer.total_epochs`?")
+    );
     let err = load(None, &[], &["trainer.lr=3"]).unwrap_err().to_string();
-    assert!(err.contains("did you mean `actor_rollout_ref.actor.optim.lr`"), "{err}");
-    let err = load(None, &[("VERL_ACTOR_ROLLOUT_REF__ROLOUT__N", "2")], &[]).unwrap_err().to_string();
-    assert!(err.contains("`actor_rollout_ref.rolout`") && err.contains("VERL_ACTOR_ROLLOUT_REF__ROLOUT__N") && err.contains("actor_rollout_ref.rollout`?"), "{err}");
+    assert!(
+        err.contains("did you mean `actor_rollout_ref.actor.optim.lr`"),
+        "{err}"
+    );
+    let err = load(None, &[("VERL_ACTOR_ROLLOUT_REF__ROLOUT__N", "2")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`actor_rollout_ref.rolout`")
+            && err.contains("VERL_ACTOR_ROLLOUT_REF__ROLOUT__N")
+            && err.contains("actor_rollout_ref.rollout`?"),
+        "{err}"
+    );
     let dir = tempfile::tempdir().unwrap();
-    let file = write(&dir, "f.yaml", "actor_rollout_ref:\n  actor:\n    optim:\n      lrr: 1\n");
+    let file = write(
+        &dir,
+        "f.yaml",
+        "actor_rollout_ref:\n  actor:\n    optim:\n      lrr: 1\n",
+    );
     let err = load(Some(&file), &[], &[]).unwrap_err().to_string();
-    assert!(err.contains("`actor_rollout_ref.actor.optim.lrr` (from config file") && err.contains("f.yaml") && err.contains("optim.lr`?"), "{err}");
-    let err = load(None, &[], &["trainer.total_epochs.x=1"]).unwrap_err().to_string();
+    assert!(
+        err.contains("`actor_rollout_ref.actor.optim.lrr` (from config file")
+            && err.contains("f.yaml")
+            && err.contains("optim.lr`?"),
+        "{err}"
+    );
+    let err = load(None, &[], &["trainer.total_epochs.x=1"])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("is a value, not a section"), "{err}");
-    assert!(matches!(load(None, &[], &["+trainer.x=1"]), Err(ConfigError::Syntax { .. })));
+    assert!(matches!(
+        load(None, &[], &["+trainer.x=1"]),
+        Err(ConfigError::Syntax { .. })
+    ));
 }
 
 #[test]
 fn wrong_types_name_key_and_source() {
     let err = load(None, &[("VERL_TRAINER__TOTAL_EPOCHS", "abc")], &[]).unwrap_err();
-    let ConfigError::Invalid { key, origin, message } = &err else { panic!("{err}") };
-    assert_eq!((key.as_str(), origin.as_str()), ("trainer.total_epochs", "environment variable VERL_TRAINER__TOTAL_EPOCHS"));
+    let ConfigError::Invalid {
+        key,
+        origin,
+        message,
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        (key.as_str(), origin.as_str()),
+        (
+            "trainer.total_epochs",
+            "environment variable VERL_TRAINER__TOTAL_EPOCHS"
+        )
+    );
     assert!(message.contains("string"), "{message}");
-    let err = load(None, &[], &["trainer.logger={a: 1}"]).unwrap_err().to_string();
-    assert!(err.contains("`trainer.logger`") && err.contains("command-line override `trainer.logger={a: 1}`"), "{err}");
-    let err = load(None, &[], &["algorithm.adv_estimator=grpoo"]).unwrap_err().to_string();
-    assert!(err.contains("`algorithm.adv_estimator`") && err.contains("grpoo"), "{err}");
+    let err = load(None, &[], &["trainer.logger={a: 1}"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`trainer.logger` (from command-line override `trainer.logger={a: 1}`)")
+            && err.contains("a string or a list of strings"),
+        "{err}"
+    );
+    let err = load(None, &[], &["algorithm.adv_estimator=grpoo"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`algorithm.adv_estimator`") && err.contains("grpoo"),
+        "{err}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let file = write(&dir, "f.yaml", "trainer:\n  save_freq: often\n");
     let err = load(Some(&file), &[], &[]).unwrap_err().to_string();
-    assert!(err.contains("`trainer.save_freq` (from config file") && err.contains("f.yaml"), "{err}");
+    assert!(
+        err.contains("`trainer.save_freq` (from config file") && err.contains("f.yaml"),
+        "{err}"
+    );
 }
 
 #[test]
 fn non_config_variables_and_free_form_sections() {
-    let env = [("VERL_PLATFORM", "cpu"), ("VERL_PLUGIN_PATH", "/p"), ("VERL_PROBE_ROOT", "/"), ("VERL_PLUGIN_ALLOWLIST", "x"), ("VERL_FILE_LOGGER_PATH", "/m.jsonl"), ("VERL_LOGGING_LEVEL", "INFO"), ("PATH", "/bin")];
+    let env = [
+        ("VERL_PLATFORM", "cpu"),
+        ("VERL_PLUGIN_PATH", "/p"),
+        ("VERL_PROBE_ROOT", "/"),
+        ("VERL_PLUGIN_ALLOWLIST", "x"),
+        ("VERL_FILE_LOGGER_PATH", "/m.jsonl"),
+        ("VERL_LOGGING_LEVEL", "INFO"),
+        ("PATH", "/bin"),
+    ];
     assert!(load(None, &env, &[]).is_ok());
     let dir = tempfile::tempdir().unwrap();
-    let file = write(&dir, "f.yaml", "defaults:\n  - ppo_trainer\n  - _self_\nhydra:\n  searchpath: []\nactor_rollout_ref:\n  actor:\n    _target_: verl.workers.config.FSDPActorConfig\n    fsdp_config:\n      param_offload: true\nwandb:\n  entity: me\n");
-    let c = load(Some(&file), &[], &["actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4", "trainer.mlflow.tracking_uri=http://127.0.0.1:5000"]).unwrap();
-    assert_eq!(c.actor_rollout_ref.actor.fsdp_config, json!({"param_offload": true}));
-    assert_eq!(c.actor_rollout_ref.rollout.engine_kwargs["vllm"]["swap_space"], 4);
+    let file = write(
+        &dir,
+        "f.yaml",
+        "defaults:\n  - ppo_trainer\n  - _self_\nhydra:\n  searchpath: []\nactor_rollout_ref:\n  actor:\n    _target_: verl.workers.config.FSDPActorConfig\n    fsdp_config:\n      param_offload: true\nwandb:\n  entity: me\n",
+    );
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+            "trainer.mlflow.tracking_uri=http://127.0.0.1:5000",
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        c.actor_rollout_ref.actor.fsdp_config,
+        json!({"param_offload": true})
+    );
+    assert_eq!(
+        c.actor_rollout_ref.rollout.engine_kwargs["vllm"]["swap_space"],
+        4
+    );
     assert_eq!(c.wandb, json!({"entity": "me"}));
     assert_eq!(c.trainer.mlflow["tracking_uri"], "http://127.0.0.1:5000");
 }
 
 #[test]
 fn interpolation_errors_and_env() {
-    let err = load(None, &[], &["trainer.default_local_dir=ckpt/${trainer.nope}"]).unwrap_err();
-    assert!(matches!(&err, ConfigError::Interpolation { key, .. } if key == "trainer.default_local_dir"), "{err}");
-    let c = load(None, &[("CKPT_ROOT", "/data")], &["trainer.default_local_dir=${oc.env:CKPT_ROOT}/${trainer.project_name}"]).unwrap();
+    let err = load(
+        None,
+        &[],
+        &["trainer.default_local_dir=ckpt/${trainer.nope}"],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::Interpolation { key, .. } if key == "trainer.default_local_dir"),
+        "{err}"
+    );
+    let c = load(
+        None,
+        &[("CKPT_ROOT", "/data")],
+        &["trainer.default_local_dir=${oc.env:CKPT_ROOT}/${trainer.project_name}"],
+    )
+    .unwrap();
     assert_eq!(c.trainer.default_local_dir, "/data/verl_examples");
 }
 
 #[test]
 fn yaml_output_loads_back() {
     let dir = tempfile::tempdir().unwrap();
-    let c = load(None, &[], &["trainer.logger=[console,file]", "algorithm.adv_estimator=grpo", "wandb.entity=me", "actor_rollout_ref.rollout.n=5"]).unwrap();
+    let c = load(
+        None,
+        &[],
+        &[
+            "trainer.logger=[console,file]",
+            "algorithm.adv_estimator=grpo",
+            "wandb.entity=me",
+            "actor_rollout_ref.rollout.n=5",
+        ],
+    )
+    .unwrap();
     let yaml = c.to_yaml();
     assert!(yaml.contains("adv_estimator: grpo"), "{yaml}");
     let file = write(&dir, "shown.yaml", &yaml);
     assert_eq!(load(Some(&file), &[], &[]).unwrap(), c);
     assert_eq!(c.get("actor_rollout_ref.rollout.n"), Some(json!(5)));
     assert_eq!(c.get("trainer.nope"), None);
+}
+
+#[test]
+fn algorithm_helpers() {
+    let c = load(
+        None,
+        &[],
+        &[
+            "algorithm.gamma=0.5",
+            "algorithm.norm_adv_by_std_in_grpo=false",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.horizon=0",
+        ],
+    )
+    .unwrap();
+    let p = c.algorithm.advantage_params();
+    assert_eq!(
+        (p.gamma, p.lam, p.norm_adv_by_std_in_grpo, p.epsilon),
+        (0.5, 1.0, false, 1e-6)
+    );
+    assert_eq!(
+        c.algorithm.kl_ctrl.controller(),
+        Err(crate::algo::AlgoError::Horizon)
+    );
+    assert_eq!(
+        Config::default()
+            .algorithm
+            .kl_ctrl
+            .controller()
+            .unwrap()
+            .value,
+        0.001
+    );
 }

@@ -10,7 +10,10 @@ use super::{DataError, Sample};
 
 /// Reads every non-blank line; errors name the file and the 1-based line.
 pub fn read_jsonl(path: &Path, prompt_key: &str) -> Result<Vec<Sample>, DataError> {
-    let io = |source| DataError::Io { path: path.to_owned(), source };
+    let io = |source| DataError::Io {
+        path: path.to_owned(),
+        source,
+    };
     let reader = BufReader::new(File::open(path).map_err(io)?);
     let mut samples = Vec::new();
     for (i, line) in reader.lines().enumerate() {
@@ -18,7 +21,11 @@ pub fn read_jsonl(path: &Path, prompt_key: &str) -> Result<Vec<Sample>, DataErro
         if line.trim().is_empty() {
             continue;
         }
-        let row_err = |reason: String| DataError::Row { path: path.to_owned(), location: format!("line {}", i + 1), reason };
+        let row_err = |reason: String| DataError::Row {
+            path: path.to_owned(),
+            location: format!("line {}", i + 1),
+            reason,
+        };
         let row = match serde_json::from_str::<Value>(&line) {
             Ok(Value::Object(row)) => row,
             Ok(other) => return Err(row_err(format!("expected a JSON object, found {other}"))),
@@ -30,7 +37,10 @@ pub fn read_jsonl(path: &Path, prompt_key: &str) -> Result<Vec<Sample>, DataErro
 }
 
 pub fn write_jsonl(path: &Path, samples: &[Sample], prompt_key: &str) -> Result<(), DataError> {
-    let io = |source| DataError::Io { path: path.to_owned(), source };
+    let io = |source| DataError::Io {
+        path: path.to_owned(),
+        source,
+    };
     let mut out = BufWriter::new(File::create(path).map_err(io)?);
     for sample in samples {
         serde_json::to_writer(&mut out, &sample.to_row(prompt_key)).map_err(|e| io(e.into()))?;
@@ -52,7 +62,11 @@ mod tests {
         assert_eq!(read_jsonl(&path, "prompt").unwrap(), samples());
         let parquet = dir.path().join("d.parquet");
         crate::data::write_parquet(&parquet, &samples(), "prompt").unwrap();
-        let both = load_samples(&[path.to_str().unwrap(), parquet.to_str().unwrap()], "prompt").unwrap();
+        let both = load_samples(
+            &[path.to_str().unwrap(), parquet.to_str().unwrap()],
+            "prompt",
+        )
+        .unwrap();
         assert_eq!(both.len(), 4);
         assert_eq!(both[2], samples()[0]);
     }
@@ -65,8 +79,18 @@ mod tests {
         let err = read_jsonl(&path, "prompt").unwrap_err().to_string();
         assert!(err.contains("d.jsonl: line 3: invalid JSON"), "{err}");
         std::fs::write(&path, "[1]\n").unwrap();
-        assert!(read_jsonl(&path, "prompt").unwrap_err().to_string().contains("line 1: expected a JSON object"));
+        assert!(
+            read_jsonl(&path, "prompt")
+                .unwrap_err()
+                .to_string()
+                .contains("line 1: expected a JSON object")
+        );
         std::fs::write(&path, "{\"prompt\":\"p\",\"data_source\":\"a\"}\n").unwrap();
-        assert!(read_jsonl(&path, "prompt").unwrap_err().to_string().contains("line 1: column `reward_model`"));
+        assert!(
+            read_jsonl(&path, "prompt")
+                .unwrap_err()
+                .to_string()
+                .contains("line 1: column `reward_model`")
+        );
     }
 }

@@ -25,12 +25,19 @@ pub struct DataLoader {
 impl DataLoader {
     /// `batch_size` 0 is taken as 1.
     pub fn new(len: usize, batch_size: usize, shuffle: bool, seed: u64, drop_last: bool) -> Self {
-        Self { len, batch_size: batch_size.max(1), shuffle, seed, drop_last, state: LoaderState::default() }
+        Self {
+            len,
+            batch_size: batch_size.max(1),
+            shuffle,
+            seed,
+            drop_last,
+            state: LoaderState::default(),
+        }
     }
 
     pub fn batches_per_epoch(&self) -> u64 {
         let full = self.len / self.batch_size;
-        let partial = !self.drop_last && self.len % self.batch_size != 0;
+        let partial = !self.drop_last && !self.len.is_multiple_of(self.batch_size);
         (full + usize::from(partial)) as u64
     }
 
@@ -38,7 +45,10 @@ impl DataLoader {
     /// loader stands at the start of the next epoch.
     pub fn next_batch(&mut self) -> Option<Vec<usize>> {
         if self.state.batch >= self.batches_per_epoch() {
-            self.state = LoaderState { epoch: self.state.epoch + 1, batch: 0 };
+            self.state = LoaderState {
+                epoch: self.state.epoch + 1,
+                batch: 0,
+            };
             return None;
         }
         let order = self.epoch_order(self.state.epoch);
@@ -118,7 +128,10 @@ mod tests {
         // Same seed, same orders; another seed, another order.
         let mut again = DataLoader::new(10, 3, true, 7, true);
         assert_eq!(epoch(&mut again), first);
-        assert_ne!(DataLoader::new(10, 3, true, 8, true).epoch_order(0), loader.epoch_order(0));
+        assert_ne!(
+            DataLoader::new(10, 3, true, 8, true).epoch_order(0),
+            loader.epoch_order(0)
+        );
     }
 
     #[test]

@@ -37,24 +37,42 @@ pub struct AdditionTask {
 
 impl Default for AdditionTask {
     fn default() -> Self {
-        Self { min_digits: 1, max_digits: 2, operands: 2, train_size: 2048, val_size: 128, seed: 42 }
+        Self {
+            min_digits: 1,
+            max_digits: 2,
+            operands: 2,
+            train_size: 2048,
+            val_size: 128,
+            seed: 42,
+        }
     }
 }
 
 impl AdditionTask {
     /// `(train, validation)`, with no problem in both.
     pub fn generate(&self) -> Result<(Vec<Sample>, Vec<Sample>), DataError> {
-        if !(1..=9).contains(&self.min_digits) || !(self.min_digits..=9).contains(&self.max_digits) {
-            return Err(DataError::Synthetic(format!("need 1 <= min_digits <= max_digits <= 9, got {}..{}", self.min_digits, self.max_digits)));
+        if !(1..=9).contains(&self.min_digits) || !(self.min_digits..=9).contains(&self.max_digits)
+        {
+            return Err(DataError::Synthetic(format!(
+                "need 1 <= min_digits <= max_digits <= 9, got {}..{}",
+                self.min_digits, self.max_digits
+            )));
         }
         if !(2..=8).contains(&self.operands) {
-            return Err(DataError::Synthetic(format!("operands must be 2..=8, got {}", self.operands)));
+            return Err(DataError::Synthetic(format!(
+                "operands must be 2..=8, got {}",
+                self.operands
+            )));
         }
         let wanted = self.train_size + self.val_size;
-        let per_operand: u64 = (self.min_digits..=self.max_digits).map(|d| numbers_with_digits(d).1 - numbers_with_digits(d).0 + 1).sum();
+        let per_operand: u64 = (self.min_digits..=self.max_digits)
+            .map(|d| numbers_with_digits(d).1 - numbers_with_digits(d).0 + 1)
+            .sum();
         let distinct = per_operand.checked_pow(self.operands).unwrap_or(u64::MAX);
         if wanted as u64 > distinct {
-            return Err(DataError::Synthetic(format!("{wanted} problems asked, but only {distinct} distinct ones exist; raise max_digits or operands")));
+            return Err(DataError::Synthetic(format!(
+                "{wanted} problems asked, but only {distinct} distinct ones exist; raise max_digits or operands"
+            )));
         }
         let mut rng = SplitMix64::new(self.seed);
         let mut seen = HashSet::new();
@@ -64,11 +82,15 @@ impl AdditionTask {
         while problems.len() < wanted {
             attempts += 1;
             if attempts > 100 * wanted + 10_000 {
-                return Err(DataError::Synthetic(format!("found only {} distinct problems of {wanted}; raise max_digits or operands", problems.len())));
+                return Err(DataError::Synthetic(format!(
+                    "found only {} distinct problems of {wanted}; raise max_digits or operands",
+                    problems.len()
+                )));
             }
             let operands: Vec<u64> = (0..self.operands)
                 .map(|_| {
-                    let digits = self.min_digits + rng.below(u64::from(self.max_digits - self.min_digits + 1)) as u32;
+                    let digits = self.min_digits
+                        + rng.below(u64::from(self.max_digits - self.min_digits + 1)) as u32;
                     let (lo, hi) = numbers_with_digits(digits);
                     lo + rng.below(hi - lo + 1)
                 })
@@ -84,7 +106,10 @@ impl AdditionTask {
     /// Writes `train.parquet` and `test.parquet` (verl's names) into `dir`; returns their paths.
     pub fn write(&self, dir: &Path) -> Result<(PathBuf, PathBuf), DataError> {
         let (train, val) = self.generate()?;
-        std::fs::create_dir_all(dir).map_err(|source| DataError::Io { path: dir.to_owned(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| DataError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
         let (train_path, val_path) = (dir.join("train.parquet"), dir.join("test.parquet"));
         write_parquet(&train_path, &train, "prompt")?;
         write_parquet(&val_path, &val, "prompt")?;
@@ -95,7 +120,11 @@ impl AdditionTask {
 /// The smallest and largest number with `digits` digits (1 digit includes 0).
 fn numbers_with_digits(digits: u32) -> (u64, u64) {
     let hi = 10u64.pow(digits) - 1;
-    if digits == 1 { (0, hi) } else { (10u64.pow(digits - 1), hi) }
+    if digits == 1 {
+        (0, hi)
+    } else {
+        (10u64.pow(digits - 1), hi)
+    }
 }
 
 fn to_samples(problems: &[Vec<u64>], split: &str) -> Vec<Sample> {
@@ -119,8 +148,13 @@ fn to_samples(problems: &[Vec<u64>], split: &str) -> Vec<Sample> {
 /// Writes a character-level `tokenizer.json` over [`ALPHABET`] (ids after [`SPECIAL_TOKENS`]) and
 /// a `tokenizer_config.json` without a chat template, so prompts render as their plain text.
 pub fn write_tokenizer(dir: &Path) -> Result<(), DataError> {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        SPECIAL_TOKENS.iter().map(|t| t.to_string()).chain(ALPHABET.chars().map(String::from)).enumerate().map(|(id, t)| (t, id.into())).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = SPECIAL_TOKENS
+        .iter()
+        .map(|t| t.to_string())
+        .chain(ALPHABET.chars().map(String::from))
+        .enumerate()
+        .map(|(id, t)| (t, id.into()))
+        .collect();
     let added: Vec<_> = SPECIAL_TOKENS
         .iter()
         .enumerate()
@@ -145,8 +179,14 @@ pub fn write_tokenizer(dir: &Path) -> Result<(), DataError> {
         "unk_token": SPECIAL_TOKENS[3],
         "model_max_length": 512,
     });
-    std::fs::create_dir_all(dir).map_err(|source| DataError::Io { path: dir.to_owned(), source })?;
-    for (name, value) in [("tokenizer.json", tokenizer), ("tokenizer_config.json", config)] {
+    std::fs::create_dir_all(dir).map_err(|source| DataError::Io {
+        path: dir.to_owned(),
+        source,
+    })?;
+    for (name, value) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", config),
+    ] {
         let path = dir.join(name);
         let text = serde_json::to_string_pretty(&value).expect("JSON values serialise");
         std::fs::write(&path, text).map_err(|source| DataError::Io { path, source })?;
@@ -162,12 +202,19 @@ mod tests {
 
     #[test]
     fn generates_disjoint_deterministic_splits() {
-        let task = AdditionTask { train_size: 300, val_size: 50, ..Default::default() };
+        let task = AdditionTask {
+            train_size: 300,
+            val_size: 50,
+            ..Default::default()
+        };
         let (train, val) = task.generate().unwrap();
         assert_eq!((train.len(), val.len()), (300, 50));
         let questions: HashSet<&str> = train.iter().map(|s| s.prompt[0].content.as_str()).collect();
         assert_eq!(questions.len(), 300);
-        assert!(val.iter().all(|s| !questions.contains(s.prompt[0].content.as_str())));
+        assert!(
+            val.iter()
+                .all(|s| !questions.contains(s.prompt[0].content.as_str()))
+        );
         assert_eq!(task.generate().unwrap().0, train, "same seed, same data");
         for s in train.iter().chain(&val) {
             let q = s.prompt[0].content.trim_end_matches('=');
@@ -176,26 +223,75 @@ mod tests {
             assert!(q.split('+').all(|n| n.len() <= 2));
             // The SFT target earns the full reward.
             let target = s.extra_info["answer"].as_str().unwrap();
-            assert_eq!(reward::compute_score(&s.data_source, target, &s.reward_model.ground_truth), Ok(1.0));
-            assert!(s.prompt[0].content.chars().chain(target.chars()).all(|c| ALPHABET.contains(c)));
+            assert_eq!(
+                reward::compute_score(&s.data_source, target, &s.reward_model.ground_truth),
+                Ok(1.0)
+            );
+            assert!(
+                s.prompt[0]
+                    .content
+                    .chars()
+                    .chain(target.chars())
+                    .all(|c| ALPHABET.contains(c))
+            );
         }
     }
 
     #[test]
     fn knobs_are_checked() {
-        let too_many = AdditionTask { min_digits: 1, max_digits: 1, train_size: 100, val_size: 1, ..Default::default() };
-        assert!(too_many.generate().unwrap_err().to_string().contains("only 100 distinct"));
-        assert!(AdditionTask { min_digits: 3, max_digits: 2, ..Default::default() }.generate().is_err());
-        assert!(AdditionTask { operands: 1, ..Default::default() }.generate().is_err());
+        let too_many = AdditionTask {
+            min_digits: 1,
+            max_digits: 1,
+            train_size: 100,
+            val_size: 1,
+            ..Default::default()
+        };
+        assert!(
+            too_many
+                .generate()
+                .unwrap_err()
+                .to_string()
+                .contains("only 100 distinct")
+        );
+        assert!(
+            AdditionTask {
+                min_digits: 3,
+                max_digits: 2,
+                ..Default::default()
+            }
+            .generate()
+            .is_err()
+        );
+        assert!(
+            AdditionTask {
+                operands: 1,
+                ..Default::default()
+            }
+            .generate()
+            .is_err()
+        );
         // Three 3-digit operands.
-        let (train, _) = AdditionTask { min_digits: 3, max_digits: 3, operands: 3, train_size: 5, val_size: 1, ..Default::default() }.generate().unwrap();
+        let (train, _) = AdditionTask {
+            min_digits: 3,
+            max_digits: 3,
+            operands: 3,
+            train_size: 5,
+            val_size: 1,
+            ..Default::default()
+        }
+        .generate()
+        .unwrap();
         assert!(train.iter().all(|s| s.prompt[0].content.len() == 12));
     }
 
     #[test]
     fn writes_verl_parquet_and_a_tokenizer() {
         let dir = tempfile::tempdir().unwrap();
-        let task = AdditionTask { train_size: 20, val_size: 5, ..Default::default() };
+        let task = AdditionTask {
+            train_size: 20,
+            val_size: 5,
+            ..Default::default()
+        };
         let (train_path, val_path) = task.write(dir.path()).unwrap();
         let (train, val) = task.generate().unwrap();
         assert_eq!(read_parquet(&train_path, "prompt").unwrap(), train);

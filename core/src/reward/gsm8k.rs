@@ -31,8 +31,15 @@ fn find_numbers(text: &str, prefix: &str) -> Vec<String> {
             i += 1;
             continue;
         }
-        let digits_at = if chars[start] == '-' { start + 1 } else { start };
-        let end = chars[digits_at..].iter().position(|&c| !is_number_char(c)).map_or(chars.len(), |p| digits_at + p);
+        let digits_at = if chars[start] == '-' {
+            start + 1
+        } else {
+            start
+        };
+        let end = chars[digits_at..]
+            .iter()
+            .position(|&c| !is_number_char(c))
+            .map_or(chars.len(), |p| digits_at + p);
         if end > digits_at {
             found.push(chars[start..end].iter().collect());
             i = end;
@@ -48,19 +55,32 @@ pub fn extract_solution(solution: &str, method: Method) -> Option<String> {
     let skip = solution.chars().count().saturating_sub(CLIP_CHARS);
     let tail: String = solution.chars().skip(skip).collect();
     match method {
-        Method::Strict => find_numbers(&tail, "#### ").pop().map(|s| s.replace([',', '$'], "")),
+        Method::Strict => find_numbers(&tail, "#### ")
+            .pop()
+            .map(|s| s.replace([',', '$'], "")),
         Method::Flexible => {
             let numbers = find_numbers(&tail, "");
             // The last match that is not a lone "."; if every match is one, Python's loop variable
             // is left at the first match, which verl then returns.
-            numbers.iter().rev().find(|n| n.as_str() != ".").or(numbers.first()).cloned()
+            numbers
+                .iter()
+                .rev()
+                .find(|n| n.as_str() != ".")
+                .or(numbers.first())
+                .cloned()
         }
     }
 }
 
 /// `score` when the extracted answer equals `ground_truth` (as strings), `format_score` when an
 /// answer was found but differs, 0 when none was found.
-pub fn compute_score(solution: &str, ground_truth: &str, method: Method, format_score: f64, score: f64) -> f64 {
+pub fn compute_score(
+    solution: &str,
+    ground_truth: &str,
+    method: Method,
+    format_score: f64,
+    score: f64,
+) -> f64 {
     match extract_solution(solution, method) {
         None => 0.0,
         Some(answer) if answer == ground_truth => score,
@@ -74,14 +94,23 @@ mod tests {
 
     #[test]
     fn strict_takes_the_last_marked_number() {
-        assert_eq!(extract_solution("3+4=7 #### 7\n#### 1,234", Method::Strict).as_deref(), Some("1234"));
-        assert_eq!(extract_solution("#### -12.5 dollars", Method::Strict).as_deref(), Some("-12.5"));
+        assert_eq!(
+            extract_solution("3+4=7 #### 7\n#### 1,234", Method::Strict).as_deref(),
+            Some("1234")
+        );
+        assert_eq!(
+            extract_solution("#### -12.5 dollars", Method::Strict).as_deref(),
+            Some("-12.5")
+        );
         // No space after the marker, or no number after it: no answer.
         assert_eq!(extract_solution("####7", Method::Strict), None);
         assert_eq!(extract_solution("#### x", Method::Strict), None);
         assert_eq!(extract_solution("#### -x", Method::Strict), None);
         // Five hashes still contain "#### ".
-        assert_eq!(extract_solution("##### 5", Method::Strict).as_deref(), Some("5"));
+        assert_eq!(
+            extract_solution("##### 5", Method::Strict).as_deref(),
+            Some("5")
+        );
     }
 
     #[test]
@@ -89,24 +118,48 @@ mod tests {
         let text = format!("#### 5{}", " ".repeat(300));
         assert_eq!(extract_solution(&text, Method::Strict), None);
         let text = format!("{}#### 5", "é".repeat(400));
-        assert_eq!(extract_solution(&text, Method::Strict).as_deref(), Some("5"));
+        assert_eq!(
+            extract_solution(&text, Method::Strict).as_deref(),
+            Some("5")
+        );
     }
 
     #[test]
     fn flexible_takes_the_last_number() {
-        assert_eq!(extract_solution("so 12 apples and 15.", Method::Flexible).as_deref(), Some("15."));
-        assert_eq!(extract_solution("x = 3 . done", Method::Flexible).as_deref(), Some("3"));
-        assert_eq!(extract_solution("only . here", Method::Flexible).as_deref(), Some("."));
+        assert_eq!(
+            extract_solution("so 12 apples and 15.", Method::Flexible).as_deref(),
+            Some("15.")
+        );
+        assert_eq!(
+            extract_solution("x = 3 . done", Method::Flexible).as_deref(),
+            Some("3")
+        );
+        assert_eq!(
+            extract_solution("only . here", Method::Flexible).as_deref(),
+            Some(".")
+        );
         assert_eq!(extract_solution("no digits", Method::Flexible), None);
     }
 
     #[test]
     fn scores_follow_verl() {
-        assert_eq!(compute_score("#### 72", "72", Method::Strict, 0.0, 1.0), 1.0);
-        assert_eq!(compute_score("#### 71", "72", Method::Strict, 0.1, 1.0), 0.1);
+        assert_eq!(
+            compute_score("#### 72", "72", Method::Strict, 0.0, 1.0),
+            1.0
+        );
+        assert_eq!(
+            compute_score("#### 71", "72", Method::Strict, 0.1, 1.0),
+            0.1
+        );
         assert_eq!(compute_score("72", "72", Method::Strict, 0.1, 1.0), 0.0);
         // The comparison is textual: "72.0" is not "72".
-        assert_eq!(compute_score("#### 72.0", "72", Method::Strict, 0.0, 1.0), 0.0);
-        assert_eq!(compute_score("the answer is 72", "72", Method::Flexible, 0.0, 1.0), 1.0);
+        assert_eq!(
+            compute_score("#### 72.0", "72", Method::Strict, 0.0, 1.0),
+            0.0
+        );
+        assert_eq!(
+            compute_score("the answer is 72", "72", Method::Flexible, 0.0, 1.0),
+            1.0
+        );
     }
 }

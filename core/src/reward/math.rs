@@ -48,7 +48,10 @@ pub fn remove_boxed(boxed: &str) -> Option<String> {
     if boxed.contains("\\boxed ") {
         return boxed.strip_prefix("\\boxed ").map(str::to_owned);
     }
-    boxed.strip_prefix("\\boxed{")?.strip_suffix('}').map(str::to_owned)
+    boxed
+        .strip_prefix("\\boxed{")?
+        .strip_suffix('}')
+        .map(str::to_owned)
 }
 
 /// The MATH normalisation; None where the Python raises.
@@ -137,10 +140,15 @@ fn fix_fracs(s: &str) -> Option<String> {
 fn fix_a_slash_b(s: &str) -> String {
     let canonical = |t: &str| {
         let digits = t.strip_prefix('-').unwrap_or(t);
-        t == "0" || (!digits.is_empty() && !digits.starts_with('0') && digits.bytes().all(|c| c.is_ascii_digit()))
+        t == "0"
+            || (!digits.is_empty()
+                && !digits.starts_with('0')
+                && digits.bytes().all(|c| c.is_ascii_digit()))
     };
     match s.split_once('/') {
-        Some((a, b)) if !b.contains('/') && canonical(a) && canonical(b) => format!("\\frac{{{a}}}{{{b}}}"),
+        Some((a, b)) if !b.contains('/') && canonical(a) && canonical(b) => {
+            format!("\\frac{{{a}}}{{{b}}}")
+        }
         _ => s.to_owned(),
     }
 }
@@ -151,9 +159,18 @@ mod tests {
 
     #[test]
     fn finds_the_last_boxed_answer() {
-        assert_eq!(last_boxed_only_string("a \\boxed{1} b \\boxed{\\frac{1}{2}} c").as_deref(), Some("\\boxed{\\frac{1}{2}}"));
-        assert_eq!(last_boxed_only_string("$\\boxed 5$ end").as_deref(), Some("\\boxed 5"));
-        assert_eq!(last_boxed_only_string("\\fbox{7}").as_deref(), Some("\\fbox{7}"));
+        assert_eq!(
+            last_boxed_only_string("a \\boxed{1} b \\boxed{\\frac{1}{2}} c").as_deref(),
+            Some("\\boxed{\\frac{1}{2}}")
+        );
+        assert_eq!(
+            last_boxed_only_string("$\\boxed 5$ end").as_deref(),
+            Some("\\boxed 5")
+        );
+        assert_eq!(
+            last_boxed_only_string("\\fbox{7}").as_deref(),
+            Some("\\fbox{7}")
+        );
         assert_eq!(last_boxed_only_string("\\boxed{unclosed"), None);
         assert_eq!(last_boxed_only_string("nothing"), None);
         assert_eq!(remove_boxed("\\boxed{x}").as_deref(), Some("x"));
@@ -163,9 +180,15 @@ mod tests {
 
     #[test]
     fn normalisation_matches_the_harness() {
-        assert_eq!(strip_string("\\dfrac{1}{2}").as_deref(), Some("\\frac{1}{2}"));
+        assert_eq!(
+            strip_string("\\dfrac{1}{2}").as_deref(),
+            Some("\\frac{1}{2}")
+        );
         assert_eq!(strip_string("\\frac12").as_deref(), Some("\\frac{1}{2}"));
-        assert_eq!(strip_string("\\frac1{72}").as_deref(), Some("\\frac{1}{72}"));
+        assert_eq!(
+            strip_string("\\frac1{72}").as_deref(),
+            Some("\\frac{1}{72}")
+        );
         assert_eq!(strip_string("0.5").as_deref(), Some("\\frac{1}{2}"));
         // ".5" → "0.5" → ½, as the harness does.
         assert_eq!(strip_string(".5").as_deref(), Some("\\frac{1}{2}"));
@@ -177,7 +200,10 @@ mod tests {
         assert_eq!(strip_string("90^\\circ").as_deref(), Some("90"));
         assert_eq!(strip_string("10\\%").as_deref(), Some("10"));
         assert_eq!(strip_string("5 \\text{ cm}").as_deref(), Some("5"));
-        assert_eq!(strip_string("\\left( 1, 2 \\right)").as_deref(), Some("(1,2)"));
+        assert_eq!(
+            strip_string("\\left( 1, 2 \\right)").as_deref(),
+            Some("(1,2)")
+        );
         // Raises in Python: a trailing \sqrt, a trailing \frac, two unit markers.
         assert_eq!(strip_string("2\\sqrt"), None);
         assert_eq!(strip_string("\\frac"), None);

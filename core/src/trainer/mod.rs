@@ -1,0 +1,628 @@
+//! The RL training loop, in verl's order: generate → reward → old log-probs → ref → values →
+//! advantages → critic update → actor update → weight sync → validate (`test_freq`) → checkpoint
+//! (`save_freq`) → log. Every component is taken from the registry by name, so the loop drives
+//! whatever engine, rollout, weight sync and trackers the plugins provide.
+
+mod trackers;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use verl_plugin_api::{
+    CheckpointBox, ComponentInit, ComponentKind, EngineBox, Metric, PluginError, RolloutBox, RunContext, SamplingParams, Table,
+    WeightBundle, keys,
+};
+use verl_plugin_host::{LookupError, Registry};
+
+use crate::algo::{
+    AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController, SamplerProgress,
+    apply_kl_penalty, compute_advantage, compute_data_metrics, filter_groups, place_scores,
+};
+use crate::batch;
+use crate::checkpoint::{CheckpointError, CheckpointManager};
+use crate::config::{Config, EngineRole, ResumeMode};
+use crate::data::{ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt, expand_home, load_samples};
+use crate::reward::{self, RewardError};
+
+pub use trackers::Trackers;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{context}: {source}")]
+    Plugin { context: String, source: PluginError },
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Reward(#[from] RewardError),
+    #[error(transparent)]
+    Algo(#[from] AlgoError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Adds what was being done to a plugin error.
+trait Context<T> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError>;
+}
+
+impl<T> Context<T> for verl_plugin_api::abi_stable::std_types::RResult<T, PluginError> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
+        self.into_result().map_err(|source| TrainError::Plugin { context: what(), source })
+    }
+}
+
+impl<T> Context<T> for Result<T, PluginError> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
+        self.map_err(|source| TrainError::Plugin { context: what(), source })
+    }
+}
+
+/// What a checkpoint holds besides the engines' own state.
+#[derive(Debug, Serialize, Deserialize)]
+struct TrainerState {
+    global_step: u64,
+    loader: LoaderState,
+    kl_coef: f64,
+}
+
+const TRAINER_STATE_FILE: &str = "trainer_state.json";
+
+/// One generated response and where it came from.
+struct Row {
+    /// Index into the dataset.
+    sample: usize,
+    /// Prompt group: the `n` responses to one prompt share it.
+    group: u64,
+    response: Vec<u32>,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Default)]
+pub struct RunSummary {
+    pub global_step: u64,
+    /// Validation metrics by the step they were taken at.
+    pub validations: Vec<(u64, BTreeMap<String, f64>)>,
+    pub final_model: Option<PathBuf>,
+}
+
+pub struct Trainer {
+    config: Config,
+    actor: EngineBox,
+    reference: Option<EngineBox>,
+    critic: Option<EngineBox>,
+    rollout: RolloutBox,
+    weight_sync: CheckpointBox,
+    trackers: Trackers,
+    tokenizer: tokenizers::Tokenizer,
+    train: Vec<(Sample, TokenizedPrompt)>,
+    val: Vec<(Sample, TokenizedPrompt)>,
+    loader: DataLoader,
+    kl_ctrl: KlController,
+    checkpoints: CheckpointManager,
+    run_dir: PathBuf,
+    global_step: u64,
+    total_steps: u64,
+}
+
+/// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
+fn tokenizer_dir(config: &Config) -> PathBuf {
+    let model = &config.actor_rollout_ref.model;
+    expand_home(config.data.tokenizer.as_deref().or(model.tokenizer_path.as_deref()).unwrap_or(&model.path))
+}
+
+fn load_split(processor: &PromptProcessor, files: &[String], key: &str, max: i64) -> Result<Vec<(Sample, TokenizedPrompt)>, TrainError> {
+    let mut samples = load_samples(files, key)?;
+    if let Ok(max) = usize::try_from(max) {
+        if max > 0 {
+            samples.truncate(max);
+        }
+    }
+    Ok(processor.prepare(samples)?)
+}
+
+impl Trainer {
+    /// Loads the data, creates and initialises every component on `device` (a torch device
+    /// string such as "cpu" or "cuda:0").
+    pub fn new(config: Config, registry: &Registry, device: &str) -> Result<Self, TrainError> {
+        let run_dir = expand_home(&config.trainer.default_local_dir);
+        std::fs::create_dir_all(&run_dir).map_err(|source| TrainError::Io { path: run_dir.clone(), source })?;
+
+        let tokenizer_dir = tokenizer_dir(&config);
+        let tokenizer_json = tokenizer_dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_json.display())))?;
+        let template = match &config.actor_rollout_ref.model.custom_chat_template {
+            Some(source) => ChatTemplate::from_source(source, "", "")?,
+            None => ChatTemplate::from_model_dir(&tokenizer_dir)?,
+        };
+        let data = &config.data;
+        let processor = PromptProcessor::new(template, &tokenizer_json, data.max_prompt_length, data.filter_overlong_prompts, data.truncation)?;
+        let train = load_split(&processor, &data.train_files, &data.prompt_key, data.train_max_samples)?;
+        let val = load_split(&processor, &data.val_files, &data.prompt_key, data.val_max_samples)?;
+        let loader = DataLoader::new(train.len(), data.train_batch_size, data.shuffle, data.seed.unwrap_or(config.trainer.seed), true);
+        if loader.batches_per_epoch() == 0 {
+            return Err(TrainError::Invalid(format!(
+                "the training set has {} prompts (after filtering), fewer than data.train_batch_size={}",
+                train.len(),
+                data.train_batch_size
+            )));
+        }
+        let total_steps =
+            config.trainer.total_training_steps.filter(|&s| s > 0).unwrap_or(config.trainer.total_epochs * loader.batches_per_epoch());
+
+        let run = RunContext {
+            project: config.trainer.project_name.as_str().into(),
+            experiment: config.trainer.experiment_name.as_str().into(),
+            run_dir: run_dir.to_string_lossy().as_ref().into(),
+            device: device.into(),
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            seed: config.trainer.seed,
+            process_group: 0,
+        };
+        let init = |config_json: Value| ComponentInit { config_json: config_json.to_string().into(), run: run.clone() };
+        let engine = |role: EngineRole| -> Result<EngineBox, TrainError> {
+            let name = config.engine_strategy(role);
+            let mut engine = registry.resolve(ComponentKind::ENGINE, name)?.create_engine()?;
+            let mut section = config.engine_json(role);
+            section["optim"]["total_training_steps"] = json!(total_steps);
+            section["deterministic"] = json!(config.trainer.deterministic);
+            engine.init(&init(section)).context(|| format!("initialising the {} engine `{name}`", role.as_str()))?;
+            Ok(engine)
+        };
+        let actor = engine(EngineRole::Actor)?;
+        let reference = if config.ref_enabled() { Some(engine(EngineRole::Ref)?) } else { None };
+        let critic = if config.critic_enabled() { Some(engine(EngineRole::Critic)?) } else { None };
+
+        let rollout_name = &config.actor_rollout_ref.rollout.name;
+        let mut rollout = registry.resolve(ComponentKind::ROLLOUT, rollout_name)?.create_rollout()?;
+        rollout.init(&init(config.rollout_json())).context(|| format!("initialising the rollout `{rollout_name}`"))?;
+
+        let sync_config = &config.actor_rollout_ref.rollout.checkpoint_engine;
+        let mut weight_sync = registry.resolve(ComponentKind::CHECKPOINT, &sync_config.backend)?.create_checkpoint()?;
+        weight_sync
+            .init(&init(sync_config.engine_kwargs.clone()))
+            .context(|| format!("initialising the weight sync `{}`", sync_config.backend))?;
+
+        let mut tracker_config = config.to_json();
+        tracker_config["trainer"]["total_training_steps"] = json!(total_steps);
+        let trackers = Trackers::start(registry, &config.trainer.logger, &init(tracker_config))?;
+
+        let kl = &config.algorithm.kl_ctrl;
+        let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
+        let checkpoints = CheckpointManager::new(&run_dir, config.trainer.max_actor_ckpt_to_keep);
+        Ok(Self {
+            config,
+            actor,
+            reference,
+            critic,
+            rollout,
+            weight_sync,
+            trackers,
+            tokenizer,
+            train,
+            val,
+            loader,
+            kl_ctrl,
+            checkpoints,
+            run_dir,
+            global_step: 0,
+            total_steps,
+        })
+    }
+
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    /// Runs to `total_steps`, then exports the policy as a Hugging Face directory. Trackers are
+    /// finished either way, marked failed on error.
+    pub fn fit(mut self) -> Result<RunSummary, TrainError> {
+        let result = self.fit_inner();
+        self.trackers.finish(if result.is_ok() { 0 } else { 1 });
+        result
+    }
+
+    fn fit_inner(&mut self) -> Result<RunSummary, TrainError> {
+        let mut summary = RunSummary::default();
+        if let Some(step) = self.resume()? {
+            tracing::info!("resumed from step {step}");
+        }
+        let trainer = &self.config.trainer;
+        if trainer.val_before_train && !self.val.is_empty() {
+            let metrics = self.validate()?;
+            summary.validations.push((self.global_step, metrics.iter().map(|m| (m.key.to_string(), m.value)).collect()));
+            self.trackers.log(self.global_step, &metrics);
+        }
+        if self.config.trainer.val_only {
+            summary.global_step = self.global_step;
+            return Ok(summary);
+        }
+        while self.global_step < self.total_steps {
+            let step = self.global_step + 1;
+            let mut metrics = self.train_step(step)?;
+            let is_last = step == self.total_steps;
+            let (test_freq, save_freq) = (self.config.trainer.test_freq, self.config.trainer.save_freq);
+            if test_freq > 0 && !self.val.is_empty() && (is_last || step % test_freq as u64 == 0) {
+                let t = Instant::now();
+                let val = self.validate()?;
+                summary.validations.push((step, val.iter().map(|m| (m.key.to_string(), m.value)).collect()));
+                metrics.extend(val);
+                metrics.push(Metric::new("timing_s/testing", t.elapsed().as_secs_f64()));
+            }
+            self.global_step = step;
+            if save_freq > 0 && (is_last || step % save_freq as u64 == 0) {
+                let t = Instant::now();
+                self.save_checkpoint()?;
+                metrics.push(Metric::new("timing_s/save_checkpoint", t.elapsed().as_secs_f64()));
+            }
+            self.trackers.log(step, &metrics);
+        }
+        let final_dir = self.run_dir.join("huggingface");
+        self.actor.export_hf(final_dir.to_string_lossy().as_ref().into()).context(|| format!("exporting {}", final_dir.display()))?;
+        tracing::info!("final model written to {}", final_dir.display());
+        summary.global_step = self.global_step;
+        summary.final_model = Some(final_dir);
+        Ok(summary)
+    }
+
+    /// The next batch of dataset indices, moving to the next epoch when one is used up.
+    fn next_indices(&mut self) -> Vec<usize> {
+        loop {
+            if let Some(batch) = self.loader.next_batch() {
+                return batch;
+            }
+        }
+    }
+
+    fn sampling(&self, step: u64, validation: bool) -> SamplingParams {
+        let rollout = &self.config.actor_rollout_ref.rollout;
+        let (n, do_sample, temperature, top_p, top_k) = if validation {
+            let v = &rollout.val_kwargs;
+            (v.n, v.do_sample, v.temperature, v.top_p, v.top_k)
+        } else {
+            (rollout.n, rollout.do_sample, rollout.temperature, rollout.top_p, rollout.top_k)
+        };
+        SamplingParams {
+            n: n as u32,
+            greedy: !do_sample || temperature <= 0.0,
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k: top_k as i32,
+            max_new_tokens: self.config.data.max_response_length as u32,
+            stop_token_ids: Default::default(),
+            // A seed per step (not a running generator) keeps a resumed run identical to an
+            // uninterrupted one.
+            seed: Some(self.config.trainer.seed.wrapping_mul(0x9E37_79B9).wrapping_add(step * 2 + u64::from(validation))).into(),
+        }
+    }
+
+    /// Generates `n` responses per prompt of `indices` (into `data`); rows come back grouped by
+    /// prompt, with group ids `first_group..`.
+    fn generate(&mut self, val: bool, indices: &[usize], sampling: SamplingParams, first_group: u64) -> Result<Vec<Row>, TrainError> {
+        let data = if val { &self.val } else { &self.train };
+        let prompts = indices.iter().map(|&i| data[i].1.ids.clone().into()).collect();
+        let request = verl_plugin_api::GenerateRequest { prompts, sampling };
+        let output = self.rollout.generate(&request).context(|| format!("generating with `{}`", self.config.actor_rollout_ref.rollout.name))?;
+        let mut rows: Vec<Row> = output
+            .completions
+            .iter()
+            .map(|c| Row { sample: indices[c.prompt_index as usize], group: first_group + u64::from(c.prompt_index), response: c.response_ids.to_vec() })
+            .collect();
+        rows.sort_by_key(|r| r.group);
+        Ok(rows)
+    }
+
+    fn score(&self, val: bool, rows: &[Row]) -> Result<Vec<f64>, TrainError> {
+        let data = if val { &self.val } else { &self.train };
+        rows.iter()
+            .map(|row| {
+                let sample = &data[row.sample].0;
+                let text = self.tokenizer.decode(&row.response, true).map_err(|e| TrainError::Invalid(format!("decoding a response: {e}")))?;
+                Ok(reward::compute_score(&sample.data_source, &text, &sample.reward_model.ground_truth)?)
+            })
+            .collect()
+    }
+
+    /// Generates and scores a training batch; with DAPO's `filter_groups` keeps generating until
+    /// `train_batch_size` prompts have responses whose scores differ.
+    fn collect_batch(&mut self, step: u64) -> Result<(Vec<Row>, Vec<f64>, usize), TrainError> {
+        let filter = self.config.algorithm.filter_groups.clone();
+        let target = self.config.data.train_batch_size;
+        let mut sampler = DynamicSampler::new(target, filter.max_num_gen_batches);
+        let (mut rows, mut scores, mut gen_batches) = (Vec::new(), Vec::new(), 0usize);
+        loop {
+            let indices = self.next_indices();
+            let mut sampling = self.sampling(step, false);
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(gen_batches as u64 * 1_000_003));
+            let first_group = (gen_batches * target) as u64;
+            let new_rows = self.generate(false, &indices, sampling, first_group)?;
+            let new_scores = self.score(false, &new_rows)?;
+            gen_batches += 1;
+            if !filter.enable {
+                return Ok((new_rows, new_scores, gen_batches));
+            }
+            let groups: Vec<u64> = new_rows.iter().map(|r| r.group).collect();
+            let (kept, kept_groups) = filter_groups(&groups, &new_scores)?;
+            for i in kept {
+                rows.push(Row { sample: new_rows[i].sample, group: new_rows[i].group, response: new_rows[i].response.clone() });
+                scores.push(new_scores[i]);
+            }
+            if sampler.record(kept_groups)? == SamplerProgress::Full {
+                // Keep exactly `train_batch_size` prompt groups.
+                let mut seen = Vec::new();
+                let keep: Vec<bool> = rows
+                    .iter()
+                    .map(|r| {
+                        if !seen.contains(&r.group) && seen.len() < target {
+                            seen.push(r.group);
+                        }
+                        seen.contains(&r.group)
+                    })
+                    .collect();
+                let mut flags = keep.iter();
+                rows.retain(|_| *flags.next().expect("one flag per row"));
+                let mut flags = keep.iter();
+                scores.retain(|_| *flags.next().expect("one flag per row"));
+                return Ok((rows, scores, gen_batches));
+            }
+        }
+    }
+
+    fn train_step(&mut self, step: u64) -> Result<Vec<Metric>, TrainError> {
+        let step_start = Instant::now();
+        let mut timing: Vec<(&str, f64)> = Vec::new();
+        let mut metrics: Vec<Metric> = Vec::new();
+
+        let t = Instant::now();
+        let (rows, scores, gen_batches) = self.collect_batch(step)?;
+        timing.push(("gen", t.elapsed().as_secs_f64()));
+        if self.config.algorithm.filter_groups.enable {
+            metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
+        }
+
+        let prompts: Vec<Vec<u32>> = rows.iter().map(|r| self.train[r.sample].1.ids.clone()).collect();
+        let responses: Vec<Vec<u32>> = rows.iter().map(|r| r.response.clone()).collect();
+        let mut batch = batch::build(&prompts, &responses, 0).context(|| "building the training batch".to_owned())?;
+        let temperature = self.config.actor_rollout_ref.rollout.temperature;
+        batch.meta_json = json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true }).to_string().into();
+        let mask = batch::matrix(keys::RESPONSE_MASK, batch.require(keys::RESPONSE_MASK).context(|| "batch".to_owned())?)
+            .context(|| "batch".to_owned())?;
+
+        let t = Instant::now();
+        let old = self.actor.compute_log_prob(&batch).context(|| "computing old log-probs".to_owned())?;
+        let old_log_probs = batch::matrix(keys::LOG_PROBS, old.require(keys::LOG_PROBS).context(|| "actor output".to_owned())?)
+            .context(|| "actor output".to_owned())?;
+        if let Some(entropy) = old.get(keys::ENTROPYS) {
+            let entropy = batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
+            metrics.push(Metric::new("actor/entropy", crate::algo::masked_mean(&entropy, &mask)?));
+        }
+        batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
+        timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
+
+        let mut ref_log_probs = None;
+        if let Some(reference) = &mut self.reference {
+            let t = Instant::now();
+            let out = reference.compute_log_prob(&batch).context(|| "computing reference log-probs".to_owned())?;
+            let m = batch::matrix(keys::LOG_PROBS, out.require(keys::LOG_PROBS).context(|| "ref output".to_owned())?)
+                .context(|| "ref output".to_owned())?;
+            batch.insert(keys::REF_LOG_PROB, batch::tensor(&m));
+            ref_log_probs = Some(m);
+            timing.push(("ref", t.elapsed().as_secs_f64()));
+        }
+
+        let mut values = None;
+        if let Some(critic) = &mut self.critic {
+            let t = Instant::now();
+            let out = critic.compute_values(&batch).context(|| "computing values".to_owned())?;
+            let m = batch::matrix(keys::VALUES, out.require(keys::VALUES).context(|| "critic output".to_owned())?)
+                .context(|| "critic output".to_owned())?;
+            batch.insert(keys::VALUES, batch::tensor(&m));
+            values = Some(m);
+            timing.push(("values", t.elapsed().as_secs_f64()));
+        }
+
+        let t = Instant::now();
+        let scores_f32: Vec<f32> = scores.iter().map(|&s| s as f32).collect();
+        let token_level_scores = place_scores(&scores_f32, &mask)?;
+        let token_level_rewards = match (&ref_log_probs, self.config.algorithm.use_kl_in_reward) {
+            (Some(ref_lp), true) => {
+                let out = apply_kl_penalty(&token_level_scores, &old_log_probs, ref_lp, &mask, self.config.algorithm.kl_penalty, &mut self.kl_ctrl)?;
+                metrics.extend(out.metrics().iter().map(|(k, v)| Metric::new(*k, *v)));
+                out.token_level_rewards
+            }
+            _ => token_level_scores.clone(),
+        };
+        let groups: Vec<u64> = rows.iter().map(|r| r.group).collect();
+        let baselines = if self.config.algorithm.adv_estimator.needs_greedy_baseline() { Some(self.greedy_baselines(step, &rows)?) } else { None };
+        let algorithm = &self.config.algorithm;
+        let params = AdvantageParams {
+            gamma: algorithm.gamma as f32,
+            lam: algorithm.lam as f32,
+            norm_adv_by_std_in_grpo: algorithm.norm_adv_by_std_in_grpo,
+            ..AdvantageParams::default()
+        };
+        let input = AdvantageInput {
+            token_level_rewards: &token_level_rewards,
+            response_mask: &mask,
+            index: &groups,
+            values: values.as_ref(),
+            reward_baselines: baselines.as_deref(),
+        };
+        let (advantages, returns) = compute_advantage(algorithm.adv_estimator, &params, &input)?;
+        batch.insert(keys::ADVANTAGES, batch::tensor(&advantages));
+        batch.insert(keys::RETURNS, batch::tensor(&returns));
+        timing.push(("adv", t.elapsed().as_secs_f64()));
+
+        if let Some(critic) = &mut self.critic {
+            let t = Instant::now();
+            let out = critic.update_critic(&batch).context(|| "updating the critic".to_owned())?;
+            metrics.extend(out.iter().cloned());
+            timing.push(("update_critic", t.elapsed().as_secs_f64()));
+        }
+        if step > self.config.trainer.critic_warmup {
+            let t = Instant::now();
+            let out = self.actor.update_actor(&batch).context(|| "updating the actor".to_owned())?;
+            // The engine's own entropy (from the update) supersedes the one measured above.
+            if out.iter().any(|m| m.key == "actor/entropy") {
+                metrics.retain(|m| m.key != "actor/entropy");
+            }
+            metrics.extend(out.iter().cloned());
+            timing.push(("update_actor", t.elapsed().as_secs_f64()));
+            let t = Instant::now();
+            self.sync_weights(step)?;
+            timing.push(("update_weights", t.elapsed().as_secs_f64()));
+        }
+
+        let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        let data_metrics = compute_data_metrics(&DataMetricsInput {
+            token_level_scores: &token_level_scores,
+            token_level_rewards: &token_level_rewards,
+            advantages: &advantages,
+            returns: &returns,
+            response_mask: &mask,
+            values: values.as_ref(),
+            prompt_lengths: &prompt_lengths,
+            max_prompt_length: self.config.data.max_prompt_length,
+        })?;
+        metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
+
+        let step_time = step_start.elapsed().as_secs_f64();
+        let tokens: usize = prompt_lengths.iter().sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>();
+        timing.push(("step", step_time));
+        metrics.extend(timing.into_iter().map(|(k, v)| Metric::new(format!("timing_s/{k}"), v)));
+        metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
+        metrics.push(Metric::new("perf/time_per_step", step_time));
+        metrics.push(Metric::new("perf/throughput", tokens as f64 / step_time));
+        metrics.push(Metric::new("training/global_step", step as f64));
+        metrics.push(Metric::new("training/epoch", self.loader.state().epoch as f64));
+        Ok(metrics)
+    }
+
+    /// ReMax: the score of one greedy response per row's prompt.
+    fn greedy_baselines(&mut self, step: u64, rows: &[Row]) -> Result<Vec<f32>, TrainError> {
+        let mut unique: Vec<usize> = rows.iter().map(|r| r.sample).collect();
+        unique.dedup();
+        let mut sampling = self.sampling(step, false);
+        sampling.n = 1;
+        sampling.greedy = true;
+        let greedy = self.generate(false, &unique, sampling, 0)?;
+        let scores = self.score(false, &greedy)?;
+        let by_sample: BTreeMap<usize, f64> = greedy.iter().zip(scores).map(|(r, s)| (r.sample, s)).collect();
+        Ok(rows.iter().map(|r| by_sample[&r.sample] as f32).collect())
+    }
+
+    /// Actor weights → weight-sync component → rollout, tagged with the step.
+    fn sync_weights(&mut self, step: u64) -> Result<(), TrainError> {
+        let tensors = self.actor.export_weights().context(|| "exporting actor weights".to_owned())?;
+        let backend = self.config.actor_rollout_ref.rollout.checkpoint_engine.backend.clone();
+        let bundle = WeightBundle { tensors, global_steps: Some(step).into() };
+        self.weight_sync.send_weights(&bundle).context(|| format!("weight sync `{backend}`: sending"))?;
+        let received = self.weight_sync.receive_weights().context(|| format!("weight sync `{backend}`: receiving"))?;
+        self.rollout.update_weights(&received).context(|| "updating rollout weights".to_owned())?;
+        self.weight_sync.finalize().context(|| format!("weight sync `{backend}`: finalising"))
+    }
+
+    /// Mean reward per data source over the validation set (`val-core/<source>/reward/mean@N`),
+    /// plus a table of the first `log_val_generations` samples.
+    fn validate(&mut self) -> Result<Vec<Metric>, TrainError> {
+        let sampling = self.sampling(0, true);
+        let n = sampling.n;
+        let chunk = self.config.data.val_batch_size.unwrap_or(self.val.len()).max(1);
+        let indices: Vec<usize> = (0..self.val.len()).collect();
+        let (mut rows, mut scores) = (Vec::new(), Vec::new());
+        for (i, part) in indices.chunks(chunk).enumerate() {
+            let part_rows = self.generate(true, part, sampling.clone(), (i * chunk) as u64)?;
+            scores.extend(self.score(true, &part_rows)?);
+            rows.extend(part_rows);
+        }
+        let mut by_source: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+        for (row, score) in rows.iter().zip(&scores) {
+            let entry = by_source.entry(self.val[row.sample].0.data_source.as_str()).or_default();
+            entry.0 += score;
+            entry.1 += 1;
+        }
+        let metrics: Vec<Metric> =
+            by_source.iter().map(|(source, (sum, count))| Metric::new(format!("val-core/{source}/reward/mean@{n}"), sum / *count as f64)).collect();
+        let shown = self.config.trainer.log_val_generations.min(rows.len());
+        if shown > 0 {
+            let table_rows = rows[..shown]
+                .iter()
+                .zip(&scores)
+                .map(|(row, score)| {
+                    let response = self.tokenizer.decode(&row.response, true).unwrap_or_default();
+                    vec![self.val[row.sample].1.text.clone().into(), response.into(), format!("{score}").into()].into()
+                })
+                .collect();
+            let table = Table { name: "val/generations".into(), columns: vec!["input".into(), "output".into(), "score".into()].into(), rows: table_rows };
+            self.trackers.log_table(self.global_step, &table);
+        }
+        Ok(metrics)
+    }
+
+    fn save_checkpoint(&mut self) -> Result<(), TrainError> {
+        let step = self.global_step;
+        let pending = self.checkpoints.begin(step)?;
+        let actor_dir = pending.dir().join("actor");
+        self.actor.save_checkpoint(actor_dir.to_string_lossy().as_ref().into(), step).context(|| format!("saving {}", actor_dir.display()))?;
+        if let Some(critic) = &mut self.critic {
+            let dir = pending.dir().join("critic");
+            critic.save_checkpoint(dir.to_string_lossy().as_ref().into(), step).context(|| format!("saving {}", dir.display()))?;
+        }
+        let state = TrainerState { global_step: step, loader: self.loader.state(), kl_coef: self.kl_ctrl.value };
+        let path = pending.dir().join(TRAINER_STATE_FILE);
+        std::fs::write(&path, serde_json::to_vec_pretty(&state).expect("trainer state serialises")).map_err(|source| TrainError::Io { path, source })?;
+        let dir = self.checkpoints.commit(pending)?;
+        tracing::info!("checkpoint written to {}", dir.display());
+        Ok(())
+    }
+
+    /// Restores the latest checkpoint as `trainer.resume_mode` says; returns its step.
+    fn resume(&mut self) -> Result<Option<u64>, TrainError> {
+        let found = match self.config.trainer.resume_mode {
+            ResumeMode::Disable => None,
+            ResumeMode::Auto => self.checkpoints.latest()?,
+            ResumeMode::ResumePath => {
+                let path = self.config.trainer.resume_from_path.as_deref().ok_or_else(|| {
+                    TrainError::Invalid("trainer.resume_mode=resume_path needs trainer.resume_from_path".to_owned())
+                })?;
+                Some(CheckpointManager::resolve_path(&expand_home(path))?)
+            }
+        };
+        let Some((step, dir)) = found else { return Ok(None) };
+        self.load_from(&dir)?;
+        debug_assert_eq!(self.global_step, step);
+        Ok(Some(step))
+    }
+
+    fn load_from(&mut self, dir: &Path) -> Result<(), TrainError> {
+        let path = dir.join(TRAINER_STATE_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|source| TrainError::Io { path: path.clone(), source })?;
+        let state: TrainerState = serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
+        let actor_dir = dir.join("actor");
+        self.actor.load_checkpoint(actor_dir.to_string_lossy().as_ref().into()).context(|| format!("loading {}", actor_dir.display()))?;
+        if let Some(critic) = &mut self.critic {
+            let critic_dir = dir.join("critic");
+            critic.load_checkpoint(critic_dir.to_string_lossy().as_ref().into()).context(|| format!("loading {}", critic_dir.display()))?;
+        }
+        self.loader.restore(state.loader);
+        self.kl_ctrl.value = state.kl_coef;
+        self.global_step = state.global_step;
+        self.sync_weights(state.global_step)
+    }
+}
+
+/// Runs a whole training job: the trainer's entry point for `verl-core run`.
+pub fn run(config: Config, registry: &Registry, device: &str) -> Result<RunSummary, TrainError> {
+    Trainer::new(config, registry, device)?.fit()
+}

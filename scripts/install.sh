@@ -4,7 +4,7 @@
 #   2. build the release binary and every bundled plugin;
 #   3. install the plugins into target/release/plugins/ (the default plugin directory, next to the
 #      binary), mode 644 in a 755 directory, as the loader requires;
-#   4. show what was found, then run the main job.
+#   4. show what was found, then run the main job: the embedded quickstart (`verl-core run`).
 # Extra arguments are passed to the main job.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,3 +16,5 @@ cargo build --release --workspace --quiet
 bash scripts/bundle-plugins.sh target/release >/dev/null
 
 ./target/release/verl-core plugins list
+echo >&2
+./target/release/verl-core run "$@"

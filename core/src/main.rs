@@ -337,6 +337,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let device = training_device(&config, &registry, timeout)?;
             quickstart::prepare(&config, &registry, &device)?;
+            trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &device)?;
             if let (Some(first), Some(last)) = (summary.validations.first(), summary.validations.last()) {
                 for (key, value) in &last.1 {

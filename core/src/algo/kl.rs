@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{AlgoError, Matrix};
 
-/// `algorithm.kl_penalty`: the per-token KL estimator (http://joschu.net/blog/kl-approx.html).
+/// `algorithm.kl_penalty`: the per-token KL estimator (<http://joschu.net/blog/kl-approx.html>).
 /// The `+` spellings (`k3+`: k2's gradient through a straight-through estimator) differ only in
 /// the gradient, so in the reward they are taken as the plain estimator (verl's
 /// `kl_penalty_forward` rejects them there).

@@ -7,6 +7,7 @@ mod trackers;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -47,6 +48,22 @@ pub enum TrainError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     Invalid(String),
+    #[error("interrupted after step {0}; rerun with trainer.resume_mode=auto to continue from the last checkpoint")]
+    Interrupted(u64),
+}
+
+/// Set by the Ctrl-C handler: the loop stops between steps, and trackers are flushed.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Ctrl-C once stops training after the current step (trackers flushed, run marked failed);
+/// twice exits at once.
+pub fn install_interrupt_handler() -> Result<(), ctrlc::Error> {
+    ctrlc::set_handler(|| {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupt: stopping after this step (Ctrl-C again to exit now)");
+    })
 }
 
 /// Adds what was being done to a plugin error.
@@ -249,6 +266,9 @@ impl Trainer {
             return Ok(summary);
         }
         while self.global_step < self.total_steps {
+            if INTERRUPTED.load(Ordering::SeqCst) {
+                return Err(TrainError::Interrupted(self.global_step));
+            }
             let step = self.global_step + 1;
             let mut metrics = self.train_step(step)?;
             let is_last = step == self.total_steps;

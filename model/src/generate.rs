@@ -164,7 +164,9 @@ impl CausalLM {
 
         let mut cache = KvCache::new(self, batch, width + params.max_new_tokens as i64);
         let hidden = self.run(&ids, &mask, Some(&mut cache));
-        let mut logits = self.logits(&hidden.narrow(1, width - 1, 1))?.squeeze_dim(1);
+        let mut logits = self
+            .decode_logits(&hidden.narrow(1, width - 1, 1), &cache)?
+            .squeeze_dim(1);
         if n > 1 {
             // Prefill once per prompt, then give each sample its own copy of the cache.
             cache.repeat_interleave(n);
@@ -202,7 +204,7 @@ impl CausalLM {
             // Finished rows keep decoding with the rest of the batch; their tokens are dropped.
             mask = Tensor::cat(&[&mask, &ones], 1);
             let hidden = self.run(&tokens.view([rows as i64, 1]), &mask, Some(&mut cache));
-            logits = self.logits(&hidden)?.squeeze_dim(1);
+            logits = self.decode_logits(&hidden, &cache)?.squeeze_dim(1);
         }
         Ok(out)
     }

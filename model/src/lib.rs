@@ -6,11 +6,13 @@ mod config;
 mod error;
 mod export;
 mod generate;
+pub mod interop;
 mod logprobs;
 pub mod losses;
 mod model;
 mod optim;
 mod rng;
+mod spec;
 mod tokenizer;
 mod weights;
 
@@ -23,5 +25,6 @@ pub use optim::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, TrainState, load_training_state, save_training_state,
 };
 pub use rng::Rng;
+pub use spec::{Dtype, ModelSpec, parse_device};
 pub use tokenizer::Tokenizer;
 pub use weights::{INDEX_FILE, SINGLE_FILE, read_safetensors, write_safetensors};

@@ -61,9 +61,59 @@ impl Linear {
         }
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
+    /// `x·Wᵀ + b`; with `transposed` (this layer's `Wᵀ`, contiguous) as `x·(Wᵀ) + b`.
+    fn forward(&self, x: &Tensor, transposed: Option<&Tensor>) -> Tensor {
+        match transposed {
+            None => x.linear(&self.weight, self.bias.as_ref()),
+            Some(wt) => {
+                let y = x.matmul(wt);
+                match &self.bias {
+                    Some(b) => y + b,
+                    None => y,
+                }
+            }
+        }
     }
+
+    fn transposed(&self) -> Tensor {
+        self.weight.detach().tr().contiguous()
+    }
+}
+
+/// One decoder layer's projection weights transposed to `[in, out]`, contiguous. For the few
+/// rows of a decode step, MKL multiplies `x·W` about twice as fast as `x·Wᵀ` from the stored
+/// `[out, in]` layout (measured on 8 rows: 256×8192 0.46 ms vs 1.1 ms, 256×768 20 µs vs 35 µs),
+/// which is what `linear` and transformers do.
+struct LayerWeights {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+impl LayerWeights {
+    fn shallow_clone(&self) -> Self {
+        Self {
+            q: self.q.shallow_clone(),
+            k: self.k.shallow_clone(),
+            v: self.v.shallow_clone(),
+            o: self.o.shallow_clone(),
+            gate: self.gate.shallow_clone(),
+            up: self.up.shallow_clone(),
+            down: self.down.shallow_clone(),
+        }
+    }
+}
+
+/// The whole model's transposed weights, held by a [`KvCache`] for one `generate` call (the
+/// weights may change between calls): one extra copy of the weights for that long.
+struct DecodeWeights {
+    layers: Vec<LayerWeights>,
+    /// `None` for a value-head model.
+    lm_head: Option<Tensor>,
 }
 
 struct RmsNorm {
@@ -90,33 +140,38 @@ impl RmsNorm {
 /// Rotary embedding tables for one forward pass: `[B, 1, T, head_dim]` each.
 struct Rope {
     cos: Tensor,
-    sin: Tensor,
+    /// `[-sin, sin]` over the two halves: `rotate_half(x) * [sin, sin] = roll(x) * [-sin, sin]`.
+    signed_sin: Tensor,
 }
 
 impl Rope {
     /// transformers' default RoPE: `inv_freq` and the angles in fp32, halves duplicated.
     fn new(inv_freq: &Tensor, positions: &Tensor, kind: Kind) -> Self {
-        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
-        let angles = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        let freqs = (positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq).unsqueeze(1);
+        let (cos, sin) = (freqs.cos().to_kind(kind), freqs.sin().to_kind(kind));
         Self {
-            cos: angles.cos().to_kind(kind),
-            sin: angles.sin().to_kind(kind),
+            cos: Tensor::cat(&[&cos, &cos], -1),
+            signed_sin: Tensor::cat(&[sin.neg(), sin], -1),
         }
     }
 
-    /// `x * cos + rotate_half(x) * sin`, with `rotate_half([a, b]) = [-b, a]`.
+    /// `x * cos + rotate_half(x) * sin` with `rotate_half([a, b]) = [-b, a]`, as transformers,
+    /// computed as `x * cos + roll(x, half) * [-sin, sin]`: bit-identical (negation is exact), one
+    /// kernel instead of three for the rotation.
     fn apply(&self, x: &Tensor) -> Tensor {
-        let halves = x.chunk(2, -1);
-        let rotated = Tensor::cat(&[halves[1].neg(), halves[0].shallow_clone()], -1);
-        x * &self.cos + rotated * &self.sin
+        let half = x.size()[x.dim() - 1] / 2;
+        x * &self.cos + x.roll([half], [-1]) * &self.signed_sin
     }
 }
 
-/// Pre-allocated key/value buffers, `[B, kv_heads, capacity, head_dim]` per layer.
+/// Pre-allocated key/value buffers, `[B, kv_heads, capacity, head_dim]` per layer, and on CPU
+/// the transposed weights the decode steps multiply with.
 pub(crate) struct KvCache {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: i64,
+    /// CPU only: cuBLAS has no such penalty for the transposed layout, and GPU memory is scarcer.
+    weights: Option<DecodeWeights>,
 }
 
 impl KvCache {
@@ -125,11 +180,22 @@ impl KvCache {
         let shape = [batch, c.num_key_value_heads, capacity, c.head_dim];
         let options = (model.kind(), model.device());
         let layers = c.num_hidden_layers as usize;
+        let weights = (model.device() == Device::Cpu).then(|| DecodeWeights {
+            layers: model.layers.iter().map(DecoderLayer::transposed).collect(),
+            lm_head: model.lm_head().ok().map(|w| w.detach().tr().contiguous()),
+        });
         Self {
             keys: (0..layers).map(|_| Tensor::zeros(shape, options)).collect(),
             values: (0..layers).map(|_| Tensor::zeros(shape, options)).collect(),
             len: 0,
+            weights,
         }
+    }
+
+    fn layer_weights(&self, layer: usize) -> Option<LayerWeights> {
+        self.weights
+            .as_ref()
+            .map(|w| w.layers[layer].shallow_clone())
     }
 
     /// Duplicates each sequence `n` times in place (`n` samples share one prompt prefill).
@@ -183,12 +249,19 @@ impl Attention {
         rope: &Rope,
         mask: &Tensor,
         cache: Option<(&mut KvCache, usize)>,
+        weights: Option<&LayerWeights>,
     ) -> Tensor {
         let (b, t, _) = x.size3().expect("hidden states are [B, T, H]");
         let split = |y: Tensor, heads: i64| y.view([b, t, heads, self.head_dim]).transpose(1, 2);
-        let q = rope.apply(&split(self.q_proj.forward(x), self.heads));
-        let k = rope.apply(&split(self.k_proj.forward(x), self.kv_heads));
-        let v = split(self.v_proj.forward(x), self.kv_heads);
+        let q = rope.apply(&split(
+            self.q_proj.forward(x, weights.map(|w| &w.q)),
+            self.heads,
+        ));
+        let k = rope.apply(&split(
+            self.k_proj.forward(x, weights.map(|w| &w.k)),
+            self.kv_heads,
+        ));
+        let v = split(self.v_proj.forward(x, weights.map(|w| &w.v)), self.kv_heads);
         let (k, v) = match cache {
             Some((cache, layer)) => cache.append(layer, &k, &v),
             None => (k, v),
@@ -209,6 +282,7 @@ impl Attention {
         self.o_proj.forward(
             &out.transpose(1, 2)
                 .reshape([b, t, self.heads * self.head_dim]),
+            weights.map(|w| &w.o),
         )
     }
 }
@@ -230,9 +304,11 @@ impl Mlp {
     }
 
     /// SwiGLU: `down(silu(gate(x)) * up(x))`.
-    fn forward(&self, x: &Tensor) -> Tensor {
+    fn forward(&self, x: &Tensor, weights: Option<&LayerWeights>) -> Tensor {
+        let gate = self.gate_proj.forward(x, weights.map(|w| &w.gate)).silu();
+        let up = self.up_proj.forward(x, weights.map(|w| &w.up));
         self.down_proj
-            .forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
+            .forward(&(gate * up), weights.map(|w| &w.down))
     }
 }
 
@@ -264,10 +340,32 @@ impl DecoderLayer {
         mask: &Tensor,
         cache: Option<(&mut KvCache, usize)>,
     ) -> Tensor {
-        let x = x + self
-            .self_attn
-            .forward(&self.input_layernorm.forward(x), rope, mask, cache);
-        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
+        let weights = cache
+            .as_ref()
+            .and_then(|(c, layer)| c.layer_weights(*layer));
+        let x = x + self.self_attn.forward(
+            &self.input_layernorm.forward(x),
+            rope,
+            mask,
+            cache,
+            weights.as_ref(),
+        );
+        &x + self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x), weights.as_ref())
+    }
+
+    fn transposed(&self) -> LayerWeights {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        LayerWeights {
+            q: a.q_proj.transposed(),
+            k: a.k_proj.transposed(),
+            v: a.v_proj.transposed(),
+            o: a.o_proj.transposed(),
+            gate: m.gate_proj.transposed(),
+            up: m.up_proj.transposed(),
+            down: m.down_proj.transposed(),
+        }
     }
 }
 
@@ -438,9 +536,10 @@ impl CausalLM {
     /// Value-head outputs in fp32 for hidden states `[.., hidden]` → `[..]`.
     pub(crate) fn values_from_hidden(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.head {
-            OutputHead::Value(score) => {
-                Ok(score.forward(hidden).squeeze_dim(-1).to_kind(Kind::Float))
-            }
+            OutputHead::Value(score) => Ok(score
+                .forward(hidden, None)
+                .squeeze_dim(-1)
+                .to_kind(Kind::Float)),
             OutputHead::Lm(_) => Err(ModelError::invalid_input(
                 "head",
                 "values need a model built with Head::Value",
@@ -457,6 +556,14 @@ impl CausalLM {
                 "head",
                 "logits need a model built with Head::Lm",
             )),
+        }
+    }
+
+    /// [`Self::logits`] inside a `generate` call, with the cache's transposed LM head on CPU.
+    pub(crate) fn decode_logits(&self, hidden: &Tensor, cache: &KvCache) -> Result<Tensor> {
+        match cache.weights.as_ref().and_then(|w| w.lm_head.as_ref()) {
+            Some(wt) => Ok(hidden.matmul(wt).to_kind(Kind::Float)),
+            None => self.logits(hidden),
         }
     }
 

@@ -1,6 +1,8 @@
 //! Integration tests: the real release binary, the real plugin libraries, fake machines.
 
 mod bad_plugins;
+mod compute;
 mod helpers;
 mod platform;
+mod train;
 mod vendor;

@@ -1,0 +1,151 @@
+//! A [`Batch`] as tch tensors on the engine's device, checked against the layout in
+//! `verl_plugin_api::keys`, and cut into mini- and micro-batches along rows.
+
+use serde::Deserialize;
+use tch::{Device, Kind, Tensor};
+use verl_model::interop::{parse_config, to_tch};
+use verl_plugin_api::{Batch, keys};
+
+use crate::error::EngineError;
+
+/// The per-call settings an engine reads from `Batch::meta_json`.
+#[derive(Debug, Deserialize)]
+pub struct Meta {
+    /// The rollout's sampling temperature: log-probs are those of `softmax(logits / T)`.
+    #[serde(default = "one")]
+    pub temperature: f64,
+    #[serde(default = "yes")]
+    pub calculate_entropy: bool,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn yes() -> bool {
+    true
+}
+
+impl Meta {
+    pub fn of(batch: &Batch) -> Result<Self, EngineError> {
+        let meta: Self = parse_config(&batch.meta_json, "batch meta_json")?;
+        if !(meta.temperature > 0.0 && meta.temperature.is_finite()) {
+            return Err(EngineError::Batch(format!(
+                "meta_json `temperature` must be positive, got {}",
+                meta.temperature
+            )));
+        }
+        Ok(meta)
+    }
+}
+
+/// The dtype `keys.rs` specifies for a batch tensor.
+fn kind_of(key: &str) -> Kind {
+    match key {
+        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES => Kind::Int64,
+        _ => Kind::Float,
+    }
+}
+
+/// Named row-aligned tensors: `[B, P+R]` for the sequence keys, `[B, R]` for the response keys.
+pub struct Rows {
+    tensors: Vec<(&'static str, Tensor)>,
+    /// `R`: the response columns at the end of each sequence.
+    pub response_len: i64,
+}
+
+impl Rows {
+    /// Copies `wanted` (which must include `input_ids`, `attention_mask` and `responses`) out of
+    /// `batch`, checking dtypes and shapes.
+    pub fn load(
+        batch: &Batch,
+        wanted: &[&'static str],
+        device: Device,
+    ) -> Result<Self, EngineError> {
+        let mut tensors = Vec::with_capacity(wanted.len());
+        for &key in wanted {
+            let abi = batch.require(key)?;
+            let tensor = to_tch(key, abi, device)?;
+            if tensor.kind() != kind_of(key) || tensor.dim() != 2 {
+                return Err(EngineError::Batch(format!(
+                    "`{key}` must be a 2-D {:?} tensor, got {:?} of shape {:?}",
+                    kind_of(key),
+                    tensor.kind(),
+                    tensor.size()
+                )));
+            }
+            tensors.push((key, tensor));
+        }
+        let size = |key: &str| {
+            tensors
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, t)| t.size())
+        };
+        let (Some(seq), Some(resp)) = (size(keys::INPUT_IDS), size(keys::RESPONSES)) else {
+            return Err(EngineError::Batch(
+                "needs `input_ids` and `responses`".into(),
+            ));
+        };
+        let response_len = resp[1];
+        if resp[0] != seq[0] || response_len < 1 || response_len >= seq[1] {
+            return Err(EngineError::Batch(format!(
+                "`responses` {resp:?} must have the rows of `input_ids` {seq:?} and fewer columns"
+            )));
+        }
+        for (key, tensor) in &tensors {
+            let expected = match *key {
+                keys::INPUT_IDS | keys::ATTENTION_MASK => seq.clone(),
+                _ => resp.clone(),
+            };
+            if tensor.size() != expected {
+                return Err(EngineError::Batch(format!(
+                    "`{key}` has shape {:?}, expected {expected:?}",
+                    tensor.size()
+                )));
+            }
+        }
+        Ok(Self {
+            tensors,
+            response_len,
+        })
+    }
+
+    pub fn get(&self, key: &str) -> &Tensor {
+        &self
+            .tensors
+            .iter()
+            .find(|(k, _)| *k == key)
+            .unwrap_or_else(|| panic!("`{key}` was loaded"))
+            .1
+    }
+
+    pub fn rows(&self) -> i64 {
+        self.tensors[0].1.size()[0]
+    }
+
+    /// Rows `start .. start + len` (views, no copy).
+    pub fn narrow(&self, start: i64, len: i64) -> Self {
+        self.map(|t| t.narrow(0, start, len))
+    }
+
+    /// The rows in the order of `index`.
+    pub fn select(&self, index: &Tensor) -> Self {
+        self.map(|t| t.index_select(0, index))
+    }
+
+    fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Self {
+        Self {
+            tensors: self.tensors.iter().map(|(k, t)| (*k, f(t))).collect(),
+            response_len: self.response_len,
+        }
+    }
+
+    /// Consecutive chunks of at most `size` rows (all rows in one chunk when `None`).
+    pub fn chunks(&self, size: Option<usize>) -> impl Iterator<Item = Self> + '_ {
+        let total = self.rows();
+        let size = size.map_or(total, |s| s as i64).max(1);
+        (0..total)
+            .step_by(size as usize)
+            .map(move |start| self.narrow(start, size.min(total - start)))
+    }
+}

@@ -1,0 +1,94 @@
+//! # verl-plugin-fsdp
+//!
+//! The `fsdp` engine component: a libtorch (tch) policy, reference or critic model trained with
+//! verl's losses. Single rank for now: [`RunContext`](verl_plugin_api::RunContext) already carries
+//! rank, world size and a process group, so sharding over ranks can come later without an ABI
+//! change; `world_size > 1` is rejected at `init` as not yet supported.
+//!
+//! Config (`ComponentInit::config_json`): verl's `actor_rollout_ref.actor` (or `critic`) section
+//! with verl's keys and defaults (see [`config::EngineConfig`]), plus `"role": "actor" | "ref" |
+//! "critic"` and `"model": {"path", "random_init", "enable_gradient_checkpointing", "dtype"}`.
+//! Mini-batch sizes count sequences (the trainer has multiplied them by `rollout.n`).
+//!
+//! ## Supervised fine-tuning through `update_actor`
+//! There is no SFT method in the ABI and none is needed: call `update_actor` with
+//! `old_log_probs` = the current log-probs (from `compute_log_prob`), `advantages` = 1 on every
+//! response token, `use_kl_loss = false` and `entropy_coeff = 0`. The PPO ratio is then exactly 1,
+//! inside any clip range, and the vanilla loss `-A·ratio` has the gradient of the token-mean
+//! negative log-likelihood of the responses (with one mini-batch and one epoch it *is* the NLL
+//! gradient; later mini-batches see a slightly stale `old_log_probs`, which only matters if the
+//! ratio leaves the clip range). The trainer's `sft` command relies on this.
+
+pub mod config;
+
+mod batch;
+mod engine;
+mod error;
+
+use std::path::Path;
+
+use verl_plugin_api::{
+    Batch, ComponentInit, Engine, Metric, NamedTensor, PluginBuilder, PluginError,
+};
+
+use engine::Worker;
+use error::EngineError;
+
+/// The `fsdp` engine as the ABI sees it: the model, optimizer and settings once `init` has run.
+#[derive(Default)]
+pub struct FsdpEngine {
+    worker: Option<Worker>,
+}
+
+impl FsdpEngine {
+    fn worker(&mut self) -> Result<&mut Worker, EngineError> {
+        self.worker.as_mut().ok_or(EngineError::NotInitialised)
+    }
+}
+
+impl Engine for FsdpEngine {
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.worker = Some(Worker::new(init)?);
+        Ok(())
+    }
+    fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
+        Ok(self.worker()?.compute_log_prob(batch)?)
+    }
+    fn compute_values(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
+        Ok(self.worker()?.compute_values(batch)?)
+    }
+    fn update_actor(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
+        Ok(self.worker()?.update_actor(batch)?)
+    }
+    fn update_critic(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
+        Ok(self.worker()?.update_critic(batch)?)
+    }
+    fn save_checkpoint(&mut self, dir: &str, global_step: u64) -> Result<(), PluginError> {
+        Ok(self
+            .worker()?
+            .save_checkpoint(Path::new(dir), global_step)?)
+    }
+    fn load_checkpoint(&mut self, dir: &str) -> Result<u64, PluginError> {
+        Ok(self.worker()?.load_checkpoint(Path::new(dir))?)
+    }
+    fn export_weights(&mut self) -> Result<Vec<NamedTensor>, PluginError> {
+        Ok(self.worker()?.export_weights()?)
+    }
+    fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
+        Ok(self.worker()?.export_hf(Path::new(dir))?)
+    }
+}
+
+verl_plugin_api::export_plugin!(
+    PluginBuilder::new(
+        "fsdp",
+        env!("CARGO_PKG_VERSION"),
+        "libtorch training engine (actor, ref, critic)"
+    )
+    .engine(
+        "fsdp",
+        100,
+        "verl's PPO/GRPO actor, reference and critic on libtorch; single rank for now",
+        FsdpEngine::default
+    )
+);

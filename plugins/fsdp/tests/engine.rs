@@ -1,0 +1,515 @@
+//! The `fsdp` engine loaded from its built library and driven through the stable ABI.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use verl_model::{CausalLM, ModelOptions};
+use verl_plugin_api::abi_stable::std_types::RStr;
+use verl_plugin_api::{ErrorKind, Tensor, keys};
+
+fn rstr(path: &std::path::Path) -> RStr<'_> {
+    path.to_str().unwrap().into()
+}
+
+/// The engine's log-probs and entropy of the fixture sequences (left-padded prompts of different
+/// lengths, right-padded responses) equal transformers' (unpadded, fp32) within 1e-5, at
+/// temperature 1 and at the fixture's temperature, and verl-model's direct result exactly.
+#[test]
+fn compute_log_prob_matches_transformers_and_verl_model() {
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let want = expected(model);
+        let (mut batch, lens) = fixture_batch(model);
+        let mut engine = engine(&json!({"role": "ref", "model": {"path": fixture(model)}}));
+        for temperature in [1.0, want.temperature] {
+            set_meta(&mut batch, json!({"temperature": temperature}));
+            let out = engine.compute_log_prob(&batch).into_result().unwrap();
+            let (lp, ent) = (rows(&out, keys::LOG_PROBS), rows(&out, keys::ENTROPYS));
+            for (i, seq) in want.sequences.iter().enumerate() {
+                let n = seq.logprobs.len();
+                let reference = if temperature == 1.0 {
+                    &seq.logprobs
+                } else {
+                    &seq.logprobs_temperature
+                };
+                let reference: Vec<f32> =
+                    reference[n - lens[i]..].iter().map(|&x| x as f32).collect();
+                assert!(
+                    max_abs_diff(&lp[i][..lens[i]], &reference) < 1e-5,
+                    "{model} T={temperature} row {i}"
+                );
+                assert!(
+                    lp[i][lens[i]..].iter().all(|&x| x == 0.0),
+                    "padding is zero"
+                );
+                if temperature == 1.0 {
+                    let reference: Vec<f32> = seq.entropy[n - lens[i]..]
+                        .iter()
+                        .map(|&x| x as f32)
+                        .collect();
+                    assert!(
+                        max_abs_diff(&ent[i][..lens[i]], &reference) < 1e-5,
+                        "{model} entropy row {i}"
+                    );
+                }
+            }
+            // verl-model called directly on the same tensors gives the same bits.
+            let direct =
+                CausalLM::from_pretrained(&fixture(model), &ModelOptions::default()).unwrap();
+            let t = |key: &str| {
+                verl_model::interop::to_tch(key, batch.require(key).unwrap(), tch::Device::Cpu)
+                    .unwrap()
+            };
+            let r = batch.require(keys::RESPONSES).unwrap().shape[1];
+            let scores = tch::no_grad(|| {
+                direct
+                    .response_scores(
+                        &t(keys::INPUT_IDS),
+                        &t(keys::ATTENTION_MASK),
+                        r,
+                        temperature,
+                        true,
+                    )
+                    .unwrap()
+            });
+            let direct_lp = verl_model::interop::from_tch("lp", &scores.log_probs).unwrap();
+            assert_eq!(&direct_lp, out.require(keys::LOG_PROBS).unwrap(), "{model}");
+        }
+    }
+}
+
+const ACTOR_METRICS: [&str; 9] = [
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac_lower",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/kl_coef",
+    "actor/grad_norm",
+    "actor/lr",
+];
+
+#[test]
+fn update_actor_moves_weights_and_reports_verl_metrics() {
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let config = actor_config(
+            model,
+            json!({"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 2,
+                   "use_kl_loss": true, "entropy_coeff": 0.01}),
+        );
+        let mut engine = engine(&config);
+        let batch = ppo_batch(&mut engine, model);
+        let before = weights(&mut engine);
+        let metrics = update(&mut engine, &batch);
+        let mut names: Vec<&str> = metrics.iter().map(|m| m.key.as_str()).collect();
+        names.sort();
+        let mut want = ACTOR_METRICS.to_vec();
+        want.sort();
+        assert_eq!(names, want);
+        assert!(metrics.iter().all(|m| m.value.is_finite()), "{metrics:?}");
+        assert_eq!(metric(&metrics, "actor/lr"), 1e-3);
+        assert!(metric(&metrics, "actor/grad_norm") > 0.0);
+        // Epoch 2 sees a moved policy: the ratio is no longer 1 everywhere.
+        assert!(metric(&metrics, "actor/ppo_kl") != 0.0);
+        assert!(
+            weights_diff(&before, &weights(&mut engine)) > 1e-5,
+            "{model}: weights did not move"
+        );
+    }
+}
+
+/// verl's global-batch loss normalisation: accumulating micro-batches of 1 gives the gradient of
+/// the whole mini-batch, for token-mean and seq-mean modes, with or without activation
+/// checkpointing. The gradient norm and loss catch any scaling error (Adam's step is nearly
+/// scale-invariant); the weights agree up to float summation order amplified by Adam's
+/// normalisation of near-zero gradients.
+#[test]
+fn micro_batching_and_checkpointing_do_not_change_the_update() {
+    for mode in ["token-mean", "seq-mean-token-mean"] {
+        let run = |extra: serde_json::Value| {
+            let mut config = actor_config(
+                "tiny-qwen2",
+                json!({"loss_agg_mode": mode, "use_kl_loss": true}),
+            );
+            merge(&mut config, extra);
+            let mut engine = engine(&config);
+            let batch = ppo_batch(&mut engine, "tiny-qwen2");
+            let metrics = update(&mut engine, &batch);
+            (
+                weights(&mut engine),
+                metric(&metrics, "actor/pg_loss"),
+                metric(&metrics, "actor/grad_norm"),
+            )
+        };
+        let (whole, loss, norm) = run(json!({}));
+        let (micro, micro_loss, micro_norm) = run(json!({"ppo_micro_batch_size_per_gpu": 1}));
+        let (ckpt, ckpt_loss, _) = run(
+            json!({"ppo_micro_batch_size_per_gpu": 2, "model": {"enable_gradient_checkpointing": true}}),
+        );
+        assert!(
+            weights_diff(&whole, &micro) < 2e-5,
+            "{mode}: {}",
+            weights_diff(&whole, &micro)
+        );
+        assert!(
+            weights_diff(&whole, &ckpt) < 2e-5,
+            "{mode}: {}",
+            weights_diff(&whole, &ckpt)
+        );
+        assert!(
+            (loss - micro_loss).abs() < 1e-6 && (loss - ckpt_loss).abs() < 1e-6,
+            "{loss} {micro_loss} {ckpt_loss}"
+        );
+        assert!(
+            (norm - micro_norm).abs() < 1e-5 * norm.max(1.0),
+            "{norm} {micro_norm}"
+        );
+    }
+}
+
+/// update → save → (new engine) load → update equals update → update bit for bit, with shuffled
+/// mini-batches (the shuffling RNG is part of the checkpoint) and a warm-up schedule.
+#[test]
+fn save_load_resume_is_bit_identical() {
+    let config = actor_config(
+        "tiny-llama",
+        json!({"ppo_mini_batch_size": 2, "shuffle": true,
+               "optim": {"lr_warmup_steps": 3, "lr_scheduler_type": "cosine", "total_training_steps": 10}}),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut straight = engine(&config);
+    let batch = ppo_batch(&mut straight, "tiny-llama");
+    update(&mut straight, &batch);
+    let want_metrics = update(&mut straight, &batch);
+
+    let mut first = engine(&config);
+    update(&mut first, &batch);
+    first
+        .save_checkpoint(rstr(dir.path()), 1)
+        .into_result()
+        .unwrap();
+    let mut resumed = engine(&config);
+    assert_eq!(
+        resumed
+            .load_checkpoint(rstr(dir.path()))
+            .into_result()
+            .unwrap(),
+        1
+    );
+    let metrics = update(&mut resumed, &batch);
+    assert_eq!(
+        weights(&mut resumed),
+        weights(&mut straight),
+        "weights differ after resuming"
+    );
+    assert_eq!(metrics, want_metrics);
+    assert!(
+        metric(&metrics, "actor/lr") > 0.0 && metric(&metrics, "actor/lr") < 1e-3,
+        "second step is in warm-up"
+    );
+
+    // A critic cannot load an actor's checkpoint; a reference engine has no training state.
+    let mut critic = engine(&json!({"role": "critic", "model": {"path": fixture("tiny-llama")}}));
+    let err = critic
+        .load_checkpoint(rstr(dir.path()))
+        .into_result()
+        .unwrap_err();
+    assert!(
+        err.message().contains("actor") && err.message().contains("engine_state.json"),
+        "{err}"
+    );
+    let mut reference = engine(&json!({"role": "ref", "model": {"path": fixture("tiny-llama")}}));
+    assert_eq!(
+        reference
+            .save_checkpoint(rstr(dir.path()), 1)
+            .into_result()
+            .unwrap_err()
+            .kind,
+        ErrorKind::UNSUPPORTED
+    );
+}
+
+/// The exported Hugging Face directory loads back (through verl-model and through a new engine)
+/// to the trained weights and identical log-probs; it carries the tokenizer.
+#[test]
+fn export_hf_round_trips() {
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let mut engine = engine(&actor_config(model, json!({})));
+        let batch = ppo_batch(&mut engine, model);
+        update(&mut engine, &batch);
+        let dir = tempfile::tempdir().unwrap();
+        engine.export_hf(rstr(dir.path())).into_result().unwrap();
+        assert!(
+            dir.path().join("tokenizer.json").is_file()
+                && dir.path().join("generation_config.json").is_file()
+        );
+
+        let reloaded = CausalLM::from_pretrained(dir.path(), &ModelOptions::default()).unwrap();
+        let exported = weights(&mut engine);
+        let reloaded_weights =
+            verl_model::interop::named_from_tch(&reloaded.named_tensors()).unwrap();
+        assert_eq!(exported, reloaded_weights, "{model}");
+
+        let mut again = common::engine(&json!({"role": "ref", "model": {"path": dir.path()}}));
+        assert_eq!(
+            log_probs(&mut again, &batch),
+            log_probs(&mut engine, &batch),
+            "{model}"
+        );
+    }
+}
+
+/// The SFT recipe documented in the crate: old log-probs = current, advantages = 1, no KL or
+/// entropy. Each step's pg_loss is exactly -1 (ratio 1) and the NLL of the batch falls.
+#[test]
+fn sft_through_update_actor_lowers_nll() {
+    let mut engine = engine(&actor_config("tiny-llama", json!({"optim": {"lr": 1e-2}})));
+    let (mut batch, _) = fixture_batch("tiny-llama");
+    let mask = batch
+        .require(keys::RESPONSE_MASK)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let tokens: f32 = mask.iter().sum();
+    batch.insert(
+        keys::ADVANTAGES,
+        batch.require(keys::RESPONSE_MASK).unwrap().clone(),
+    );
+    let mut nll = Vec::new();
+    for _ in 0..5 {
+        let lp = log_probs(&mut engine, &batch);
+        nll.push(
+            -lp.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .zip(&mask)
+                .map(|(l, m)| l * m)
+                .sum::<f32>()
+                / tokens,
+        );
+        batch.insert(keys::OLD_LOG_PROBS, lp);
+        let metrics = update(&mut engine, &batch);
+        assert!(
+            (metric(&metrics, "actor/pg_loss") + 1.0).abs() < 1e-6,
+            "{metrics:?}"
+        );
+        assert_eq!(metric(&metrics, "actor/pg_clipfrac"), 0.0);
+    }
+    assert!(
+        nll.windows(2).all(|w| w[1] < w[0]),
+        "NLL must fall: {nll:?}"
+    );
+}
+
+#[test]
+fn critic_computes_and_updates_values() {
+    let mut critic = engine(&json!({
+        "role": "critic", "model": {"path": fixture("tiny-qwen2")},
+        "optim": {"lr": 1e-2}, "ppo_mini_batch_size": 4, "cliprange_value": 0.2,
+    }));
+    let (mut batch, lens) = fixture_batch("tiny-qwen2");
+    let values = critic
+        .compute_values(&batch)
+        .into_result()
+        .unwrap()
+        .require(keys::VALUES)
+        .unwrap()
+        .clone();
+    assert_eq!(values.shape, batch.require(keys::RESPONSES).unwrap().shape);
+    let value_rows = rows(
+        &{
+            let mut b = verl_plugin_api::Batch::default();
+            b.insert(keys::VALUES, values.clone());
+            b
+        },
+        keys::VALUES,
+    );
+    assert!(
+        value_rows
+            .iter()
+            .zip(&lens)
+            .all(|(row, &n)| row[n..].iter().all(|&v| v == 0.0)),
+        "padding is zero"
+    );
+    let returns: Vec<f32> = values
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v + 1.0)
+        .collect();
+    batch.insert(
+        keys::RETURNS,
+        Tensor::from_slice(&values.shape, &returns).unwrap(),
+    );
+    batch.insert(keys::VALUES, values.clone());
+    let metrics: Vec<_> = critic
+        .update_critic(&batch)
+        .into_result()
+        .unwrap()
+        .into_iter()
+        .collect();
+    let mut names: Vec<&str> = metrics.iter().map(|m| m.key.as_str()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "critic/grad_norm",
+            "critic/lr",
+            "critic/vf_clipfrac",
+            "critic/vf_loss",
+            "critic/vpred_mean"
+        ]
+    );
+    let vf_loss = metric(&metrics, "critic/vf_loss");
+    assert!(
+        (vf_loss - 0.5).abs() < 1e-5,
+        "the loss before the step is ½·1² on every token, got {vf_loss}"
+    );
+    let after = critic
+        .compute_values(&batch)
+        .into_result()
+        .unwrap()
+        .require(keys::VALUES)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert!(
+        max_abs_diff(&after, &values.to_vec::<f32>().unwrap()) > 1e-4,
+        "values must move toward the returns"
+    );
+    // A critic has no LM head.
+    assert_eq!(
+        critic
+            .compute_log_prob(&batch)
+            .into_result()
+            .unwrap_err()
+            .kind,
+        ErrorKind::UNSUPPORTED
+    );
+}
+
+#[test]
+fn other_policy_losses_and_aggregations_run() {
+    for extra in [
+        json!({"policy_loss": {"loss_mode": "gspo"}}),
+        json!({"loss_agg_mode": "seq-mean-token-sum", "clip_ratio_high": 0.28}),
+        json!({"loss_agg_mode": "seq-mean-token-sum-norm", "use_kl_loss": true, "kl_loss_type": "k1"}),
+    ] {
+        let mut engine = engine(&actor_config("tiny-llama", extra.clone()));
+        let batch = ppo_batch(&mut engine, "tiny-llama");
+        let metrics = update(&mut engine, &batch);
+        assert!(
+            metrics.iter().all(|m| m.value.is_finite()),
+            "{extra}: {metrics:?}"
+        );
+    }
+}
+
+#[test]
+fn errors_name_the_problem() {
+    let init_err = |config: serde_json::Value| {
+        let mut engine = new_engine();
+        engine.init(&init_for(&config)).into_result().unwrap_err()
+    };
+    let base = || actor_config("tiny-llama", json!({}));
+
+    let mut config = base();
+    config["optim"]["lr"] = json!("fast");
+    let err = init_err(config);
+    assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
+    assert!(err.message().contains("`optim.lr`"), "{err}");
+
+    let mut config = base();
+    config["loss_agg_mode"] = json!("token-max");
+    assert!(init_err(config).message().contains("`loss_agg_mode`"));
+
+    let mut config = base();
+    config["ppo_micro_batch_size_per_gpu"] = json!(3);
+    assert!(
+        init_err(config)
+            .message()
+            .contains("`ppo_micro_batch_size_per_gpu`")
+    );
+
+    let mut config = base();
+    config["role"] = json!("teacher");
+    assert!(init_err(config).message().contains("`role`"));
+
+    let mut config = base();
+    config["model"]["path"] = json!("/nonexistent/model");
+    assert!(
+        init_err(config)
+            .message()
+            .contains("/nonexistent/model/config.json")
+    );
+
+    let mut engine = new_engine();
+    let mut init = init_for(&base());
+    init.run.world_size = 2;
+    let err = engine.init(&init).into_result().unwrap_err();
+    assert!(
+        err.kind == ErrorKind::UNSUPPORTED && err.message().contains("not yet supported"),
+        "{err}"
+    );
+
+    let (batch, _) = fixture_batch("tiny-llama");
+    assert!(
+        new_engine()
+            .compute_log_prob(&batch)
+            .into_result()
+            .unwrap_err()
+            .message()
+            .contains("init")
+    );
+    let mut engine = common::engine(&base());
+    let err = engine.update_actor(&batch).into_result().unwrap_err();
+    assert!(err.message().contains("old_log_probs"), "{err}");
+    let mut reference =
+        common::engine(&json!({"role": "ref", "model": {"path": fixture("tiny-llama")}}));
+    assert_eq!(
+        reference
+            .update_actor(&batch)
+            .into_result()
+            .unwrap_err()
+            .kind,
+        ErrorKind::UNSUPPORTED
+    );
+}
+
+/// `model.dtype = bfloat16`: parameters and exported weights are bf16, log-probs stay fp32 and
+/// close to the fp32 model's, and an update runs.
+#[test]
+fn bfloat16_parameters() {
+    let (mut batch, _) = fixture_batch("tiny-qwen2");
+    let fp32 = log_probs(&mut engine(&actor_config("tiny-qwen2", json!({}))), &batch)
+        .to_vec::<f32>()
+        .unwrap();
+    let mut bf16 = engine(&actor_config(
+        "tiny-qwen2",
+        json!({"model": {"dtype": "bfloat16"}}),
+    ));
+    let lp = log_probs(&mut bf16, &batch);
+    assert_eq!(lp.dtype, verl_plugin_api::DType::F32);
+    let diff = max_abs_diff(&lp.to_vec::<f32>().unwrap(), &fp32);
+    assert!(
+        diff > 0.0 && diff < 0.1,
+        "bf16 vs fp32 log-probs differ by {diff}"
+    );
+    assert!(
+        weights(&mut bf16)
+            .iter()
+            .all(|w| w.tensor.dtype == verl_plugin_api::DType::BF16)
+    );
+    let shape = lp.shape.to_vec();
+    batch.insert(
+        keys::ADVANTAGES,
+        Tensor::from_slice(&shape, &vec![1.0f32; lp.numel()]).unwrap(),
+    );
+    batch.insert(keys::OLD_LOG_PROBS, lp);
+    assert!(
+        update(&mut bf16, &batch)
+            .iter()
+            .all(|m| m.value.is_finite())
+    );
+}

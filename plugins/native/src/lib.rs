@@ -1,0 +1,178 @@
+//! # verl-plugin-native
+//!
+//! The `native` rollout component: in-process generation with verl-model's batched KV-cache
+//! decoder, the default when no inference server is configured. Prompts of different lengths are
+//! left-padded into one batch and prefilled once; `n` samples per prompt share the prefill.
+//!
+//! Config (`ComponentInit::config_json`): verl's `actor_rollout_ref.rollout` section plus
+//! `"model": {"path", "random_init", "dtype"}`. Sampling settings come with each request
+//! ([`verl_plugin_api::SamplingParams`]); of the section itself only
+//! `ignore_eos` is read (the trainer folds `temperature`, `top_p`, `top_k`, `n` into the request;
+//! the model's dtype is `model.dtype`, not the section's vLLM-oriented `dtype`).
+//!
+//! EOS ids come from the model's `generation_config.json` (else `config.json`); `stop_token_ids`
+//! add to them. A request without a seed draws one from the run seed, so a run is reproducible
+//! while successive calls differ. `sleep` / `wake_up` keep the ABI's no-op defaults: the KV cache
+//! only lives during a `generate` call, so between calls there is nothing to free but the weights,
+//! which the next `generate` needs anyway.
+
+use serde::Deserialize;
+use verl_model::interop::{named_to_tch, parse_config};
+use verl_model::{CausalLM, Head, ModelError, ModelSpec, Rng, parse_device};
+use verl_plugin_api::{
+    Completion, ComponentInit, FinishReason, GenerateOutput, GenerateRequest, PluginBuilder,
+    PluginError, Rollout, SamplingParams, WeightBundle,
+};
+
+/// The keys of the rollout section this component acts on.
+#[derive(Debug, Deserialize)]
+struct RolloutConfig {
+    model: ModelSpec,
+    /// Keep generating past EOS (only `stop_token_ids` and the length limit end a sequence).
+    #[serde(default)]
+    ignore_eos: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RolloutError {
+    #[error("the rollout is not initialised: call `init` first")]
+    NotInitialised,
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+}
+
+impl From<RolloutError> for PluginError {
+    fn from(e: RolloutError) -> Self {
+        match e {
+            RolloutError::Model(e) => e.into(),
+            RolloutError::Plugin(e) => e,
+            RolloutError::NotInitialised => PluginError::other(e.to_string()),
+        }
+    }
+}
+
+struct Generator {
+    model: CausalLM,
+    eos_token_ids: Vec<i64>,
+    ignore_eos: bool,
+    /// Seeds for requests that bring none.
+    seeds: Rng,
+    weight_version: Option<u64>,
+}
+
+impl Generator {
+    fn new(init: &ComponentInit) -> Result<Self, RolloutError> {
+        let config: RolloutConfig = parse_config(&init.config_json, "native")?;
+        let device = parse_device(&init.run.device)?;
+        let mut model = config.model.load(device, Head::Lm, init.run.seed)?;
+        model.set_trainable(false);
+        let eos_token_ids = config
+            .model
+            .generation_config(model.config())?
+            .eos_token_ids;
+        Ok(Self {
+            model,
+            eos_token_ids,
+            ignore_eos: config.ignore_eos,
+            seeds: Rng::stream(init.run.seed, 2),
+            weight_version: None,
+        })
+    }
+
+    fn sampling(&mut self, p: &SamplingParams) -> verl_model::SamplingParams {
+        verl_model::SamplingParams {
+            n: p.n as usize,
+            max_new_tokens: p.max_new_tokens as usize,
+            // verl-model's greedy decoding is temperature 0.
+            temperature: if p.greedy {
+                0.0
+            } else {
+                f64::from(p.temperature)
+            },
+            top_p: f64::from(p.top_p),
+            top_k: i64::from(p.top_k),
+            stop_token_ids: p.stop_token_ids.iter().map(|&id| i64::from(id)).collect(),
+            ignore_eos: self.ignore_eos,
+            seed: p
+                .seed
+                .into_option()
+                .unwrap_or_else(|| self.seeds.next_u64()),
+        }
+    }
+
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, RolloutError> {
+        let prompts: Vec<Vec<i64>> = request
+            .prompts
+            .iter()
+            .map(|p| p.iter().map(|&id| i64::from(id)).collect())
+            .collect();
+        let params = self.sampling(&request.sampling);
+        let completions = self
+            .model
+            .generate(&prompts, &params, &self.eos_token_ids)?;
+        Ok(GenerateOutput {
+            completions: completions
+                .into_iter()
+                .map(|c| Completion {
+                    prompt_index: c.prompt_index as u32,
+                    // Ids come from the vocabulary, so they are non-negative and fit.
+                    response_ids: c.response_ids.iter().map(|&id| id as u32).collect(),
+                    logprobs: c.logprobs.into(),
+                    finish_reason: match c.finish_reason {
+                        verl_model::FinishReason::Stop => FinishReason::STOP,
+                        verl_model::FinishReason::Length => FinishReason::LENGTH,
+                    },
+                })
+                .collect(),
+            weight_version: self.weight_version.into(),
+        })
+    }
+
+    fn update_weights(&mut self, weights: &WeightBundle) -> Result<(), RolloutError> {
+        let tensors = named_to_tch(&weights.tensors, self.model.device())?;
+        self.model.load_named_tensors(&tensors)?;
+        self.weight_version = weights.global_steps.into_option();
+        Ok(())
+    }
+}
+
+/// The `native` rollout as the ABI sees it: a generator once `init` has run.
+#[derive(Default)]
+pub struct NativeRollout {
+    generator: Option<Generator>,
+}
+
+impl NativeRollout {
+    fn generator(&mut self) -> Result<&mut Generator, RolloutError> {
+        self.generator.as_mut().ok_or(RolloutError::NotInitialised)
+    }
+}
+
+impl Rollout for NativeRollout {
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.generator = Some(Generator::new(init)?);
+        Ok(())
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        Ok(self.generator()?.generate(request)?)
+    }
+    fn update_weights(&mut self, weights: &WeightBundle) -> Result<(), PluginError> {
+        Ok(self.generator()?.update_weights(weights)?)
+    }
+}
+
+verl_plugin_api::export_plugin!(
+    PluginBuilder::new(
+        "native",
+        env!("CARGO_PKG_VERSION"),
+        "in-process libtorch generation"
+    )
+    .rollout(
+        "native",
+        100,
+        "batched KV-cache generation in the trainer's process (verl-model)",
+        NativeRollout::default
+    )
+);

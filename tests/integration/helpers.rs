@@ -52,16 +52,10 @@ pub fn release() -> &'static Release {
     static RELEASE: OnceLock<Release> = OnceLock::new();
     RELEASE.get_or_init(|| {
         let mut cmd = cargo();
-        cmd.current_dir(workspace_root()).args([
-            "build",
-            "--release",
-            "-p",
-            "verl-core",
-            "-p",
-            "verl-plugin-rocm",
-            "-p",
-            "verl-plugin-ascend",
-        ]);
+        cmd.current_dir(workspace_root()).args(["build", "--release", "-p", "verl-core"]);
+        for plugin in ["rocm", "ascend", "fsdp", "native", "trackers"] {
+            cmd.args(["-p", &format!("verl-plugin-{plugin}")]);
+        }
         run_cargo(cmd, "the release binary and plugins");
         let dir = target_dir().join("release");
         Release {

@@ -18,6 +18,7 @@ fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
         let plugins = plugin_dir(&[
             ("libverl_plugin_native.so", &bundled_plugin("verl_plugin_native")),
             ("libverl_plugin_fsdp.so", &bundled_plugin("verl_plugin_fsdp")),
+            ("libverl_plugin_trackers.so", &bundled_plugin("verl_plugin_trackers")),
         ]);
         let work = tempfile::tempdir().unwrap();
         (plugins, work)
@@ -45,7 +46,7 @@ fn args(run_dir: &Path, steps: u64, save_freq: u64) -> Vec<String> {
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.rollout.n=4",
             "trainer.test_freq=2",
-            "trainer.logger=[file]",
+            "trainer.logger=[file,tensorboard]",
             "trainer.deterministic=true",
             // Constant LR: the resume test extends a 2-step run to 4 steps, which would change a
             // cosine schedule that depends on the total.
@@ -142,6 +143,12 @@ fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
     }
     assert_eq!(std::fs::read_to_string(run_dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "6");
     assert!(run_dir.join("huggingface/config.json").is_file());
+    // The tracker plugin was driven by the run too (its own tests read the files back with
+    // TensorBoard).
+    let events = run_dir.join("tensorboard/verl-core-quickstart/grpo-addition");
+    let files: Vec<_> = std::fs::read_dir(&events).unwrap_or_else(|e| panic!("{}: {e}", events.display())).collect();
+    assert_eq!(files.len(), 1, "one tfevents file in {}", events.display());
+    assert!(files[0].as_ref().unwrap().metadata().unwrap().len() > 1000);
 }
 
 #[test]

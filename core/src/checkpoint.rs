@@ -12,14 +12,14 @@ const STEP_PREFIX: &str = "global_step_";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("resume path {} is not a checkpoint directory (expected …/global_step_N)", .0.display())]
     NotACheckpoint(PathBuf),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |error| CheckpointError::Io { path: path.to_path_buf(), error }
 }
 
 /// The step of a `global_step_N` directory name.
@@ -93,7 +93,7 @@ impl CheckpointManager {
         let entries = match fs::read_dir(&self.root) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(CheckpointError::Io { path: self.root.clone(), source: e }),
+            Err(e) => return Err(CheckpointError::Io { path: self.root.clone(), error: e }),
         };
         let mut steps: Vec<u64> = entries.filter_map(|e| e.ok()).filter(|e| e.path().is_dir()).filter_map(|e| step_of(&e.path())).collect();
         steps.sort_unstable();

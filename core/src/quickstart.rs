@@ -71,7 +71,7 @@ impl Default for SftConfig {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |source| TrainError::Io { path: path.to_path_buf(), source }
+    move |error| TrainError::Io { path: path.to_path_buf(), error }
 }
 
 fn write_json(path: &Path, value: serde_json::Value) -> Result<(), TrainError> {
@@ -201,11 +201,11 @@ pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, device: &s
     engine
         .init(&ComponentInit { config_json: section.to_string().into(), run })
         .into_result()
-        .map_err(|source| TrainError::Plugin { context: format!("initialising the sft engine `{name}`"), source })?;
+        .map_err(|error| TrainError::Plugin { context: format!("initialising the sft engine `{name}`"), error })?;
 
     let plugin = |context: &str| {
         let context = context.to_owned();
-        move |source| TrainError::Plugin { context, source }
+        move |error| TrainError::Plugin { context, error }
     };
     let mut loader = DataLoader::new(examples.len(), sft.batch_size, true, config.trainer.seed, true);
     let started = Instant::now();

@@ -32,8 +32,8 @@ pub use trackers::Trackers;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    #[error("{context}: {source}")]
-    Plugin { context: String, source: PluginError },
+    #[error("{context}: {error}")]
+    Plugin { context: String, error: PluginError },
     #[error(transparent)]
     Lookup(#[from] LookupError),
     #[error(transparent)]
@@ -44,8 +44,8 @@ pub enum TrainError {
     Algo(#[from] AlgoError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{0}")]
     Invalid(String),
     #[error("interrupted after step {0}; rerun with trainer.resume_mode=auto to continue from the last checkpoint")]
@@ -73,13 +73,13 @@ trait Context<T> {
 
 impl<T> Context<T> for verl_plugin_api::abi_stable::std_types::RResult<T, PluginError> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
-        self.into_result().map_err(|source| TrainError::Plugin { context: what(), source })
+        self.into_result().map_err(|error| TrainError::Plugin { context: what(), error })
     }
 }
 
 impl<T> Context<T> for Result<T, PluginError> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
-        self.map_err(|source| TrainError::Plugin { context: what(), source })
+        self.map_err(|error| TrainError::Plugin { context: what(), error })
     }
 }
 
@@ -151,7 +151,7 @@ impl Trainer {
     /// string such as "cpu" or "cuda:0").
     pub fn new(config: Config, registry: &Registry, device: &str) -> Result<Self, TrainError> {
         let run_dir = expand_home(&config.trainer.default_local_dir);
-        std::fs::create_dir_all(&run_dir).map_err(|source| TrainError::Io { path: run_dir.clone(), source })?;
+        std::fs::create_dir_all(&run_dir).map_err(|error| TrainError::Io { path: run_dir.clone(), error })?;
 
         let tokenizer_dir = tokenizer_dir(&config);
         let tokenizer_json = tokenizer_dir.join("tokenizer.json");
@@ -601,7 +601,7 @@ impl Trainer {
         }
         let state = TrainerState { global_step: step, loader: self.loader.state(), kl_coef: self.kl_ctrl.value };
         let path = pending.dir().join(TRAINER_STATE_FILE);
-        std::fs::write(&path, serde_json::to_vec_pretty(&state).expect("trainer state serialises")).map_err(|source| TrainError::Io { path, source })?;
+        std::fs::write(&path, serde_json::to_vec_pretty(&state).expect("trainer state serialises")).map_err(|error| TrainError::Io { path, error })?;
         let dir = self.checkpoints.commit(pending)?;
         tracing::info!("checkpoint written to {}", dir.display());
         Ok(())
@@ -627,7 +627,7 @@ impl Trainer {
 
     fn load_from(&mut self, dir: &Path) -> Result<(), TrainError> {
         let path = dir.join(TRAINER_STATE_FILE);
-        let text = std::fs::read_to_string(&path).map_err(|source| TrainError::Io { path: path.clone(), source })?;
+        let text = std::fs::read_to_string(&path).map_err(|error| TrainError::Io { path: path.clone(), error })?;
         let state: TrainerState = serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
         let actor_dir = dir.join("actor");
         self.actor.load_checkpoint(actor_dir.to_string_lossy().as_ref().into()).context(|| format!("loading {}", actor_dir.display()))?;

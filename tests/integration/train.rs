@@ -202,3 +202,19 @@ fn sigkill_during_training_then_auto_resume_completes_identically() {
     assert_eq!(ours[&6], theirs[&6]);
     assert!(final_weights(&run_dir) == final_weights(reference()), "final weights differ after kill + resume");
 }
+
+#[test]
+fn every_example_config_is_valid() {
+    let examples = workspace_root().join("examples");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&examples).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let out = verl_core(&["config", "show", "--json", "--config", path.to_str().unwrap()], &[]);
+            assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+            assert!(stdout_json(&out)["trainer"]["project_name"].is_string());
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "examples/quickstart.yaml, gsm8k_grpo.yaml and ppo_gae.yaml at least");
+}

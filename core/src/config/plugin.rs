@@ -92,6 +92,8 @@ impl Config {
                     base.extend(overlay);
                 }
                 v["strategy"] = json!(self.engine_strategy(role));
+                // Never used to update, but kept consistent with the micro-batch sizes it shares.
+                v["ppo_mini_batch_size"] = json!(arr.actor.ppo_mini_batch_size * n);
                 v["model"] = self.model_json();
                 v
             }

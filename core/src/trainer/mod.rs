@@ -374,26 +374,22 @@ impl Trainer {
             }
             let groups: Vec<u64> = new_rows.iter().map(|r| r.group).collect();
             let (kept, kept_groups) = filter_groups(&groups, &new_scores)?;
-            for i in kept {
-                rows.push(Row { sample: new_rows[i].sample, group: new_rows[i].group, response: new_rows[i].response.clone() });
-                scores.push(new_scores[i]);
+            let kept: std::collections::HashSet<usize> = kept.into_iter().collect();
+            for (i, (row, score)) in new_rows.into_iter().zip(new_scores).enumerate() {
+                if kept.contains(&i) {
+                    rows.push(row);
+                    scores.push(score);
+                }
             }
             if sampler.record(kept_groups)? == SamplerProgress::Full {
-                // Keep exactly `train_batch_size` prompt groups.
-                let mut seen = Vec::new();
-                let keep: Vec<bool> = rows
-                    .iter()
-                    .map(|r| {
-                        if !seen.contains(&r.group) && seen.len() < target {
-                            seen.push(r.group);
-                        }
-                        seen.contains(&r.group)
-                    })
-                    .collect();
-                let mut flags = keep.iter();
-                rows.retain(|_| *flags.next().expect("one flag per row"));
-                let mut flags = keep.iter();
-                scores.retain(|_| *flags.next().expect("one flag per row"));
+                // Exactly `train_batch_size` prompt groups, the first ones kept.
+                let mut first_groups: Vec<u64> = Vec::with_capacity(target);
+                for row in &rows {
+                    if first_groups.len() < target && !first_groups.contains(&row.group) {
+                        first_groups.push(row.group);
+                    }
+                }
+                let (rows, scores) = rows.into_iter().zip(scores).filter(|(row, _)| first_groups.contains(&row.group)).unzip();
                 return Ok((rows, scores, gen_batches));
             }
         }

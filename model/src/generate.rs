@@ -158,20 +158,20 @@ impl CausalLM {
         let ids = Tensor::from_slice(&ids)
             .view([batch, width])
             .to_device(device);
-        let mut mask = Tensor::from_slice(&mask)
+        let mask = Tensor::from_slice(&mask)
             .view([batch, width])
             .to_device(device);
 
+        let weights = self.decode_weights();
         let mut cache = KvCache::new(self, batch, width + params.max_new_tokens as i64);
-        let hidden = self.run(&ids, &mask, Some(&mut cache));
+        let hidden = self.prefill(&ids, &mask, &mut cache, weights.as_ref());
         let mut logits = self
-            .decode_logits(&hidden.narrow(1, width - 1, 1), &cache)?
+            .decode_logits(&hidden, weights.as_ref())?
             .squeeze_dim(1);
         if n > 1 {
             // Prefill once per prompt, then give each sample its own copy of the cache.
             cache.repeat_interleave(n);
             logits = logits.repeat_interleave_self_int(n, 0, None);
-            mask = mask.repeat_interleave_self_int(n, 0, None);
         }
         let rows = (batch * n) as usize;
         let mut rngs: Vec<Rng> = (0..rows as u64)
@@ -179,7 +179,6 @@ impl CausalLM {
             .collect();
         let mut out: Vec<Completion> = (0..rows).map(|r| Completion::empty(r / params.n)).collect();
         let stop_ids = Tensor::from_slice(stops).to_device(device);
-        let ones = Tensor::ones([rows as i64, 1], (Kind::Int64, device));
         let mut done = vec![false; rows];
 
         for step in 0..params.max_new_tokens {
@@ -202,9 +201,10 @@ impl CausalLM {
                 break;
             }
             // Finished rows keep decoding with the rest of the batch; their tokens are dropped.
-            mask = Tensor::cat(&[&mask, &ones], 1);
-            let hidden = self.run(&tokens.view([rows as i64, 1]), &mask, Some(&mut cache));
-            logits = self.decode_logits(&hidden, &cache)?.squeeze_dim(1);
+            let hidden = self.decode_step(&tokens, &mut cache, weights.as_ref());
+            logits = self
+                .decode_logits(&hidden, weights.as_ref())?
+                .squeeze_dim(1);
         }
         Ok(out)
     }

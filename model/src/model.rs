@@ -3,6 +3,7 @@
 //! loading and saving safetensors is a name lookup.
 
 use std::path::Path;
+use std::sync::{Mutex, PoisonError};
 
 use tch::{Device, Kind, Tensor, nn};
 
@@ -61,59 +62,101 @@ impl Linear {
         }
     }
 
-    /// `x·Wᵀ + b`; with `transposed` (this layer's `Wᵀ`, contiguous) as `x·(Wᵀ) + b`.
-    fn forward(&self, x: &Tensor, transposed: Option<&Tensor>) -> Tensor {
-        match transposed {
-            None => x.linear(&self.weight, self.bias.as_ref()),
-            Some(wt) => {
-                let y = x.matmul(wt);
-                match &self.bias {
-                    Some(b) => y + b,
-                    None => y,
-                }
-            }
-        }
+    /// `x·Wᵀ + b`.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
     }
 
-    fn transposed(&self) -> Tensor {
-        self.weight.detach().tr().contiguous()
+    /// The parameters a [`DecodeLinear`] copies.
+    fn parameters(&self) -> impl Iterator<Item = &Tensor> {
+        std::iter::once(&self.weight).chain(&self.bias)
     }
 }
 
-/// One decoder layer's projection weights transposed to `[in, out]`, contiguous. For the few
-/// rows of a decode step, MKL multiplies `x·W` about twice as fast as `x·Wᵀ` from the stored
-/// `[out, in]` layout (measured on 8 rows: 256×8192 0.46 ms vs 1.1 ms, 256×768 20 µs vs 35 µs),
-/// which is what `linear` and transformers do.
+/// One or more [`Linear`]s side by side with the weights transposed to `[in, Σ out]`,
+/// contiguous. For the few rows of a decode step, MKL multiplies `x·W` about twice as fast as
+/// `x·Wᵀ` from the stored `[out, in]` layout (measured on 8 rows: 256×8192 0.25 ms vs 0.55 ms),
+/// which is what `linear` and transformers do; and one multiplication for q, k and v (or gate
+/// and up) instead of three (two) saves a kernel launch and a pass over the input.
+struct DecodeLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl DecodeLinear {
+    /// The layers' biases are all present or all absent (they share one config flag).
+    fn new(layers: &[&Linear]) -> Self {
+        let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
+        let biases: Option<Vec<&Tensor>> = layers.iter().map(|l| l.bias.as_ref()).collect();
+        Self {
+            weight: Tensor::cat(&weights, 0).detach().tr().contiguous(),
+            bias: biases.map(|b| Tensor::cat(&b, 0).detach()),
+        }
+    }
+
+    fn from_embedding(weight: &Tensor) -> Self {
+        Self {
+            weight: weight.detach().tr().contiguous(),
+            bias: None,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = x.matmul(&self.weight);
+        match &self.bias {
+            Some(b) => y + b,
+            None => y,
+        }
+    }
+
+    fn shallow_clone(&self) -> Self {
+        Self {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+/// One decoder layer's projections for decoding: q, k and v fused, gate and up fused.
 struct LayerWeights {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    qkv: DecodeLinear,
+    o: DecodeLinear,
+    gate_up: DecodeLinear,
+    down: DecodeLinear,
 }
 
 impl LayerWeights {
     fn shallow_clone(&self) -> Self {
         Self {
-            q: self.q.shallow_clone(),
-            k: self.k.shallow_clone(),
-            v: self.v.shallow_clone(),
+            qkv: self.qkv.shallow_clone(),
             o: self.o.shallow_clone(),
-            gate: self.gate.shallow_clone(),
-            up: self.up.shallow_clone(),
+            gate_up: self.gate_up.shallow_clone(),
             down: self.down.shallow_clone(),
         }
     }
 }
 
-/// The whole model's transposed weights, held by a [`KvCache`] for one `generate` call (the
-/// weights may change between calls): one extra copy of the weights for that long.
-struct DecodeWeights {
+/// The whole model's decode weights (CPU only: cuBLAS has no such penalty for the stored
+/// layout, and GPU memory is scarcer). A model keeps them between `generate` calls — one extra
+/// copy of its weights — and rebuilds them when any parameter they copy has been written since
+/// (libtorch's per-tensor version counter, which every in-place write bumps: weight sync,
+/// optimizer steps, loading).
+pub(crate) struct DecodeWeights {
+    /// `(data pointer, version)` of every copied parameter when this copy was made.
+    sources: Vec<(usize, i64)>,
     layers: Vec<LayerWeights>,
     /// `None` for a value-head model.
-    lm_head: Option<Tensor>,
+    lm_head: Option<DecodeLinear>,
+}
+
+impl DecodeWeights {
+    fn shallow_clone(&self) -> Self {
+        Self {
+            sources: self.sources.clone(),
+            layers: self.layers.iter().map(LayerWeights::shallow_clone).collect(),
+            lm_head: self.lm_head.as_ref().map(DecodeLinear::shallow_clone),
+        }
+    }
 }
 
 struct RmsNorm {
@@ -137,17 +180,19 @@ impl RmsNorm {
     }
 }
 
-/// Rotary embedding tables for one forward pass: `[B, 1, T, head_dim]` each.
-struct Rope {
+/// transformers' default RoPE tables for positions `0..len`, `[len, head_dim]`: `inv_freq` and
+/// the angles in fp32, halves duplicated. A forward pass picks its rows by position, so a decode
+/// step computes no trigonometry.
+struct RopeTable {
     cos: Tensor,
     /// `[-sin, sin]` over the two halves: `rotate_half(x) * [sin, sin] = roll(x) * [-sin, sin]`.
     signed_sin: Tensor,
 }
 
-impl Rope {
-    /// transformers' default RoPE: `inv_freq` and the angles in fp32, halves duplicated.
-    fn new(inv_freq: &Tensor, positions: &Tensor, kind: Kind) -> Self {
-        let freqs = (positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq).unsqueeze(1);
+impl RopeTable {
+    fn new(inv_freq: &Tensor, len: i64, kind: Kind) -> Self {
+        let positions = Tensor::arange(len, (Kind::Float, inv_freq.device()));
+        let freqs = positions.unsqueeze(-1) * inv_freq;
         let (cos, sin) = (freqs.cos().to_kind(kind), freqs.sin().to_kind(kind));
         Self {
             cos: Tensor::cat(&[&cos, &cos], -1),
@@ -155,65 +200,96 @@ impl Rope {
         }
     }
 
+    /// The tables for `positions` `[B, T]`, shaped `[B, T, 1, head_dim]` to broadcast over the
+    /// heads of `[B, T, heads, head_dim]` projections.
+    fn at(&self, positions: &Tensor) -> Rope {
+        let (b, t) = positions.size2().expect("positions are [B, T]");
+        let rows = positions.reshape([-1]);
+        let pick = |table: &Tensor| table.index_select(0, &rows).view([b, t, 1, -1]);
+        Rope {
+            cos: pick(&self.cos),
+            signed_sin: pick(&self.signed_sin),
+        }
+    }
+}
+
+/// Rotary embedding tables for one forward pass, `[B, T, 1, head_dim]` each.
+struct Rope {
+    cos: Tensor,
+    signed_sin: Tensor,
+}
+
+impl Rope {
     /// `x * cos + rotate_half(x) * sin` with `rotate_half([a, b]) = [-b, a]`, as transformers,
     /// computed as `x * cos + roll(x, half) * [-sin, sin]`: bit-identical (negation is exact), one
-    /// kernel instead of three for the rotation.
+    /// kernel instead of three for the rotation. `x`: `[B, T, heads, head_dim]`.
     fn apply(&self, x: &Tensor) -> Tensor {
         let half = x.size()[x.dim() - 1] / 2;
         x * &self.cos + x.roll([half], [-1]) * &self.signed_sin
     }
 }
 
-/// Pre-allocated key/value buffers, `[B, kv_heads, capacity, head_dim]` per layer, and on CPU
-/// the transposed weights the decode steps multiply with.
+/// Rotary tables and attention mask for one forward pass.
+struct Context {
+    rope: Rope,
+    /// `[B, 1, T, S]`: boolean (true where a query may attend a key) or additive (0 or -inf).
+    mask: Tensor,
+}
+
+/// The state of one `generate` call: key/value buffers `[B, capacity, kv_heads, head_dim]` per
+/// layer (the layout `scaled_dot_product_attention`'s CPU kernel reads through strides, so the
+/// filled prefix is used in place), an additive mask over all `capacity` positions, each row's
+/// next position and the RoPE table.
 pub(crate) struct KvCache {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: i64,
-    /// CPU only: cuBLAS has no such penalty for the transposed layout, and GPU memory is scarcer.
-    weights: Option<DecodeWeights>,
+    /// `[B, 1, 1, capacity]`: -inf at prompt padding, 0 elsewhere (generated tokens are real).
+    mask: Tensor,
+    /// `[B, 1]`: the position of each row's next token.
+    next_positions: Tensor,
+    rope: RopeTable,
 }
 
 impl KvCache {
     pub(crate) fn new(model: &CausalLM, batch: i64, capacity: i64) -> Self {
         let c = &model.config;
-        let shape = [batch, c.num_key_value_heads, capacity, c.head_dim];
+        let shape = [batch, capacity, c.num_key_value_heads, c.head_dim];
         let options = (model.kind(), model.device());
         let layers = c.num_hidden_layers as usize;
-        let weights = (model.device() == Device::Cpu).then(|| DecodeWeights {
-            layers: model.layers.iter().map(DecoderLayer::transposed).collect(),
-            lm_head: model.lm_head().ok().map(|w| w.detach().tr().contiguous()),
-        });
+        // Only the filled prefix is ever read, so the buffers need no initialisation.
         Self {
-            keys: (0..layers).map(|_| Tensor::zeros(shape, options)).collect(),
-            values: (0..layers).map(|_| Tensor::zeros(shape, options)).collect(),
+            keys: (0..layers).map(|_| Tensor::empty(shape, options)).collect(),
+            values: (0..layers).map(|_| Tensor::empty(shape, options)).collect(),
             len: 0,
-            weights,
+            mask: Tensor::zeros([batch, 1, 1, capacity], options),
+            next_positions: Tensor::zeros([batch, 1], (Kind::Int64, model.device())),
+            rope: RopeTable::new(&model.inv_freq, capacity, model.kind()),
         }
-    }
-
-    fn layer_weights(&self, layer: usize) -> Option<LayerWeights> {
-        self.weights
-            .as_ref()
-            .map(|w| w.layers[layer].shallow_clone())
     }
 
     /// Duplicates each sequence `n` times in place (`n` samples share one prompt prefill).
     pub(crate) fn repeat_interleave(&mut self, n: i64) {
-        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+        for t in self
+            .keys
+            .iter_mut()
+            .chain(self.values.iter_mut())
+            .chain([&mut self.mask, &mut self.next_positions])
+        {
             *t = t.repeat_interleave_self_int(n, 0, None);
         }
     }
 
-    /// Appends this step's keys/values of `layer` and returns everything cached so far.
+    /// Appends keys/values `[B, T, kv_heads, head_dim]` of `layer` and returns everything cached
+    /// so far as `[B, kv_heads, S, head_dim]` views.
     fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
-        let new = k.size()[2];
+        let new = k.size()[1];
         let end = self.len + new;
-        self.keys[layer].narrow(2, self.len, new).copy_(k);
-        self.values[layer].narrow(2, self.len, new).copy_(v);
+        self.keys[layer].narrow(1, self.len, new).copy_(k);
+        self.values[layer].narrow(1, self.len, new).copy_(v);
         (
-            self.keys[layer].narrow(2, 0, end),
-            self.values[layer].narrow(2, 0, end),
+            self.keys[layer].narrow(1, 0, end).transpose(1, 2),
+            self.values[layer].narrow(1, 0, end).transpose(1, 2),
         )
     }
 }
@@ -242,32 +318,39 @@ impl Attention {
         }
     }
 
-    /// `mask`: `[B, 1, T, S]`, true where a query may attend a key.
     fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
-        mask: &Tensor,
+        context: &Context,
         cache: Option<(&mut KvCache, usize)>,
         weights: Option<&LayerWeights>,
     ) -> Tensor {
         let (b, t, _) = x.size3().expect("hidden states are [B, T, H]");
-        let split = |y: Tensor, heads: i64| y.view([b, t, heads, self.head_dim]).transpose(1, 2);
-        let q = rope.apply(&split(
-            self.q_proj.forward(x, weights.map(|w| &w.q)),
-            self.heads,
-        ));
-        let k = rope.apply(&split(
-            self.k_proj.forward(x, weights.map(|w| &w.k)),
-            self.kv_heads,
-        ));
-        let v = split(self.v_proj.forward(x, weights.map(|w| &w.v)), self.kv_heads);
+        let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let rope = &context.rope;
+        // Projections as [B, T, heads, head_dim].
+        let (q, k, v) = match weights {
+            Some(w) => {
+                let qkv = w.qkv.forward(x).view([b, t, h + 2 * kv, d]);
+                // One rotation for the queries and keys together.
+                let qk = rope.apply(&qkv.narrow(2, 0, h + kv));
+                (qk.narrow(2, 0, h), qk.narrow(2, h, kv), qkv.narrow(2, h + kv, kv))
+            }
+            None => {
+                let heads = |y: Tensor, n: i64| y.view([b, t, n, d]);
+                (
+                    rope.apply(&heads(self.q_proj.forward(x), h)),
+                    rope.apply(&heads(self.k_proj.forward(x), kv)),
+                    heads(self.v_proj.forward(x), kv),
+                )
+            }
+        };
         let (k, v) = match cache {
             Some((cache, layer)) => cache.append(layer, &k, &v),
-            None => (k, v),
+            None => (k.transpose(1, 2), v.transpose(1, 2)),
         };
         // Grouped-query attention: each key/value head serves `heads / kv_heads` query heads.
-        let groups = self.heads / self.kv_heads;
+        let groups = h / kv;
         let (k, v) = if groups > 1 {
             (
                 k.repeat_interleave_self_int(groups, 1, None),
@@ -276,14 +359,23 @@ impl Attention {
         } else {
             (k, v)
         };
-        let scale = (self.head_dim as f64).powf(-0.5);
-        let out =
-            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, false);
-        self.o_proj.forward(
-            &out.transpose(1, 2)
-                .reshape([b, t, self.heads * self.head_dim]),
-            weights.map(|w| &w.o),
+        let scale = (d as f64).powf(-0.5);
+        let out = Tensor::scaled_dot_product_attention(
+            &q.transpose(1, 2),
+            &k,
+            &v,
+            Some(&context.mask),
+            0.0,
+            false,
+            scale,
+            false,
         )
+        .transpose(1, 2)
+        .reshape([b, t, h * d]);
+        match weights {
+            Some(w) => w.o.forward(&out),
+            None => self.o_proj.forward(&out),
+        }
     }
 }
 
@@ -305,10 +397,17 @@ impl Mlp {
 
     /// SwiGLU: `down(silu(gate(x)) * up(x))`.
     fn forward(&self, x: &Tensor, weights: Option<&LayerWeights>) -> Tensor {
-        let gate = self.gate_proj.forward(x, weights.map(|w| &w.gate)).silu();
-        let up = self.up_proj.forward(x, weights.map(|w| &w.up));
-        self.down_proj
-            .forward(&(gate * up), weights.map(|w| &w.down))
+        match weights {
+            Some(w) => {
+                let gate_up = w.gate_up.forward(x);
+                let i = gate_up.size()[gate_up.dim() - 1] / 2;
+                w.down
+                    .forward(&(gate_up.narrow(-1, 0, i).silu() * gate_up.narrow(-1, i, i)))
+            }
+            None => self
+                .down_proj
+                .forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x))),
+        }
     }
 }
 
@@ -336,35 +435,41 @@ impl DecoderLayer {
     fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
-        mask: &Tensor,
+        context: &Context,
         cache: Option<(&mut KvCache, usize)>,
+        weights: Option<&LayerWeights>,
     ) -> Tensor {
-        let weights = cache
-            .as_ref()
-            .and_then(|(c, layer)| c.layer_weights(*layer));
         let x = x + self.self_attn.forward(
             &self.input_layernorm.forward(x),
-            rope,
-            mask,
+            context,
             cache,
-            weights.as_ref(),
+            weights,
         );
         &x + self
             .mlp
-            .forward(&self.post_attention_layernorm.forward(&x), weights.as_ref())
+            .forward(&self.post_attention_layernorm.forward(&x), weights)
     }
 
-    fn transposed(&self) -> LayerWeights {
+    fn projections(&self) -> [&Linear; 7] {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ]
+    }
+
+    fn decode_weights(&self) -> LayerWeights {
         let (a, m) = (&self.self_attn, &self.mlp);
         LayerWeights {
-            q: a.q_proj.transposed(),
-            k: a.k_proj.transposed(),
-            v: a.v_proj.transposed(),
-            o: a.o_proj.transposed(),
-            gate: m.gate_proj.transposed(),
-            up: m.up_proj.transposed(),
-            down: m.down_proj.transposed(),
+            qkv: DecodeLinear::new(&[&a.q_proj, &a.k_proj, &a.v_proj]),
+            o: DecodeLinear::new(&[&a.o_proj]),
+            gate_up: DecodeLinear::new(&[&m.gate_proj, &m.up_proj]),
+            down: DecodeLinear::new(&[&m.down_proj]),
         }
     }
 }
@@ -384,6 +489,8 @@ pub struct CausalLM {
     norm: RmsNorm,
     head: OutputHead,
     inv_freq: Tensor,
+    /// Built by the first `generate` on CPU; see [`DecodeWeights`].
+    decode_weights: Mutex<Option<DecodeWeights>>,
 }
 
 impl std::fmt::Debug for CausalLM {
@@ -428,6 +535,7 @@ impl CausalLM {
             norm,
             head,
             inv_freq,
+            decode_weights: Mutex::new(None),
         }
     }
 
@@ -520,7 +628,8 @@ impl CausalLM {
     pub fn hidden_states(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         self.check_batch(input_ids, attention_mask)?;
         let mask = attention_mask.to_device(self.device());
-        Ok(self.run(&input_ids.to_device(self.device()), &mask, None))
+        let context = self.context(&mask, mask.size()[1]);
+        Ok(self.run(&input_ids.to_device(self.device()), &context, None, None))
     }
 
     /// Next-token logits `[B, T, vocab]` in fp32.
@@ -537,7 +646,7 @@ impl CausalLM {
     pub(crate) fn values_from_hidden(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.head {
             OutputHead::Value(score) => Ok(score
-                .forward(hidden, None)
+                .forward(hidden)
                 .squeeze_dim(-1)
                 .to_kind(Kind::Float)),
             OutputHead::Lm(_) => Err(ModelError::invalid_input(
@@ -559,12 +668,43 @@ impl CausalLM {
         }
     }
 
-    /// [`Self::logits`] inside a `generate` call, with the cache's transposed LM head on CPU.
-    pub(crate) fn decode_logits(&self, hidden: &Tensor, cache: &KvCache) -> Result<Tensor> {
-        match cache.weights.as_ref().and_then(|w| w.lm_head.as_ref()) {
-            Some(wt) => Ok(hidden.matmul(wt).to_kind(Kind::Float)),
+    /// [`Self::logits`] inside a `generate` call, through the decode weights on CPU.
+    pub(crate) fn decode_logits(
+        &self,
+        hidden: &Tensor,
+        weights: Option<&DecodeWeights>,
+    ) -> Result<Tensor> {
+        match weights.and_then(|w| w.lm_head.as_ref()) {
+            Some(head) => Ok(head.forward(hidden).to_kind(Kind::Float)),
             None => self.logits(hidden),
         }
+    }
+
+    /// The decode weights for a `generate` call (CPU only), rebuilt if a parameter they copy has
+    /// been written since they were made.
+    pub(crate) fn decode_weights(&self) -> Option<DecodeWeights> {
+        if self.device() != Device::Cpu {
+            return None;
+        }
+        let projections = self.layers.iter().flat_map(DecoderLayer::projections);
+        let sources: Vec<(usize, i64)> = projections
+            .flat_map(Linear::parameters)
+            .chain(self.lm_head().ok())
+            .map(|t| (t.data_ptr() as usize, t.internal_version()))
+            .collect();
+        let mut cached = self
+            .decode_weights
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if cached.as_ref().is_none_or(|w| w.sources != sources) {
+            *cached = None; // free the stale copy before making the new one
+            *cached = Some(tch::no_grad(|| DecodeWeights {
+                sources,
+                layers: self.layers.iter().map(DecoderLayer::decode_weights).collect(),
+                lm_head: self.lm_head().ok().map(DecodeLinear::from_embedding),
+            }));
+        }
+        cached.as_ref().map(DecodeWeights::shallow_clone)
     }
 
     /// LM-head logits in fp32 for hidden states of any leading shape.
@@ -615,7 +755,7 @@ impl CausalLM {
 
     /// Rotary tables and the attention mask for the last `t` tokens of the sequences that
     /// `attention_mask` (`[B, S]`) describes.
-    fn context(&self, attention_mask: &Tensor, t: i64) -> (Rope, Tensor) {
+    fn context(&self, attention_mask: &Tensor, t: i64) -> Context {
         let (b, s) = attention_mask.size2().expect("checked [B, S]");
         let device = self.device();
         let valid = attention_mask.to_kind(Kind::Bool);
@@ -623,7 +763,7 @@ impl CausalLM {
         let positions = (valid.cumsum(-1, Kind::Int64) - 1)
             .clamp_min(0)
             .narrow(1, s - t, t);
-        let rope = Rope::new(&self.inv_freq, &positions, self.kind());
+        let rope = RopeTable::new(&self.inv_freq, s, self.kind()).at(&positions);
         // Causal and padding mask, [B, 1, T, S]. The diagonal stays open so that a padding query
         // (whose output is never used) has one key and its softmax stays finite.
         let query = Tensor::arange_start(s - t, s, (Kind::Int64, device)).view([t, 1]);
@@ -632,31 +772,74 @@ impl CausalLM {
             .le_tensor(&query)
             .logical_and(&valid.view([b, 1, 1, s]))
             .logical_or(&key.eq_tensor(&query));
-        (rope, mask)
+        Context { rope, mask }
     }
 
     fn embed(&self, input_ids: &Tensor) -> Tensor {
         Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false)
     }
 
-    /// Runs the decoder on the last `T = input_ids.size()[1]` tokens of `attention_mask`'s
-    /// sequence (all of them without a cache; the new ones after the cached prefix with one).
-    pub(crate) fn run(
+    /// Runs the decoder on `input_ids` `[B, T]` and returns the final hidden states. With a
+    /// cache, the tokens follow the cached prefix and their keys/values are appended.
+    fn run(
+        &self,
+        input_ids: &Tensor,
+        context: &Context,
+        mut cache: Option<&mut KvCache>,
+        weights: Option<&DecodeWeights>,
+    ) -> Tensor {
+        let mut x = self.embed(input_ids);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(
+                &x,
+                context,
+                cache.as_deref_mut().map(|c| (c, i)),
+                weights.map(|w| &w.layers[i]),
+            );
+        }
+        if let Some(cache) = cache {
+            cache.len += input_ids.size()[1];
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Runs left-padded prompts `[B, W]` into an empty cache; returns the last position's hidden
+    /// states `[B, 1, hidden]`.
+    pub(crate) fn prefill(
         &self,
         input_ids: &Tensor,
         attention_mask: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: &mut KvCache,
+        weights: Option<&DecodeWeights>,
     ) -> Tensor {
-        let t = input_ids.size()[1];
-        let (rope, mask) = self.context(attention_mask, t);
-        let mut x = self.embed(input_ids);
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, &rope, &mask, cache.as_deref_mut().map(|c| (c, i)));
-        }
-        if let Some(cache) = cache {
-            cache.len += t;
-        }
-        self.norm.forward(&x)
+        let width = input_ids.size()[1];
+        let context = self.context(attention_mask, width);
+        let hidden = self.run(input_ids, &context, Some(cache), weights);
+        let padding = attention_mask.eq(0).view([-1, 1, 1, width]);
+        let _ = cache
+            .mask
+            .narrow(3, 0, width)
+            .masked_fill_(&padding, f64::NEG_INFINITY);
+        cache.next_positions = attention_mask.sum_dim_intlist(-1, true, Kind::Int64);
+        hidden.narrow(1, width - 1, 1)
+    }
+
+    /// One decode step: the next token of every row, `[B]`; returns hidden states `[B, 1,
+    /// hidden]`. Every generated token is real, so its rotary row is the row's next position and
+    /// its mask is the cached prefix's.
+    pub(crate) fn decode_step(
+        &self,
+        tokens: &Tensor,
+        cache: &mut KvCache,
+        weights: Option<&DecodeWeights>,
+    ) -> Tensor {
+        let context = Context {
+            rope: cache.rope.at(&cache.next_positions),
+            mask: cache.mask.narrow(3, 0, cache.len + 1),
+        };
+        let hidden = self.run(&tokens.view([-1, 1]), &context, Some(cache), weights);
+        cache.next_positions += 1;
+        hidden
     }
 
     /// Forward and backward with activation checkpointing: the forward pass keeps only each
@@ -673,14 +856,14 @@ impl CausalLM {
     ) -> Result<Tensor> {
         self.check_batch(input_ids, attention_mask)?;
         let ids = input_ids.to_device(self.device());
-        let (rope, mask) = self.context(&attention_mask.to_device(self.device()), ids.size()[1]);
+        let context = self.context(&attention_mask.to_device(self.device()), ids.size()[1]);
         let inputs = tch::no_grad(|| {
             let mut inputs = vec![self.embed(&ids)];
             for layer in &self.layers {
                 let next = layer.forward(
                     inputs.last().expect("starts with the embedding"),
-                    &rope,
-                    &mask,
+                    &context,
+                    None,
                     None,
                 );
                 inputs.push(next);
@@ -702,7 +885,7 @@ impl CausalLM {
                 return Ok(loss.detach()); // the loss does not depend on earlier layers
             }
             let x = input.detach().set_requires_grad(true);
-            (layer.forward(&x, &rope, &mask, None) * &grad)
+            (layer.forward(&x, &context, None, None) * &grad)
                 .sum(Kind::Float)
                 .f_backward()?;
             grad = x.grad();

@@ -3,9 +3,9 @@
 
 mod common;
 
-use common::{Padding, batch, expected, load, max_abs_diff, row};
+use common::{Padding, batch, expected, fixture, load, max_abs_diff, row};
 use tch::Tensor;
-use verl_model::{Completion, FinishReason, SamplingParams};
+use verl_model::{CausalLM, Completion, FinishReason, ModelConfig, ModelOptions, SamplingParams};
 
 fn prompts(name: &str) -> Vec<Vec<i64>> {
     expected(name).prompts.into_iter().map(|p| p.ids).collect()
@@ -84,6 +84,51 @@ fn sampled_log_probs_match_the_trainer_recomputation() {
     }
     println!("rollout vs recomputed log-probs max |Δ| {worst:.2e}");
     assert!(worst < 1e-5, "{worst}");
+}
+
+/// On CPU, `generate` keeps a transposed copy of the weights between calls; a write to the
+/// parameters (weight sync, an optimizer step) must reach the next call.
+#[test]
+fn generation_follows_weights_written_between_calls() {
+    let prompts = prompts("tiny-llama");
+    let config = ModelConfig::from_dir(&fixture("tiny-llama")).unwrap();
+    let other = |seed| {
+        let options = ModelOptions {
+            seed,
+            ..ModelOptions::default()
+        };
+        CausalLM::random(config.clone(), &options).unwrap()
+    };
+    let params = SamplingParams {
+        max_new_tokens: 8,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let model = load("tiny-llama");
+    let before = model.generate(&prompts, &params, &[]).unwrap();
+    // Weight sync: copied in.
+    let synced = other(3);
+    model.load_named_tensors(&synced.named_tensors()).unwrap();
+    let after = model.generate(&prompts, &params, &[]).unwrap();
+    assert_ne!(before, after);
+    assert_eq!(after, synced.generate(&prompts, &params, &[]).unwrap());
+    // An in-place update of one parameter, as an optimizer step makes.
+    let scale_down_proj = |m: &CausalLM| {
+        let (_, mut t) = m
+            .named_tensors()
+            .into_iter()
+            .find(|(name, _)| name == "model.layers.0.mlp.down_proj.weight")
+            .unwrap();
+        tch::no_grad(|| {
+            let _ = t.g_mul_scalar_(3.0);
+        });
+    };
+    scale_down_proj(&model);
+    scale_down_proj(&synced);
+    let updated = model.generate(&prompts, &params, &[]).unwrap();
+    assert_ne!(updated, after);
+    assert_eq!(updated, synced.generate(&prompts, &params, &[]).unwrap());
 }
 
 #[test]

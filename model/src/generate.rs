@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::model::{CausalLM, KvCache};
+use crate::kernels;
+use crate::model::{CausalLM, Decoder};
 use crate::rng::Rng;
 
 /// How to pick tokens. verl's rollout defaults: `n = 1, temperature = 1, top_p = 1, top_k = -1`.
@@ -134,14 +135,16 @@ impl CausalLM {
         if !params.ignore_eos {
             stops.extend_from_slice(eos_token_ids);
         }
-        tch::no_grad(|| self.decode(prompts, params, &stops))
+        tch::no_grad(|| self.decode(prompts, params, &stops, true))
     }
 
+    /// `cpu_kernels: false` keeps an fp32 CPU model on the tensor-op decode step (for tests).
     fn decode(
         &self,
         prompts: &[Vec<i64>],
         params: &SamplingParams,
         stops: &[i64],
+        cpu_kernels: bool,
     ) -> Result<Vec<Completion>> {
         let device = self.device();
         let n = params.n as i64;
@@ -162,15 +165,12 @@ impl CausalLM {
             .view([batch, width])
             .to_device(device);
 
-        let weights = self.decode_weights();
-        let mut cache = KvCache::new(self, batch, width + params.max_new_tokens as i64);
-        let hidden = self.prefill(&ids, &mask, &mut cache, weights.as_ref());
-        let mut logits = self
-            .decode_logits(&hidden, weights.as_ref())?
-            .squeeze_dim(1);
+        let capacity = width + params.max_new_tokens as i64;
+        let (mut decoder, mut logits) =
+            Decoder::prefill(self, &ids, &mask, capacity, cpu_kernels)?;
         if n > 1 {
             // Prefill once per prompt, then give each sample its own copy of the cache.
-            cache.repeat_interleave(n);
+            decoder.repeat_interleave(n);
             logits = logits.repeat_interleave_self_int(n, 0, None);
         }
         let rows = (batch * n) as usize;
@@ -178,21 +178,17 @@ impl CausalLM {
             .map(|r| Rng::stream(params.seed, r))
             .collect();
         let mut out: Vec<Completion> = (0..rows).map(|r| Completion::empty(r / params.n)).collect();
-        let stop_ids = Tensor::from_slice(stops).to_device(device);
         let mut done = vec![false; rows];
 
         for step in 0..params.max_new_tokens {
-            let (tokens, logprobs) = pick(&logits, params, &mut rngs);
-            let tokens_host = Vec::<i64>::try_from(&tokens)?;
-            let logprobs_host = Vec::<f32>::try_from(&logprobs)?;
-            let stopped = Vec::<bool>::try_from(&Tensor::isin(&tokens, &stop_ids, false, false))?;
+            let (tokens, logprobs) = pick(&logits, params, &mut rngs)?;
             for (r, completion) in out.iter_mut().enumerate() {
                 if done[r] {
                     continue;
                 }
-                completion.response_ids.push(tokens_host[r]);
-                completion.logprobs.push(logprobs_host[r]);
-                if stopped[r] {
+                completion.response_ids.push(tokens[r]);
+                completion.logprobs.push(logprobs[r]);
+                if stops.contains(&tokens[r]) {
                     completion.finish_reason = FinishReason::Stop;
                     done[r] = true;
                 }
@@ -201,10 +197,7 @@ impl CausalLM {
                 break;
             }
             // Finished rows keep decoding with the rest of the batch; their tokens are dropped.
-            let hidden = self.decode_step(&tokens, &mut cache, weights.as_ref());
-            logits = self
-                .decode_logits(&hidden, weights.as_ref())?
-                .squeeze_dim(1);
+            logits = decoder.step(&tokens)?;
         }
         Ok(out)
     }
@@ -224,12 +217,43 @@ impl Completion {
 
 /// Chooses one token per row from fp32 `logits [rows, V]`; returns the tokens and their
 /// log-probabilities (see [`Completion::logprobs`]).
-fn pick(logits: &Tensor, params: &SamplingParams, rngs: &mut [Rng]) -> (Tensor, Tensor) {
+fn pick(
+    logits: &Tensor,
+    params: &SamplingParams,
+    rngs: &mut [Rng],
+) -> Result<(Vec<i64>, Vec<f32>)> {
     if params.temperature == 0.0 {
+        if let Some(rows) = host_rows(logits) {
+            return Ok(rows
+                .map(|row| {
+                    let (token, logprob) = kernels::greedy(row);
+                    (token as i64, logprob)
+                })
+                .unzip());
+        }
         let tokens = logits.argmax(-1, false);
         let logprobs = crate::log_probs_from_logits(logits, &tokens);
-        return (tokens, logprobs);
+        return Ok((Vec::try_from(&tokens)?, Vec::try_from(&logprobs)?));
     }
+    let (tokens, logprobs) = sample(logits, params, rngs);
+    Ok((Vec::try_from(&tokens)?, Vec::try_from(&logprobs)?))
+}
+
+/// The rows of a CPU fp32 `[rows, V]` tensor read in place, when it is one (contiguous).
+fn host_rows(logits: &Tensor) -> Option<std::slice::ChunksExact<'_, f32>> {
+    let (_, vocab) = logits.size2().ok()?;
+    if logits.device() != tch::Device::Cpu || logits.kind() != Kind::Float || !logits.is_contiguous()
+    {
+        return None;
+    }
+    // SAFETY: a contiguous fp32 CPU tensor holds `numel` f32 from its data pointer; nothing
+    // writes to `logits` while the caller reads it.
+    let all = unsafe { std::slice::from_raw_parts(logits.data_ptr().cast::<f32>(), logits.numel()) };
+    Some(all.chunks_exact(vocab as usize))
+}
+
+/// Temperature, top-k and top-p sampling: the tokens `[rows]` and their log-probabilities.
+fn sample(logits: &Tensor, params: &SamplingParams, rngs: &mut [Rng]) -> (Tensor, Tensor) {
     let scaled = logits / params.temperature;
     let (probs, order) = scaled.softmax(-1, Kind::Float).sort_stable(true, -1, true);
     let vocab = probs.size()[1];
@@ -265,6 +289,49 @@ fn pick(logits: &Tensor, params: &SamplingParams, rngs: &mut [Rng]) -> (Tensor, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ModelConfig, ModelOptions};
+
+    /// The CPU kernel decode step and the tensor-op step give the same completions: grouped-query
+    /// attention (tiny-llama), q/k/v biases and tied embeddings (tiny-qwen2, llama3 RoPE scaling),
+    /// prompts of different lengths (left padding), greedy and n > 1 sampling.
+    #[test]
+    fn cpu_kernel_step_matches_the_tensor_step() {
+        let prompts = vec![vec![5, 9, 14, 3, 22, 7, 301], vec![11], vec![40, 2, 8]];
+        let greedy = SamplingParams {
+            max_new_tokens: 24,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        let sampled = SamplingParams {
+            n: 3,
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: 4,
+            ..greedy.clone()
+        };
+        for name in ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3"] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures")
+                .join(name);
+            // The llama3-RoPE fixture is a config without weights.
+            let model = CausalLM::from_pretrained(&dir, &ModelOptions::default()).or_else(|_| {
+                CausalLM::random(ModelConfig::from_dir(&dir)?, &ModelOptions::default())
+            });
+            let model = model.unwrap();
+            for params in [&greedy, &sampled] {
+                let run = |kernels| tch::no_grad(|| model.decode(&prompts, params, &[], kernels));
+                let (fast, slow) = (run(true).unwrap(), run(false).unwrap());
+                assert_eq!(fast.len(), prompts.len() * params.n);
+                for (f, s) in fast.iter().zip(&slow) {
+                    assert_eq!(f.response_ids, s.response_ids, "{name}");
+                    for (a, b) in f.logprobs.iter().zip(&s.logprobs) {
+                        assert!((a - b).abs() < 1e-5, "{name}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
 
     /// Empirical token frequencies of `pick` over many rows sharing one distribution.
     fn frequencies(probs: &[f64], params: &SamplingParams) -> Vec<f64> {
@@ -276,7 +343,7 @@ mod tests {
         let mut rngs: Vec<Rng> = (0..rows as u64)
             .map(|r| Rng::stream(params.seed, r))
             .collect();
-        let (tokens, logprobs) = pick(&logits, params, &mut rngs);
+        let (tokens, logprobs) = sample(&logits, params, &mut rngs);
         // Reported log-probs are those of the unfiltered, tempered distribution: p^(1/T) / Σ p^(1/T).
         let tilted: Vec<f64> = probs
             .iter()

@@ -6,6 +6,7 @@ mod config;
 mod error;
 mod export;
 mod generate;
+mod kernels;
 pub mod interop;
 mod logprobs;
 pub mod losses;

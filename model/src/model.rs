@@ -12,6 +12,10 @@ use crate::error::{ModelError, Result};
 use crate::rng::Rng;
 use crate::weights;
 
+mod cpu_step;
+
+use cpu_step::StepBuffers;
+
 /// What sits on top of the final norm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Head {
@@ -141,7 +145,7 @@ impl LayerWeights {
 /// copy of its weights — and rebuilds them when any parameter they copy has been written since
 /// (libtorch's per-tensor version counter, which every in-place write bumps: weight sync,
 /// optimizer steps, loading).
-pub(crate) struct DecodeWeights {
+struct DecodeWeights {
     /// `(data pointer, version)` of every copied parameter when this copy was made.
     sources: Vec<(usize, i64)>,
     layers: Vec<LayerWeights>,
@@ -236,11 +240,11 @@ struct Context {
     mask: Tensor,
 }
 
-/// The state of one `generate` call: key/value buffers `[B, capacity, kv_heads, head_dim]` per
-/// layer (the layout `scaled_dot_product_attention`'s CPU kernel reads through strides, so the
-/// filled prefix is used in place), an additive mask over all `capacity` positions, each row's
-/// next position and the RoPE table.
-pub(crate) struct KvCache {
+/// The state of one `generate` call: key/value buffers `[B, kv_heads, capacity, head_dim]` per
+/// layer (one head's positions contiguous, so attention streams them; with positions outermost,
+/// a head's keys lay 1 KB apart and reading them was latency-bound), an additive mask over all
+/// `capacity` positions, each row's next position and the RoPE table.
+struct KvCache {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: i64,
@@ -252,9 +256,9 @@ pub(crate) struct KvCache {
 }
 
 impl KvCache {
-    pub(crate) fn new(model: &CausalLM, batch: i64, capacity: i64) -> Self {
+    fn new(model: &CausalLM, batch: i64, capacity: i64) -> Self {
         let c = &model.config;
-        let shape = [batch, capacity, c.num_key_value_heads, c.head_dim];
+        let shape = [batch, c.num_key_value_heads, capacity, c.head_dim];
         let options = (model.kind(), model.device());
         let layers = c.num_hidden_layers as usize;
         // Only the filled prefix is ever read, so the buffers need no initialisation.
@@ -269,7 +273,7 @@ impl KvCache {
     }
 
     /// Duplicates each sequence `n` times in place (`n` samples share one prompt prefill).
-    pub(crate) fn repeat_interleave(&mut self, n: i64) {
+    fn repeat_interleave(&mut self, n: i64) {
         for t in self
             .keys
             .iter_mut()
@@ -280,17 +284,97 @@ impl KvCache {
         }
     }
 
-    /// Appends keys/values `[B, T, kv_heads, head_dim]` of `layer` and returns everything cached
-    /// so far as `[B, kv_heads, S, head_dim]` views.
+    /// Appends keys/values `[B, kv_heads, T, head_dim]` of `layer` and returns everything cached
+    /// so far, `[B, kv_heads, S, head_dim]`.
     fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
-        let new = k.size()[1];
+        let new = k.size()[2];
         let end = self.len + new;
-        self.keys[layer].narrow(1, self.len, new).copy_(k);
-        self.values[layer].narrow(1, self.len, new).copy_(v);
+        self.keys[layer].narrow(2, self.len, new).copy_(k);
+        self.values[layer].narrow(2, self.len, new).copy_(v);
         (
-            self.keys[layer].narrow(1, 0, end).transpose(1, 2),
-            self.values[layer].narrow(1, 0, end).transpose(1, 2),
+            self.keys[layer].narrow(2, 0, end),
+            self.values[layer].narrow(2, 0, end),
         )
+    }
+}
+
+/// One `generate` call's decoding state: the KV cache, the decode weights and, for an fp32
+/// model on CPU, the buffers of the [`cpu_step`] kernels.
+pub(crate) struct Decoder<'m> {
+    model: &'m CausalLM,
+    cache: KvCache,
+    weights: Option<DecodeWeights>,
+    /// Whether steps run through [`cpu_step`] (created with the buffers at the first step).
+    cpu_kernels: bool,
+    buffers: Option<StepBuffers>,
+}
+
+impl<'m> Decoder<'m> {
+    /// Runs left-padded prompts `input_ids` `[B, W]` (`attention_mask` 0 at padding) into a cache
+    /// with room for `capacity` positions; returns the decoder and the next-token logits `[B,
+    /// vocab]` in fp32. `cpu_kernels: false` keeps an fp32 CPU model on the tensor-op step (to
+    /// test one against the other).
+    pub(crate) fn prefill(
+        model: &'m CausalLM,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        capacity: i64,
+        cpu_kernels: bool,
+    ) -> Result<(Self, Tensor)> {
+        let (batch, width) = input_ids.size2().expect("prompts are [B, W]");
+        let weights = model.decode_weights();
+        let mut cache = KvCache::new(model, batch, capacity);
+        let context = model.context(attention_mask, width);
+        let hidden = model.run(input_ids, &context, Some(&mut cache), weights.as_ref());
+        let padding = attention_mask.eq(0).view([-1, 1, 1, width]);
+        let _ = cache
+            .mask
+            .narrow(3, 0, width)
+            .masked_fill_(&padding, f64::NEG_INFINITY);
+        cache.next_positions = attention_mask.sum_dim_intlist(-1, true, Kind::Int64);
+        let logits = model
+            .decode_logits(&hidden.select(1, width - 1), weights.as_ref())?;
+        let decoder = Self {
+            model,
+            cache,
+            cpu_kernels: cpu_kernels && weights.is_some() && model.kind() == Kind::Float,
+            weights,
+            buffers: None,
+        };
+        Ok((decoder, logits))
+    }
+
+    /// Duplicates each sequence `n` times (`n` samples share one prompt prefill). Before the first
+    /// step only.
+    pub(crate) fn repeat_interleave(&mut self, n: i64) {
+        self.cache.repeat_interleave(n);
+    }
+
+    /// Feeds each row's next token; returns the next-token logits `[rows, vocab]` in fp32,
+    /// valid until the next step.
+    pub(crate) fn step(&mut self, tokens: &[i64]) -> Result<Tensor> {
+        let (model, cache) = (self.model, &mut self.cache);
+        if let (true, Some(weights)) = (self.cpu_kernels, &self.weights) {
+            let buffers = self
+                .buffers
+                .get_or_insert_with(|| StepBuffers::new(model, cache));
+            return Ok(model.cpu_decode_step(tokens, cache, weights, buffers));
+        }
+        let tokens = Tensor::from_slice(tokens).to_device(model.device());
+        // Every generated token is real: its rotary row is the row's next position and its mask
+        // the cached prefix's.
+        let context = Context {
+            rope: cache.rope.at(&cache.next_positions),
+            mask: cache.mask.narrow(3, 0, cache.len + 1),
+        };
+        let hidden = model.run(
+            &tokens.view([-1, 1]),
+            &context,
+            Some(cache),
+            self.weights.as_ref(),
+        );
+        cache.next_positions += 1;
+        model.decode_logits(&hidden.squeeze_dim(1), self.weights.as_ref())
     }
 }
 
@@ -345,9 +429,10 @@ impl Attention {
                 )
             }
         };
+        let (k, v) = (k.transpose(1, 2), v.transpose(1, 2));
         let (k, v) = match cache {
             Some((cache, layer)) => cache.append(layer, &k, &v),
-            None => (k.transpose(1, 2), v.transpose(1, 2)),
+            None => (k, v),
         };
         // Grouped-query attention: each key/value head serves `heads / kv_heads` query heads.
         let groups = h / kv;
@@ -669,7 +754,7 @@ impl CausalLM {
     }
 
     /// [`Self::logits`] inside a `generate` call, through the decode weights on CPU.
-    pub(crate) fn decode_logits(
+    fn decode_logits(
         &self,
         hidden: &Tensor,
         weights: Option<&DecodeWeights>,
@@ -682,7 +767,7 @@ impl CausalLM {
 
     /// The decode weights for a `generate` call (CPU only), rebuilt if a parameter they copy has
     /// been written since they were made.
-    pub(crate) fn decode_weights(&self) -> Option<DecodeWeights> {
+    fn decode_weights(&self) -> Option<DecodeWeights> {
         if self.device() != Device::Cpu {
             return None;
         }
@@ -801,45 +886,6 @@ impl CausalLM {
             cache.len += input_ids.size()[1];
         }
         self.norm.forward(&x)
-    }
-
-    /// Runs left-padded prompts `[B, W]` into an empty cache; returns the last position's hidden
-    /// states `[B, 1, hidden]`.
-    pub(crate) fn prefill(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        cache: &mut KvCache,
-        weights: Option<&DecodeWeights>,
-    ) -> Tensor {
-        let width = input_ids.size()[1];
-        let context = self.context(attention_mask, width);
-        let hidden = self.run(input_ids, &context, Some(cache), weights);
-        let padding = attention_mask.eq(0).view([-1, 1, 1, width]);
-        let _ = cache
-            .mask
-            .narrow(3, 0, width)
-            .masked_fill_(&padding, f64::NEG_INFINITY);
-        cache.next_positions = attention_mask.sum_dim_intlist(-1, true, Kind::Int64);
-        hidden.narrow(1, width - 1, 1)
-    }
-
-    /// One decode step: the next token of every row, `[B]`; returns hidden states `[B, 1,
-    /// hidden]`. Every generated token is real, so its rotary row is the row's next position and
-    /// its mask is the cached prefix's.
-    pub(crate) fn decode_step(
-        &self,
-        tokens: &Tensor,
-        cache: &mut KvCache,
-        weights: Option<&DecodeWeights>,
-    ) -> Tensor {
-        let context = Context {
-            rope: cache.rope.at(&cache.next_positions),
-            mask: cache.mask.narrow(3, 0, cache.len + 1),
-        };
-        let hidden = self.run(&tokens.view([-1, 1]), &context, Some(cache), weights);
-        cache.next_positions += 1;
-        hidden
     }
 
     /// Forward and backward with activation checkpointing: the forward pass keeps only each

@@ -77,7 +77,7 @@ impl ProbeContext {
                     .collect()
             })
             .unwrap_or_default();
-        names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+        names.sort_by_key(|a| natural_key(a));
         names
     }
 }

@@ -74,8 +74,13 @@ impl CausalLM {
         }
         // Position t predicts token t + 1: the response's predictors end one before the sequence.
         // Only those positions go through the (large) LM head.
-        let logits =
-            self.logits(&hidden.narrow(1, seq - response_len - 1, response_len))? / temperature;
+        let logits = self.logits(&hidden.narrow(1, seq - response_len - 1, response_len))?;
+        // Dividing by 1 is exact: skip a pass (and its backward) over the largest activation.
+        let logits = if temperature == 1.0 {
+            logits
+        } else {
+            logits / temperature
+        };
         let labels = input_ids
             .to_device(self.device())
             .narrow(1, seq - response_len, response_len);

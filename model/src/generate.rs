@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::kernels;
-use crate::model::{CausalLM, Decoder};
+use crate::model::{CausalLM, DecodePath, Decoder};
 use crate::rng::Rng;
 
 /// How to pick tokens. verl's rollout defaults: `n = 1, temperature = 1, top_p = 1, top_k = -1`.
@@ -135,16 +135,15 @@ impl CausalLM {
         if !params.ignore_eos {
             stops.extend_from_slice(eos_token_ids);
         }
-        tch::no_grad(|| self.decode(prompts, params, &stops, true))
+        tch::no_grad(|| self.decode(prompts, params, &stops, DecodePath::Kernels))
     }
 
-    /// `cpu_kernels: false` keeps an fp32 CPU model on the tensor-op decode step (for tests).
     fn decode(
         &self,
         prompts: &[Vec<i64>],
         params: &SamplingParams,
         stops: &[i64],
-        cpu_kernels: bool,
+        path: DecodePath,
     ) -> Result<Vec<Completion>> {
         let device = self.device();
         let n = params.n as i64;
@@ -167,7 +166,7 @@ impl CausalLM {
 
         let capacity = width + params.max_new_tokens as i64;
         let (mut decoder, mut logits) =
-            Decoder::prefill(self, &ids, &mask, capacity, cpu_kernels)?;
+            Decoder::prefill(self, &ids, &mask, capacity, path)?;
         if n > 1 {
             // Prefill once per prompt, then give each sample its own copy of the cache.
             decoder.repeat_interleave(n);
@@ -222,15 +221,27 @@ fn pick(
     params: &SamplingParams,
     rngs: &mut [Rng],
 ) -> Result<(Vec<i64>, Vec<f32>)> {
-    if params.temperature == 0.0 {
-        if let Some(rows) = host_rows(logits) {
-            return Ok(rows
-                .map(|row| {
-                    let (token, logprob) = kernels::greedy(row);
-                    (token as i64, logprob)
-                })
-                .unzip());
-        }
+    let greedy = params.temperature == 0.0;
+    let vocab = logits.size().last().copied().unwrap_or(0);
+    let filtered = params.top_p < 1.0 || (params.top_k > 0 && params.top_k < vocab);
+    // On CPU, greedy picks and unfiltered sampling (verl's RL default) read the logits in place:
+    // no sort of the vocabulary, one pass of vectorised exponentials per row.
+    if let Some(rows) = host_rows(logits).filter(|_| greedy || !filtered) {
+        let mut scratch = vec![0f32; vocab as usize];
+        return Ok(rows
+            .zip(rngs)
+            .map(|(row, rng)| {
+                let (token, logprob) = if greedy {
+                    kernels::greedy(row, &mut scratch)
+                } else {
+                    let u = rng.uniform() as f32;
+                    kernels::sample(row, params.temperature as f32, u, &mut scratch)
+                };
+                (token as i64, logprob)
+            })
+            .unzip());
+    }
+    if greedy {
         let tokens = logits.argmax(-1, false);
         let logprobs = crate::log_probs_from_logits(logits, &tokens);
         return Ok((Vec::try_from(&tokens)?, Vec::try_from(&logprobs)?));
@@ -252,7 +263,8 @@ fn host_rows(logits: &Tensor) -> Option<std::slice::ChunksExact<'_, f32>> {
     Some(all.chunks_exact(vocab as usize))
 }
 
-/// Temperature, top-k and top-p sampling: the tokens `[rows]` and their log-probabilities.
+/// Temperature, top-k and top-p sampling in tensor ops, in order of decreasing probability: the
+/// tokens `[rows]` and their log-probabilities.
 fn sample(logits: &Tensor, params: &SamplingParams, rngs: &mut [Rng]) -> (Tensor, Tensor) {
     let scaled = logits / params.temperature;
     let (probs, order) = scaled.softmax(-1, Kind::Float).sort_stable(true, -1, true);
@@ -291,11 +303,11 @@ mod tests {
     use super::*;
     use crate::{ModelConfig, ModelOptions};
 
-    /// The CPU kernel decode step and the tensor-op step give the same completions: grouped-query
-    /// attention (tiny-llama), q/k/v biases and tied embeddings (tiny-qwen2, llama3 RoPE scaling),
-    /// prompts of different lengths (left padding), greedy and n > 1 sampling.
+    /// The three decode paths give the same completions: grouped-query attention (tiny-llama),
+    /// q/k/v biases and tied embeddings (tiny-qwen2), llama3 RoPE scaling, prompts of different
+    /// lengths (left padding), greedy, n > 1 sampling with and without top-p.
     #[test]
-    fn cpu_kernel_step_matches_the_tensor_step() {
+    fn decode_paths_agree() {
         let prompts = vec![vec![5, 9, 14, 3, 22, 7, 301], vec![11], vec![40, 2, 8]];
         let greedy = SamplingParams {
             max_new_tokens: 24,
@@ -306,9 +318,12 @@ mod tests {
         let sampled = SamplingParams {
             n: 3,
             temperature: 0.8,
-            top_p: 0.9,
             seed: 4,
             ..greedy.clone()
+        };
+        let nucleus = SamplingParams {
+            top_p: 0.9,
+            ..sampled.clone()
         };
         for name in ["tiny-llama", "tiny-qwen2", "tiny-llama-rope-llama3"] {
             let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -319,31 +334,37 @@ mod tests {
                 CausalLM::random(ModelConfig::from_dir(&dir)?, &ModelOptions::default())
             });
             let model = model.unwrap();
-            for params in [&greedy, &sampled] {
-                let run = |kernels| tch::no_grad(|| model.decode(&prompts, params, &[], kernels));
-                let (fast, slow) = (run(true).unwrap(), run(false).unwrap());
-                assert_eq!(fast.len(), prompts.len() * params.n);
-                for (f, s) in fast.iter().zip(&slow) {
-                    assert_eq!(f.response_ids, s.response_ids, "{name}");
-                    for (a, b) in f.logprobs.iter().zip(&s.logprobs) {
-                        assert!((a - b).abs() < 1e-5, "{name}: {a} vs {b}");
+            for params in [&greedy, &sampled, &nucleus] {
+                let run = |path| tch::no_grad(|| model.decode(&prompts, params, &[], path));
+                let reference = run(DecodePath::Tensors).unwrap();
+                assert_eq!(reference.len(), prompts.len() * params.n);
+                for path in [DecodePath::Fused, DecodePath::Kernels] {
+                    for (got, want) in run(path).unwrap().iter().zip(&reference) {
+                        assert_eq!(got.response_ids, want.response_ids, "{name} {path:?}");
+                        for (a, b) in got.logprobs.iter().zip(&want.logprobs) {
+                            assert!((a - b).abs() < 1e-5, "{name} {path:?}: {a} vs {b}");
+                        }
                     }
                 }
             }
         }
     }
 
-    /// Empirical token frequencies of `pick` over many rows sharing one distribution.
-    fn frequencies(probs: &[f64], params: &SamplingParams) -> Vec<f64> {
+    /// Empirical token frequencies of `pick` over many rows sharing one distribution. `in_place`
+    /// gives it contiguous CPU logits (read in place when it can), else a broadcast view (always
+    /// tensor ops).
+    fn frequencies(probs: &[f64], params: &SamplingParams, in_place: bool) -> Vec<f64> {
         let rows = 20_000;
         let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
         let logits = Tensor::from_slice(&logits)
             .unsqueeze(0)
             .expand([rows, probs.len() as i64], false);
+        let logits = if in_place { logits.contiguous() } else { logits };
         let mut rngs: Vec<Rng> = (0..rows as u64)
             .map(|r| Rng::stream(params.seed, r))
             .collect();
-        let (tokens, logprobs) = sample(&logits, params, &mut rngs);
+        let (tokens, logprobs) = pick(&logits, params, &mut rngs).unwrap();
+        let (tokens, logprobs) = (Tensor::from_slice(&tokens), Tensor::from_slice(&logprobs));
         // Reported log-probs are those of the unfiltered, tempered distribution: p^(1/T) / Σ p^(1/T).
         let tilted: Vec<f64> = probs
             .iter()
@@ -365,6 +386,8 @@ mod tests {
         );
     }
 
+    /// Both samplers: tensor ops (sorted order, every filter) and in place (vocabulary order,
+    /// unfiltered only; filtered requests fall back to tensor ops).
     #[test]
     fn top_k_and_top_p_renormalise_the_kept_tokens() {
         let probs = [0.5, 0.3, 0.15, 0.05];
@@ -373,48 +396,26 @@ mod tests {
             seed: 9,
             ..Default::default()
         };
-        assert_close(&frequencies(&probs, &base), &probs);
         // top_k = 2 keeps {0.5, 0.3} → 0.625, 0.375.
-        let top2 = [0.625, 0.375, 0.0, 0.0];
-        assert_close(
-            &frequencies(
-                &probs,
-                &SamplingParams {
-                    top_k: 2,
-                    ..base.clone()
-                },
-            ),
-            &top2,
-        );
-        // top_p = 0.7: the third token's predecessors hold 0.8 ≥ 0.7, so it goes: as top_k = 2.
-        assert_close(
-            &frequencies(
-                &probs,
-                &SamplingParams {
-                    top_p: 0.7,
-                    ..base.clone()
-                },
-            ),
-            &top2,
-        );
+        let top2 = vec![0.625, 0.375, 0.0, 0.0];
         // top_p = 0.9 keeps three tokens: mass 0.95.
-        let top3 = [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0];
-        assert_close(
-            &frequencies(
-                &probs,
-                &SamplingParams {
-                    top_p: 0.9,
-                    ..base.clone()
-                },
-            ),
-            &top3,
-        );
+        let top3 = vec![0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0];
         // Temperature 0.5 squares the probabilities before renormalising.
         let squared: Vec<f64> = probs.iter().map(|p| p * p / 0.365).collect();
-        let hot = SamplingParams {
-            temperature: 0.5,
-            ..base
-        };
-        assert_close(&frequencies(&probs, &hot), &squared);
+        let cases = [
+            (base.clone(), probs.to_vec()),
+            (SamplingParams { top_k: 2, ..base.clone() }, top2.clone()),
+            // top_p = 0.7: the third token's predecessors hold 0.8 ≥ 0.7, so it goes.
+            (SamplingParams { top_p: 0.7, ..base.clone() }, top2),
+            (SamplingParams { top_p: 0.9, ..base.clone() }, top3),
+            (SamplingParams { temperature: 0.5, ..base.clone() }, squared),
+            // top_k at or beyond the vocabulary filters nothing.
+            (SamplingParams { top_k: 4, ..base }, probs.to_vec()),
+        ];
+        for in_place in [false, true] {
+            for (params, want) in &cases {
+                assert_close(&frequencies(&probs, params, in_place), want);
+            }
+        }
     }
 }

@@ -68,10 +68,9 @@ fn portable_silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The greedy token of a row of logits (the first of equal maxima, as `argmax`) and its
-/// log-probability `-ln Σ e^(x - max)`.
-pub(crate) fn greedy(logits: &[f32]) -> (usize, f32) {
-    let (token, max) = logits
+/// The first index of the row's maximum, as `argmax` (NaN counts as the maximum).
+fn argmax(row: &[f32]) -> usize {
+    let (index, _) = row
         .iter()
         .enumerate()
         .fold((0, f32::NEG_INFINITY), |(i, m), (j, &x)| {
@@ -81,28 +80,61 @@ pub(crate) fn greedy(logits: &[f32]) -> (usize, f32) {
                 (i, m)
             }
         });
-    (token, -sum_exp(logits, max).ln())
+    index
 }
 
-/// `Σ e^(x - shift)`.
-fn sum_exp(xs: &[f32], shift: f32) -> f32 {
+/// The greedy token of a row of logits and its log-probability `-ln Σ e^(x - max)`. `scratch`
+/// is at least as long as the row.
+pub(crate) fn greedy(logits: &[f32], scratch: &mut [f32]) -> (usize, f32) {
+    let token = argmax(logits);
+    let total = softmax_terms(logits, 1.0, logits[token], scratch);
+    (token, -total.ln())
+}
+
+/// A token drawn from `softmax(logits / temperature)` by inverse CDF with the uniform `u` in
+/// `[0, 1)`, in vocabulary order, and its log-probability under that distribution. `scratch` is
+/// at least as long as the row.
+pub(crate) fn sample(logits: &[f32], temperature: f32, u: f32, scratch: &mut [f32]) -> (usize, f32) {
+    // Dividing by a positive temperature keeps the order, so the maximum divides exactly.
+    let max = logits[argmax(logits)] / temperature;
+    let total = softmax_terms(logits, temperature, max, scratch);
+    let weights = &scratch[..logits.len()];
+    let target = u * total;
+    let mut cumulative = 0.0;
+    let token = weights
+        .iter()
+        .position(|w| {
+            cumulative += w;
+            cumulative > target
+        })
+        // Rounding can leave the sum short of the target: the last token with weight.
+        .unwrap_or_else(|| weights.iter().rposition(|&w| w > 0.0).unwrap_or(0));
+    (token, logits[token] / temperature - max - total.ln())
+}
+
+/// Writes `e^(x / temperature - shift)` for each logit `x` into `out` and returns their sum.
+fn softmax_terms(logits: &[f32], temperature: f32, shift: f32, out: &mut [f32]) -> f32 {
+    let out = &mut out[..logits.len()];
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F.
-        return unsafe { avx512::sum_exp(xs, shift) };
+        // SAFETY: the CPU has AVX-512F; `out` is as long as `logits`.
+        return unsafe { avx512::softmax_terms(logits, temperature, shift, out) };
     }
-    portable_sum_exp(xs, shift)
+    portable_softmax_terms(logits, temperature, shift, out)
 }
 
-fn portable_sum_exp(xs: &[f32], shift: f32) -> f32 {
+fn portable_softmax_terms(logits: &[f32], temperature: f32, shift: f32, out: &mut [f32]) -> f32 {
+    for (o, &x) in out.iter_mut().zip(logits) {
+        *o = exp(x / temperature - shift);
+    }
     let mut lanes = [0f32; LANES];
-    let (chunks, rest) = xs.as_chunks::<LANES>();
+    let (chunks, rest) = out.as_chunks::<LANES>();
     for chunk in chunks {
         for i in 0..LANES {
-            lanes[i] += exp(chunk[i] - shift);
+            lanes[i] += chunk[i];
         }
     }
-    lanes.iter().sum::<f32>() + rest.iter().map(|&x| exp(x - shift)).sum::<f32>()
+    lanes.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
 /// One query head over `keys`/`values` `[S, d]` (`S = mask.len()`):
@@ -228,16 +260,27 @@ mod avx512 {
     }
 
     /// # Safety
-    /// The CPU supports AVX-512F.
+    /// The CPU supports AVX-512F; `out` is as long as `logits`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn sum_exp(xs: &[f32], shift: f32) -> f32 {
-        let shift = _mm512_set1_ps(shift);
+    pub(super) unsafe fn softmax_terms(
+        logits: &[f32],
+        temperature: f32,
+        shift: f32,
+        out: &mut [f32],
+    ) -> f32 {
+        assert_eq!(logits.len(), out.len());
+        let (temperature, shift) = (_mm512_set1_ps(temperature), _mm512_set1_ps(shift));
         let mut total = _mm512_setzero_ps();
-        for start in (0..xs.len()).step_by(LANES) {
-            let k = first(xs.len() - start);
-            // SAFETY: the mask keeps the load inside `xs`.
-            let x = unsafe { _mm512_maskz_loadu_ps(k, xs.as_ptr().add(start)) };
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, exp(_mm512_sub_ps(x, shift))));
+        for start in (0..logits.len()).step_by(LANES) {
+            let k = first(logits.len() - start);
+            // SAFETY: the mask keeps loads and stores inside the slices.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(k, logits.as_ptr().add(start));
+                let x = _mm512_sub_ps(_mm512_div_ps(x, temperature), shift);
+                let e = _mm512_maskz_mov_ps(k, exp(x));
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(start), k, e);
+                total = _mm512_add_ps(total, e);
+            }
         }
         _mm512_reduce_add_ps(total)
     }
@@ -348,8 +391,8 @@ mod tests {
     #[test]
     fn exp_matches_libm_over_the_range() {
         // The scalar version, and the others through one-element sums.
-        let vector = |x: f32| sum_exp(&[x], 0.0);
-        let portable = |x: f32| portable_sum_exp(&[x], 0.0);
+        let vector = |x: f32| softmax_terms(&[x], 1.0, 0.0, &mut [0.0]);
+        let portable = |x: f32| portable_softmax_terms(&[x], 1.0, 0.0, &mut [0.0]);
         for x in (-2000..=1000).map(|i| i as f32 * 0.0891) {
             let want = x.exp();
             for got in [exp(x), vector(x), portable(x)] {
@@ -377,15 +420,15 @@ mod tests {
             let t = tch::Tensor::from_slice(&row);
             let want_token = t.argmax(0, false).int64_value(&[]) as usize;
             let want_lp = t.log_softmax(0, tch::Kind::Float).double_value(&[want_token as i64]);
-            let (token, lp) = greedy(&row);
+            let mut scratch = vec![0.0; n];
+            let (token, lp) = greedy(&row, &mut scratch);
             assert_eq!(token, want_token);
             assert!((lp as f64 - want_lp).abs() < 1e-6, "{lp} vs {want_lp}");
-            let max = row[token];
-            let portable = -portable_sum_exp(&row, max).ln();
+            let portable = -portable_softmax_terms(&row, 1.0, row[token], &mut scratch).ln();
             assert!((portable as f64 - want_lp).abs() < 1e-6, "{portable} vs {want_lp}");
         }
         // Ties go to the first maximum.
-        assert_eq!(greedy(&[1.0, 3.0, 3.0, -1.0]).0, 1);
+        assert_eq!(greedy(&[1.0, 3.0, 3.0, -1.0], &mut [0.0; 4]).0, 1);
     }
 
     #[test]

@@ -298,6 +298,19 @@ impl KvCache {
     }
 }
 
+/// How a decoder runs its steps. `generate` uses the fastest the model allows; the tests run
+/// every path on CPU against the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(test), expect(dead_code, reason = "only the tests choose a slower path"))]
+pub(crate) enum DecodePath {
+    /// fp32 on CPU: the [`cpu_step`] kernels. Otherwise as `Fused`.
+    Kernels,
+    /// Tensor ops with the fused, transposed [`DecodeWeights`] on CPU. Otherwise as `Tensors`.
+    Fused,
+    /// Tensor ops on the parameters themselves: what a GPU model runs.
+    Tensors,
+}
+
 /// One `generate` call's decoding state: the KV cache, the decode weights and, for an fp32
 /// model on CPU, the buffers of the [`cpu_step`] kernels.
 pub(crate) struct Decoder<'m> {
@@ -312,17 +325,19 @@ pub(crate) struct Decoder<'m> {
 impl<'m> Decoder<'m> {
     /// Runs left-padded prompts `input_ids` `[B, W]` (`attention_mask` 0 at padding) into a cache
     /// with room for `capacity` positions; returns the decoder and the next-token logits `[B,
-    /// vocab]` in fp32. `cpu_kernels: false` keeps an fp32 CPU model on the tensor-op step (to
-    /// test one against the other).
+    /// vocab]` in fp32.
     pub(crate) fn prefill(
         model: &'m CausalLM,
         input_ids: &Tensor,
         attention_mask: &Tensor,
         capacity: i64,
-        cpu_kernels: bool,
+        path: DecodePath,
     ) -> Result<(Self, Tensor)> {
         let (batch, width) = input_ids.size2().expect("prompts are [B, W]");
-        let weights = model.decode_weights();
+        let weights = match path {
+            DecodePath::Kernels | DecodePath::Fused => model.decode_weights(),
+            DecodePath::Tensors => None,
+        };
         let mut cache = KvCache::new(model, batch, capacity);
         let context = model.context(attention_mask, width);
         let hidden = model.run(input_ids, &context, Some(&mut cache), weights.as_ref());
@@ -337,7 +352,9 @@ impl<'m> Decoder<'m> {
         let decoder = Self {
             model,
             cache,
-            cpu_kernels: cpu_kernels && weights.is_some() && model.kind() == Kind::Float,
+            cpu_kernels: path == DecodePath::Kernels
+                && weights.is_some()
+                && model.kind() == Kind::Float,
             weights,
             buffers: None,
         };

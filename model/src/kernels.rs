@@ -70,6 +70,17 @@ fn portable_silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 
 /// The first index of the row's maximum, as `argmax` (NaN counts as the maximum).
 fn argmax(row: &[f32]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F.
+        if let Some(index) = unsafe { avx512::argmax(row) } {
+            return index;
+        }
+    }
+    portable_argmax(row)
+}
+
+fn portable_argmax(row: &[f32]) -> usize {
     let (index, _) = row
         .iter()
         .enumerate()
@@ -259,6 +270,39 @@ mod avx512 {
         _mm512_mask_mov_ps(_mm512_setzero_ps(), kept | nan, _mm512_scalef_ps(p, n))
     }
 
+    /// The first index of the maximum: one pass for the maximum, one to find it. `None` when the
+    /// row is empty or holds a NaN (the portable version decides those).
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn argmax(row: &[f32]) -> Option<usize> {
+        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut nan: __mmask16 = 0;
+        for start in (0..row.len()).step_by(LANES) {
+            let k = first(row.len() - start);
+            // SAFETY: the mask keeps the load inside `row`.
+            let x = unsafe { _mm512_mask_loadu_ps(max, k, row.as_ptr().add(start)) };
+            nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            max = _mm512_max_ps(max, x);
+        }
+        if nan != 0 || row.is_empty() {
+            return None;
+        }
+        let max = _mm512_reduce_max_ps(max);
+        let target = _mm512_set1_ps(max);
+        for start in (0..row.len()).step_by(LANES) {
+            let k = first(row.len() - start);
+            // SAFETY: the mask keeps the load inside `row`.
+            let x = unsafe { _mm512_maskz_loadu_ps(k, row.as_ptr().add(start)) };
+            let hits = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(k, x, target);
+            if hits != 0 {
+                return Some(start + hits.trailing_zeros() as usize);
+            }
+        }
+        None
+    }
+
     /// # Safety
     /// The CPU supports AVX-512F; `out` is as long as `logits`.
     #[target_feature(enable = "avx512f")]
@@ -427,8 +471,13 @@ mod tests {
             let portable = -portable_softmax_terms(&row, 1.0, row[token], &mut scratch).ln();
             assert!((portable as f64 - want_lp).abs() < 1e-6, "{portable} vs {want_lp}");
         }
-        // Ties go to the first maximum.
+        // Ties go to the first maximum, NaN counts as the maximum, in both versions.
+        for row in [vec![1.0, 3.0, 3.0, -1.0], (0..40).map(|i| (i % 7) as f32).collect()] {
+            assert_eq!(argmax(&row), portable_argmax(&row));
+        }
         assert_eq!(greedy(&[1.0, 3.0, 3.0, -1.0], &mut [0.0; 4]).0, 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 5.0]), 1);
     }
 
     #[test]

@@ -206,9 +206,12 @@ fn rotate(qkv: &mut [f32], g: &Geometry, positions: &[i64], table: &super::RopeT
         let (cos, sin) = (&cos[at..at + d], &signed_sin[at..at + d]);
         for head in row[..(g.heads + g.kv_heads) * d].chunks_exact_mut(d) {
             original.copy_from_slice(head);
-            // x·cos + roll(x, half)·[-sin, sin], as the tensor step computes it.
-            for (i, out) in head.iter_mut().enumerate() {
-                *out = original[i] * cos[i] + original[(i + half) % d] * sin[i];
+            // x·cos + roll(x, half)·[-sin, sin], as the tensor step computes it, a half at a time.
+            let (low, high) = original.split_at(half);
+            let (out_low, out_high) = head.split_at_mut(half);
+            for i in 0..half {
+                out_low[i] = low[i] * cos[i] + high[i] * sin[i];
+                out_high[i] = high[i] * cos[half + i] + low[i] * sin[half + i];
             }
         }
     }

@@ -3,7 +3,9 @@
 //! token with its log-probability. The hot ones have a portable version and an AVX-512 version
 //! chosen at run time: left to the auto-vectoriser, the portable loops ran several times slower
 //! (`expf` is a call per element, and horizontal sums went through memory). Both versions compute
-//! the same formulas; the tests check them against each other and against libtorch.
+//! the same formulas; the tests check them against each other and against libtorch. The portable
+//! versions are branch-free and libm-free in their inner loops and are also compiled for AVX2 (the
+//! `multiversion` crate picks at run time), for CPUs without AVX-512.
 
 /// `x += y`.
 pub(crate) fn add(x: &mut [f32], y: &[f32]) {
@@ -16,6 +18,7 @@ pub(crate) fn add(x: &mut [f32], y: &[f32]) {
 const LANES: usize = 16;
 
 /// `Σ a·b` over sixteen independent lanes, so that the loop vectorises without reassociating.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; LANES];
     let (a_chunks, a_rest) = a.as_chunks::<LANES>();
@@ -62,6 +65,7 @@ pub(crate) fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
     }
 }
 
+#[multiversion::multiversion(targets("x86_64+avx2+fma"))]
 fn portable_silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         *o = g / (1.0 + exp(-g)) * u;
@@ -134,6 +138,7 @@ fn softmax_terms(logits: &[f32], temperature: f32, shift: f32, out: &mut [f32]) 
     portable_softmax_terms(logits, temperature, shift, out)
 }
 
+#[multiversion::multiversion(targets("x86_64+avx2+fma"))]
 fn portable_softmax_terms(logits: &[f32], temperature: f32, shift: f32, out: &mut [f32]) -> f32 {
     for (o, &x) in out.iter_mut().zip(logits) {
         *o = exp(x / temperature - shift);
@@ -170,6 +175,7 @@ pub(crate) fn attend_head(
     portable_attend_head(q, (keys, values), mask, scale, scores, out);
 }
 
+#[multiversion::multiversion(targets("x86_64+avx2+fma"))]
 fn portable_attend_head(
     q: &[f32],
     (keys, values): (&[f32], &[f32]),
@@ -220,21 +226,28 @@ const EXP_POLY: [f32; 7] = [
     1.0,
 ];
 
-/// `e^x` as `2^n · p(r)` with `x = n·ln 2 + r`: the AVX-512 kernels' arithmetic, one lane.
+/// `e^x` as `2^n · p(r)` with `x = n·ln 2 + r`: the AVX-512 kernels' arithmetic, one lane,
+/// written branch-free and without libm calls so that loops over it vectorise.
+#[inline(always)]
 fn exp(x: f32) -> f32 {
-    if x.is_nan() {
-        return x;
-    }
-    if x < EXP_MIN {
-        return 0.0;
-    }
-    let x = x.min(EXP_MAX);
-    let n = (x * std::f32::consts::LOG2_E).round();
-    let r = (x - n * LN2_HI) - n * LN2_LO;
+    // Clamped, so that NaN is the only value the selects below must carry through.
+    let clamped = x.clamp(EXP_MIN, EXP_MAX);
+    // Round to nearest by adding and subtracting 1.5·2^23 (exact for |v| < 2^22).
+    const ROUND: f32 = 12_582_912.0;
+    let n = (clamped * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (clamped - n * LN2_HI) - n * LN2_LO;
     let p = EXP_POLY.iter().fold(0.0, |acc, c| acc * r + c);
-    // `2^n` in two factors: `2^128` alone overflows where `p·2^128` does not.
+    // `2^n` from exponent bits, in two factors: `2^128` alone overflows where `p·2^128` does not.
     let n = n as i32;
-    p * 2f32.powi(n / 2) * 2f32.powi(n - n / 2)
+    let power = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+    let e = p * power(n / 2) * power(n - n / 2);
+    if x.is_nan() {
+        x
+    } else if x < EXP_MIN {
+        0.0
+    } else {
+        e
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

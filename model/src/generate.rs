@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::interop;
 use crate::kernels;
 use crate::model::{CausalLM, DecodePath, Decoder};
 use crate::rng::Rng;
@@ -165,8 +166,7 @@ impl CausalLM {
             .to_device(device);
 
         let capacity = width + params.max_new_tokens as i64;
-        let (mut decoder, mut logits) =
-            Decoder::prefill(self, &ids, &mask, capacity, path)?;
+        let (mut decoder, mut logits) = Decoder::prefill(self, &ids, &mask, capacity, path)?;
         if n > 1 {
             // Prefill once per prompt, then give each sample its own copy of the cache.
             decoder.repeat_interleave(n);
@@ -253,13 +253,8 @@ fn pick(
 /// The rows of a CPU fp32 `[rows, V]` tensor read in place, when it is one (contiguous).
 fn host_rows(logits: &Tensor) -> Option<std::slice::ChunksExact<'_, f32>> {
     let (_, vocab) = logits.size2().ok()?;
-    if logits.device() != tch::Device::Cpu || logits.kind() != Kind::Float || !logits.is_contiguous()
-    {
-        return None;
-    }
-    // SAFETY: a contiguous fp32 CPU tensor holds `numel` f32 from its data pointer; nothing
-    // writes to `logits` while the caller reads it.
-    let all = unsafe { std::slice::from_raw_parts(logits.data_ptr().cast::<f32>(), logits.numel()) };
+    // SAFETY: checked to be host fp32; nothing writes to `logits` while the caller reads it.
+    let all = interop::is_host_f32(logits).then(|| unsafe { interop::floats(logits) })?;
     Some(all.chunks_exact(vocab as usize))
 }
 
@@ -359,7 +354,11 @@ mod tests {
         let logits = Tensor::from_slice(&logits)
             .unsqueeze(0)
             .expand([rows, probs.len() as i64], false);
-        let logits = if in_place { logits.contiguous() } else { logits };
+        let logits = if in_place {
+            logits.contiguous()
+        } else {
+            logits
+        };
         let mut rngs: Vec<Rng> = (0..rows as u64)
             .map(|r| Rng::stream(params.seed, r))
             .collect();
@@ -404,11 +403,35 @@ mod tests {
         let squared: Vec<f64> = probs.iter().map(|p| p * p / 0.365).collect();
         let cases = [
             (base.clone(), probs.to_vec()),
-            (SamplingParams { top_k: 2, ..base.clone() }, top2.clone()),
+            (
+                SamplingParams {
+                    top_k: 2,
+                    ..base.clone()
+                },
+                top2.clone(),
+            ),
             // top_p = 0.7: the third token's predecessors hold 0.8 ≥ 0.7, so it goes.
-            (SamplingParams { top_p: 0.7, ..base.clone() }, top2),
-            (SamplingParams { top_p: 0.9, ..base.clone() }, top3),
-            (SamplingParams { temperature: 0.5, ..base.clone() }, squared),
+            (
+                SamplingParams {
+                    top_p: 0.7,
+                    ..base.clone()
+                },
+                top2,
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.9,
+                    ..base.clone()
+                },
+                top3,
+            ),
+            (
+                SamplingParams {
+                    temperature: 0.5,
+                    ..base.clone()
+                },
+                squared,
+            ),
             // top_k at or beyond the vocabulary filters nothing.
             (SamplingParams { top_k: 4, ..base }, probs.to_vec()),
         ];

@@ -8,6 +8,33 @@ use verl_plugin_api::{DType, ErrorKind, NamedTensor, PluginError};
 
 use crate::error::{ModelError, Result};
 
+/// Whether `t` is a contiguous fp32 CPU tensor: one that [`floats`] reads in place.
+pub(crate) fn is_host_f32(t: &Tensor) -> bool {
+    t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous()
+}
+
+/// The elements of a contiguous fp32 CPU tensor, in place.
+///
+/// # Safety
+/// `is_host_f32(t)`, and nothing writes to the tensor's storage (through another handle) while
+/// the slice is used.
+pub(crate) unsafe fn floats(t: &Tensor) -> &[f32] {
+    debug_assert!(is_host_f32(t));
+    // SAFETY: a contiguous fp32 tensor's storage holds `numel` f32 from its data pointer.
+    unsafe { std::slice::from_raw_parts(t.data_ptr().cast::<f32>(), t.numel()) }
+}
+
+/// [`floats`], writable.
+///
+/// # Safety
+/// `is_host_f32(t)`, and nothing else reads or writes the tensor's storage while the slice is
+/// used.
+pub(crate) unsafe fn floats_mut(t: &mut Tensor) -> &mut [f32] {
+    debug_assert!(is_host_f32(t));
+    // SAFETY: as for `floats`, and the caller holds the only access.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), t.numel()) }
+}
+
 fn kind_of(dtype: DType) -> Option<Kind> {
     Some(match dtype {
         DType::F32 => Kind::Float,

@@ -109,7 +109,12 @@ pub(crate) fn greedy(logits: &[f32], scratch: &mut [f32]) -> (usize, f32) {
 /// A token drawn from `softmax(logits / temperature)` by inverse CDF with the uniform `u` in
 /// `[0, 1)`, in vocabulary order, and its log-probability under that distribution. `scratch` is
 /// at least as long as the row.
-pub(crate) fn sample(logits: &[f32], temperature: f32, u: f32, scratch: &mut [f32]) -> (usize, f32) {
+pub(crate) fn sample(
+    logits: &[f32],
+    temperature: f32,
+    u: f32,
+    scratch: &mut [f32],
+) -> (usize, f32) {
     // Dividing by a positive temperature keeps the order, so the maximum divides exactly.
     let max = logits[argmax(logits)] / temperature;
     let total = softmax_terms(logits, temperature, max, scratch);
@@ -476,16 +481,24 @@ mod tests {
             let row = random(&mut rng, n, 4.0);
             let t = tch::Tensor::from_slice(&row);
             let want_token = t.argmax(0, false).int64_value(&[]) as usize;
-            let want_lp = t.log_softmax(0, tch::Kind::Float).double_value(&[want_token as i64]);
+            let want_lp = t
+                .log_softmax(0, tch::Kind::Float)
+                .double_value(&[want_token as i64]);
             let mut scratch = vec![0.0; n];
             let (token, lp) = greedy(&row, &mut scratch);
             assert_eq!(token, want_token);
             assert!((lp as f64 - want_lp).abs() < 1e-6, "{lp} vs {want_lp}");
             let portable = -portable_softmax_terms(&row, 1.0, row[token], &mut scratch).ln();
-            assert!((portable as f64 - want_lp).abs() < 1e-6, "{portable} vs {want_lp}");
+            assert!(
+                (portable as f64 - want_lp).abs() < 1e-6,
+                "{portable} vs {want_lp}"
+            );
         }
         // Ties go to the first maximum, NaN counts as the maximum, in both versions.
-        for row in [vec![1.0, 3.0, 3.0, -1.0], (0..40).map(|i| (i % 7) as f32).collect()] {
+        for row in [
+            vec![1.0, 3.0, 3.0, -1.0],
+            (0..40).map(|i| (i % 7) as f32).collect(),
+        ] {
             assert_eq!(argmax(&row), portable_argmax(&row));
         }
         assert_eq!(greedy(&[1.0, 3.0, 3.0, -1.0], &mut [0.0; 4]).0, 1);
@@ -501,7 +514,8 @@ mod tests {
             let mut out = vec![0.0; 3 * width];
             silu_mul(&gate_up, width, &mut out);
             let t = tch::Tensor::from_slice(&gate_up).view([3, 2 * width as i64]);
-            let want = t.narrow(1, 0, width as i64).silu() * t.narrow(1, width as i64, width as i64);
+            let want =
+                t.narrow(1, 0, width as i64).silu() * t.narrow(1, width as i64, width as i64);
             let want = Vec::<f32>::try_from(want.reshape([-1])).unwrap();
             close(&out, &want, 1e-6);
             for ((pair, out), want) in gate_up
@@ -525,7 +539,11 @@ mod tests {
         let t = tch::Tensor::from_slice(&x).view([4, 48]);
         let variance = t.square().mean_dim(-1, true, tch::Kind::Float);
         let want = tch::Tensor::from_slice(&w) * (&t * (variance + 1e-6).rsqrt());
-        close(&out, &Vec::<f32>::try_from(want.reshape([-1])).unwrap(), 1e-6);
+        close(
+            &out,
+            &Vec::<f32>::try_from(want.reshape([-1])).unwrap(),
+            1e-6,
+        );
     }
 
     /// Both attention versions against libtorch's `scaled_dot_product_attention`, with masked
@@ -541,10 +559,18 @@ mod tests {
             );
             // Mask every third position but the last.
             let mask: Vec<f32> = (0..n)
-                .map(|s| if s % 3 == 1 && s + 1 < n { f32::NEG_INFINITY } else { 0.0 })
+                .map(|s| {
+                    if s % 3 == 1 && s + 1 < n {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
                 .collect();
             let scale = 1.0 / (d as f32).sqrt();
-            let tensor = |v: &[f32], rows: usize| tch::Tensor::from_slice(v).view([1, 1, rows as i64, d as i64]);
+            let tensor = |v: &[f32], rows: usize| {
+                tch::Tensor::from_slice(v).view([1, 1, rows as i64, d as i64])
+            };
             let want = tch::Tensor::scaled_dot_product_attention(
                 &tensor(&q, 1),
                 &tensor(&keys, n),

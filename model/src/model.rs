@@ -157,7 +157,11 @@ impl DecodeWeights {
     fn shallow_clone(&self) -> Self {
         Self {
             sources: self.sources.clone(),
-            layers: self.layers.iter().map(LayerWeights::shallow_clone).collect(),
+            layers: self
+                .layers
+                .iter()
+                .map(LayerWeights::shallow_clone)
+                .collect(),
             lm_head: self.lm_head.as_ref().map(DecodeLinear::shallow_clone),
         }
     }
@@ -301,7 +305,10 @@ impl KvCache {
 /// How a decoder runs its steps. `generate` uses the fastest the model allows; the tests run
 /// every path on CPU against the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(test), expect(dead_code, reason = "only the tests choose a slower path"))]
+#[cfg_attr(
+    not(test),
+    expect(dead_code, reason = "only the tests choose a slower path")
+)]
 pub(crate) enum DecodePath {
     /// fp32 on CPU: the [`cpu_step`] kernels. Otherwise as `Fused`.
     Kernels,
@@ -347,8 +354,7 @@ impl<'m> Decoder<'m> {
             .narrow(3, 0, width)
             .masked_fill_(&padding, f64::NEG_INFINITY);
         cache.next_positions = attention_mask.sum_dim_intlist(-1, true, Kind::Int64);
-        let logits = model
-            .decode_logits(&hidden.select(1, width - 1), weights.as_ref())?;
+        let logits = model.decode_logits(&hidden.select(1, width - 1), weights.as_ref())?;
         let decoder = Self {
             model,
             cache,
@@ -435,7 +441,11 @@ impl Attention {
                 let qkv = w.qkv.forward(x).view([b, t, h + 2 * kv, d]);
                 // One rotation for the queries and keys together.
                 let qk = rope.apply(&qkv.narrow(2, 0, h + kv));
-                (qk.narrow(2, 0, h), qk.narrow(2, h, kv), qkv.narrow(2, h + kv, kv))
+                (
+                    qk.narrow(2, 0, h),
+                    qk.narrow(2, h, kv),
+                    qkv.narrow(2, h + kv, kv),
+                )
             }
             None => {
                 let heads = |y: Tensor, n: i64| y.view([b, t, n, d]);
@@ -541,12 +551,10 @@ impl DecoderLayer {
         cache: Option<(&mut KvCache, usize)>,
         weights: Option<&LayerWeights>,
     ) -> Tensor {
-        let x = x + self.self_attn.forward(
-            &self.input_layernorm.forward(x),
-            context,
-            cache,
-            weights,
-        );
+        let x =
+            x + self
+                .self_attn
+                .forward(&self.input_layernorm.forward(x), context, cache, weights);
         &x + self
             .mlp
             .forward(&self.post_attention_layernorm.forward(&x), weights)
@@ -747,10 +755,9 @@ impl CausalLM {
     /// Value-head outputs in fp32 for hidden states `[.., hidden]` → `[..]`.
     pub(crate) fn values_from_hidden(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.head {
-            OutputHead::Value(score) => Ok(score
-                .forward(hidden)
-                .squeeze_dim(-1)
-                .to_kind(Kind::Float)),
+            OutputHead::Value(score) => {
+                Ok(score.forward(hidden).squeeze_dim(-1).to_kind(Kind::Float))
+            }
             OutputHead::Lm(_) => Err(ModelError::invalid_input(
                 "head",
                 "values need a model built with Head::Value",
@@ -771,11 +778,7 @@ impl CausalLM {
     }
 
     /// [`Self::logits`] inside a `generate` call, through the decode weights on CPU.
-    fn decode_logits(
-        &self,
-        hidden: &Tensor,
-        weights: Option<&DecodeWeights>,
-    ) -> Result<Tensor> {
+    fn decode_logits(&self, hidden: &Tensor, weights: Option<&DecodeWeights>) -> Result<Tensor> {
         match weights.and_then(|w| w.lm_head.as_ref()) {
             Some(head) => Ok(head.forward(hidden).to_kind(Kind::Float)),
             None => self.logits(hidden),
@@ -802,7 +805,11 @@ impl CausalLM {
             *cached = None; // free the stale copy before making the new one
             *cached = Some(tch::no_grad(|| DecodeWeights {
                 sources,
-                layers: self.layers.iter().map(DecoderLayer::decode_weights).collect(),
+                layers: self
+                    .layers
+                    .iter()
+                    .map(DecoderLayer::decode_weights)
+                    .collect(),
                 lm_head: self.lm_head().ok().map(DecodeLinear::from_embedding),
             }));
         }

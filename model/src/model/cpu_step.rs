@@ -12,28 +12,9 @@
 
 use tch::{Kind, Tensor};
 
-use super::{CausalLM, DecodeLinear, DecodeWeights, KvCache};
-use crate::kernels::{self, add, rms_norm};
-
-/// The elements of a contiguous fp32 CPU tensor.
-///
-/// # Safety
-/// Nothing may write to the tensor's storage (through another handle) while the slice is used.
-unsafe fn floats(t: &Tensor) -> &[f32] {
-    debug_assert!(t.kind() == Kind::Float && t.is_contiguous() && t.device() == tch::Device::Cpu);
-    // SAFETY: a contiguous fp32 tensor's storage holds `numel` f32 from its data pointer.
-    unsafe { std::slice::from_raw_parts(t.data_ptr().cast::<f32>(), t.numel()) }
-}
-
-/// [`floats`], writable.
-///
-/// # Safety
-/// Nothing else may read or write the tensor's storage while the slice is used.
-unsafe fn floats_mut(t: &mut Tensor) -> &mut [f32] {
-    debug_assert!(t.kind() == Kind::Float && t.is_contiguous() && t.device() == tch::Device::Cpu);
-    // SAFETY: as for `floats`, and the caller holds the only access.
-    unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), t.numel()) }
-}
+use super::{CausalLM, DecodeLinear, DecodeWeights, KvCache, RmsNorm};
+use crate::interop::{floats, floats_mut};
+use crate::kernels::{self, add};
 
 /// Work buffers of one `generate` call's decode steps, fp32 and contiguous, reused by every step
 /// and layer. Tensors, so that the matrix products write into them.
@@ -112,53 +93,33 @@ impl CausalLM {
             len: cache.len as usize,
         };
         for ((layer, w), i) in self.layers.iter().zip(&weights.layers).zip(0..) {
-            let eps = layer.input_layernorm.eps as f32;
-            unsafe {
-                rms_norm(
-                    floats(&b.x),
-                    floats(&layer.input_layernorm.weight),
-                    eps,
-                    floats_mut(&mut b.normed),
-                );
-            }
+            normalize(&layer.input_layernorm, &b.x, &mut b.normed);
             project(&w.qkv, &b.normed, &mut b.qkv);
             unsafe {
                 let qkv = floats_mut(&mut b.qkv);
                 rotate(qkv, &geometry, &b.positions, &cache.rope);
                 attend(
                     qkv,
-                    (floats_mut(&mut cache.keys[i]), floats_mut(&mut cache.values[i])),
+                    (
+                        floats_mut(&mut cache.keys[i]),
+                        floats_mut(&mut cache.values[i]),
+                    ),
                     floats(&cache.mask),
                     &geometry,
                     &mut b.scores,
                     floats_mut(&mut b.attn),
                 );
-
             }
             project(&w.o, &b.attn, &mut b.proj);
-            unsafe {
-                add(floats_mut(&mut b.x), floats(&b.proj));
-                rms_norm(
-                    floats(&b.x),
-                    floats(&layer.post_attention_layernorm.weight),
-                    eps,
-                    floats_mut(&mut b.normed),
-                );
-            }
+            unsafe { add(floats_mut(&mut b.x), floats(&b.proj)) };
+            normalize(&layer.post_attention_layernorm, &b.x, &mut b.normed);
             project(&w.gate_up, &b.normed, &mut b.gate_up);
             let intermediate = c.intermediate_size as usize;
             unsafe { kernels::silu_mul(floats(&b.gate_up), intermediate, floats_mut(&mut b.act)) };
             project(&w.down, &b.act, &mut b.proj);
             unsafe { add(floats_mut(&mut b.x), floats(&b.proj)) };
         }
-        unsafe {
-            rms_norm(
-                floats(&b.x),
-                floats(&self.norm.weight),
-                self.norm.eps as f32,
-                floats_mut(&mut b.normed),
-            );
-        }
+        normalize(&self.norm, &b.x, &mut b.normed);
         let head = weights
             .lm_head
             .as_ref()
@@ -179,6 +140,19 @@ struct Geometry {
     head_dim: usize,
     capacity: usize,
     len: usize,
+}
+
+/// `out = norm(x)` for `[rows, hidden]` buffers.
+fn normalize(norm: &RmsNorm, x: &Tensor, out: &mut Tensor) {
+    // SAFETY: distinct contiguous fp32 tensors, no other slice alive.
+    unsafe {
+        kernels::rms_norm(
+            floats(x),
+            floats(&norm.weight),
+            norm.eps as f32,
+            floats_mut(out),
+        )
+    };
 }
 
 /// `out = input · W (+ b)` through MKL.
@@ -250,4 +224,3 @@ fn attend(
         }
     }
 }
-

@@ -35,7 +35,8 @@ pub(super) struct StepBuffers {
     act: Tensor,
     /// `[rows, vocab]`.
     logits: Tensor,
-    /// Each row's next position.
+    /// Each row's next position, advanced here (the cache's `next_positions` tensor serves the
+    /// tensor-op step and stays at the prefill's values on this path).
     positions: Vec<i64>,
     /// Attention scores of one head, `[capacity]`.
     scores: Vec<f32>,

@@ -6,31 +6,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
-use verl_plugin_api::{ComponentInit, ComponentKind, GenerateRequest, RunContext, SamplingParams, keys};
+use verl_plugin_api::{ComponentKind, GenerateRequest, SamplingParams, keys};
 use verl_plugin_host::Registry;
 
 use crate::batch;
-
-/// Where and as what components run for a one-off command.
-pub struct Placement {
-    pub device: String,
-    pub seed: u64,
-}
-
-impl Placement {
-    /// Rank 0 of the selected platform: "cpu", or "<torch device type>:0".
-    pub fn on_platform(device: &verl_plugin_host::DeviceReport, seed: u64) -> Self {
-        let device = if device.device_type == "cpu" { "cpu".to_owned() } else { format!("{}:0", device.device_type) };
-        Self { device, seed }
-    }
-
-    fn init(&self, config: serde_json::Value) -> ComponentInit {
-        ComponentInit {
-            config_json: config.to_string().into(),
-            run: RunContext { device: self.device.as_str().into(), world_size: 1, seed: self.seed, ..Default::default() },
-        }
-    }
-}
+use crate::placement::Placement;
 
 #[derive(Debug, Serialize)]
 pub struct GeneratedText {
@@ -63,14 +43,14 @@ pub fn generate(
 ) -> anyhow::Result<Vec<GeneratedText>> {
     let mut generator = registry.resolve(ComponentKind::ROLLOUT, rollout)?.create_rollout()?;
     let config = serde_json::json!({ "model": { "path": model } });
-    generator.init(&placement.init(config)).into_result().with_context(|| format!("initialising rollout `{rollout}`"))?;
-    let request = GenerateRequest { prompts: prompts.into_iter().map(Into::into).collect(), sampling };
-    let output = generator.generate(&request).into_result().with_context(|| format!("rollout `{rollout}`"))?;
+    generator.init(&placement.init(config)).with_context(|| format!("initialising rollout `{rollout}`"))?;
+    let request = GenerateRequest::new(prompts, sampling);
+    let output = generator.generate(&request).with_context(|| format!("rollout `{rollout}`"))?;
     output
         .completions
-        .iter()
+        .into_iter()
         .map(|c| {
-            let ids: Vec<u32> = c.response_ids.to_vec();
+            let ids = c.response_ids;
             let text = match tokenizer {
                 Some(t) => Some(t.decode(&ids, true).map_err(|e| anyhow::anyhow!("decoding: {e}"))?),
                 None => None,
@@ -78,7 +58,7 @@ pub fn generate(
             Ok(GeneratedText {
                 prompt_index: c.prompt_index,
                 response_ids: ids,
-                logprobs: c.logprobs.to_vec(),
+                logprobs: c.logprobs,
                 finish_reason: c.finish_reason.as_str(),
                 text,
             })
@@ -130,10 +110,10 @@ pub fn score(
 ) -> anyhow::Result<Vec<ScoredResponse>> {
     let mut scorer = registry.resolve(ComponentKind::ENGINE, engine)?.create_engine()?;
     let config = serde_json::json!({ "role": "ref", "model": { "path": model } });
-    scorer.init(&placement.init(config)).into_result().with_context(|| format!("initialising engine `{engine}`"))?;
+    scorer.init(&placement.init(config)).with_context(|| format!("initialising engine `{engine}`"))?;
     let mut input = batch::build(prompts, responses, 0)?;
     input.meta_json = serde_json::json!({ "temperature": 1.0, "calculate_entropy": false }).to_string().into();
-    let output = scorer.compute_log_prob(&input).into_result().with_context(|| format!("engine `{engine}`"))?;
+    let output = scorer.compute_log_prob(&input).with_context(|| format!("engine `{engine}`"))?;
     let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
     Ok(batch::response_values(&output, keys::LOG_PROBS, &lengths)?.into_iter().map(|logprobs| ScoredResponse { logprobs }).collect())
 }

@@ -6,7 +6,9 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use verl_core::config::Config;
 use verl_core::data::synthetic::AdditionTask;
-use verl_core::{bench, inference, quickstart, report, trainer};
+use verl_core::quickstart::TinyModel;
+use verl_core::placement::{self, Placement};
+use verl_core::{bench, inference, quickstart, report, sft, trainer};
 use verl_plugin_api::SamplingParams;
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
 
@@ -188,6 +190,23 @@ enum BenchCommand {
         #[arg(long, default_value_t = 20)]
         runs: usize,
     },
+    /// Weight sync by reference (naive and disk, against a memcpy of the model) and the record
+    /// boundary's cost on `generate`, through the engine and rollout plugins.
+    Components {
+        /// A Hugging Face model directory; default: a random Llama of the given shape.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value = "fsdp")]
+        engine: String,
+        #[arg(long, default_value = "native")]
+        rollout: String,
+        #[arg(long, default_value_t = 512)]
+        hidden_size: usize,
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -247,31 +266,32 @@ fn load_config(args: &RunArgs, embedded_default: bool) -> anyhow::Result<Config>
     }
 }
 
-/// The torch device for rank 0: `trainer.device=auto` follows platform selection, anything else
-/// names a platform (or a torch device type) explicitly.
-fn training_device(config: &Config, registry: &Registry, timeout: Duration) -> anyhow::Result<String> {
+/// This process's placement for training: `trainer.device=auto` follows platform selection,
+/// anything else names a platform (or a torch device type) explicitly. The platform's
+/// environment updates are applied before any component exists.
+fn training_placement(config: &Config, registry: &Registry, timeout: Duration) -> anyhow::Result<Placement> {
     let wanted = config.trainer.device.trim().to_ascii_lowercase();
-    let (report, selection) = detect_platform(registry, &process_probe(), timeout);
     if wanted.is_empty() || wanted == "auto" {
-        selection.context("selecting the device platform (see `verl-core platform`)")?;
-        let device = report.selected_device().expect("a selected platform has a report");
-        return Ok(inference::Placement::on_platform(device, 0).device);
+        return placement(registry, timeout, config.trainer.seed);
     }
+    let (report, _) = detect_platform(registry, &process_probe(), timeout);
     let device = report
         .devices
         .iter()
         .find(|d| d.name == wanted || d.device_type == wanted)
         .ok_or_else(|| anyhow::anyhow!("trainer.device={wanted} names no platform; known: {}", report.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")))?;
     anyhow::ensure!(device.available, "trainer.device={wanted}: {} is not available: {}", device.name, device.reason);
-    Ok(inference::Placement::on_platform(device, 0).device)
+    placement::apply_env_updates(device);
+    Ok(Placement::on_platform(device, config.trainer.seed)?)
 }
 
-/// Rank 0 on the selected platform; a selection error stops the command.
-fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<inference::Placement> {
+/// This process on the selected platform; a selection error stops the command.
+fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<Placement> {
     let (report, selection) = detect_platform(registry, &process_probe(), timeout);
     selection.context("selecting the device platform (see `verl-core platform`)")?;
     let device = report.selected_device().expect("a selected platform has a report");
-    Ok(inference::Placement::on_platform(device, seed))
+    placement::apply_env_updates(device);
+    Ok(Placement::on_platform(device, seed)?)
 }
 
 fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
@@ -352,10 +372,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => {
             let config = load_config(&args, true)?;
             let registry = load_registry(&cli.plugins)?;
-            let device = training_device(&config, &registry, timeout)?;
-            quickstart::prepare(&config, &registry, &device)?;
+            let placement = training_placement(&config, &registry, timeout)?;
+            quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
-            let summary = trainer::run(config, &registry, &device)?;
+            let summary = trainer::run(config, &registry, &placement)?;
             if let (Some(first), Some(last)) = (summary.validations.first(), summary.validations.last()) {
                 for (key, value) in &last.1 {
                     let before = first.1.get(key).copied().unwrap_or(f64::NAN);
@@ -370,8 +390,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Sft(args) => {
             let config = load_config(&args, false)?;
             let registry = load_registry(&cli.plugins)?;
-            let device = training_device(&config, &registry, timeout)?;
-            quickstart::run_sft(&config, &config.sft, &registry, &device)?;
+            let placement = training_placement(&config, &registry, timeout)?;
+            sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Config(ConfigCommand::Show { run, json }) => {
@@ -406,16 +426,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 prompts.push(args.prompt_ids.clone());
             }
             anyhow::ensure!(!prompts.is_empty(), "give at least one --prompt or --prompt-ids");
-            let sampling = SamplingParams {
-                n: args.n,
-                greedy: args.temperature.is_none() || args.greedy,
-                temperature: args.temperature.unwrap_or(1.0),
-                top_p: args.top_p.unwrap_or(1.0),
-                top_k: args.top_k.unwrap_or(-1),
-                max_new_tokens: args.max_new_tokens,
-                seed: Some(args.seed).into(),
-                ..SamplingParams::default()
-            };
+            let mut sampling = SamplingParams::default();
+            sampling.n = args.n;
+            sampling.greedy = args.temperature.is_none() || args.greedy;
+            sampling.temperature = args.temperature.unwrap_or(1.0);
+            sampling.top_p = args.top_p.unwrap_or(1.0);
+            sampling.top_k = args.top_k.unwrap_or(-1);
+            sampling.max_new_tokens = args.max_new_tokens;
+            sampling.seed = Some(args.seed);
             let results = inference::generate(&registry, &args.rollout, &args.model, prompts, sampling, &placement, tokenizer.as_ref())?;
             if args.json {
                 print_json(&serde_json::json!({ "results": results }))?;
@@ -443,6 +461,28 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCommand::Plugins { runs }) => {
             let exe = std::env::current_exe().context("locating the verl-core binary")?;
             print!("{}", bench::plugins(&exe, &cli.plugins.plugin_dirs, runs)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(BenchCommand::Components { model, engine, rollout, hidden_size, layers, runs }) => {
+            let registry = load_registry(&cli.plugins)?;
+            let placement = placement(&registry, timeout, 0)?;
+            let tiny = TinyModel {
+                hidden_size,
+                intermediate_size: hidden_size * 4,
+                num_hidden_layers: layers,
+                num_attention_heads: (hidden_size / 64).max(1),
+                num_key_value_heads: (hidden_size / 64).max(1),
+            };
+            let bench = bench::ComponentBench {
+                registry: &registry,
+                placement: &placement,
+                engine: &engine,
+                rollout: &rollout,
+                model: model.as_deref(),
+                tiny,
+                runs: runs.max(1),
+            };
+            print!("{}", bench::components(&bench)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::StartupProbe => {

@@ -1,21 +1,19 @@
-//! The embedded default job and supervised warm-up: with `quickstart.enable`, `verl-core run`
-//! makes whatever is missing before training — the synthetic addition task in verl's parquet
-//! format, a tiny Llama (config + character tokenizer, random weights) and a short supervised
-//! warm-up of it (`verl-core sft`) — so a fresh machine needs no network, model or data.
+//! The embedded default job: with `quickstart.enable`, `verl-core run` makes whatever is missing
+//! before training — the synthetic addition task in verl's parquet format, a tiny Llama (config +
+//! character tokenizer, random weights) and a short supervised warm-up of it ([`crate::sft`]) — so
+//! a fresh machine needs no network, model or data.
 
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use verl_plugin_api::{ComponentInit, ComponentKind, EngineBox, RunContext, keys};
 use verl_plugin_host::Registry;
 
-use crate::algo::masked_mean;
-use crate::batch;
-use crate::config::{Config, EngineRole};
+use crate::config::Config;
+use crate::data::expand_home;
 use crate::data::synthetic::{self, AdditionTask, SPECIAL_TOKENS};
-use crate::data::{ChatTemplate, DataLoader, PromptProcessor, Sample, expand_home};
+use crate::placement::Placement;
+use crate::sft::run_sft;
 use crate::trainer::TrainError;
 
 /// The example config `verl-core run` uses when given none.
@@ -48,29 +46,7 @@ pub struct QuickstartConfig {
     pub model: TinyModel,
 }
 
-/// `sft.*`: supervised fine-tuning on the data's reference answers (`extra_info.answer`, else
-/// `#### <ground_truth>`), through the actor engine.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftConfig {
-    pub steps: u64,
-    pub batch_size: usize,
-    pub lr: f64,
-    /// Model to start from; default `actor_rollout_ref.model.path`.
-    pub base_model: Option<String>,
-    /// Start from random weights (the base model's config.json) instead of its safetensors.
-    pub random_init: bool,
-    /// Where the Hugging Face directory is written.
-    pub output_dir: Option<String>,
-}
-
-impl Default for SftConfig {
-    fn default() -> Self {
-        Self { steps: 100, batch_size: 64, lr: 1e-4, base_model: None, random_init: false, output_dir: None }
-    }
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |error| TrainError::Io { path: path.to_path_buf(), error }
 }
 
@@ -109,7 +85,7 @@ pub fn write_tiny_model(dir: &Path, model: &TinyModel) -> Result<(), TrainError>
 
 /// Makes what the config points at and is missing: the task's parquet files, and the warmed-up
 /// model at `actor_rollout_ref.model.path` (from a random tiny model next to it).
-pub fn prepare(config: &Config, registry: &Registry, device: &str) -> Result<(), TrainError> {
+pub fn prepare(config: &Config, registry: &Registry, placement: &Placement) -> Result<(), TrainError> {
     let quick = &config.quickstart;
     if !quick.enable {
         return Ok(());
@@ -137,107 +113,7 @@ pub fn prepare(config: &Config, registry: &Registry, device: &str) -> Result<(),
         sft.base_model = Some(base.to_string_lossy().into_owned());
         sft.random_init = true;
         sft.output_dir = Some(model_dir.to_string_lossy().into_owned());
-        run_sft(config, &sft, registry, device)?;
+        run_sft(config, &sft, registry, placement)?;
     }
     Ok(())
-}
-
-/// The reference response to train on: verl's `extra_info.answer` when present (GSM8K-style
-/// datasets carry the worked answer there), else `#### <ground_truth>`.
-fn reference_answer(sample: &Sample) -> String {
-    sample
-        .extra_info
-        .get("answer")
-        .and_then(|a| a.as_str())
-        .map(str::to_owned)
-        .unwrap_or_else(|| format!("#### {}", sample.reward_model.ground_truth))
-}
-
-/// Supervised fine-tuning through the actor engine's `update_actor`: with `old_log_probs` equal
-/// to the current log-probs and every advantage 1, the PPO loss's gradient is the NLL's.
-/// Returns the output directory.
-pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, device: &str) -> Result<PathBuf, TrainError> {
-    let base = expand_home(sft.base_model.as_deref().unwrap_or(&config.actor_rollout_ref.model.path));
-    let output = expand_home(sft.output_dir.as_deref().unwrap_or(&format!("{}/sft", config.trainer.default_local_dir)));
-    let tokenizer_json = base.join("tokenizer.json");
-    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json).map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_json.display())))?;
-    let eos = ["</s>", "<|endoftext|>", "<|im_end|>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t));
-    let data = &config.data;
-    let processor = PromptProcessor::new(ChatTemplate::from_model_dir(&base)?, &tokenizer_json, data.max_prompt_length, true, data.truncation)?;
-    let examples: Vec<(Vec<u32>, Vec<u32>)> = processor
-        .prepare(crate::data::load_samples(&data.train_files, &data.prompt_key)?)?
-        .into_iter()
-        .map(|(sample, prompt)| {
-            let mut answer = tokenizer
-                .encode(reference_answer(&sample), false)
-                .map_err(|e| TrainError::Invalid(format!("tokenizing an answer: {e}")))?
-                .get_ids()
-                .to_vec();
-            answer.truncate(data.max_response_length.saturating_sub(1).max(1));
-            answer.extend(eos);
-            Ok((prompt.ids, answer))
-        })
-        .collect::<Result<_, TrainError>>()?;
-    if examples.len() < sft.batch_size {
-        return Err(TrainError::Invalid(format!("sft.batch_size={} but the training set has {} examples", sft.batch_size, examples.len())));
-    }
-
-    let mut section = config.engine_json(EngineRole::Actor);
-    section["model"]["path"] = json!(base);
-    section["model"]["random_init"] = json!(sft.random_init);
-    section["ppo_mini_batch_size"] = json!(sft.batch_size);
-    section["ppo_micro_batch_size_per_gpu"] = json!(sft.batch_size);
-    section["ppo_epochs"] = json!(1);
-    section["entropy_coeff"] = json!(0.0);
-    section["use_kl_loss"] = json!(false);
-    section["loss_agg_mode"] = json!("token-mean");
-    section["optim"]["lr"] = json!(sft.lr);
-    section["optim"]["lr_warmup_steps"] = json!(0);
-    section["optim"]["weight_decay"] = json!(0.0);
-    section["optim"]["total_training_steps"] = json!(sft.steps);
-    let name = config.engine_strategy(EngineRole::Actor);
-    let mut engine: EngineBox = registry.resolve(ComponentKind::ENGINE, name)?.create_engine()?;
-    let run = RunContext { device: device.into(), world_size: 1, seed: config.trainer.seed, ..Default::default() };
-    engine
-        .init(&ComponentInit { config_json: section.to_string().into(), run })
-        .into_result()
-        .map_err(|error| TrainError::Plugin { context: format!("initialising the sft engine `{name}`"), error })?;
-
-    let plugin = |context: &str| {
-        let context = context.to_owned();
-        move |error| TrainError::Plugin { context, error }
-    };
-    let mut loader = DataLoader::new(examples.len(), sft.batch_size, true, config.trainer.seed, true);
-    let started = Instant::now();
-    eprintln!("sft: {} steps of {} examples from {}", sft.steps, sft.batch_size, base.display());
-    for step in 1..=sft.steps {
-        let indices = loop {
-            if let Some(b) = loader.next_batch() {
-                break b;
-            }
-        };
-        let prompts: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].0.clone()).collect();
-        let answers: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].1.clone()).collect();
-        let mut input = batch::build(&prompts, &answers, 0).map_err(plugin("building an sft batch"))?;
-        input.meta_json = json!({ "temperature": 1.0, "global_steps": step }).to_string().into();
-        let out = engine.compute_log_prob(&input).into_result().map_err(plugin("sft log-probs"))?;
-        let log_probs = out.require(keys::LOG_PROBS).map_err(plugin("sft log-probs"))?.clone();
-        let mask_tensor = input.require(keys::RESPONSE_MASK).map_err(plugin("sft batch"))?.clone();
-        let mask = batch::matrix(keys::RESPONSE_MASK, &mask_tensor).map_err(plugin("sft batch"))?;
-        let nll = -masked_mean(&batch::matrix(keys::LOG_PROBS, &log_probs).map_err(plugin("sft log-probs"))?, &mask)?;
-        input.insert(keys::OLD_LOG_PROBS, log_probs);
-        input.insert(keys::ADVANTAGES, mask_tensor);
-        let metrics = engine.update_actor(&input).into_result().map_err(plugin("sft update"))?;
-        if step == 1 || step % 25 == 0 || step == sft.steps {
-            let grad = metrics.iter().find(|m| m.key == "actor/grad_norm").map_or(f64::NAN, |m| m.value);
-            eprintln!("sft step {step}/{}: nll {nll:.4}, grad_norm {grad:.3}, {:.1} s", sft.steps, started.elapsed().as_secs_f64());
-        }
-    }
-    std::fs::create_dir_all(&output).map_err(io(&output))?;
-    engine
-        .export_hf(output.to_string_lossy().as_ref().into())
-        .into_result()
-        .map_err(plugin(&format!("exporting {}", output.display())))?;
-    eprintln!("sft: model written to {}", output.display());
-    Ok(output)
 }

@@ -14,6 +14,11 @@ pub struct ComponentJson {
     /// "active", "shadowed" (a higher priority one of the same name wins) or "conflict".
     pub status: &'static str,
     pub description: String,
+    /// What the component declares it can do (its kind's capabilities record; `{}` for devices).
+    pub capabilities: serde_json::Value,
+    /// The plugin-owned config section it reads, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config_section: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -71,6 +76,11 @@ pub fn plugins_json(registry: &Registry) -> Vec<PluginJson> {
                     priority: c.priority,
                     status: registry.status(c).as_str(),
                     description: c.description.clone(),
+                    capabilities: match &c.capabilities {
+                        serde_json::Value::Null => serde_json::json!({}),
+                        declared => declared.clone(),
+                    },
+                    config_section: c.config_section.clone(),
                 })
                 .collect(),
         })
@@ -89,6 +99,28 @@ pub fn conflicts_json(registry: &Registry) -> Vec<ConflictJson> {
             error: c.message(),
         })
         .collect()
+}
+
+/// `  [key=value ...]` for a capabilities object, empty when there is nothing to say.
+fn capabilities_text(capabilities: &serde_json::Value) -> String {
+    let Some(map) = capabilities.as_object().filter(|m| !m.is_empty()) else {
+        return String::new();
+    };
+    let pairs: Vec<String> = map
+        .iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::Array(items) => format!(
+                "{k}={}",
+                items
+                    .iter()
+                    .map(|i| i.as_str().map_or(i.to_string(), str::to_owned))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            other => format!("{k}={other}"),
+        })
+        .collect();
+    format!("  [{}]", pairs.join(" "))
 }
 
 pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> String {
@@ -111,8 +143,11 @@ pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> Strin
                     };
                     let _ = writeln!(
                         out,
-                        "      {:<10} {:<14} priority {:>4}{note}",
-                        c.kind, c.name, c.priority
+                        "      {:<10} {:<14} priority {:>4}{note}{}",
+                        c.kind,
+                        c.name,
+                        c.priority,
+                        capabilities_text(&c.capabilities)
                     );
                 }
             }

@@ -8,6 +8,7 @@
 
 mod builtin;
 mod discovery;
+mod handle;
 mod load;
 mod platform;
 mod registry;
@@ -20,6 +21,7 @@ pub use discovery::{
     ALLOW_LIST_ENV, Candidate, DEFAULT_DIR_ENV, DirSource, PLUGIN_PATH_ENV, PluginSearch,
     default_plugin_dir,
 };
+pub use handle::{CheckpointHandle, DeviceHandle, EngineHandle, RolloutHandle, TrackerHandle};
 pub use load::load_manifest;
 pub use platform::{
     DEFAULT_DETECT_TIMEOUT, DeviceReport, PLATFORM_ENV, PROBE_ROOT_ENV, PlatformError,

@@ -7,7 +7,7 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use verl_plugin_api::{Detection, DeviceInfo, ErrorKind, PluginError, ProbeContext};
 
 use crate::registry::{Component, Registry};
@@ -26,7 +26,7 @@ pub fn process_probe() -> ProbeContext {
     ProbeContext::new(root, std::env::vars())
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeviceReport {
     pub name: String,
     pub available: bool,
@@ -87,8 +87,8 @@ fn probe_one(component: &Component, probe: &ProbeContext) -> Probed {
     let device = component
         .create_device()
         .map_err(|e| PluginError::other(e.to_string()))?;
-    let info = device.info().into_result()?;
-    let detection = device.detect(probe).into_result()?;
+    let info = device.info()?;
+    let detection = device.detect(probe)?;
     Ok((info, detection))
 }
 
@@ -216,27 +216,19 @@ fn report(component: &Component, info: DeviceInfo, detection: Detection) -> Devi
         name: component.name.clone(),
         available: detection.available && detection.count > 0,
         count: detection.count,
-        reason: detection.reason.into(),
+        reason: detection.reason,
         priority: component.priority,
         plugin: component.plugin.clone(),
         origin: component.origin.describe(),
-        vendor: info.vendor.into(),
-        device_type: info.device_type.into(),
-        comm_backend: info.comm_backend.into(),
-        visible_devices_env: info
-            .visible_devices_env
-            .iter()
-            .map(ToString::to_string)
-            .collect(),
-        device_names: detection
-            .device_names
-            .iter()
-            .map(ToString::to_string)
-            .collect(),
+        vendor: info.vendor,
+        device_type: info.device_type,
+        comm_backend: info.comm_backend,
+        visible_devices_env: info.visible_devices_env,
+        device_names: detection.device_names,
         env_updates: detection
             .env_updates
-            .iter()
-            .map(|e| (e.key.to_string(), e.value.to_string()))
+            .into_iter()
+            .map(|e| (e.key, e.value))
             .collect(),
         error: None,
         fatal: false,

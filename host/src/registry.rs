@@ -6,12 +6,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use verl_plugin_api::{
-    CheckpointBox, ComponentKind, DeviceBox, EngineBox, FactoryBox, PluginBuilder, PluginError,
-    PluginManifest, RolloutBox, TrackerBox,
-};
+use verl_plugin_api::{ComponentKind, FactoryBox, PluginBuilder, PluginError, PluginInfo};
 
 use crate::discovery::{Candidate, PluginSearch};
+use crate::handle::{CheckpointHandle, DeviceHandle, EngineHandle, RolloutHandle, TrackerHandle};
 use crate::{LoadError, load, vet};
 
 /// A host's built-in components, registered from any crate linked into the binary with
@@ -60,6 +58,10 @@ pub struct Component {
     pub name: String,
     pub priority: i32,
     pub description: String,
+    /// The kind's capabilities record as the plugin declared it (JSON).
+    pub capabilities: serde_json::Value,
+    /// The plugin-owned config section the component reads, if any.
+    pub config_section: Option<String>,
     pub plugin: String,
     pub origin: Origin,
     factory: Arc<FactoryBox>,
@@ -163,23 +165,27 @@ impl Registry {
         let loaded = vet::vet(path, allow_list)
             .and_then(|()| load::load_manifest(path))
             .and_then(|manifest| {
+                let info = manifest.info().map_err(|e| LoadError::Registration {
+                    path: path.into(),
+                    reason: e.to_string(),
+                })?;
                 match self
                     .plugins
                     .iter()
-                    .find(|p| p.status.is_ok() && p.name == manifest.name.as_str())
+                    .find(|p| p.status.is_ok() && p.name == info.name)
                 {
                     Some(first) => Err(LoadError::Duplicate {
                         path: path.into(),
-                        name: manifest.name.to_string(),
+                        name: info.name,
                         first: PathBuf::from(first.origin.describe()),
                     }),
-                    None => Ok(manifest),
+                    None => Ok((info, manifest.factory)),
                 }
             });
         match loaded {
-            Ok(manifest) => {
-                tracing::debug!(plugin = %manifest.name, path = %path.display(), "loaded plugin");
-                self.add_manifest(manifest, Origin::Library(path.into()));
+            Ok((info, factory)) => {
+                tracing::debug!(plugin = %info.name, path = %path.display(), "loaded plugin");
+                self.add(info, factory, Origin::Library(path.into()));
             }
             Err(error) => self.reject(error),
         }
@@ -206,29 +212,44 @@ impl Registry {
     /// Registers in-process components as built-ins (what `inventory` submissions become; also lets
     /// plugin authors test a builder without building a library).
     pub fn add_builtin(&mut self, builder: PluginBuilder) {
-        self.add_manifest(builder.into_manifest(), Origin::Builtin);
+        let manifest = builder.into_manifest();
+        let info = manifest.info().expect("a builder's manifest reads back");
+        self.add(info, manifest.factory, Origin::Builtin);
     }
 
-    fn add_manifest(&mut self, manifest: PluginManifest, origin: Origin) {
-        let factory = Arc::new(manifest.factory);
-        let plugin = manifest.name.to_string();
-        let components = manifest
+    fn add(&mut self, info: PluginInfo, factory: FactoryBox, origin: Origin) {
+        let factory = Arc::new(factory);
+        let components = info
             .components
-            .iter()
+            .into_iter()
+            .filter(|meta| {
+                let known = ComponentKind::ALL.contains(&meta.kind);
+                if !known {
+                    tracing::warn!(
+                        "{}: component `{}` is of a kind (code {}) this verl-core does not know; skipped",
+                        origin.describe(),
+                        meta.name,
+                        meta.kind.0
+                    );
+                }
+                known
+            })
             .map(|meta| Component {
                 kind: meta.kind,
-                name: meta.name.to_string(),
+                name: meta.name,
                 priority: meta.priority,
-                description: meta.description.to_string(),
-                plugin: plugin.clone(),
+                description: meta.description,
+                capabilities: meta.capabilities,
+                config_section: meta.config_section,
+                plugin: info.name.clone(),
                 origin: origin.clone(),
                 factory: Arc::clone(&factory),
             })
             .collect();
         self.plugins.push(PluginRecord {
-            name: plugin,
-            version: manifest.version.into(),
-            description: manifest.description.into(),
+            name: info.name,
+            version: info.version,
+            description: info.description,
             origin,
             status: Ok(()),
             components,
@@ -347,20 +368,39 @@ impl Component {
             source,
         })
     }
-    pub fn create_device(&self) -> Result<DeviceBox, LookupError> {
+    pub fn create_device(&self) -> Result<DeviceHandle, LookupError> {
         self.created(self.factory.create_device(self.name.as_str().into()))
+            .map(DeviceHandle)
     }
-    pub fn create_engine(&self) -> Result<EngineBox, LookupError> {
+    pub fn create_engine(&self) -> Result<EngineHandle, LookupError> {
         self.created(self.factory.create_engine(self.name.as_str().into()))
+            .map(EngineHandle)
     }
-    pub fn create_rollout(&self) -> Result<RolloutBox, LookupError> {
+    pub fn create_rollout(&self) -> Result<RolloutHandle, LookupError> {
         self.created(self.factory.create_rollout(self.name.as_str().into()))
+            .map(RolloutHandle)
     }
-    pub fn create_checkpoint(&self) -> Result<CheckpointBox, LookupError> {
+    pub fn create_checkpoint(&self) -> Result<CheckpointHandle, LookupError> {
         self.created(self.factory.create_checkpoint(self.name.as_str().into()))
+            .map(CheckpointHandle)
     }
-    pub fn create_tracker(&self) -> Result<TrackerBox, LookupError> {
+    pub fn create_tracker(&self) -> Result<TrackerHandle, LookupError> {
         self.created(self.factory.create_tracker(self.name.as_str().into()))
+            .map(TrackerHandle)
+    }
+
+    /// The declared capabilities as the kind's record (defaults where the plugin declared none
+    /// or declared fields this build does not know).
+    pub fn capabilities<T: serde::de::DeserializeOwned + Default>(&self) -> T {
+        serde_json::from_value(self.capabilities.clone()).unwrap_or_else(|e| {
+            tracing::warn!(
+                "{} `{}` from {}: unreadable capabilities ({e}); assuming none",
+                self.kind,
+                self.name,
+                self.origin.describe()
+            );
+            T::default()
+        })
     }
 }
 
@@ -373,13 +413,7 @@ mod tests {
     struct Fake(&'static str);
     impl Device for Fake {
         fn info(&self) -> DeviceInfo {
-            DeviceInfo {
-                name: self.0.into(),
-                vendor: "test".into(),
-                device_type: "cpu".into(),
-                comm_backend: "gloo".into(),
-                visible_devices_env: Default::default(),
-            }
+            DeviceInfo::new(self.0, "test", "cpu", "gloo")
         }
         fn detect(&self, _: &ProbeContext) -> Result<Detection, PluginError> {
             Ok(Detection::available(1, self.0))
@@ -451,8 +485,7 @@ mod tests {
                 .unwrap()
                 .detect(&ProbeContext::new("/", Vec::<(String, String)>::new()))
                 .unwrap()
-                .reason
-                .as_str(),
+                .reason,
             "x"
         );
     }

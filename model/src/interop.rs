@@ -4,8 +4,9 @@
 
 use serde::de::DeserializeOwned;
 use tch::{Device, Kind, Tensor};
-use verl_plugin_api::{DType, ErrorKind, NamedTensor, PluginError};
+use verl_plugin_api::{DType, ErrorKind, PluginError, TensorRef};
 
+use crate::CausalLM;
 use crate::error::{ModelError, Result};
 
 /// Whether `t` is a contiguous fp32 CPU tensor: one that [`floats`] reads in place.
@@ -100,20 +101,95 @@ pub fn from_tch(name: &str, tensor: &Tensor) -> Result<verl_plugin_api::Tensor> 
     })
 }
 
-/// Named tch tensors (e.g. [`crate::CausalLM::named_tensors`]) as ABI named tensors.
-pub fn named_from_tch(tensors: &[(String, Tensor)]) -> Result<Vec<NamedTensor>> {
-    tensors
-        .iter()
-        .map(|(name, t)| Ok(NamedTensor::new(name.clone(), from_tch(name, t)?)))
-        .collect()
+/// Tensors lent across the ABI as views ([`TensorRef`]): contiguous host tensors in place, any
+/// other (a GPU parameter, a strided view) through one staging copy kept here until the next
+/// [`LentTensors::lend`].
+#[derive(Default)]
+pub struct LentTensors {
+    /// Name, shape, and a contiguous host tensor sharing the source's storage where it could.
+    entries: Vec<(String, Vec<i64>, Tensor)>,
+    staged_bytes: usize,
 }
 
-/// ABI named tensors as tch tensors on `device`.
-pub fn named_to_tch(tensors: &[NamedTensor], device: Device) -> Result<Vec<(String, Tensor)>> {
-    tensors
+impl LentTensors {
+    /// Takes `named` (e.g. [`CausalLM::named_tensors`], which share the parameters' storage).
+    pub fn lend(&mut self, named: Vec<(String, Tensor)>) -> Result<()> {
+        self.staged_bytes = 0;
+        self.entries = named
+            .into_iter()
+            .map(|(name, tensor)| {
+                let tensor = tensor.detach();
+                let host = if tensor.device() == Device::Cpu && tensor.is_contiguous() {
+                    tensor
+                } else {
+                    let staged = tensor.to_device(Device::Cpu).contiguous();
+                    self.staged_bytes += staged.numel() * staged.kind().elt_size_in_bytes();
+                    staged
+                };
+                Ok((name, host.size(), host))
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    /// Views of the lent tensors, valid while `self` is borrowed (and nothing writes the
+    /// parameters meanwhile, which the engine's `&mut self` borrow guarantees).
+    pub fn views(&self) -> Result<Vec<TensorRef<'_>>> {
+        self.entries
+            .iter()
+            .map(|(name, shape, tensor)| {
+                let dtype = dtype_of(tensor.kind()).ok_or_else(|| ModelError::Tensor {
+                    tensor: name.clone(),
+                    reason: format!("dtype {:?} has no ABI equivalent", tensor.kind()),
+                })?;
+                let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
+                // SAFETY: a contiguous host tensor's storage holds `len` bytes from its data
+                // pointer, and `self` keeps the tensor (and so the storage) alive.
+                let bytes = unsafe { std::slice::from_raw_parts(tensor.data_ptr().cast::<u8>(), len) };
+                TensorRef::new(name, dtype, shape, bytes).map_err(|e| ModelError::Tensor {
+                    tensor: name.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Bytes copied to make the views (0 when every tensor was contiguous host memory).
+    pub fn staged_bytes(&self) -> usize {
+        self.staged_bytes
+    }
+}
+
+/// Copies borrowed weights into `model`'s same-named parameters: one copy per tensor, straight
+/// from the lender's memory (the views are wrapped, not copied, on the way). Returns the bytes
+/// copied.
+pub fn load_views(model: &CausalLM, views: &[TensorRef<'_>]) -> Result<usize> {
+    let wrapped = views
         .iter()
-        .map(|t| Ok((t.name.to_string(), to_tch(&t.name, &t.tensor, device)?)))
-        .collect()
+        .map(|view| {
+            let name = view.name.as_str();
+            let kind = kind_of(view.dtype).ok_or_else(|| ModelError::Tensor {
+                tensor: name.to_owned(),
+                reason: format!("unknown dtype code {}", view.dtype.0),
+            })?;
+            // `TensorRef::new` checked the length; a peer could still hand a bad one.
+            let numel: i64 = view.shape.iter().product();
+            if view.shape.iter().any(|&d| d < 0) || numel as usize * kind.elt_size_in_bytes() != view.data.len() {
+                return Err(ModelError::Tensor {
+                    tensor: name.to_owned(),
+                    reason: format!("shape {:?} does not match {} bytes", view.shape.as_slice(), view.data.len()),
+                });
+            }
+            // SAFETY: the blob aliases `view.data`, which outlives this function; the tensor is
+            // only read (copied from) and dropped before returning.
+            let tensor = unsafe {
+                Tensor::f_from_blob(view.data.as_ptr(), view.shape.as_slice(), &[], kind, Device::Cpu)
+            }?;
+            Ok((name.to_owned(), tensor))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    model.load_named_tensors(&wrapped)?;
+    Ok(views.iter().map(|v| v.data.len()).sum())
 }
 
 impl From<ModelError> for PluginError {
@@ -160,6 +236,41 @@ mod tests {
         bad.data.pop();
         let err = to_tch("w", &bad, Device::Cpu).unwrap_err().to_string();
         assert!(err.contains("\"w\"") && err.contains("7"), "{err}");
+    }
+
+    #[test]
+    fn lent_weights_alias_the_parameters_and_load_in_one_copy() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama");
+        let source = CausalLM::from_pretrained(&dir, &crate::ModelOptions::default()).unwrap();
+        let mut lent = LentTensors::default();
+        lent.lend(source.named_tensors()).unwrap();
+        let views = lent.views().unwrap();
+        let params = source.named_tensors();
+        assert_eq!(views.len(), params.len());
+        for (view, (name, param)) in views.iter().zip(&params) {
+            assert_eq!(view.name.as_str(), name);
+            // In place: the view is the parameter's own storage.
+            assert_eq!(view.data.as_ptr() as usize, param.data_ptr() as usize, "{name}");
+        }
+        assert_eq!(lent.staged_bytes(), 0);
+
+        let mut options = crate::ModelOptions::default();
+        options.seed = 99;
+        let target = CausalLM::random(source.config().clone(), &options).unwrap();
+        assert!(!target.named_tensors()[0].1.equal(&params[0].1));
+        let copied = load_views(&target, &views).unwrap();
+        assert_eq!(copied, views.iter().map(|v| v.data.len()).sum::<usize>());
+        for ((name, a), (_, b)) in target.named_tensors().iter().zip(&params) {
+            assert!(a.equal(b), "{name}");
+            assert_ne!(a.data_ptr(), b.data_ptr(), "{name}: copied, not shared");
+        }
+
+        // A strided (non-contiguous) tensor is staged once.
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]).tr();
+        lent.lend(vec![("t".into(), t.shallow_clone())]).unwrap();
+        assert_eq!(lent.staged_bytes(), 16);
+        let staged = lent.views().unwrap()[0].to_named();
+        assert_eq!(staged.tensor.to_vec::<f32>().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
     }
 
     #[test]

@@ -726,6 +726,12 @@ impl CausalLM {
         named
     }
 
+    /// Overwrites every parameter from a directory of safetensors files (`model.safetensors`, or
+    /// the shards of `model.safetensors.index.json`): a weight update handed over on disk.
+    pub fn load_weights_dir(&self, dir: &Path) -> Result<()> {
+        weights::load_into(dir, &self.named_tensors(), |_| false).map(drop)
+    }
+
     /// Overwrites parameters from named tensors (weight sync from a trainer). Names must exist in
     /// this model with the same shapes; a subset is fine.
     pub fn load_named_tensors(&self, tensors: &[(String, Tensor)]) -> Result<()> {

@@ -6,41 +6,48 @@ use abi_stable::library::RootModule;
 use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{RBox, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::{StableAbi, sabi_trait};
+use serde::{Deserialize, Serialize};
 
-use crate::components::{
-    CheckpointEngine, ComponentInit, Engine, GenerateOutput, GenerateRequest, Rollout, Table,
-    Tracker,
-};
-use crate::device::{Detection, Device, DeviceInfo, ProbeContext};
+use crate::components::{CheckpointEngine, ComponentInit, Engine, GenerateRequest, Rollout, Table, Tracker};
+use crate::device::{Device, ProbeContext};
 use crate::error::{PluginError, guard};
-use crate::{Batch, Metric, NamedTensor, WeightBundle};
+use crate::wire::{decode, encode};
+use crate::{Batch, Metric, TensorRef, WeightSource};
+
+// Records (`ComponentInit`, `GenerateRequest`, `DeviceInfo`, …) cross as JSON text (see `wire`);
+// batches, tensors, weights and metrics cross as fixed binary containers.
 
 #[sabi_trait]
 pub trait StableDevice: Send + Sync {
-    fn info(&self) -> RResult<DeviceInfo, PluginError>;
+    /// `DeviceInfo` JSON.
+    fn info(&self) -> RResult<RString, PluginError>;
+    /// `ProbeContext` JSON in, `Detection` JSON out.
     #[sabi(last_prefix_field)]
-    fn detect(&self, probe: &ProbeContext) -> RResult<Detection, PluginError>;
+    fn detect(&self, probe: RStr<'_>) -> RResult<RString, PluginError>;
 }
 
 #[sabi_trait]
 pub trait StableEngine: Send {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError>;
+    /// `ComponentInit` JSON.
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError>;
     fn compute_log_prob(&mut self, batch: &Batch) -> RResult<Batch, PluginError>;
     fn compute_values(&mut self, batch: &Batch) -> RResult<Batch, PluginError>;
     fn update_actor(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError>;
     fn update_critic(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError>;
     fn save_checkpoint(&mut self, dir: RStr<'_>, global_step: u64) -> RResult<(), PluginError>;
     fn load_checkpoint(&mut self, dir: RStr<'_>) -> RResult<u64, PluginError>;
-    fn export_weights(&mut self) -> RResult<RVec<NamedTensor>, PluginError>;
+    /// Views into the engine's memory, valid until the next call on the engine.
+    fn weights(&mut self) -> RResult<RVec<TensorRef<'_>>, PluginError>;
     #[sabi(last_prefix_field)]
     fn export_hf(&mut self, dir: RStr<'_>) -> RResult<(), PluginError>;
 }
 
 #[sabi_trait]
 pub trait StableRollout: Send {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError>;
-    fn generate(&mut self, request: &GenerateRequest) -> RResult<GenerateOutput, PluginError>;
-    fn update_weights(&mut self, weights: &WeightBundle) -> RResult<(), PluginError>;
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError>;
+    /// `GenerateRequest` JSON in, `GenerateOutput` JSON out.
+    fn generate(&mut self, request: RStr<'_>) -> RResult<RString, PluginError>;
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> RResult<(), PluginError>;
     fn sleep(&mut self, level: u32) -> RResult<(), PluginError>;
     #[sabi(last_prefix_field)]
     fn wake_up(&mut self) -> RResult<(), PluginError>;
@@ -48,18 +55,19 @@ pub trait StableRollout: Send {
 
 #[sabi_trait]
 pub trait StableCheckpoint: Send {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError>;
-    fn send_weights(&mut self, weights: &WeightBundle) -> RResult<(), PluginError>;
-    fn receive_weights(&mut self) -> RResult<WeightBundle, PluginError>;
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError>;
+    /// `Handover` JSON out.
+    fn send_weights(&mut self, weights: &WeightSource<'_>) -> RResult<RString, PluginError>;
     #[sabi(last_prefix_field)]
     fn finalize(&mut self) -> RResult<(), PluginError>;
 }
 
 #[sabi_trait]
 pub trait StableTracker: Send {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError>;
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError>;
     fn log(&mut self, step: u64, metrics: RSlice<'_, Metric>) -> RResult<(), PluginError>;
-    fn log_table(&mut self, step: u64, table: &Table) -> RResult<(), PluginError>;
+    /// `Table` JSON.
+    fn log_table(&mut self, step: u64, table: RStr<'_>) -> RResult<(), PluginError>;
     #[sabi(last_prefix_field)]
     fn finish(&mut self, exit_code: i32) -> RResult<(), PluginError>;
 }
@@ -70,21 +78,29 @@ pub type RolloutBox = StableRollout_TO<'static, RBox<()>>;
 pub type CheckpointBox = StableCheckpoint_TO<'static, RBox<()>>;
 pub type TrackerBox = StableTracker_TO<'static, RBox<()>>;
 
-/// Wraps a plugin author's component so that every call is panic-guarded.
+/// Wraps a plugin author's component so that every call is panic-guarded and records are decoded
+/// and encoded on the plugin's side.
 struct Guarded<T>(T);
 
 impl<T: Device> StableDevice for Guarded<T> {
-    fn info(&self) -> RResult<DeviceInfo, PluginError> {
-        guard("info", || Ok(self.0.info()))
+    fn info(&self) -> RResult<RString, PluginError> {
+        guard("info", || Ok(encode(&self.0.info())))
     }
-    fn detect(&self, probe: &ProbeContext) -> RResult<Detection, PluginError> {
-        guard("detect", || self.0.detect(probe))
+    fn detect(&self, probe: RStr<'_>) -> RResult<RString, PluginError> {
+        guard("detect", || {
+            let probe: ProbeContext = decode("probe context", probe.as_str())?;
+            self.0.detect(&probe).map(|d| encode(&d))
+        })
     }
 }
 
+fn init_record(init: RStr<'_>) -> Result<ComponentInit, PluginError> {
+    decode("component init", init.as_str())
+}
+
 impl<T: Engine> StableEngine for Guarded<T> {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError> {
-        guard("init", || self.0.init(init))
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError> {
+        guard("init", || self.0.init(&init_record(init)?))
     }
     fn compute_log_prob(&mut self, batch: &Batch) -> RResult<Batch, PluginError> {
         guard("compute_log_prob", || self.0.compute_log_prob(batch))
@@ -93,25 +109,19 @@ impl<T: Engine> StableEngine for Guarded<T> {
         guard("compute_values", || self.0.compute_values(batch))
     }
     fn update_actor(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError> {
-        guard("update_actor", || {
-            self.0.update_actor(batch).map(RVec::from)
-        })
+        guard("update_actor", || self.0.update_actor(batch).map(RVec::from))
     }
     fn update_critic(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError> {
-        guard("update_critic", || {
-            self.0.update_critic(batch).map(RVec::from)
-        })
+        guard("update_critic", || self.0.update_critic(batch).map(RVec::from))
     }
     fn save_checkpoint(&mut self, dir: RStr<'_>, global_step: u64) -> RResult<(), PluginError> {
-        guard("save_checkpoint", || {
-            self.0.save_checkpoint(dir.as_str(), global_step)
-        })
+        guard("save_checkpoint", || self.0.save_checkpoint(dir.as_str(), global_step))
     }
     fn load_checkpoint(&mut self, dir: RStr<'_>) -> RResult<u64, PluginError> {
         guard("load_checkpoint", || self.0.load_checkpoint(dir.as_str()))
     }
-    fn export_weights(&mut self) -> RResult<RVec<NamedTensor>, PluginError> {
-        guard("export_weights", || self.0.export_weights().map(RVec::from))
+    fn weights(&mut self) -> RResult<RVec<TensorRef<'_>>, PluginError> {
+        guard("weights", || self.0.weights().map(RVec::from))
     }
     fn export_hf(&mut self, dir: RStr<'_>) -> RResult<(), PluginError> {
         guard("export_hf", || self.0.export_hf(dir.as_str()))
@@ -119,14 +129,17 @@ impl<T: Engine> StableEngine for Guarded<T> {
 }
 
 impl<T: Rollout> StableRollout for Guarded<T> {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError> {
-        guard("init", || self.0.init(init))
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError> {
+        guard("init", || self.0.init(&init_record(init)?))
     }
-    fn generate(&mut self, request: &GenerateRequest) -> RResult<GenerateOutput, PluginError> {
-        guard("generate", || self.0.generate(request))
+    fn generate(&mut self, request: RStr<'_>) -> RResult<RString, PluginError> {
+        guard("generate", || {
+            let request: GenerateRequest = decode("generate request", request.as_str())?;
+            self.0.generate(&request).map(|out| encode(&out))
+        })
     }
-    fn update_weights(&mut self, weights: &WeightBundle) -> RResult<(), PluginError> {
-        guard("update_weights", || self.0.update_weights(weights))
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> RResult<(), PluginError> {
+        guard("update_weights", || self.0.update_weights(source))
     }
     fn sleep(&mut self, level: u32) -> RResult<(), PluginError> {
         guard("sleep", || self.0.sleep(level))
@@ -137,14 +150,11 @@ impl<T: Rollout> StableRollout for Guarded<T> {
 }
 
 impl<T: CheckpointEngine> StableCheckpoint for Guarded<T> {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError> {
-        guard("init", || self.0.init(init))
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError> {
+        guard("init", || self.0.init(&init_record(init)?))
     }
-    fn send_weights(&mut self, weights: &WeightBundle) -> RResult<(), PluginError> {
-        guard("send_weights", || self.0.send_weights(weights))
-    }
-    fn receive_weights(&mut self) -> RResult<WeightBundle, PluginError> {
-        guard("receive_weights", || self.0.receive_weights())
+    fn send_weights(&mut self, weights: &WeightSource<'_>) -> RResult<RString, PluginError> {
+        guard("send_weights", || self.0.send_weights(weights).map(|h| encode(&h)))
     }
     fn finalize(&mut self) -> RResult<(), PluginError> {
         guard("finalize", || self.0.finalize())
@@ -152,23 +162,28 @@ impl<T: CheckpointEngine> StableCheckpoint for Guarded<T> {
 }
 
 impl<T: Tracker> StableTracker for Guarded<T> {
-    fn init(&mut self, init: &ComponentInit) -> RResult<(), PluginError> {
-        guard("init", || self.0.init(init))
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError> {
+        guard("init", || self.0.init(&init_record(init)?))
     }
     fn log(&mut self, step: u64, metrics: RSlice<'_, Metric>) -> RResult<(), PluginError> {
         guard("log", || self.0.log(step, metrics.as_slice()))
     }
-    fn log_table(&mut self, step: u64, table: &Table) -> RResult<(), PluginError> {
-        guard("log_table", || self.0.log_table(step, table))
+    fn log_table(&mut self, step: u64, table: RStr<'_>) -> RResult<(), PluginError> {
+        guard("log_table", || {
+            let table: Table = decode("table", table.as_str())?;
+            self.0.log_table(step, &table)
+        })
     }
     fn finish(&mut self, exit_code: i32) -> RResult<(), PluginError> {
         guard("finish", || self.0.finish(exit_code))
     }
 }
 
-/// The five kinds of component. A newtype so kinds can be added without a layout change.
+/// The five kinds of component. A newtype so kinds can be added without a layout change; a host
+/// skips components of a kind it does not know.
 #[repr(transparent)]
-#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(StableAbi, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[serde(transparent)]
 pub struct ComponentKind(pub u8);
 
 impl ComponentKind {
@@ -205,13 +220,25 @@ impl std::fmt::Display for ComponentKind {
 
 /// One component a plugin offers. Among components of the same kind and name the highest priority
 /// wins; for devices, priority is also the detection order.
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
 pub struct ComponentMeta {
     pub kind: ComponentKind,
-    pub name: RString,
+    pub name: String,
     pub priority: i32,
-    pub description: RString,
+    pub description: String,
+    /// The kind's capabilities record (`EngineCapabilities`, `RolloutCapabilities`, …) as JSON.
+    pub capabilities: serde_json::Value,
+    /// The plugin-owned config section the component reads (e.g. `fsdp_config` under an engine's
+    /// role section, `wandb` for a tracker), if any.
+    pub config_section: Option<String>,
+}
+
+impl Default for ComponentKind {
+    fn default() -> Self {
+        Self::DEVICE
+    }
 }
 
 #[sabi_trait]
@@ -227,14 +254,29 @@ pub trait StableFactory: Send + Sync {
 pub type FactoryBox = StableFactory_TO<'static, RBox<()>>;
 
 /// What a plugin declares about itself.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
+pub struct PluginInfo {
+    pub name: String,
+    pub version: String,
+    pub description: String,
+    pub components: Vec<ComponentMeta>,
+}
+
+/// What a plugin library hands the host: its [`PluginInfo`] (as JSON) and the factory that
+/// creates its components.
 #[repr(C)]
 #[derive(StableAbi)]
 pub struct PluginManifest {
-    pub name: RString,
-    pub version: RString,
-    pub description: RString,
-    pub components: RVec<ComponentMeta>,
+    info: RString,
     pub factory: FactoryBox,
+}
+
+impl PluginManifest {
+    pub fn info(&self) -> Result<PluginInfo, PluginError> {
+        decode("plugin manifest", self.info.as_str())
+    }
 }
 
 /// The root module every plugin library exports (see [`export_plugin!`](crate::export_plugin)).
@@ -306,14 +348,32 @@ impl PluginBuilder {
         }
     }
 
-    fn add(mut self, name: &str, priority: i32, description: &str, ctor: Constructor) -> Self {
+    fn add(
+        mut self,
+        name: &str,
+        priority: i32,
+        description: &str,
+        capabilities: serde_json::Value,
+        ctor: Constructor,
+    ) -> Self {
         let meta = ComponentMeta {
             kind: ctor.kind(),
             name: name.into(),
             priority,
             description: description.into(),
+            capabilities,
+            config_section: None,
         };
         self.components.push((meta, ctor));
+        self
+    }
+
+    /// Declares the plugin-owned config section the last added component reads (its own keys are
+    /// checked by the component; the host passes the section through).
+    pub fn config_section(mut self, section: &str) -> Self {
+        if let Some((meta, _)) = self.components.last_mut() {
+            meta.config_section = Some(section.to_owned());
+        }
         self
     }
 
@@ -327,7 +387,7 @@ impl PluginBuilder {
         let ctor = Constructor::Device(Box::new(move || {
             DeviceBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, ctor)
+        self.add(name, priority, description, serde_json::Value::Null, ctor)
     }
 
     pub fn engine<T: Engine>(
@@ -340,7 +400,7 @@ impl PluginBuilder {
         let ctor = Constructor::Engine(Box::new(move || {
             EngineBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, ctor)
+        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
     }
 
     pub fn rollout<T: Rollout>(
@@ -353,7 +413,7 @@ impl PluginBuilder {
         let ctor = Constructor::Rollout(Box::new(move || {
             RolloutBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, ctor)
+        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
     }
 
     pub fn checkpoint<T: CheckpointEngine>(
@@ -366,7 +426,7 @@ impl PluginBuilder {
         let ctor = Constructor::Checkpoint(Box::new(move || {
             CheckpointBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, ctor)
+        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
     }
 
     pub fn tracker<T: Tracker>(
@@ -379,27 +439,29 @@ impl PluginBuilder {
         let ctor = Constructor::Tracker(Box::new(move || {
             TrackerBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, ctor)
+        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
     }
 
     pub fn into_manifest(self) -> PluginManifest {
-        let components = self
-            .components
-            .iter()
-            .map(|(meta, _)| meta.clone())
-            .collect();
+        let info = PluginInfo {
+            name: self.name.clone(),
+            version: self.version,
+            description: self.description,
+            components: self.components.iter().map(|(meta, _)| meta.clone()).collect(),
+        };
         let factory = Factory {
-            plugin: self.name.clone(),
+            plugin: self.name,
             components: self.components,
         };
         PluginManifest {
-            name: self.name.into(),
-            version: self.version.into(),
-            description: self.description.into(),
-            components,
+            info: encode(&info),
             factory: FactoryBox::from_value(factory, abi_stable::sabi_trait::TD_Opaque),
         }
     }
+}
+
+fn capabilities<T: Serialize>(record: &T) -> serde_json::Value {
+    serde_json::to_value(record).expect("capability records serialise")
 }
 
 struct Factory {

@@ -1,58 +1,122 @@
 //! The engine, rollout, checkpoint (weight sync) and tracker interfaces, as plugin authors implement
-//! them. Every method has a default that reports "unsupported", so a component implements what its
-//! role needs (a critic engine has no `compute_log_prob`).
+//! them, and the records they exchange. Every method has a default that reports "unsupported", so a
+//! component implements what its role needs (a critic engine has no `compute_log_prob`).
+//!
+//! Records are `#[non_exhaustive]`: build them from `Default` (or their constructors) and set
+//! fields, so a field added in a later 2.x release breaks neither the ABI nor a plugin's source.
 
-use abi_stable::StableAbi;
-use abi_stable::std_types::{ROption, RString, RVec};
+use std::collections::BTreeMap;
 
-use crate::{Batch, Metric, NamedTensor, PluginError, WeightBundle};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
-/// Where and as what a component runs. Rank and world size are here from the start so multi-rank
-/// backends fit without an ABI change; `process_group` is an opaque handle owned by the host
-/// (0 = single process).
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq, Default)]
+use crate::capabilities::{
+    CheckpointCapabilities, EngineCapabilities, RolloutCapabilities, TrackerCapabilities,
+};
+use crate::{Batch, Metric, PluginError, TensorRef, WeightSource, WeightSourceKind};
+
+/// Where and as what a component runs, including the rendezvous facts a multi-rank backend needs
+/// (torchrun's convention: rank, world size, local rank, master address and port).
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[serde(default)]
 pub struct RunContext {
-    pub project: RString,
-    pub experiment: RString,
-    /// Directory for the run's local outputs (logs, tracker files).
-    pub run_dir: RString,
-    /// Torch device string, e.g. "cpu", "cuda:0".
-    pub device: RString,
+    pub project: String,
+    pub experiment: String,
+    /// Directory for the run's local outputs (logs, tracker files, weight handover files).
+    pub run_dir: String,
+    /// Torch device string, e.g. "cpu", "cuda:0", "npu:1".
+    pub device: String,
+    /// The selected platform's torch device type ("cpu", "cuda", "npu", …).
+    pub device_type: String,
+    /// Index of this rank's device among the visible ones; `None` on CPU.
+    pub device_index: Option<u32>,
     pub rank: u32,
     pub world_size: u32,
     pub local_rank: u32,
+    pub local_world_size: u32,
+    /// Rendezvous store (c10d TCPStore) address and port; empty / 0 for a single process.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Collective backend the selected platform reports ("gloo", "nccl", "hccl", …).
+    pub comm_backend: String,
     pub seed: u64,
-    pub process_group: usize,
 }
 
-/// What a component is initialised with: its own config section as JSON (each plugin deserialises it
-/// with serde) and the run context.
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq, Default)]
+impl Default for RunContext {
+    /// One process on the CPU.
+    fn default() -> Self {
+        Self {
+            project: String::new(),
+            experiment: String::new(),
+            run_dir: String::new(),
+            device: "cpu".into(),
+            device_type: "cpu".into(),
+            device_index: None,
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: String::new(),
+            master_port: 0,
+            comm_backend: "gloo".into(),
+            seed: 0,
+        }
+    }
+}
+
+/// What a component is initialised with: its config section and the run context.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
 pub struct ComponentInit {
-    pub config_json: RString,
+    /// The component's config (verl's section for its role, with the plugin-owned sub-section).
+    pub config: serde_json::Value,
+    /// Dotted path of the plugin-owned section within the run config (e.g.
+    /// `actor_rollout_ref.actor.fsdp_config`), for error messages; empty when there is none.
+    pub section_path: String,
+    /// Where each key of the plugin-owned section came from (full dotted path → "config file
+    /// x.yaml", "command-line override `…`", …).
+    pub config_origins: BTreeMap<String, String>,
     pub run: RunContext,
 }
 
 impl ComponentInit {
-    /// Deserialises the config section, naming the component in the error.
-    pub fn config<T: serde::de::DeserializeOwned>(
-        &self,
-        component: &str,
-    ) -> Result<T, PluginError> {
-        let text = if self.config_json.is_empty() {
-            "{}"
+    pub fn new(config: serde_json::Value, run: RunContext) -> Self {
+        Self {
+            config,
+            run,
+            ..Self::default()
+        }
+    }
+
+    /// Deserialises the config, naming the component and the key path in the error. Unknown keys
+    /// are ignored here: the host has validated verl's own keys.
+    pub fn config<T: DeserializeOwned>(&self, component: &str) -> Result<T, PluginError> {
+        let value = if self.config.is_null() {
+            serde_json::Value::Object(Default::default())
         } else {
-            self.config_json.as_str()
+            self.config.clone()
         };
-        serde_json::from_str(text)
-            .map_err(|e| PluginError::invalid_config(format!("config of `{component}`: {e}")))
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            PluginError::invalid_config(format!(
+                "config of `{component}`: key `{}`: {}",
+                e.path(),
+                e.inner()
+            ))
+        })
     }
 }
 
 /// A training backend (verl's `BaseEngine`): holds a model and its optimizer.
 pub trait Engine: Send + 'static {
+    /// What this engine can do; shown by `plugins list` and checked by the trainer before step 1.
+    fn capabilities() -> EngineCapabilities
+    where
+        Self: Sized,
+    {
+        EngineCapabilities::default()
+    }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError>;
     /// Per-token log-probs (and entropy) of `responses` given `input_ids`/`attention_mask`, no grad.
     fn compute_log_prob(&mut self, _batch: &Batch) -> Result<Batch, PluginError> {
@@ -78,9 +142,11 @@ pub trait Engine: Send + 'static {
     fn load_checkpoint(&mut self, _dir: &str) -> Result<u64, PluginError> {
         Err(PluginError::unsupported("load_checkpoint"))
     }
-    /// Weights as named tensors, for weight sync to a rollout.
-    fn export_weights(&mut self) -> Result<Vec<NamedTensor>, PluginError> {
-        Err(PluginError::unsupported("export_weights"))
+    /// The weights for a rollout, as views into the engine's own memory (no copy where the
+    /// parameters are contiguous host memory). The views stay valid until the next call on the
+    /// engine, which the borrow of `self` enforces.
+    fn weights(&mut self) -> Result<Vec<TensorRef<'_>>, PluginError> {
+        Err(PluginError::unsupported("weights"))
     }
     /// Writes a Hugging Face model directory.
     fn export_hf(&mut self, _dir: &str) -> Result<(), PluginError> {
@@ -89,8 +155,9 @@ pub trait Engine: Send + 'static {
 }
 
 /// Sampling parameters, with vLLM's meaning (`top_k = -1` disables top-k).
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(default)]
 pub struct SamplingParams {
     pub n: u32,
     pub temperature: f32,
@@ -98,8 +165,8 @@ pub struct SamplingParams {
     pub top_k: i32,
     pub max_new_tokens: u32,
     pub greedy: bool,
-    pub stop_token_ids: RVec<u32>,
-    pub seed: ROption<u64>,
+    pub stop_token_ids: Vec<u32>,
+    pub seed: Option<u64>,
 }
 
 impl Default for SamplingParams {
@@ -111,100 +178,208 @@ impl Default for SamplingParams {
             top_k: -1,
             max_new_tokens: 512,
             greedy: false,
-            stop_token_ids: RVec::new(),
-            seed: ROption::RNone,
+            stop_token_ids: Vec::new(),
+            seed: None,
         }
     }
 }
 
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
 pub struct GenerateRequest {
     /// Prompt token ids, unpadded, one list per prompt.
-    pub prompts: RVec<RVec<u32>>,
+    pub prompts: Vec<Vec<u32>>,
     pub sampling: SamplingParams,
 }
 
-/// Why generation of one completion ended.
-#[repr(transparent)]
-#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FinishReason(pub u8);
+impl GenerateRequest {
+    pub fn new(prompts: Vec<Vec<u32>>, sampling: SamplingParams) -> Self {
+        Self { prompts, sampling }
+    }
+}
+
+/// Why generation of one completion ended. A reason added by a newer peer reads as `Other`.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS or stop token was produced.
+    #[default]
+    Stop,
+    /// `max_new_tokens` was reached.
+    Length,
+    Abort,
+    #[serde(other)]
+    Other,
+}
 
 impl FinishReason {
-    /// An EOS or stop token was produced.
-    pub const STOP: Self = Self(0);
-    /// `max_new_tokens` was reached.
-    pub const LENGTH: Self = Self(1);
-    pub const ABORT: Self = Self(2);
-
     pub fn as_str(self) -> &'static str {
         match self {
-            Self::STOP => "stop",
-            Self::LENGTH => "length",
-            _ => "abort",
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+            Self::Other => "other",
         }
     }
 }
 
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
 pub struct Completion {
     /// Index into `GenerateRequest::prompts`; `n` completions share it.
     pub prompt_index: u32,
-    pub response_ids: RVec<u32>,
+    pub response_ids: Vec<u32>,
     /// Log-prob of each sampled token under the sampling distribution.
-    pub logprobs: RVec<f32>,
+    pub logprobs: Vec<f32>,
     pub finish_reason: FinishReason,
 }
 
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Default)]
+impl Completion {
+    pub fn new(
+        prompt_index: u32,
+        response_ids: Vec<u32>,
+        logprobs: Vec<f32>,
+        finish_reason: FinishReason,
+    ) -> Self {
+        Self {
+            prompt_index,
+            response_ids,
+            logprobs,
+            finish_reason,
+        }
+    }
+}
+
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
 pub struct GenerateOutput {
-    pub completions: RVec<Completion>,
-    /// The `global_steps` of the weights that produced the output, when known.
-    pub weight_version: ROption<u64>,
+    pub completions: Vec<Completion>,
+    /// The version (trainer `global_steps`) of the weights that produced the output, when known.
+    pub weight_version: Option<u64>,
+}
+
+impl GenerateOutput {
+    pub fn new(completions: Vec<Completion>, weight_version: Option<u64>) -> Self {
+        Self {
+            completions,
+            weight_version,
+        }
+    }
 }
 
 /// A generator (verl's `BaseRollout`): in-process or an adapter to an inference server.
 pub trait Rollout: Send + 'static {
+    /// What this rollout can do; shown by `plugins list` and checked by the trainer before step 1.
+    fn capabilities() -> RolloutCapabilities
+    where
+        Self: Sized,
+    {
+        RolloutCapabilities::default()
+    }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError>;
     fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError>;
-    fn update_weights(&mut self, _weights: &WeightBundle) -> Result<(), PluginError> {
+    /// Takes new weights from `source`: borrowed tensors to copy, a directory to read, or a
+    /// collective to join, as the capabilities declare.
+    fn update_weights(&mut self, _source: &WeightSource<'_>) -> Result<(), PluginError> {
         Err(PluginError::unsupported("update_weights"))
     }
     /// Frees memory between generation phases (vLLM sleep level semantics).
     fn sleep(&mut self, _level: u32) -> Result<(), PluginError> {
-        Ok(())
+        Err(PluginError::unsupported("sleep"))
     }
     fn wake_up(&mut self) -> Result<(), PluginError> {
-        Ok(())
+        Err(PluginError::unsupported("wake_up"))
+    }
+}
+
+/// What a weight sync hands the rollout: the tensors it was given (memory), a directory it wrote
+/// (file), or a collective the rollout joins. The host turns it into the rollout's
+/// [`WeightSource`].
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
+pub struct Handover {
+    pub kind: WeightSourceKind,
+    /// For [`WeightSourceKind::File`]: a directory of safetensors files.
+    pub path: String,
+    /// Anything else the rollout needs (a collective's group name and address, …).
+    pub meta: serde_json::Value,
+}
+
+impl Handover {
+    /// Hand the sender's tensors over as they are.
+    pub fn memory() -> Self {
+        Self::default()
+    }
+
+    pub fn file(path: impl Into<String>) -> Self {
+        Self {
+            kind: WeightSourceKind::File,
+            path: path.into(),
+            meta: serde_json::Value::Null,
+        }
+    }
+
+    pub fn collective(meta: serde_json::Value) -> Self {
+        Self {
+            kind: WeightSourceKind::Collective,
+            path: String::new(),
+            meta,
+        }
     }
 }
 
 /// Moves weights from the trainer to the rollout (verl's `CheckpointEngine`): in memory, through
 /// files, or over a collective.
 pub trait CheckpointEngine: Send + 'static {
+    fn capabilities() -> CheckpointCapabilities
+    where
+        Self: Sized,
+    {
+        CheckpointCapabilities::default()
+    }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError>;
-    fn send_weights(&mut self, weights: &WeightBundle) -> Result<(), PluginError>;
-    fn receive_weights(&mut self) -> Result<WeightBundle, PluginError>;
-    /// Releases whatever a round of sending/receiving held (buffers, files).
+    /// Publishes `weights` (always borrowed host memory) and says where the rollout finds them.
+    fn send_weights(&mut self, weights: &WeightSource<'_>) -> Result<Handover, PluginError>;
+    /// Called once the rollout has taken the weights: releases buffers, files.
     fn finalize(&mut self) -> Result<(), PluginError> {
         Ok(())
     }
 }
 
 /// A table of strings (validation samples: prompt, response, score).
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(default)]
 pub struct Table {
-    pub name: RString,
-    pub columns: RVec<RString>,
-    pub rows: RVec<RVec<RString>>,
+    pub name: String,
+    pub columns: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(name: impl Into<String>, columns: Vec<String>, rows: Vec<Vec<String>>) -> Self {
+        Self {
+            name: name.into(),
+            columns,
+            rows,
+        }
+    }
 }
 
 /// A metrics sink (verl's `Tracking` backends).
 pub trait Tracker: Send + 'static {
-    /// `init.config_json` is the whole resolved run config (for params/hyper-parameters) merged with
+    fn capabilities() -> TrackerCapabilities
+    where
+        Self: Sized,
+    {
+        TrackerCapabilities::default()
+    }
+    /// `init.config` is the whole resolved run config (for params/hyper-parameters) merged with
     /// the tracker's own settings under the key of its name.
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError>;
     fn log(&mut self, step: u64, metrics: &[Metric]) -> Result<(), PluginError>;

@@ -2,23 +2,23 @@
 
 use std::path::PathBuf;
 
-use abi_stable::StableAbi;
-use abi_stable::std_types::{RString, RVec};
+use serde::{Deserialize, Serialize};
 
 use crate::PluginError;
 
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
 pub struct EnvVar {
-    pub key: RString,
-    pub value: RString,
+    pub key: String,
+    pub value: String,
 }
 
 impl EnvVar {
     pub fn new(key: impl Into<String>, value: impl Into<String>) -> Self {
         Self {
-            key: RString::from(key.into()),
-            value: RString::from(value.into()),
+            key: key.into(),
+            value: value.into(),
         }
     }
 }
@@ -26,11 +26,12 @@ impl EnvVar {
 /// Everything a detection may look at: a filesystem root and an environment, both handed in by the
 /// host. Detection code never reads `/` or `std::env` itself, so tests and containers can point it at
 /// a fake tree (`VERL_PROBE_ROOT`) and a fake environment.
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
 pub struct ProbeContext {
-    pub root: RString,
-    pub env: RVec<EnvVar>,
+    pub root: String,
+    pub env: Vec<EnvVar>,
 }
 
 impl ProbeContext {
@@ -39,7 +40,7 @@ impl ProbeContext {
         env: impl IntoIterator<Item = (K, V)>,
     ) -> Self {
         Self {
-            root: RString::from(root.into()),
+            root: root.into(),
             env: env.into_iter().map(|(k, v)| EnvVar::new(k, v)).collect(),
         }
     }
@@ -54,7 +55,7 @@ impl ProbeContext {
 
     /// `absolute` ("/dev/kfd") re-rooted under the probe root.
     pub fn path(&self, absolute: &str) -> PathBuf {
-        PathBuf::from(self.root.as_str()).join(absolute.trim_start_matches('/'))
+        PathBuf::from(&self.root).join(absolute.trim_start_matches('/'))
     }
 
     pub fn exists(&self, absolute: &str) -> bool {
@@ -90,41 +91,65 @@ fn natural_key(name: &str) -> (String, u64) {
 }
 
 /// Static facts about a device family.
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
 pub struct DeviceInfo {
     /// Platform name users select with `VERL_PLATFORM` / `trainer.device` (e.g. "rocm").
-    pub name: RString,
+    pub name: String,
     /// Hardware vendor ("amd", "nvidia", "huawei", …).
-    pub vendor: RString,
+    pub vendor: String,
     /// The torch device type the platform computes on ("cuda" for ROCm too, "npu", "cpu", "xpu").
-    pub device_type: RString,
+    pub device_type: String,
     /// Collective communication backend ("nccl", "hccl", "gloo", …).
-    pub comm_backend: RString,
+    pub comm_backend: String,
     /// Variables that restrict the visible devices, most specific first.
-    pub visible_devices_env: RVec<RString>,
+    pub visible_devices_env: Vec<String>,
+}
+
+impl DeviceInfo {
+    pub fn new(
+        name: impl Into<String>,
+        vendor: impl Into<String>,
+        device_type: impl Into<String>,
+        comm_backend: impl Into<String>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            vendor: vendor.into(),
+            device_type: device_type.into(),
+            comm_backend: comm_backend.into(),
+            visible_devices_env: Vec::new(),
+        }
+    }
+
+    pub fn visible_devices_env<S: Into<String>>(mut self, vars: impl IntoIterator<Item = S>) -> Self {
+        self.visible_devices_env = vars.into_iter().map(Into::into).collect();
+        self
+    }
 }
 
 /// Result of probing for a device family.
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
 pub struct Detection {
     pub available: bool,
     /// Devices usable by this process, after the visible-devices filter.
     pub count: u32,
     /// Why it is (un)available, for humans: "2 GPU nodes in /sys/class/kfd/…".
-    pub reason: RString,
+    pub reason: String,
     /// Product names of the visible devices, when the probe can tell.
-    pub device_names: RVec<RString>,
-    /// Variables the host should set before compute starts (e.g. HIP_VISIBLE_DEVICES translated for
-    /// CUDA-compatible libraries).
-    pub env_updates: RVec<EnvVar>,
+    pub device_names: Vec<String>,
+    /// Variables the host sets before any component initialises (e.g. HIP_VISIBLE_DEVICES
+    /// translated for CUDA-compatible libraries).
+    pub env_updates: Vec<EnvVar>,
 }
 
 impl Detection {
     pub fn unavailable(reason: impl Into<String>) -> Self {
         Self {
-            reason: RString::from(reason.into()),
+            reason: reason.into(),
             ..Self::default()
         }
     }
@@ -133,9 +158,19 @@ impl Detection {
         Self {
             available: count > 0,
             count,
-            reason: RString::from(reason.into()),
+            reason: reason.into(),
             ..Self::default()
         }
+    }
+
+    pub fn device_names<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
+        self.device_names = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    pub fn env_update(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env_updates.push(EnvVar::new(key, value));
+        self
     }
 }
 

@@ -12,13 +12,7 @@
 //!
 //! impl Device for XpuDevice {
 //!     fn info(&self) -> DeviceInfo {
-//!         DeviceInfo {
-//!             name: "xpu".into(),
-//!             vendor: "intel".into(),
-//!             device_type: "xpu".into(),
-//!             comm_backend: "ccl".into(),
-//!             visible_devices_env: vec!["ZE_AFFINITY_MASK".into()].into(),
-//!         }
+//!         DeviceInfo::new("xpu", "intel", "xpu", "ccl").visible_devices_env(["ZE_AFFINITY_MASK"])
 //!     }
 //!     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
 //!         let cards = probe.list_dir("/sys/class/drm").into_iter().filter(|n| n.starts_with("card")).count();
@@ -32,7 +26,7 @@
 //! );
 //! # fn main() {
 //! #     let manifest = __verl_plugin_manifest().unwrap();
-//! #     assert_eq!(manifest.components[0].name.as_str(), "xpu");
+//! #     assert_eq!(manifest.info().unwrap().components[0].name, "xpu");
 //! # }
 //! ```
 //!
@@ -41,26 +35,47 @@
 //! an older minor loads, a newer minor or another major is rejected. Every call into a plugin is
 //! wrapped so a panic becomes a [`PluginError`] of kind [`ErrorKind::PANIC`] instead of unwinding
 //! across the boundary.
+//!
+//! ## How the contract grows
+//! - Vtables and the root module are abi_stable prefix types: methods and fields are appended.
+//! - Records (run context, sampling parameters, requests, completions, device facts,
+//!   capabilities, the manifest) cross as JSON ([`wire`]) and are `#[serde(default)]` and
+//!   `#[non_exhaustive]`: a newer peer's extra fields are ignored, an older peer's missing fields
+//!   take their defaults, and adding a field is neither an ABI nor a source break.
+//! - Bulk containers ([`Tensor`], [`TensorRef`], [`Batch`], [`WeightSource`], [`Metric`]) are
+//!   fixed binary layouts that grow by keys: a batch gains named tensors and `meta_json` keys, a
+//!   weight source gains [`Handover`] fields.
+//!
+//! Each component declares its capabilities ([`EngineCapabilities`], [`RolloutCapabilities`],
+//! …) with an associated function of its trait; the host shows them and checks a run's config
+//! against them before the first step.
 
 mod abi;
+mod capabilities;
 mod components;
 mod device;
 mod error;
 pub mod keys;
 mod tensor;
+pub mod wire;
 
 pub use abi::{
     __root_module, CheckpointBox, ComponentKind, ComponentMeta, DeviceBox, EngineBox, FactoryBox,
-    PluginBuilder, PluginManifest, PluginModule, PluginModule_Ref, RolloutBox, StableCheckpoint,
-    StableDevice, StableEngine, StableFactory, StableRollout, StableTracker, TrackerBox,
+    PluginBuilder, PluginInfo, PluginManifest, PluginModule, PluginModule_Ref, RolloutBox,
+    StableCheckpoint, StableDevice, StableEngine, StableFactory, StableRollout, StableTracker,
+    TrackerBox,
+};
+pub use capabilities::{
+    CheckpointCapabilities, EngineCapabilities, RolloutCapabilities, TrackerCapabilities,
+    WeightSourceKind,
 };
 pub use components::{
     CheckpointEngine, Completion, ComponentInit, Engine, FinishReason, GenerateOutput,
-    GenerateRequest, Rollout, RunContext, SamplingParams, Table, Tracker,
+    GenerateRequest, Handover, Rollout, RunContext, SamplingParams, Table, Tracker,
 };
 pub use device::{Detection, Device, DeviceInfo, EnvVar, ProbeContext, visible_devices};
 pub use error::{ErrorKind, PluginError, guard};
-pub use tensor::{Batch, DType, Element, Metric, NamedTensor, Tensor, WeightBundle};
+pub use tensor::{Batch, DType, Element, Metric, NamedTensor, Tensor, TensorRef, WeightSource};
 
 /// Re-exported so plugin crates need no direct dependency on abi_stable.
 pub use abi_stable;
@@ -208,15 +223,14 @@ mod tests {
         let manifest = PluginBuilder::new("p", "0.1.0", "test")
             .device("boom", 5, "d", || Boom)
             .into_manifest();
-        assert_eq!(manifest.components.len(), 1);
-        assert_eq!(manifest.components[0].kind, ComponentKind::DEVICE);
+        let info = manifest.info().unwrap();
+        assert_eq!(info.components.len(), 1);
+        assert_eq!(info.components[0].kind, ComponentKind::DEVICE);
         let dev = manifest.factory.create_device("boom".into()).unwrap();
-        assert_eq!(
-            dev.detect(&ProbeContext::new("/", Vec::<(String, String)>::new()))
-                .unwrap()
-                .count,
-            3
-        );
+        let probe = wire::encode(&ProbeContext::new("/", Vec::<(String, String)>::new()));
+        let detection: Detection =
+            wire::decode("detection", &dev.detect(probe.as_rstr()).unwrap()).unwrap();
+        assert_eq!(detection.count, 3);
         assert_eq!(dev.info().unwrap_err().kind, ErrorKind::PANIC);
         let Err(missing) = manifest.factory.create_engine("boom".into()).into_result() else {
             panic!("no engine expected")

@@ -1,9 +1,9 @@
 //! Tensors and batches as plain bytes: the format every plugin understands, whatever its backend.
 
 use abi_stable::StableAbi;
-use abi_stable::std_types::{RString, RVec};
+use abi_stable::std_types::{RSlice, RStr, RString, RVec};
 
-use crate::PluginError;
+use crate::{Handover, PluginError, WeightSourceKind, wire};
 
 /// Element type of a [`Tensor`]. A newtype rather than an enum so new types can be added without
 /// changing the layout that abi_stable checks.
@@ -186,12 +186,124 @@ impl Batch {
     }
 }
 
-/// Weights handed from the trainer to a rollout, tagged with the training step they come from.
+/// A borrowed tensor: a view into memory its owner keeps alive for the view's lifetime (an
+/// engine's parameters, a weight file mapped by the host).
 #[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Default)]
-pub struct WeightBundle {
-    pub tensors: RVec<NamedTensor>,
-    pub global_steps: abi_stable::std_types::ROption<u64>,
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq)]
+pub struct TensorRef<'a> {
+    pub name: RStr<'a>,
+    pub dtype: DType,
+    pub shape: RSlice<'a, i64>,
+    pub data: RSlice<'a, u8>,
+}
+
+impl<'a> TensorRef<'a> {
+    /// A view; fails when `data` is not exactly `shape` × the dtype's size.
+    pub fn new(name: &'a str, dtype: DType, shape: &'a [i64], data: &'a [u8]) -> Result<Self, PluginError> {
+        let width = dtype
+            .size()
+            .ok_or_else(|| PluginError::other(format!("tensor `{name}`: unknown dtype code {}", dtype.0)))?;
+        let bytes = numel(shape)?.checked_mul(width);
+        if bytes != Some(data.len()) {
+            return Err(PluginError::other(format!(
+                "tensor `{name}`: shape {shape:?} of {} needs {} bytes, got {}",
+                dtype.name(),
+                bytes.map_or("too many".to_owned(), |b| b.to_string()),
+                data.len()
+            )));
+        }
+        Ok(Self {
+            name: name.into(),
+            dtype,
+            shape: shape.into(),
+            data: data.into(),
+        })
+    }
+
+    /// An owned copy.
+    pub fn to_named(&self) -> NamedTensor {
+        NamedTensor::new(
+            self.name.as_str(),
+            Tensor {
+                dtype: self.dtype,
+                shape: self.shape.as_slice().into(),
+                data: self.data.as_slice().into(),
+            },
+        )
+    }
+}
+
+impl NamedTensor {
+    /// A view of this tensor.
+    pub fn as_ref(&self) -> TensorRef<'_> {
+        TensorRef {
+            name: self.name.as_rstr(),
+            dtype: self.tensor.dtype,
+            shape: self.tensor.shape.as_rslice(),
+            data: self.tensor.data.as_rslice(),
+        }
+    }
+}
+
+/// New weights for a rollout, by reference: the trainer's tensors borrowed for the call (memory),
+/// or where a weight sync put them (a directory, a collective), as its [`Handover`] says. Nothing
+/// is copied on the way; the rollout copies once, into its own parameters.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct WeightSource<'a> {
+    /// The trainer's `global_steps` when the weights were taken.
+    pub version: u64,
+    /// The tensors (memory sources; also given to weight syncs, which publish them).
+    pub tensors: RSlice<'a, TensorRef<'a>>,
+    /// The [`Handover`] record as JSON; empty for memory.
+    handover: RStr<'a>,
+}
+
+impl<'a> WeightSource<'a> {
+    /// Borrowed tensors.
+    pub fn memory(version: u64, tensors: &'a [TensorRef<'a>]) -> Self {
+        Self {
+            version,
+            tensors: tensors.into(),
+            handover: RStr::from(""),
+        }
+    }
+
+    /// What a weight sync published; `handover_json` is [`WeightSource::encode_handover`]'s text.
+    /// Memory handovers keep `tensors`; the others carry none.
+    pub fn from_handover(version: u64, tensors: &'a [TensorRef<'a>], handover_json: &'a str) -> Self {
+        let memory = handover_json.is_empty()
+            || wire::decode::<Handover>("handover", handover_json)
+                .is_ok_and(|h| h.kind == WeightSourceKind::Memory);
+        Self {
+            version,
+            tensors: if memory { tensors.into() } else { RSlice::default() },
+            handover: handover_json.into(),
+        }
+    }
+
+    /// The text [`WeightSource::from_handover`] takes.
+    pub fn encode_handover(handover: &Handover) -> RString {
+        wire::encode(handover)
+    }
+
+    /// Where the weights are.
+    pub fn handover(&self) -> Result<Handover, PluginError> {
+        if self.handover.is_empty() {
+            Ok(Handover::memory())
+        } else {
+            wire::decode("handover", self.handover.as_str())
+        }
+    }
+
+    pub fn kind(&self) -> Result<WeightSourceKind, PluginError> {
+        self.handover().map(|h| h.kind)
+    }
+
+    /// Bytes of tensor data the source references.
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.data.len()).sum()
+    }
 }
 
 /// One scalar metric, named with verl's conventions (`actor/pg_loss`, `critic/score/mean`, …).

@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use verl_plugin_api::{ComponentKind, Detection, DeviceBox, DeviceInfo, PluginError, ProbeContext};
+use verl_plugin_api::{ComponentKind, Detection, DeviceInfo, PluginError, ProbeContext};
 use verl_plugin_host::{
+    DeviceHandle,
     Component, DEFAULT_DETECT_TIMEOUT, DeviceReport, LoadError, PlatformError, PlatformReport,
     PluginRecord, Registry, detect_platform,
 };
@@ -123,19 +124,19 @@ impl PluginHarness {
     }
 
     /// A fresh instance of the plugin's device `name`, through the ABI.
-    pub fn device(&self, name: &str) -> DeviceBox {
+    pub fn device(&self, name: &str) -> DeviceHandle {
         self.component(ComponentKind::DEVICE, name)
             .create_device()
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
     pub fn info(&self, name: &str) -> Result<DeviceInfo, PluginError> {
-        self.device(name).info().into_result()
+        self.device(name).info()
     }
 
     /// Runs the device's detection through the ABI (panics inside the plugin come back as errors).
     pub fn detect(&self, name: &str, probe: &ProbeContext) -> Result<Detection, PluginError> {
-        self.device(name).detect(probe).into_result()
+        self.device(name).detect(probe)
     }
 
     /// The host's platform selection over every device in this registry (built-ins included)

@@ -46,8 +46,9 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     let bytes = std::fs::read(&rocm).unwrap();
     std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
     let no_root = fixture_plugin(&["no-root-module"], None);
-    let major = fixture_plugin(&[], Some("2.0.0"));
-    let minor = fixture_plugin(&[], Some("1.1.0"));
+    let major = fixture_plugin(&[], Some(Api::at("3.0.0")));
+    let old_major = fixture_plugin(&[], Some(Api::at("1.4.0")));
+    let minor = fixture_plugin(&[], Some(Api::grown("2.1.0")));
     let panics_registering = fixture_plugin(&["panic-register"], None);
 
     let dir = plugin_dir(&[
@@ -57,6 +58,7 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
         ("libtruncated.so", &truncated),
         ("libnoroot.so", &no_root),
         ("libmajor.so", &major),
+        ("liboldmajor.so", &old_major),
         ("libminor.so", &minor),
         ("libpanicreg.so", &panics_registering),
     ]);
@@ -84,8 +86,10 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     assert_rejected(&list, "librandom.so", &["not a loadable verl-core plugin"]);
     assert_rejected(&list, "libtruncated.so", &["truncated or corrupt library"]);
     assert_rejected(&list, "libnoroot.so", &["not a loadable verl-core plugin"]);
-    assert_rejected(&list, "libmajor.so", &["2.0.0", "1.0.0", "major"]);
-    assert_rejected(&list, "libminor.so", &["1.1.0", "1.0.0", "newer"]);
+    assert_rejected(&list, "libmajor.so", &["3.0.0", API_VERSION, "major"]);
+    assert_rejected(&list, "liboldmajor.so", &["1.4.0", API_VERSION, "major"]);
+    // A newer minor whose records grew is still refused: it may rely on methods this core lacks.
+    assert_rejected(&list, "libminor.so", &["2.1.0", API_VERSION, "newer"]);
     assert_rejected(
         &list,
         "libpanicreg.so",
@@ -106,11 +110,32 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     assert_eq!(list["platform"]["selected"], "cpu");
 }
 
+/// A host one minor release ahead, whose `RunContext`, `SamplingParams` and `Completion` gained
+/// fields, loads a plugin built against this release and exchanges records with it both ways: the
+/// plugin ignores the fields it does not know, the host reads the plugin's output with defaults.
+#[test]
+fn a_plugin_loads_into_a_host_whose_records_grew() {
+    let plugin = fixture_plugin(&["echo-rollout"], None);
+    let host = grown_host("2.1.0");
+    let out = std::process::Command::new(&host).arg(&plugin).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((report["host_api"].as_str(), report["plugin_api"].as_str()), (Some("2.1.0"), Some(API_VERSION)));
+    let completions = report["completions"].as_array().unwrap();
+    // Two prompts, n = 2; each reports [n, max_new_tokens, rank, world_size, seed].
+    let prompts: Vec<u64> = completions.iter().map(|c| c["prompt_index"].as_u64().unwrap()).collect();
+    assert_eq!(prompts, [0, 0, 1, 1]);
+    for c in completions {
+        assert_eq!(c["ids"], serde_json::json!([2, 7, 2, 4, 9]));
+        assert_eq!(c["routed_experts"], serde_json::json!([]));
+    }
+}
+
 #[test]
 fn a_plugin_built_against_an_older_minor_loads() {
-    // The core is at 1.0.0: an older minor than that does not exist, so check the rule on the
+    // The core is at x.0.0: an older minor than that does not exist, so check the rule on the
     // boundary that does: a plugin on exactly the core's version, built separately.
-    let same = fixture_plugin(&[], Some("1.0.0"));
+    let same = fixture_plugin(&[], Some(Api::at(API_VERSION)));
     let dir = plugin_dir(&[("libsame.so", &same)]);
     let out = verl_core(
         &[

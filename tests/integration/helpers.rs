@@ -69,16 +69,37 @@ pub fn bundled_plugin(lib: &str) -> PathBuf {
     release().dir.join(dylib_name(lib))
 }
 
-/// Builds `tests/fixtures/test-plugin` with `features` (against plugin-api at `api_version` when
-/// given, from a copy of plugin-api with that version) and returns the library's path.
-pub fn fixture_plugin(features: &[&str], api_version: Option<&str>) -> PathBuf {
-    // Fixture builds share one target dir (their own, so they never wait on the outer cargo's lock)
-    // and run one at a time because a feature change rebuilds the same crate.
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+/// Fixture builds share one target dir (their own, so they never wait on the outer cargo's lock)
+/// and run one at a time because a feature change rebuilds the same crate.
+static FIXTURE_BUILD: Mutex<()> = Mutex::new(());
+
+/// Another release of plugin-api, as a copy of this one.
+#[derive(Clone, Copy)]
+pub struct Api<'a> {
+    pub version: &'a str,
+    /// Whether records gained fields in it (see [`grow`]).
+    pub grown: bool,
+}
+
+impl<'a> Api<'a> {
+    pub fn at(version: &'a str) -> Self {
+        Self { version, grown: false }
+    }
+    pub fn grown(version: &'a str) -> Self {
+        Self { version, grown: true }
+    }
+    fn key(&self) -> String {
+        format!("{}{}", self.version, if self.grown { "-grown" } else { "" })
+    }
+}
+
+/// Builds `tests/fixtures/test-plugin` with `features` (against a copy of plugin-api at `api`
+/// when given) and returns the library's path.
+pub fn fixture_plugin(features: &[&str], api: Option<Api<'_>>) -> PathBuf {
+    let _guard = FIXTURE_BUILD.lock().unwrap_or_else(|e| e.into_inner());
     let key = format!(
         "{}-{}",
-        api_version.unwrap_or("current"),
+        api.map_or("current".to_owned(), |a| a.key()),
         if features.is_empty() {
             "default".into()
         } else {
@@ -89,9 +110,9 @@ pub fn fixture_plugin(features: &[&str], api_version: Option<&str>) -> PathBuf {
         .join("fixture-plugins")
         .join(dylib_name(&format!("verl_test_plugin_{key}")));
     let fixture = workspace_root().join("tests/fixtures/test-plugin");
-    let manifest = match api_version {
+    let manifest = match api {
         None => fixture.join("Cargo.toml"),
-        Some(version) => versioned_fixture(&fixture, version),
+        Some(api) => versioned_fixture(&fixture, "test-plugin", api),
     };
     let mut cmd = cargo();
     cmd.args(["build", "--quiet", "--manifest-path"])
@@ -112,32 +133,76 @@ pub fn fixture_plugin(features: &[&str], api_version: Option<&str>) -> PathBuf {
     out
 }
 
-/// A copy of plugin-api whose package version is `version`, and a copy of the fixture plugin that
-/// depends on it: what a plugin built against another release of the API looks like.
-fn versioned_fixture(fixture: &Path, version: &str) -> PathBuf {
-    let base = target_dir().join("fixture-api").join(version);
-    let api = base.join("plugin-api");
-    copy_dir(&workspace_root().join("plugin-api/src"), &api.join("src"));
+/// The plugin API version this workspace is at (the tests that build other releases depend on it).
+pub const API_VERSION: &str = "2.0.0";
+
+/// A copy of plugin-api at `api`, and a copy of the fixture crate `name` (from `fixture`) that
+/// depends on it: what a plugin or host built against another release of the API looks like.
+fn versioned_fixture(fixture: &Path, name: &str, api: Api<'_>) -> PathBuf {
+    let base = target_dir().join("fixture-api").join(api.key());
+    let api_dir = base.join("plugin-api");
+    copy_dir(&workspace_root().join("plugin-api/src"), &api_dir.join("src"));
+    if api.grown {
+        grow(&api_dir.join("src/components.rs"));
+    }
     let real = std::fs::read_to_string(workspace_root().join("plugin-api/Cargo.toml")).unwrap();
     assert!(
-        real.contains("version = \"1.0.0\""),
-        "update the version bump tests: plugin-api's version changed"
+        real.contains(&format!("version = \"{API_VERSION}\"")),
+        "update API_VERSION and the version tests: plugin-api's version changed"
     );
     std::fs::write(
-        api.join("Cargo.toml"),
+        api_dir.join("Cargo.toml"),
         format!(
-            "[package]\nname = \"verl-plugin-api\"\nversion = \"{version}\"\nedition = \"2024\"\n\n[dependencies]\n\
-             abi_stable = \"0.11.3\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n"
+            "[package]\nname = \"verl-plugin-api\"\nversion = \"{}\"\nedition = \"2024\"\n\n[dependencies]\n\
+             abi_stable = \"0.11.3\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\
+             serde_path_to_error = \"0.1\"\nstrsim = \"0.11\"\n",
+            api.version
         ),
     )
     .unwrap();
-    let plugin = base.join("test-plugin");
-    copy_dir(&fixture.join("src"), &plugin.join("src"));
+    let copy = base.join(name);
+    copy_dir(&fixture.join("src"), &copy.join("src"));
     let manifest = std::fs::read_to_string(fixture.join("Cargo.toml"))
         .unwrap()
         .replace("../../../plugin-api", "../plugin-api");
-    std::fs::write(plugin.join("Cargo.toml"), manifest).unwrap();
-    plugin.join("Cargo.toml")
+    std::fs::write(copy.join("Cargo.toml"), manifest).unwrap();
+    copy.join("Cargo.toml")
+}
+
+/// Appends fields to records, as a later 2.x release would: `RunContext::numa_node`,
+/// `SamplingParams::min_p` (host → plugin) and `Completion::routed_experts` (plugin → host).
+/// Each edit must apply exactly once, so a reshaped plugin-api fails here, by name.
+fn grow(components: &Path) {
+    let mut text = std::fs::read_to_string(components).unwrap();
+    let edits = [
+        ("    pub seed: u64,\n}", "    pub seed: u64,\n    pub numa_node: Option<u32>,\n}"),
+        ("            seed: 0,\n        }", "            seed: 0,\n            numa_node: None,\n        }"),
+        ("    pub seed: Option<u64>,\n}", "    pub seed: Option<u64>,\n    pub min_p: f32,\n}"),
+        ("            seed: None,\n        }", "            seed: None,\n            min_p: 0.0,\n        }"),
+        ("    pub finish_reason: FinishReason,\n}", "    pub finish_reason: FinishReason,\n    pub routed_experts: Vec<u32>,\n}"),
+        ("            finish_reason,\n        }", "            finish_reason,\n            routed_experts: Vec::new(),\n        }"),
+    ];
+    for (anchor, grown) in edits {
+        assert_eq!(text.matches(anchor).count(), 1, "growing plugin-api: `{anchor}` must occur once in components.rs");
+        text = text.replace(anchor, grown);
+    }
+    std::fs::write(components, text).unwrap();
+}
+
+/// `tests/fixtures/grown-host` built against a grown copy of plugin-api at `version`; returns the
+/// binary.
+pub fn grown_host(version: &str) -> PathBuf {
+    let _guard = FIXTURE_BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let fixture = workspace_root().join("tests/fixtures/grown-host");
+    // Its manifest points at `../plugin-api`, where the copy puts the grown API.
+    let copy = versioned_fixture(&fixture, "grown-host", Api::grown(version));
+    let build = target_dir().join("fixture-build");
+    let mut cmd = cargo();
+    cmd.args(["build", "--quiet", "--manifest-path"])
+        .arg(&copy)
+        .env("CARGO_TARGET_DIR", &build);
+    run_cargo(cmd, "the grown host");
+    build.join("debug/verl-grown-host")
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -53,8 +53,7 @@ pub fn headline(step: u64, metrics: &[Metric]) -> String {
 
 impl Tracker for ConsoleTracker {
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
-        let config: serde_json::Value = serde_json::from_str(if init.config_json.is_empty() { "{}" } else { &init.config_json })?;
-        let total = config.pointer("/trainer/total_training_steps").and_then(serde_json::Value::as_u64);
+        let total = init.config.pointer("/trainer/total_training_steps").and_then(serde_json::Value::as_u64);
         let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr());
         bar.set_style(
             ProgressStyle::with_template("{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}")

@@ -68,13 +68,13 @@ impl Tracker for FileTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use verl_plugin_api::RunContext;
 
     #[test]
     fn writes_one_flushed_object_per_step() {
         let dir = tempfile::tempdir().unwrap();
         let mut tracker = FileTracker::default();
-        let init = ComponentInit { run: RunContext { run_dir: dir.path().to_str().unwrap().into(), ..Default::default() }, ..Default::default() };
+        let mut init = ComponentInit::default();
+        init.run.run_dir = dir.path().to_string_lossy().into_owned();
         tracker.init(&init).unwrap();
         tracker.log(1, &[Metric::new("actor/pg_loss", 0.5), Metric::new("x", f64::NAN)]).unwrap();
         // Flushed before finish: a crash loses nothing already logged.

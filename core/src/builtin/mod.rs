@@ -17,7 +17,7 @@ fn builtin_components() -> PluginBuilder {
         .tracker("console", 0, "compact metric table per step and a progress bar on stderr", ConsoleTracker::default)
         .tracker("file", 0, "JSONL, one {\"step\", \"data\"} object per step (verl's file logger)", FileTracker::default)
         .checkpoint("naive", 0, "hands weights over in memory (trainer and rollout in one process)", NaiveWeightSync::default)
-        .checkpoint("disk", 0, "hands weights over through a safetensors file", DiskWeightSync::default)
+        .checkpoint("disk", 0, "hands the rollout a directory of safetensors files", DiskWeightSync::default)
 }
 
 inventory::submit! { BuiltinPlugin(builtin_components) }

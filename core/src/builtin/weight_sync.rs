@@ -1,39 +1,39 @@
 //! Weight sync from the trainer to the rollout (verl's checkpoint engines). `naive` hands the
-//! tensors over in memory — trainer and rollout share the process; `disk` goes through a
-//! safetensors file, the route to a rollout in another process (e.g. an inference server's
-//! `update_weights_from_disk`).
+//! actor's tensors over by reference — trainer and rollout share the process; `disk` writes them as
+//! a safetensors directory and hands the rollout its path, the route to a rollout in another
+//! process (e.g. an inference server's reload from disk).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, TensorView};
 use serde::Deserialize;
-use verl_plugin_api::{CheckpointEngine, ComponentInit, DType, NamedTensor, PluginError, Tensor, WeightBundle};
+use verl_plugin_api::{
+    CheckpointCapabilities, CheckpointEngine, ComponentInit, DType, Handover, PluginError, WeightSource,
+    WeightSourceKind,
+};
 
 #[derive(Default)]
-pub struct NaiveWeightSync {
-    pending: Option<WeightBundle>,
-}
+pub struct NaiveWeightSync;
 
 impl CheckpointEngine for NaiveWeightSync {
+    fn capabilities() -> CheckpointCapabilities {
+        CheckpointCapabilities::default().handover(WeightSourceKind::Memory)
+    }
+
     fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
         Ok(())
     }
 
-    fn send_weights(&mut self, weights: &WeightBundle) -> Result<(), PluginError> {
-        self.pending = Some(weights.clone());
-        Ok(())
-    }
-
-    fn receive_weights(&mut self) -> Result<WeightBundle, PluginError> {
-        self.pending.take().ok_or_else(|| PluginError::other("naive weight sync: receive_weights before send_weights"))
+    fn send_weights(&mut self, _weights: &WeightSource<'_>) -> Result<Handover, PluginError> {
+        Ok(Handover::memory())
     }
 }
 
 #[derive(Deserialize, Default)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 struct DiskConfig {
-    /// Directory for the handover file; default `<run_dir>/weight_sync`.
+    /// Directory for the handover directories; default `<run_dir>/weight_sync`.
     path: Option<PathBuf>,
 }
 
@@ -43,7 +43,10 @@ pub struct DiskWeightSync {
     last: Option<PathBuf>,
 }
 
-const META_STEPS: &str = "global_steps";
+/// Metadata key of the weights' version in the safetensors header.
+pub const VERSION_METADATA_KEY: &str = "global_steps";
+/// The file a handover directory holds (the name Hugging Face loaders look for).
+pub const WEIGHTS_FILE: &str = "model.safetensors";
 
 fn to_safetensors_dtype(dtype: DType) -> Result<Dtype, PluginError> {
     Ok(match dtype {
@@ -59,75 +62,55 @@ fn to_safetensors_dtype(dtype: DType) -> Result<Dtype, PluginError> {
     })
 }
 
-fn from_safetensors_dtype(dtype: Dtype) -> Result<DType, PluginError> {
-    Ok(match dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::F64 => DType::F64,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
-        Dtype::I64 => DType::I64,
-        Dtype::I32 => DType::I32,
-        Dtype::U8 => DType::U8,
-        Dtype::BOOL => DType::BOOL,
-        other => return Err(PluginError::other(format!("disk weight sync: unsupported safetensors dtype {other:?}"))),
-    })
+fn io_error(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> PluginError + '_ {
+    move |e| PluginError::new(verl_plugin_api::ErrorKind::IO, format!("{}: {e}", path.display()))
 }
 
 impl CheckpointEngine for DiskWeightSync {
-    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
-        let config: DiskConfig = init.config("checkpoint_engine disk")?;
-        self.dir = config.path.unwrap_or_else(|| PathBuf::from(init.run.run_dir.as_str()).join("weight_sync"));
-        std::fs::create_dir_all(&self.dir).map_err(|e| PluginError::other(format!("{}: {e}", self.dir.display())))
+    fn capabilities() -> CheckpointCapabilities {
+        CheckpointCapabilities::default().handover(WeightSourceKind::File)
     }
 
-    /// Written to a temporary name and renamed, so a reader never sees half a file.
-    fn send_weights(&mut self, weights: &WeightBundle) -> Result<(), PluginError> {
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        let config: DiskConfig = init.config("checkpoint_engine disk")?;
+        self.dir = config.path.unwrap_or_else(|| PathBuf::from(&init.run.run_dir).join("weight_sync"));
+        std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))
+    }
+
+    /// Writes `<dir>/step_<version>/model.safetensors` under a temporary name and renames the
+    /// directory, so a reader never sees half a file; hands over the directory.
+    fn send_weights(&mut self, weights: &WeightSource<'_>) -> Result<Handover, PluginError> {
         let views = weights
             .tensors
             .iter()
             .map(|t| {
-                let shape: Vec<usize> = t.tensor.shape.iter().map(|&d| d as usize).collect();
-                let view = TensorView::new(to_safetensors_dtype(t.tensor.dtype)?, shape, &t.tensor.data)
+                let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+                let view = TensorView::new(to_safetensors_dtype(t.dtype)?, shape, t.data.as_slice())
                     .map_err(|e| PluginError::other(format!("tensor `{}`: {e}", t.name)))?;
-                Ok((t.name.to_string(), view))
+                Ok((t.name.as_str(), view))
             })
             .collect::<Result<Vec<_>, PluginError>>()?;
-        let steps = weights.global_steps.into_option();
-        let metadata = steps.map(|s| HashMap::from([(META_STEPS.to_owned(), s.to_string())]));
-        let name = format!("weights_step_{}.safetensors", steps.map_or("none".to_owned(), |s| s.to_string()));
-        let path = self.dir.join(&name);
+        let metadata = HashMap::from([(VERSION_METADATA_KEY.to_owned(), weights.version.to_string())]);
+        let name = format!("step_{}", weights.version);
+        let target = self.dir.join(&name);
         let tmp = self.dir.join(format!(".{name}.tmp"));
-        safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| PluginError::other(format!("{}: {e}", tmp.display())))?;
-        std::fs::rename(&tmp, &path).map_err(|e| PluginError::other(format!("{}: {e}", path.display())))?;
-        self.last = Some(path);
-        Ok(())
-    }
-
-    fn receive_weights(&mut self) -> Result<WeightBundle, PluginError> {
-        let path = self.last.clone().ok_or_else(|| PluginError::other("disk weight sync: receive_weights before send_weights"))?;
-        let bytes = std::fs::read(&path).map_err(|e| PluginError::other(format!("{}: {e}", path.display())))?;
-        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| PluginError::other(format!("{}: {e}", path.display())))?;
-        let global_steps = metadata.metadata().as_ref().and_then(|m| m.get(META_STEPS)).and_then(|s| s.parse().ok());
-        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| PluginError::other(format!("{}: {e}", path.display())))?;
-        let mut tensors: Vec<NamedTensor> = file
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| {
-                let tensor = Tensor {
-                    dtype: from_safetensors_dtype(view.dtype())?,
-                    shape: view.shape().iter().map(|&d| d as i64).collect(),
-                    data: view.data().to_vec().into(),
-                };
-                Ok(NamedTensor::new(name, tensor))
-            })
-            .collect::<Result<_, PluginError>>()?;
-        tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(WeightBundle { tensors: tensors.into(), global_steps: global_steps.into() })
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(io_error(&tmp))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(io_error(&tmp))?;
+        let file = tmp.join(WEIGHTS_FILE);
+        safetensors::serialize_to_file(views, Some(metadata), &file).map_err(|e| PluginError::other(format!("{}: {e}", file.display())))?;
+        if target.exists() {
+            std::fs::remove_dir_all(&target).map_err(io_error(&target))?;
+        }
+        std::fs::rename(&tmp, &target).map_err(io_error(&target))?;
+        self.last = Some(target.clone());
+        Ok(Handover::file(target.to_string_lossy()))
     }
 
     fn finalize(&mut self) -> Result<(), PluginError> {
-        if let Some(path) = self.last.take() {
-            std::fs::remove_file(&path).map_err(|e| PluginError::other(format!("{}: {e}", path.display())))?;
+        if let Some(dir) = self.last.take() {
+            std::fs::remove_dir_all(&dir).map_err(io_error(&dir))?;
         }
         Ok(())
     }
@@ -135,40 +118,56 @@ impl CheckpointEngine for DiskWeightSync {
 
 #[cfg(test)]
 mod tests {
+    use verl_plugin_api::{NamedTensor, RunContext, Tensor};
+
     use super::*;
-    use verl_plugin_api::RunContext;
 
-    fn bundle() -> WeightBundle {
-        WeightBundle {
-            tensors: vec![
-                NamedTensor::new("a.weight", Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, -4.5]).unwrap()),
-                NamedTensor::new("b.bias", Tensor::from_slice(&[3], &[7i64, 8, 9]).unwrap()),
-            ]
-            .into(),
-            global_steps: Some(12).into(),
-        }
+    fn tensors() -> Vec<NamedTensor> {
+        vec![
+            NamedTensor::new("a.weight", Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, -4.5]).unwrap()),
+            NamedTensor::new("b.bias", Tensor::from_slice(&[3], &[7i64, 8, 9]).unwrap()),
+        ]
     }
 
     #[test]
-    fn naive_hands_over_once() {
-        let mut sync = NaiveWeightSync::default();
-        assert!(sync.receive_weights().is_err());
-        sync.send_weights(&bundle()).unwrap();
-        assert_eq!(sync.receive_weights().unwrap(), bundle());
-        assert!(sync.receive_weights().is_err());
+    fn naive_hands_over_the_memory() {
+        let owned = tensors();
+        let views: Vec<_> = owned.iter().map(NamedTensor::as_ref).collect();
+        let handover = NaiveWeightSync.send_weights(&WeightSource::memory(3, &views)).unwrap();
+        assert_eq!(handover.kind, WeightSourceKind::Memory);
     }
 
     #[test]
-    fn disk_round_trips_through_safetensors() {
+    fn disk_writes_a_directory_and_hands_over_its_path() {
         let dir = tempfile::tempdir().unwrap();
         let mut sync = DiskWeightSync::default();
-        let init = ComponentInit { run: RunContext { run_dir: dir.path().to_str().unwrap().into(), ..Default::default() }, ..Default::default() };
-        sync.init(&init).unwrap();
-        sync.send_weights(&bundle()).unwrap();
-        let file = dir.path().join("weight_sync/weights_step_12.safetensors");
-        assert!(file.is_file());
-        assert_eq!(sync.receive_weights().unwrap(), bundle());
+        let mut run = RunContext::default();
+        run.run_dir = dir.path().to_string_lossy().into_owned();
+        sync.init(&ComponentInit::new(serde_json::Value::Null, run)).unwrap();
+        let owned = tensors();
+        let views: Vec<_> = owned.iter().map(NamedTensor::as_ref).collect();
+        let handover = sync.send_weights(&WeightSource::memory(12, &views)).unwrap();
+        assert_eq!(handover.kind, WeightSourceKind::File);
+        let target = dir.path().join("weight_sync/step_12");
+        assert_eq!(PathBuf::from(&handover.path), target);
+        let bytes = std::fs::read(target.join(WEIGHTS_FILE)).unwrap();
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(metadata.metadata().as_ref().unwrap()[VERSION_METADATA_KEY], "12");
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for t in &owned {
+            let read = file.tensor(&t.name).unwrap();
+            assert_eq!(read.data(), t.tensor.data.as_slice(), "{}", t.name);
+            assert_eq!(read.shape().iter().map(|&d| d as i64).collect::<Vec<_>>(), t.tensor.shape.to_vec());
+        }
         sync.finalize().unwrap();
-        assert!(!file.exists());
+        assert!(!target.exists());
+    }
+
+    #[test]
+    fn disk_rejects_unknown_settings() {
+        let mut init = ComponentInit::default();
+        init.config = serde_json::json!({"pth": "/tmp"});
+        let err = DiskWeightSync::default().init(&init).unwrap_err();
+        assert!(err.message().contains("pth"), "{err}");
     }
 }

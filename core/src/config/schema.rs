@@ -50,7 +50,7 @@ pub struct Config {
     /// embedded default).
     pub quickstart: crate::quickstart::QuickstartConfig,
     /// Supervised fine-tuning (`verl-core sft`, and the quickstart's warm-up).
-    pub sft: crate::quickstart::SftConfig,
+    pub sft: crate::sft::SftConfig,
     /// Tracker settings read by tracker plugins (also accepted under `trainer.<name>`); free-form.
     #[serde(skip_serializing_if = "Value::is_null")]
     pub wandb: Value,

@@ -13,10 +13,10 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    CheckpointBox, ComponentInit, ComponentKind, EngineBox, Metric, PluginError, RolloutBox, RunContext, SamplingParams, Table,
-    WeightBundle, keys,
+    ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError, RolloutCapabilities, RunContext,
+    SamplingParams, Table, keys,
 };
-use verl_plugin_host::{LookupError, Registry};
+use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry};
 
 use crate::algo::{
     AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController, SamplerProgress,
@@ -26,7 +26,9 @@ use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager};
 use crate::config::{Config, EngineRole, ResumeMode};
 use crate::data::{ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt, expand_home, load_samples};
+use crate::placement::Placement;
 use crate::reward::{self, RewardError};
+use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
 
 pub use trackers::Trackers;
 
@@ -44,6 +46,11 @@ pub enum TrainError {
     Algo(#[from] AlgoError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Sync(#[from] SyncError),
+    /// The config asks a component for something it declares it cannot do.
+    #[error("{0}")]
+    Capability(String),
     #[error("{}: {error}", path.display())]
     Io { path: PathBuf, error: std::io::Error },
     #[error("{0}")]
@@ -69,12 +76,6 @@ pub fn install_interrupt_handler() -> Result<(), ctrlc::Error> {
 /// Adds what was being done to a plugin error.
 trait Context<T> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError>;
-}
-
-impl<T> Context<T> for verl_plugin_api::abi_stable::std_types::RResult<T, PluginError> {
-    fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
-        self.into_result().map_err(|error| TrainError::Plugin { context: what(), error })
-    }
 }
 
 impl<T> Context<T> for Result<T, PluginError> {
@@ -113,11 +114,11 @@ pub struct RunSummary {
 
 pub struct Trainer {
     config: Config,
-    actor: EngineBox,
-    reference: Option<EngineBox>,
-    critic: Option<EngineBox>,
-    rollout: RolloutBox,
-    weight_sync: CheckpointBox,
+    actor: Box<dyn EngineWorker>,
+    reference: Option<Box<dyn EngineWorker>>,
+    critic: Option<Box<dyn EngineWorker>>,
+    rollout: Box<dyn RolloutWorker>,
+    weight_sync: CheckpointHandle,
     trackers: Trackers,
     tokenizer: tokenizers::Tokenizer,
     train: Vec<(Sample, TokenizedPrompt)>,
@@ -147,9 +148,9 @@ fn load_split(processor: &PromptProcessor, files: &[String], key: &str, max: i64
 }
 
 impl Trainer {
-    /// Loads the data, creates and initialises every component on `device` (a torch device
-    /// string such as "cpu" or "cuda:0").
-    pub fn new(config: Config, registry: &Registry, device: &str) -> Result<Self, TrainError> {
+    /// Loads the data, checks the config against the components' declared capabilities, then
+    /// creates and initialises every component where `placement` says.
+    pub fn new(config: Config, registry: &Registry, placement: &Placement) -> Result<Self, TrainError> {
         let run_dir = expand_home(&config.trainer.default_local_dir);
         std::fs::create_dir_all(&run_dir).map_err(|error| TrainError::Io { path: run_dir.clone(), error })?;
 
@@ -176,37 +177,28 @@ impl Trainer {
         let total_steps =
             config.trainer.total_training_steps.filter(|&s| s > 0).unwrap_or(config.trainer.total_epochs * loader.batches_per_epoch());
 
-        let run = RunContext {
-            project: config.trainer.project_name.as_str().into(),
-            experiment: config.trainer.experiment_name.as_str().into(),
-            run_dir: run_dir.to_string_lossy().as_ref().into(),
-            device: device.into(),
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            seed: config.trainer.seed,
-            process_group: 0,
-        };
-        let init = |config_json: Value| ComponentInit { config_json: config_json.to_string().into(), run: run.clone() };
-        let engine = |role: EngineRole| -> Result<EngineBox, TrainError> {
-            let name = config.engine_strategy(role);
-            let mut engine = registry.resolve(ComponentKind::ENGINE, name)?.create_engine()?;
+        let run = placement.for_run(&config.trainer.project_name, &config.trainer.experiment_name, &run_dir.to_string_lossy());
+        let components = Components::resolve(&config, registry)?;
+        components.check(&config, &run)?;
+
+        let init = |config: Value| ComponentInit::new(config, run.clone());
+        let engine = |role: EngineRole, component: &Component| -> Result<Box<dyn EngineWorker>, TrainError> {
+            let mut engine = component.create_engine()?;
             let mut section = config.engine_json(role);
             section["optim"]["total_training_steps"] = json!(total_steps);
             section["deterministic"] = json!(config.trainer.deterministic);
-            engine.init(&init(section)).context(|| format!("initialising the {} engine `{name}`", role.as_str()))?;
-            Ok(engine)
+            engine.init(&init(section)).context(|| format!("initialising the {} engine `{}`", role.as_str(), component.name))?;
+            Ok(Box::new(engine))
         };
-        let actor = engine(EngineRole::Actor)?;
-        let reference = if config.ref_enabled() { Some(engine(EngineRole::Ref)?) } else { None };
-        let critic = if config.critic_enabled() { Some(engine(EngineRole::Critic)?) } else { None };
+        let actor = engine(EngineRole::Actor, &components.actor)?;
+        let reference = components.reference.as_ref().map(|c| engine(EngineRole::Ref, c)).transpose()?;
+        let critic = components.critic.as_ref().map(|c| engine(EngineRole::Critic, c)).transpose()?;
 
-        let rollout_name = &config.actor_rollout_ref.rollout.name;
-        let mut rollout = registry.resolve(ComponentKind::ROLLOUT, rollout_name)?.create_rollout()?;
-        rollout.init(&init(config.rollout_json())).context(|| format!("initialising the rollout `{rollout_name}`"))?;
+        let mut rollout = components.rollout.create_rollout()?;
+        rollout.init(&init(config.rollout_json())).context(|| format!("initialising the rollout `{}`", components.rollout.name))?;
 
         let sync_config = &config.actor_rollout_ref.rollout.checkpoint_engine;
-        let mut weight_sync = registry.resolve(ComponentKind::CHECKPOINT, &sync_config.backend)?.create_checkpoint()?;
+        let mut weight_sync = components.weight_sync.create_checkpoint()?;
         weight_sync
             .init(&init(sync_config.engine_kwargs.clone()))
             .context(|| format!("initialising the weight sync `{}`", sync_config.backend))?;
@@ -223,7 +215,7 @@ impl Trainer {
             actor,
             reference,
             critic,
-            rollout,
+            rollout: Box::new(rollout),
             weight_sync,
             trackers,
             tokenizer,
@@ -289,7 +281,7 @@ impl Trainer {
             self.trackers.log(step, &metrics);
         }
         let final_dir = self.run_dir.join("huggingface");
-        self.actor.export_hf(final_dir.to_string_lossy().as_ref().into()).context(|| format!("exporting {}", final_dir.display()))?;
+        self.actor.export_hf(&final_dir.to_string_lossy()).context(|| format!("exporting {}", final_dir.display()))?;
         tracing::info!("final model written to {}", final_dir.display());
         summary.global_step = self.global_step;
         summary.final_model = Some(final_dir);
@@ -313,31 +305,30 @@ impl Trainer {
         } else {
             (rollout.n, rollout.do_sample, rollout.temperature, rollout.top_p, rollout.top_k)
         };
-        SamplingParams {
-            n: n as u32,
-            greedy: !do_sample || temperature <= 0.0,
-            temperature: temperature as f32,
-            top_p: top_p as f32,
-            top_k: top_k as i32,
-            max_new_tokens: self.config.data.max_response_length as u32,
-            stop_token_ids: Default::default(),
-            // A seed per step (not a running generator) keeps a resumed run identical to an
-            // uninterrupted one.
-            seed: Some(self.config.trainer.seed.wrapping_mul(0x9E37_79B9).wrapping_add(step * 2 + u64::from(validation))).into(),
-        }
+        let mut params = SamplingParams::default();
+        params.n = n as u32;
+        params.greedy = !do_sample || temperature <= 0.0;
+        params.temperature = temperature as f32;
+        params.top_p = top_p as f32;
+        params.top_k = top_k as i32;
+        params.max_new_tokens = self.config.data.max_response_length as u32;
+        // A seed per step (not a running generator) keeps a resumed run identical to an
+        // uninterrupted one.
+        params.seed = Some(self.config.trainer.seed.wrapping_mul(0x9E37_79B9).wrapping_add(step * 2 + u64::from(validation)));
+        params
     }
 
     /// Generates `n` responses per prompt of `indices` (into `data`); rows come back grouped by
     /// prompt, with group ids `first_group..`.
     fn generate(&mut self, val: bool, indices: &[usize], sampling: SamplingParams, first_group: u64) -> Result<Vec<Row>, TrainError> {
         let data = if val { &self.val } else { &self.train };
-        let prompts = indices.iter().map(|&i| data[i].1.ids.clone().into()).collect();
-        let request = verl_plugin_api::GenerateRequest { prompts, sampling };
+        let prompts = indices.iter().map(|&i| data[i].1.ids.clone()).collect();
+        let request = GenerateRequest::new(prompts, sampling);
         let output = self.rollout.generate(&request).context(|| format!("generating with `{}`", self.config.actor_rollout_ref.rollout.name))?;
         let mut rows: Vec<Row> = output
             .completions
             .iter()
-            .map(|c| Row { sample: indices[c.prompt_index as usize], group: first_group + u64::from(c.prompt_index), response: c.response_ids.to_vec() })
+            .map(|c| Row { sample: indices[c.prompt_index as usize], group: first_group + u64::from(c.prompt_index), response: c.response_ids.clone() })
             .collect();
         rows.sort_by_key(|r| r.group);
         Ok(rows)
@@ -538,15 +529,11 @@ impl Trainer {
         Ok(rows.iter().map(|r| by_sample[&r.sample] as f32).collect())
     }
 
-    /// Actor weights → weight-sync component → rollout, tagged with the step.
+    /// Actor weights → weight sync → rollout, by reference, tagged with the step.
     fn sync_weights(&mut self, step: u64) -> Result<(), TrainError> {
-        let tensors = self.actor.export_weights().context(|| "exporting actor weights".to_owned())?;
-        let backend = self.config.actor_rollout_ref.rollout.checkpoint_engine.backend.clone();
-        let bundle = WeightBundle { tensors, global_steps: Some(step).into() };
-        self.weight_sync.send_weights(&bundle).context(|| format!("weight sync `{backend}`: sending"))?;
-        let received = self.weight_sync.receive_weights().context(|| format!("weight sync `{backend}`: receiving"))?;
-        self.rollout.update_weights(&received).context(|| "updating rollout weights".to_owned())?;
-        self.weight_sync.finalize().context(|| format!("weight sync `{backend}`: finalising"))
+        let backend = &self.config.actor_rollout_ref.rollout.checkpoint_engine.backend;
+        sync_weights(self.actor.as_mut(), &mut self.weight_sync, backend, self.rollout.as_mut(), step)?;
+        Ok(())
     }
 
     /// Mean reward per data source over the validation set (`val-core/<source>/reward/mean@N`),
@@ -577,10 +564,10 @@ impl Trainer {
                 .zip(&scores)
                 .map(|(row, score)| {
                     let response = self.tokenizer.decode(&row.response, true).unwrap_or_default();
-                    vec![self.val[row.sample].1.text.clone().into(), response.into(), format!("{score}").into()].into()
+                    vec![self.val[row.sample].1.text.clone(), response, format!("{score}")]
                 })
                 .collect();
-            let table = Table { name: "val/generations".into(), columns: vec!["input".into(), "output".into(), "score".into()].into(), rows: table_rows };
+            let table = Table::new("val/generations", vec!["input".into(), "output".into(), "score".into()], table_rows);
             self.trackers.log_table(self.global_step, &table);
         }
         Ok(metrics)
@@ -590,10 +577,10 @@ impl Trainer {
         let step = self.global_step;
         let pending = self.checkpoints.begin(step)?;
         let actor_dir = pending.dir().join("actor");
-        self.actor.save_checkpoint(actor_dir.to_string_lossy().as_ref().into(), step).context(|| format!("saving {}", actor_dir.display()))?;
+        self.actor.save_checkpoint(&actor_dir.to_string_lossy(), step).context(|| format!("saving {}", actor_dir.display()))?;
         if let Some(critic) = &mut self.critic {
             let dir = pending.dir().join("critic");
-            critic.save_checkpoint(dir.to_string_lossy().as_ref().into(), step).context(|| format!("saving {}", dir.display()))?;
+            critic.save_checkpoint(&dir.to_string_lossy(), step).context(|| format!("saving {}", dir.display()))?;
         }
         let state = TrainerState { global_step: step, loader: self.loader.state(), kl_coef: self.kl_ctrl.value };
         let path = pending.dir().join(TRAINER_STATE_FILE);
@@ -626,10 +613,10 @@ impl Trainer {
         let text = std::fs::read_to_string(&path).map_err(|error| TrainError::Io { path: path.clone(), error })?;
         let state: TrainerState = serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
         let actor_dir = dir.join("actor");
-        self.actor.load_checkpoint(actor_dir.to_string_lossy().as_ref().into()).context(|| format!("loading {}", actor_dir.display()))?;
+        self.actor.load_checkpoint(&actor_dir.to_string_lossy()).context(|| format!("loading {}", actor_dir.display()))?;
         if let Some(critic) = &mut self.critic {
             let critic_dir = dir.join("critic");
-            critic.load_checkpoint(critic_dir.to_string_lossy().as_ref().into()).context(|| format!("loading {}", critic_dir.display()))?;
+            critic.load_checkpoint(&critic_dir.to_string_lossy()).context(|| format!("loading {}", critic_dir.display()))?;
         }
         self.loader.restore(state.loader);
         self.kl_ctrl.value = state.kl_coef;
@@ -639,6 +626,92 @@ impl Trainer {
 }
 
 /// Runs a whole training job: the trainer's entry point for `verl-core run`.
-pub fn run(config: Config, registry: &Registry, device: &str) -> Result<RunSummary, TrainError> {
-    Trainer::new(config, registry, device)?.fit()
+pub fn run(config: Config, registry: &Registry, placement: &Placement) -> Result<RunSummary, TrainError> {
+    Trainer::new(config, registry, placement)?.fit()
+}
+
+/// The components a run uses, resolved by name before any is created.
+struct Components {
+    actor: Component,
+    reference: Option<Component>,
+    critic: Option<Component>,
+    rollout: Component,
+    weight_sync: Component,
+}
+
+impl Components {
+    fn resolve(config: &Config, registry: &Registry) -> Result<Self, TrainError> {
+        let engine = |role| registry.resolve(ComponentKind::ENGINE, config.engine_strategy(role));
+        let rollout = &config.actor_rollout_ref.rollout;
+        Ok(Self {
+            actor: engine(EngineRole::Actor)?,
+            reference: config.ref_enabled().then(|| engine(EngineRole::Ref)).transpose()?,
+            critic: config.critic_enabled().then(|| engine(EngineRole::Critic)).transpose()?,
+            rollout: registry.resolve(ComponentKind::ROLLOUT, &rollout.name)?,
+            weight_sync: registry.resolve(ComponentKind::CHECKPOINT, &rollout.checkpoint_engine.backend)?,
+        })
+    }
+
+    /// Checks the run against what each component declares it can do, before any is created:
+    /// a mismatch names the component, the capability and the config key that asks for it.
+    fn check(&self, config: &Config, run: &RunContext) -> Result<(), TrainError> {
+        let roles = [(EngineRole::Actor, Some(&self.actor)), (EngineRole::Ref, self.reference.as_ref()), (EngineRole::Critic, self.critic.as_ref())];
+        for (role, component) in roles {
+            let Some(component) = component else { continue };
+            let caps: EngineCapabilities = component.capabilities();
+            let name = &component.name;
+            let key = match role {
+                EngineRole::Critic => "critic.strategy",
+                EngineRole::Ref => "actor_rollout_ref.ref.strategy",
+                EngineRole::Actor => "actor_rollout_ref.actor.strategy",
+            };
+            if !caps.supports_role(role.as_str()) {
+                return Err(TrainError::Capability(format!(
+                    "engine `{name}` ({key}) cannot hold the {} role; it declares roles [{}]",
+                    role.as_str(),
+                    caps.roles.join(", ")
+                )));
+            }
+            if run.world_size > caps.max_world_size {
+                return Err(TrainError::Capability(format!(
+                    "engine `{name}` ({key}) runs on at most {} rank(s), but this run has WORLD_SIZE={}",
+                    caps.max_world_size, run.world_size
+                )));
+            }
+            if !caps.supports_device(&run.device_type) {
+                return Err(TrainError::Capability(format!(
+                    "engine `{name}` ({key}) does not run on `{}` devices (trainer.device / the selected platform); it supports [{}]",
+                    run.device_type,
+                    caps.devices.join(", ")
+                )));
+            }
+        }
+        let rollout_caps: RolloutCapabilities = self.rollout.capabilities();
+        let handover = self.weight_sync.capabilities::<verl_plugin_api::CheckpointCapabilities>().handover;
+        if !rollout_caps.accepts(handover) {
+            let accepted: Vec<&str> = rollout_caps.weight_sources.iter().map(|k| k.as_str()).collect();
+            return Err(TrainError::Capability(format!(
+                "rollout `{}` (actor_rollout_ref.rollout.name) cannot take weights from {}, which weight sync `{}` \
+                 (actor_rollout_ref.rollout.checkpoint_engine.backend) hands over; it accepts [{}]",
+                self.rollout.name,
+                handover.as_str(),
+                self.weight_sync.name,
+                accepted.join(", ")
+            )));
+        }
+        let settings = &config.actor_rollout_ref.rollout;
+        if settings.calculate_log_probs && !rollout_caps.logprobs {
+            return Err(TrainError::Capability(format!(
+                "actor_rollout_ref.rollout.calculate_log_probs=true, but rollout `{}` does not return log-probs",
+                self.rollout.name
+            )));
+        }
+        if settings.free_cache_engine && !rollout_caps.sleep_wake {
+            tracing::info!(
+                "actor_rollout_ref.rollout.free_cache_engine: rollout `{}` has no sleep/wake-up; it keeps no cache between generate calls",
+                self.rollout.name
+            );
+        }
+        Ok(())
+    }
 }

@@ -85,13 +85,7 @@ impl IntelCard {
 
 impl Device for XpuDevice {
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            name: NAME.into(),
-            vendor: "intel".into(),
-            device_type: "xpu".into(),
-            comm_backend: "ccl".into(),
-            visible_devices_env: vec![AFFINITY_ENV.into()].into(),
-        }
+        DeviceInfo::new(NAME, "intel", "xpu", "ccl").visible_devices_env([AFFINITY_ENV])
     }
 
     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {

@@ -16,13 +16,7 @@ impl Device for CpuDevice {
     fn info(&self) -> DeviceInfo {
         // `info` has no probe, so the CPU's real vendor (from /proc/cpuinfo) is reported by
         // `detect`, in the reason and the device name.
-        DeviceInfo {
-            name: "cpu".into(),
-            vendor: "cpu".into(),
-            device_type: "cpu".into(),
-            comm_backend: "gloo".into(),
-            visible_devices_env: Default::default(),
-        }
+        DeviceInfo::new("cpu", "cpu", "cpu", "gloo")
     }
 
     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
@@ -38,7 +32,7 @@ impl Device for CpuDevice {
         let vendor = info.vendor.as_deref().unwrap_or("unknown vendor");
         let mut detection =
             Detection::available(count, format!("{count} CPU(s) {source}; {vendor}"));
-        detection.device_names = vec![info.model.unwrap_or_else(|| "CPU".to_owned()).into()].into();
+        detection.device_names = vec![info.model.unwrap_or_else(|| "CPU".to_owned())];
         Ok(detection)
     }
 }

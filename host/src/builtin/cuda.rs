@@ -19,13 +19,7 @@ struct ProcGpu {
 
 impl Device for CudaDevice {
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            name: "cuda".into(),
-            vendor: "nvidia".into(),
-            device_type: "cuda".into(),
-            comm_backend: "nccl".into(),
-            visible_devices_env: vec![VISIBLE.into()].into(),
-        }
+        DeviceInfo::new("cuda", "nvidia", "cuda", "nccl").visible_devices_env([VISIBLE])
     }
 
     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {

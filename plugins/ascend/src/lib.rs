@@ -46,13 +46,7 @@ pub struct AscendDevice;
 
 impl Device for AscendDevice {
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            name: NAME.into(),
-            vendor: "huawei".into(),
-            device_type: "npu".into(),
-            comm_backend: "hccl".into(),
-            visible_devices_env: vec![VISIBLE.into()].into(),
-        }
+        DeviceInfo::new(NAME, "huawei", "npu", "hccl").visible_devices_env([VISIBLE])
     }
 
     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
@@ -364,12 +358,10 @@ mod tests {
     #[test]
     fn exported_manifest_registers_the_device() {
         let manifest = __verl_plugin_manifest().into_result().expect("manifest");
-        assert_eq!(manifest.name.as_str(), "ascend");
+        let info = manifest.info().expect("manifest info");
+        assert_eq!(info.name, NAME);
         assert_eq!(
-            (
-                manifest.components[0].name.as_str(),
-                manifest.components[0].priority
-            ),
+            (info.components[0].name.as_str(), info.components[0].priority),
             (NAME, PRIORITY)
         );
         let device = manifest
@@ -377,13 +369,10 @@ mod tests {
             .create_device(NAME.into())
             .into_result()
             .expect("device");
-        assert_eq!(
-            device
-                .detect(&FakeRoot::new().ascend_npus(2).probe())
-                .into_result()
-                .expect("detect")
-                .count,
-            2
-        );
+        let root = FakeRoot::new().ascend_npus(2);
+        let probe = verl_plugin_api::wire::encode(&root.probe());
+        let detected = device.detect(probe.as_rstr()).into_result().expect("detect");
+        let d: Detection = verl_plugin_api::wire::decode("detection", &detected).unwrap();
+        assert_eq!(d.count, 2);
     }
 }

@@ -16,14 +16,14 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
-use verl_model::interop::{from_tch, named_from_tch, parse_config};
+use verl_model::interop::{LentTensors, from_tch};
 use verl_model::losses::{
     AggScale, PolicyBatch, agg_loss, kl_penalty, masked_mean, policy_loss, value_loss,
 };
 use verl_model::{
     AdamW, CausalLM, Head, LrSchedule, Rng, load_training_state, parse_device, save_training_state,
 };
-use verl_plugin_api::{Batch, ComponentInit, Metric, NamedTensor, keys};
+use verl_plugin_api::{Batch, ComponentInit, Metric, TensorRef, keys};
 
 use crate::batch::{Meta, Rows};
 use crate::config::{EngineConfig, Role, Settings};
@@ -74,6 +74,8 @@ pub struct Worker {
     settings: Settings,
     model: CausalLM,
     trainer: Option<Trainer>,
+    /// The weights last lent to a weight sync.
+    lent: LentTensors,
 }
 
 impl Worker {
@@ -85,7 +87,7 @@ impl Worker {
                 run.world_size, run.rank
             )));
         }
-        let settings = parse_config::<EngineConfig>(&init.config_json, "fsdp")?.validate()?;
+        let settings = init.config::<EngineConfig>("fsdp")?.validate()?;
         let device = parse_device(&run.device)?;
         let head = if settings.role == Role::Critic {
             Head::Value
@@ -108,6 +110,7 @@ impl Worker {
             settings,
             model,
             trainer,
+            lent: LentTensors::default(),
         })
     }
 
@@ -328,8 +331,10 @@ impl Worker {
         Ok(state.global_step)
     }
 
-    pub fn export_weights(&self) -> Result<Vec<NamedTensor>, EngineError> {
-        Ok(named_from_tch(&self.model.named_tensors())?)
+    /// The parameters as views, in place for contiguous host tensors.
+    pub fn weights(&mut self) -> Result<Vec<TensorRef<'_>>, EngineError> {
+        self.lent.lend(self.model.named_tensors())?;
+        Ok(self.lent.views()?)
     }
 
     pub fn export_hf(&self, dir: &Path) -> Result<(), EngineError> {

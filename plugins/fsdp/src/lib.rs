@@ -1,11 +1,10 @@
 //! # verl-plugin-fsdp
 //!
 //! The `fsdp` engine component: a libtorch (tch) policy, reference or critic model trained with
-//! verl's losses. Single rank for now: [`RunContext`](verl_plugin_api::RunContext) already carries
-//! rank, world size and a process group, so sharding over ranks can come later without an ABI
-//! change; `world_size > 1` is rejected at `init` as not yet supported.
+//! verl's losses. Single rank for now: it declares `max_world_size = 1`, so the trainer refuses a
+//! multi-rank run before step 1, and `init` rejects `world_size > 1` for any other host.
 //!
-//! Config (`ComponentInit::config_json`): verl's `actor_rollout_ref.actor` (or `critic`) section
+//! Config (`ComponentInit::config`): verl's `actor_rollout_ref.actor` (or `critic`) section
 //! with verl's keys and defaults (see [`config::EngineConfig`]), plus `"role": "actor" | "ref" |
 //! "critic"` and `"model": {"path", "random_init", "enable_gradient_checkpointing", "dtype"}`.
 //! Mini-batch sizes count sequences (the trainer has multiplied them by `rollout.n`).
@@ -28,7 +27,8 @@ mod error;
 use std::path::Path;
 
 use verl_plugin_api::{
-    Batch, ComponentInit, Engine, Metric, NamedTensor, PluginBuilder, PluginError,
+    Batch, ComponentInit, Engine, EngineCapabilities, Metric, PluginBuilder, PluginError,
+    TensorRef,
 };
 
 use engine::Worker;
@@ -47,6 +47,11 @@ impl FsdpEngine {
 }
 
 impl Engine for FsdpEngine {
+    fn capabilities() -> EngineCapabilities {
+        EngineCapabilities::default()
+            .roles(["actor", "ref", "critic"])
+            .max_world_size(1)
+    }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.worker = Some(Worker::new(init)?);
         Ok(())
@@ -71,8 +76,8 @@ impl Engine for FsdpEngine {
     fn load_checkpoint(&mut self, dir: &str) -> Result<u64, PluginError> {
         Ok(self.worker()?.load_checkpoint(Path::new(dir))?)
     }
-    fn export_weights(&mut self) -> Result<Vec<NamedTensor>, PluginError> {
-        Ok(self.worker()?.export_weights()?)
+    fn weights(&mut self) -> Result<Vec<TensorRef<'_>>, PluginError> {
+        Ok(self.worker()?.weights()?)
     }
     fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
         Ok(self.worker()?.export_hf(Path::new(dir))?)

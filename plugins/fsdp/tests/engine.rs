@@ -5,11 +5,10 @@ mod common;
 use common::*;
 use serde_json::json;
 use verl_model::{CausalLM, ModelOptions};
-use verl_plugin_api::abi_stable::std_types::RStr;
-use verl_plugin_api::{ErrorKind, Tensor, keys};
+use verl_plugin_api::{ErrorKind, NamedTensor, Tensor, keys};
 
-fn rstr(path: &std::path::Path) -> RStr<'_> {
-    path.to_str().unwrap().into()
+fn rstr(path: &std::path::Path) -> &str {
+    path.to_str().unwrap()
 }
 
 /// The engine's log-probs and entropy of the fixture sequences (left-padded prompts of different
@@ -23,7 +22,7 @@ fn compute_log_prob_matches_transformers_and_verl_model() {
         let mut engine = engine(&json!({"role": "ref", "model": {"path": fixture(model)}}));
         for temperature in [1.0, want.temperature] {
             set_meta(&mut batch, json!({"temperature": temperature}));
-            let out = engine.compute_log_prob(&batch).into_result().unwrap();
+            let out = engine.compute_log_prob(&batch).unwrap();
             let (lp, ent) = (rows(&out, keys::LOG_PROBS), rows(&out, keys::ENTROPYS));
             for (i, seq) in want.sequences.iter().enumerate() {
                 let n = seq.logprobs.len();
@@ -187,13 +186,11 @@ fn save_load_resume_is_bit_identical() {
     update(&mut first, &batch);
     first
         .save_checkpoint(rstr(dir.path()), 1)
-        .into_result()
         .unwrap();
     let mut resumed = engine(&config);
     assert_eq!(
         resumed
             .load_checkpoint(rstr(dir.path()))
-            .into_result()
             .unwrap(),
         1
     );
@@ -213,7 +210,6 @@ fn save_load_resume_is_bit_identical() {
     let mut critic = engine(&json!({"role": "critic", "model": {"path": fixture("tiny-llama")}}));
     let err = critic
         .load_checkpoint(rstr(dir.path()))
-        .into_result()
         .unwrap_err();
     assert!(
         err.message().contains("actor") && err.message().contains("engine_state.json"),
@@ -223,7 +219,6 @@ fn save_load_resume_is_bit_identical() {
     assert_eq!(
         reference
             .save_checkpoint(rstr(dir.path()), 1)
-            .into_result()
             .unwrap_err()
             .kind,
         ErrorKind::UNSUPPORTED
@@ -239,7 +234,7 @@ fn export_hf_round_trips() {
         let batch = ppo_batch(&mut engine, model);
         update(&mut engine, &batch);
         let dir = tempfile::tempdir().unwrap();
-        engine.export_hf(rstr(dir.path())).into_result().unwrap();
+        engine.export_hf(rstr(dir.path())).unwrap();
         assert!(
             dir.path().join("tokenizer.json").is_file()
                 && dir.path().join("generation_config.json").is_file()
@@ -247,8 +242,11 @@ fn export_hf_round_trips() {
 
         let reloaded = CausalLM::from_pretrained(dir.path(), &ModelOptions::default()).unwrap();
         let exported = weights(&mut engine);
-        let reloaded_weights =
-            verl_model::interop::named_from_tch(&reloaded.named_tensors()).unwrap();
+        let reloaded_weights: Vec<NamedTensor> = reloaded
+            .named_tensors()
+            .iter()
+            .map(|(name, t)| NamedTensor::new(name.clone(), verl_model::interop::from_tch(name, t).unwrap()))
+            .collect();
         assert_eq!(exported, reloaded_weights, "{model}");
 
         let mut again = common::engine(&json!({"role": "ref", "model": {"path": dir.path()}}));
@@ -311,7 +309,6 @@ fn critic_computes_and_updates_values() {
     let (mut batch, lens) = fixture_batch("tiny-qwen2");
     let values = critic
         .compute_values(&batch)
-        .into_result()
         .unwrap()
         .require(keys::VALUES)
         .unwrap()
@@ -345,7 +342,6 @@ fn critic_computes_and_updates_values() {
     batch.insert(keys::VALUES, values.clone());
     let metrics: Vec<_> = critic
         .update_critic(&batch)
-        .into_result()
         .unwrap()
         .into_iter()
         .collect();
@@ -368,7 +364,6 @@ fn critic_computes_and_updates_values() {
     );
     let after = critic
         .compute_values(&batch)
-        .into_result()
         .unwrap()
         .require(keys::VALUES)
         .unwrap()
@@ -382,7 +377,6 @@ fn critic_computes_and_updates_values() {
     assert_eq!(
         critic
             .compute_log_prob(&batch)
-            .into_result()
             .unwrap_err()
             .kind,
         ErrorKind::UNSUPPORTED
@@ -410,7 +404,7 @@ fn other_policy_losses_and_aggregations_run() {
 fn errors_name_the_problem() {
     let init_err = |config: serde_json::Value| {
         let mut engine = new_engine();
-        engine.init(&init_for(&config)).into_result().unwrap_err()
+        engine.init(&init_for(&config)).unwrap_err()
     };
     let base = || actor_config("tiny-llama", json!({}));
 
@@ -447,7 +441,7 @@ fn errors_name_the_problem() {
     let mut engine = new_engine();
     let mut init = init_for(&base());
     init.run.world_size = 2;
-    let err = engine.init(&init).into_result().unwrap_err();
+    let err = engine.init(&init).unwrap_err();
     assert!(
         err.kind == ErrorKind::UNSUPPORTED && err.message().contains("not yet supported"),
         "{err}"
@@ -457,20 +451,18 @@ fn errors_name_the_problem() {
     assert!(
         new_engine()
             .compute_log_prob(&batch)
-            .into_result()
             .unwrap_err()
             .message()
             .contains("init")
     );
     let mut engine = common::engine(&base());
-    let err = engine.update_actor(&batch).into_result().unwrap_err();
+    let err = engine.update_actor(&batch).unwrap_err();
     assert!(err.message().contains("old_log_probs"), "{err}");
     let mut reference =
         common::engine(&json!({"role": "ref", "model": {"path": fixture("tiny-llama")}}));
     assert_eq!(
         reference
             .update_actor(&batch)
-            .into_result()
             .unwrap_err()
             .kind,
         ErrorKind::UNSUPPORTED

@@ -12,16 +12,19 @@
 //!
 //! EOS ids come from the model's `generation_config.json` (else `config.json`); `stop_token_ids`
 //! add to them. A request without a seed draws one from the run seed, so a run is reproducible
-//! while successive calls differ. `sleep` / `wake_up` keep the ABI's no-op defaults: the KV cache
-//! only lives during a `generate` call, so between calls there is nothing to free but the weights,
-//! which the next `generate` needs anyway.
+//! while successive calls differ. New weights come by reference: borrowed tensors (copied once,
+//! straight into the parameters) or a safetensors directory. There is no `sleep` / `wake_up`: the
+//! KV cache only lives during a `generate` call, so between calls there is nothing to free but the
+//! weights, which the next `generate` needs anyway.
 
 use serde::Deserialize;
-use verl_model::interop::{named_to_tch, parse_config};
+use std::path::Path;
+
+use verl_model::interop::load_views;
 use verl_model::{CausalLM, Head, ModelError, ModelSpec, Rng, parse_device};
 use verl_plugin_api::{
     Completion, ComponentInit, FinishReason, GenerateOutput, GenerateRequest, PluginBuilder,
-    PluginError, Rollout, SamplingParams, WeightBundle,
+    PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
 };
 
 /// The keys of the rollout section this component acts on.
@@ -64,7 +67,7 @@ struct Generator {
 
 impl Generator {
     fn new(init: &ComponentInit) -> Result<Self, RolloutError> {
-        let config: RolloutConfig = parse_config(&init.config_json, "native")?;
+        let config: RolloutConfig = init.config("native")?;
         let device = parse_device(&init.run.device)?;
         let mut model = config.model.load(device, Head::Lm, init.run.seed)?;
         model.set_trainable(false);
@@ -95,10 +98,7 @@ impl Generator {
             top_k: i64::from(p.top_k),
             stop_token_ids: p.stop_token_ids.iter().map(|&id| i64::from(id)).collect(),
             ignore_eos: self.ignore_eos,
-            seed: p
-                .seed
-                .into_option()
-                .unwrap_or_else(|| self.seeds.next_u64()),
+            seed: p.seed.unwrap_or_else(|| self.seeds.next_u64()),
         }
     }
 
@@ -112,28 +112,40 @@ impl Generator {
         let completions = self
             .model
             .generate(&prompts, &params, &self.eos_token_ids)?;
-        Ok(GenerateOutput {
-            completions: completions
-                .into_iter()
-                .map(|c| Completion {
-                    prompt_index: c.prompt_index as u32,
+        let completions = completions
+            .into_iter()
+            .map(|c| {
+                Completion::new(
+                    c.prompt_index as u32,
                     // Ids come from the vocabulary, so they are non-negative and fit.
-                    response_ids: c.response_ids.iter().map(|&id| id as u32).collect(),
-                    logprobs: c.logprobs.into(),
-                    finish_reason: match c.finish_reason {
-                        verl_model::FinishReason::Stop => FinishReason::STOP,
-                        verl_model::FinishReason::Length => FinishReason::LENGTH,
+                    c.response_ids.iter().map(|&id| id as u32).collect(),
+                    c.logprobs,
+                    match c.finish_reason {
+                        verl_model::FinishReason::Stop => FinishReason::Stop,
+                        verl_model::FinishReason::Length => FinishReason::Length,
                     },
-                })
-                .collect(),
-            weight_version: self.weight_version.into(),
-        })
+                )
+            })
+            .collect();
+        Ok(GenerateOutput::new(completions, self.weight_version))
     }
 
-    fn update_weights(&mut self, weights: &WeightBundle) -> Result<(), RolloutError> {
-        let tensors = named_to_tch(&weights.tensors, self.model.device())?;
-        self.model.load_named_tensors(&tensors)?;
-        self.weight_version = weights.global_steps.into_option();
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), RolloutError> {
+        let handover = source.handover()?;
+        match handover.kind {
+            WeightSourceKind::Memory => {
+                load_views(&self.model, &source.tensors)?;
+            }
+            WeightSourceKind::File => self.model.load_weights_dir(Path::new(&handover.path))?,
+            other => {
+                return Err(PluginError::unsupported(&format!(
+                    "update_weights from a {} source",
+                    other.as_str()
+                ))
+                .into());
+            }
+        }
+        self.weight_version = Some(source.version);
         Ok(())
     }
 }
@@ -151,6 +163,11 @@ impl NativeRollout {
 }
 
 impl Rollout for NativeRollout {
+    fn capabilities() -> RolloutCapabilities {
+        RolloutCapabilities::default()
+            .weight_sources([WeightSourceKind::Memory, WeightSourceKind::File])
+            .logprobs(true)
+    }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.generator = Some(Generator::new(init)?);
         Ok(())
@@ -158,8 +175,8 @@ impl Rollout for NativeRollout {
     fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
         Ok(self.generator()?.generate(request)?)
     }
-    fn update_weights(&mut self, weights: &WeightBundle) -> Result<(), PluginError> {
-        Ok(self.generator()?.update_weights(weights)?)
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        Ok(self.generator()?.update_weights(source)?)
     }
 }
 

@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use verl_plugin_api::abi_stable::std_types::{ROption, RVec};
 use verl_plugin_api::{
-    Batch, ComponentInit, ComponentKind, EngineBox, ErrorKind, FinishReason, GenerateOutput,
-    GenerateRequest, RolloutBox, RunContext, SamplingParams, Tensor, WeightBundle, keys,
+    Batch, ComponentInit, ComponentKind, ErrorKind, FinishReason, GenerateOutput, GenerateRequest,
+    Handover, NamedTensor, RunContext, SamplingParams, Tensor, WeightSource, keys,
 };
+use verl_plugin_host::{EngineHandle, RolloutHandle};
 use verl_testkit::{PluginHarness, built_plugin};
 
 fn fixture(name: &str) -> PathBuf {
@@ -38,18 +38,12 @@ fn expected(name: &str) -> Expected {
 }
 
 fn init_for(config: &Value) -> ComponentInit {
-    ComponentInit {
-        config_json: config.to_string().into(),
-        run: RunContext {
-            device: "cpu".into(),
-            world_size: 1,
-            seed: 11,
-            ..RunContext::default()
-        },
-    }
+    let mut run = RunContext::default();
+    run.seed = 11;
+    ComponentInit::new(config.clone(), run)
 }
 
-fn new_rollout() -> RolloutBox {
+fn new_rollout() -> RolloutHandle {
     let harness = PluginHarness::load_alone(built_plugin("verl_plugin_native"))
         .unwrap_or_else(|e| panic!("{e}"));
     harness.assert_registers(ComponentKind::ROLLOUT, "native", 100);
@@ -59,38 +53,40 @@ fn new_rollout() -> RolloutBox {
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn rollout_on(model: &str) -> RolloutBox {
+fn rollout_on(model: &str) -> RolloutHandle {
     let mut rollout = new_rollout();
     // verl's rollout section carries many keys this backend ignores.
     let config = json!({"name": "native", "temperature": 1.0, "gpu_memory_utilization": 0.5, "model": {"path": fixture(model)}});
     rollout
         .init(&init_for(&config))
-        .into_result()
         .unwrap_or_else(|e| panic!("init: {e}"));
     rollout
 }
 
 fn generate(
-    rollout: &mut RolloutBox,
+    rollout: &mut RolloutHandle,
     prompts: &[Vec<u32>],
     sampling: SamplingParams,
 ) -> GenerateOutput {
-    let request = GenerateRequest {
-        prompts: prompts.iter().map(|p| RVec::from(p.clone())).collect(),
-        sampling,
-    };
+    let request = GenerateRequest::new(prompts.to_vec(), sampling);
     rollout
         .generate(&request)
-        .into_result()
         .unwrap_or_else(|e| panic!("generate: {e}"))
 }
 
 fn greedy(max_new_tokens: u32) -> SamplingParams {
-    SamplingParams {
-        greedy: true,
-        max_new_tokens,
-        ..SamplingParams::default()
-    }
+    let mut sampling = SamplingParams::default();
+    sampling.greedy = true;
+    sampling.max_new_tokens = max_new_tokens;
+    sampling
+}
+
+fn sampled(temperature: f32, max_new_tokens: u32, seed: Option<u64>) -> SamplingParams {
+    let mut sampling = SamplingParams::default();
+    sampling.temperature = temperature;
+    sampling.max_new_tokens = max_new_tokens;
+    sampling.seed = seed;
+    sampling
 }
 
 /// Batched greedy decoding of prompts of different lengths equals transformers' one-at-a-time
@@ -109,7 +105,7 @@ fn greedy_matches_transformers() {
             .unwrap() as u32;
         let out = generate(&mut rollout, &prompts, greedy(max));
         assert_eq!(out.completions.len(), prompts.len());
-        assert_eq!(out.weight_version, ROption::RNone);
+        assert_eq!(out.weight_version, None);
         for (c, g) in out.completions.iter().zip(&want.greedy) {
             let n = g.response_ids.len();
             assert_eq!(
@@ -124,9 +120,9 @@ fn greedy_matches_transformers() {
             assert_eq!(
                 c.finish_reason,
                 if stopped {
-                    FinishReason::STOP
+                    FinishReason::Stop
                 } else {
-                    FinishReason::LENGTH
+                    FinishReason::Length
                 }
             );
             let diff = c
@@ -147,14 +143,12 @@ fn seeded_sampling_is_reproducible() {
         expected("tiny-qwen2").greedy[0].prompt_ids.clone(),
         vec![5, 6, 7],
     ];
-    let sampling = |seed| SamplingParams {
-        n: 3,
-        temperature: 0.9,
-        top_p: 0.9,
-        top_k: 50,
-        max_new_tokens: 12,
-        seed: ROption::RSome(seed),
-        ..SamplingParams::default()
+    let sampling = |seed| {
+        let mut s = sampled(0.9, 12, Some(seed));
+        s.n = 3;
+        s.top_p = 0.9;
+        s.top_k = 50;
+        s
     };
     let a = generate(&mut rollout, &prompts, sampling(1));
     assert_eq!(a, generate(&mut rollout, &prompts, sampling(1)));
@@ -169,10 +163,8 @@ fn seeded_sampling_is_reproducible() {
                 && c.logprobs.iter().all(|l| *l <= 0.0))
     );
     // Without a seed successive calls differ, but a new rollout with the same run seed repeats them.
-    let unseeded = SamplingParams {
-        seed: ROption::RNone,
-        ..sampling(0)
-    };
+    let mut unseeded = sampling(0);
+    unseeded.seed = None;
     let first = generate(&mut rollout_on("tiny-qwen2"), &prompts, unseeded.clone());
     let mut again = rollout_on("tiny-qwen2");
     assert_eq!(first, generate(&mut again, &prompts, unseeded.clone()));
@@ -189,15 +181,16 @@ fn stop_tokens_and_length_limit_set_the_finish_reason() {
     let out = generate(
         &mut rollout,
         std::slice::from_ref(&g.prompt_ids),
-        SamplingParams {
-            stop_token_ids: vec![stop].into(),
-            ..greedy(16)
+        {
+            let mut s = greedy(16);
+            s.stop_token_ids = vec![stop];
+            s
         },
     );
     let c = &out.completions[0];
     assert_eq!(
         (c.finish_reason, c.response_ids.as_slice()),
-        (FinishReason::STOP, &g.response_ids[..=first])
+        (FinishReason::Stop, &g.response_ids[..=first])
     );
     let out = generate(&mut rollout, std::slice::from_ref(&g.prompt_ids), greedy(2));
     assert_eq!(
@@ -205,11 +198,11 @@ fn stop_tokens_and_length_limit_set_the_finish_reason() {
             out.completions[0].finish_reason,
             out.completions[0].response_ids.len()
         ),
-        (FinishReason::LENGTH, 2)
+        (FinishReason::Length, 2)
     );
 }
 
-fn engine(config: &Value) -> EngineBox {
+fn engine(config: &Value) -> EngineHandle {
     let harness = PluginHarness::load_alone(built_plugin("verl_plugin_fsdp"))
         .unwrap_or_else(|e| panic!("{e}"));
     let mut engine = harness
@@ -218,7 +211,6 @@ fn engine(config: &Value) -> EngineBox {
         .unwrap_or_else(|e| panic!("{e}"));
     engine
         .init(&init_for(config))
-        .into_result()
         .unwrap_or_else(|e| panic!("engine init: {e}"));
     engine
 }
@@ -280,14 +272,13 @@ fn scoring_batch(prompts: &[Vec<u32>], out: &GenerateOutput, temperature: f64) -
 
 /// Largest gap between the rollout's sampling log-probs and the engine's recomputed ones.
 fn logprob_gap(
-    engine: &mut EngineBox,
+    engine: &mut EngineHandle,
     prompts: &[Vec<u32>],
     out: &GenerateOutput,
     temperature: f64,
 ) -> f32 {
     let scored = engine
         .compute_log_prob(&scoring_batch(prompts, out, temperature))
-        .into_result()
         .unwrap();
     let lp = scored.require(keys::LOG_PROBS).unwrap();
     let width = lp.shape[1] as usize;
@@ -305,9 +296,9 @@ fn logprob_gap(
         .fold(0.0, f32::max)
 }
 
-/// Weight sync: after a training step the rollout disagrees with the engine; after
-/// `export_weights` → `update_weights` its sampling log-probs equal the engine's recomputed ones
-/// and outputs carry the weights' step.
+/// Weight sync: after a training step the rollout disagrees with the engine; after the engine
+/// lends its weights to `update_weights` — in memory, or as a safetensors directory — the
+/// rollout's sampling log-probs equal the engine's recomputed ones and outputs carry the version.
 #[test]
 fn weight_sync_from_the_engine() {
     let model = "tiny-llama";
@@ -321,19 +312,13 @@ fn weight_sync_from_the_engine() {
         .iter()
         .map(|g| g.prompt_ids.clone())
         .collect();
-    let sampling = SamplingParams {
-        temperature: temperature as f32,
-        max_new_tokens: 8,
-        seed: ROption::RSome(3),
-        ..SamplingParams::default()
-    };
+    let sampling = sampled(temperature as f32, 8, Some(3));
 
     // One SFT-style step on the rollout's own samples moves the engine away from the file.
     let out = generate(&mut rollout, &prompts, sampling.clone());
     let mut batch = scoring_batch(&prompts, &out, temperature);
     let old = engine
         .compute_log_prob(&batch)
-        .into_result()
         .unwrap()
         .require(keys::LOG_PROBS)
         .unwrap()
@@ -360,36 +345,55 @@ fn weight_sync_from_the_engine() {
         Tensor::from_slice(&old.shape, &response_mask).unwrap(),
     );
     batch.insert(keys::OLD_LOG_PROBS, old);
-    engine.update_actor(&batch).into_result().unwrap();
+    engine.update_actor(&batch).unwrap();
     assert!(
         logprob_gap(&mut engine, &prompts, &out, temperature) > 1e-3,
         "the update must change log-probs"
     );
 
-    let weights = engine.export_weights().into_result().unwrap();
+    let views = engine.weights().unwrap();
     rollout
-        .update_weights(&WeightBundle {
-            tensors: weights,
-            global_steps: ROption::RSome(3),
-        })
-        .into_result()
+        .update_weights(&WeightSource::memory(3, &views))
         .unwrap();
-    let out = generate(&mut rollout, &prompts, sampling);
-    assert_eq!(out.weight_version, ROption::RSome(3));
+    let owned: Vec<NamedTensor> = views.iter().map(|v| v.to_named()).collect();
+    let out = generate(&mut rollout, &prompts, sampling.clone());
+    assert_eq!(out.weight_version, Some(3));
     let gap = logprob_gap(&mut engine, &prompts, &out, temperature);
     assert!(
         gap < 1e-5,
         "rollout and engine log-probs differ by {gap} after sync"
     );
+
+    // The same weights as a safetensors directory, on a fresh rollout.
+    let dir = tempfile::tempdir().unwrap();
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|t| {
+            let shape = t.tensor.shape.iter().map(|&d| d as usize).collect();
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                shape,
+                &t.tensor.data,
+            )
+            .unwrap();
+            (t.name.to_string(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors")).unwrap();
+    let mut from_disk = rollout_on(model);
+    let handover = WeightSource::encode_handover(&Handover::file(dir.path().to_string_lossy()));
+    from_disk
+        .update_weights(&WeightSource::from_handover(4, &[], &handover))
+        .unwrap();
+    let out_disk = generate(&mut from_disk, &prompts, sampling);
+    assert_eq!(out_disk.weight_version, Some(4));
+    assert_eq!(out_disk.completions, out.completions);
 }
 
 #[test]
 fn errors_name_the_problem() {
     let init_err = |config: Value| {
-        new_rollout()
-            .init(&init_for(&config))
-            .into_result()
-            .unwrap_err()
+        new_rollout().init(&init_for(&config)).unwrap_err()
     };
     let err = init_err(json!({"ignore_eos": "yes", "model": {"path": fixture("tiny-llama")}}));
     assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
@@ -398,45 +402,38 @@ fn errors_name_the_problem() {
     assert!(err.message().contains("`model.dtype`"), "{err}");
     assert!(init_err(json!({})).message().contains("model"));
 
-    let request = GenerateRequest {
-        prompts: vec![RVec::from(vec![1u32, 2])].into(),
-        sampling: greedy(2),
-    };
+    let request = GenerateRequest::new(vec![vec![1u32, 2]], greedy(2));
     assert!(
         new_rollout()
             .generate(&request)
-            .into_result()
             .unwrap_err()
             .message()
             .contains("init")
     );
     let mut rollout = rollout_on("tiny-llama");
-    let bad = GenerateRequest {
-        prompts: vec![RVec::from(vec![100_000u32])].into(),
-        sampling: greedy(2),
-    };
+    let bad = GenerateRequest::new(vec![vec![100_000u32]], greedy(2));
     assert!(
         rollout
             .generate(&bad)
-            .into_result()
             .unwrap_err()
             .message()
             .contains("prompts[0]")
     );
-    let bundle = WeightBundle {
-        tensors: vec![verl_plugin_api::NamedTensor::new(
-            "model.nope.weight",
-            Tensor::from_slice(&[1], &[0f32]).unwrap(),
-        )]
-        .into(),
-        global_steps: ROption::RNone,
-    };
+    let stray = [NamedTensor::new(
+        "model.nope.weight",
+        Tensor::from_slice(&[1], &[0f32]).unwrap(),
+    )];
+    let views: Vec<_> = stray.iter().map(NamedTensor::as_ref).collect();
     assert!(
         rollout
-            .update_weights(&bundle)
-            .into_result()
+            .update_weights(&WeightSource::memory(1, &views))
             .unwrap_err()
             .message()
             .contains("model.nope.weight")
     );
+    let missing = WeightSource::encode_handover(&Handover::file("/nonexistent/weights"));
+    let err = rollout
+        .update_weights(&WeightSource::from_handover(1, &[], &missing))
+        .unwrap_err();
+    assert!(err.message().contains("/nonexistent/weights"), "{err}");
 }

@@ -54,13 +54,7 @@ pub struct GpuNode {
 
 impl Device for RocmDevice {
     fn info(&self) -> DeviceInfo {
-        DeviceInfo {
-            name: NAME.into(),
-            vendor: "amd".into(),
-            device_type: "cuda".into(),
-            comm_backend: "nccl".into(),
-            visible_devices_env: vec![HIP.into(), ROCR.into(), CUDA.into()].into(),
-        }
+        DeviceInfo::new(NAME, "amd", "cuda", "nccl").visible_devices_env([HIP, ROCR, CUDA])
     }
 
     fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
@@ -486,13 +480,11 @@ mod tests {
     #[test]
     fn exported_manifest_registers_the_device() {
         let manifest = __verl_plugin_manifest().into_result().expect("manifest");
-        assert_eq!(manifest.name.as_str(), "rocm");
-        assert_eq!(manifest.components.len(), 1);
+        let info = manifest.info().expect("manifest info");
+        assert_eq!(info.name, NAME);
+        assert_eq!(info.components.len(), 1);
         assert_eq!(
-            (
-                manifest.components[0].name.as_str(),
-                manifest.components[0].priority
-            ),
+            (info.components[0].name.as_str(), info.components[0].priority),
             (NAME, PRIORITY)
         );
         let device = manifest
@@ -500,10 +492,10 @@ mod tests {
             .create_device(NAME.into())
             .into_result()
             .expect("device");
-        let d = device
-            .detect(&FakeRoot::new().rocm_gpus(3).probe())
-            .into_result()
-            .expect("detect");
+        let root = FakeRoot::new().rocm_gpus(3);
+        let probe = verl_plugin_api::wire::encode(&root.probe());
+        let detected = device.detect(probe.as_rstr()).into_result().expect("detect");
+        let d: Detection = verl_plugin_api::wire::decode("detection", &detected).unwrap();
         assert_eq!(d.count, 3);
     }
 }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, SendTimeoutError, Sender, TrySendError};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
-use verl_plugin_api::{ComponentInit, Metric, PluginError, Table, Tracker};
+use verl_plugin_api::{ComponentInit, Metric, PluginError, Table, Tracker, TrackerCapabilities};
 
 use crate::TrackerError;
 use crate::config::{Context, Delivery, json_number, unix_seconds};
@@ -341,6 +341,10 @@ impl<B: Backend> Managed<B> {
 }
 
 impl<B: Backend> Tracker for Managed<B> {
+    fn capabilities() -> TrackerCapabilities {
+        TrackerCapabilities::default().tables(true)
+    }
+
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         if self.running.is_some() {
             return Err(PluginError::other(format!(
@@ -745,15 +749,11 @@ mod tests {
             .as_object_mut()
             .unwrap()
             .extend(settings.as_object().unwrap().clone());
-        let init = ComponentInit {
-            config_json: json!({ "fake": section }).to_string().into(),
-            run: verl_plugin_api::RunContext {
-                project: project.into(),
-                experiment: "e".into(),
-                run_dir: dir.to_string_lossy().into_owned().into(),
-                ..Default::default()
-            },
-        };
+        let mut run = verl_plugin_api::RunContext::default();
+        run.project = project.into();
+        run.experiment = "e".into();
+        run.run_dir = dir.to_string_lossy().into_owned();
+        let init = ComponentInit::new(json!({ "fake": section }), run);
         let mut tracker = Managed::<Fake>::new();
         tracker.init(&init).unwrap();
         let mut slowest = Duration::ZERO;

@@ -97,18 +97,11 @@ mod tests {
     #[test]
     fn manifest_registers_four_trackers() {
         let manifest = super::__verl_plugin_manifest().into_result().unwrap();
-        let names: Vec<&str> = manifest
-            .components
-            .iter()
-            .map(|c| c.name.as_str())
-            .collect();
+        let info = manifest.info().unwrap();
+        let names: Vec<&str> = info.components.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["tensorboard", "mlflow", "trackio", "wandb"]);
-        assert!(
-            manifest
-                .components
-                .iter()
-                .all(|c| c.kind == ComponentKind::TRACKER)
-        );
+        assert!(info.components.iter().all(|c| c.kind == ComponentKind::TRACKER
+            && c.capabilities == serde_json::json!({"tables": true})));
 
         let dir =
             std::env::temp_dir().join(format!("verl-trackers-manifest-{}", std::process::id()));
@@ -117,19 +110,12 @@ mod tests {
             .create_tracker("tensorboard".into())
             .into_result()
             .unwrap();
-        let run = RunContext {
-            project: "p".into(),
-            experiment: "e".into(),
-            run_dir: dir.to_string_lossy().into_owned().into(),
-            ..Default::default()
-        };
-        tracker
-            .init(&ComponentInit {
-                config_json: "{}".into(),
-                run,
-            })
-            .into_result()
-            .unwrap();
+        let mut run = RunContext::default();
+        run.project = "p".into();
+        run.experiment = "e".into();
+        run.run_dir = dir.to_string_lossy().into_owned();
+        let init = verl_plugin_api::wire::encode(&ComponentInit::new(serde_json::json!({}), run));
+        tracker.init(init.as_rstr()).into_result().unwrap();
         tracker
             .log(0, RSlice::from_slice(&[Metric::new("m", 1.0)]))
             .into_result()

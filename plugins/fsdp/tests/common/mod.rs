@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    Batch, ComponentInit, ComponentKind, EngineBox, Metric, NamedTensor, RunContext, Tensor, keys,
+    Batch, ComponentInit, ComponentKind, Metric, NamedTensor, RunContext, Tensor, keys,
 };
+use verl_plugin_host::EngineHandle;
 use verl_testkit::{PluginHarness, built_plugin};
 
 pub fn fixture(name: &str) -> PathBuf {
@@ -36,7 +37,7 @@ pub fn expected(name: &str) -> Expected {
 }
 
 /// A fresh `fsdp` engine from the built library, through the host's loader.
-pub fn new_engine() -> EngineBox {
+pub fn new_engine() -> EngineHandle {
     let harness = PluginHarness::load_alone(built_plugin("verl_plugin_fsdp"))
         .unwrap_or_else(|e| panic!("{e}"));
     harness.assert_registers(ComponentKind::ENGINE, "fsdp", 100);
@@ -47,23 +48,16 @@ pub fn new_engine() -> EngineBox {
 }
 
 pub fn init_for(config: &Value) -> ComponentInit {
-    ComponentInit {
-        config_json: config.to_string().into(),
-        run: RunContext {
-            device: "cpu".into(),
-            world_size: 1,
-            seed: 7,
-            ..RunContext::default()
-        },
-    }
+    let mut run = RunContext::default();
+    run.seed = 7;
+    ComponentInit::new(config.clone(), run)
 }
 
 /// `config` = the section (role, model, …); panics with the plugin's message on failure.
-pub fn engine(config: &Value) -> EngineBox {
+pub fn engine(config: &Value) -> EngineHandle {
     let mut engine = new_engine();
     engine
         .init(&init_for(config))
-        .into_result()
         .unwrap_or_else(|e| panic!("init: {e}"));
     engine
 }
@@ -176,10 +170,9 @@ pub fn set_meta(batch: &mut Batch, meta: Value) {
     batch.meta_json = meta.to_string().into();
 }
 
-pub fn log_probs(engine: &mut EngineBox, batch: &Batch) -> Tensor {
+pub fn log_probs(engine: &mut EngineHandle, batch: &Batch) -> Tensor {
     engine
         .compute_log_prob(batch)
-        .into_result()
         .unwrap()
         .require(keys::LOG_PROBS)
         .unwrap()
@@ -188,7 +181,7 @@ pub fn log_probs(engine: &mut EngineBox, batch: &Batch) -> Tensor {
 
 /// A PPO batch: old log-probs from the engine itself (so the first ratio is 1), per-sequence
 /// advantages, and the reference = old log-probs.
-pub fn ppo_batch(engine: &mut EngineBox, model: &str) -> Batch {
+pub fn ppo_batch(engine: &mut EngineHandle, model: &str) -> Batch {
     let (mut batch, _) = fixture_batch(model);
     let old = log_probs(engine, &batch);
     let shape = old.shape.to_vec();
@@ -202,21 +195,21 @@ pub fn ppo_batch(engine: &mut EngineBox, model: &str) -> Batch {
     batch
 }
 
-pub fn update(engine: &mut EngineBox, batch: &Batch) -> Vec<Metric> {
+pub fn update(engine: &mut EngineHandle, batch: &Batch) -> Vec<Metric> {
     engine
         .update_actor(batch)
-        .into_result()
         .unwrap_or_else(|e| panic!("update_actor: {e}"))
         .into_iter()
         .collect()
 }
 
-pub fn weights(engine: &mut EngineBox) -> Vec<NamedTensor> {
+/// Owned copies of the weights the engine lends.
+pub fn weights(engine: &mut EngineHandle) -> Vec<NamedTensor> {
     engine
-        .export_weights()
-        .into_result()
+        .weights()
         .unwrap()
-        .into_iter()
+        .iter()
+        .map(|view| view.to_named())
         .collect()
 }
 

@@ -126,15 +126,11 @@ impl Drop for Server {
 }
 
 pub fn init(config: Value, project: &str, experiment: &str, run_dir: &Path) -> ComponentInit {
-    ComponentInit {
-        config_json: config.to_string().into(),
-        run: RunContext {
-            project: project.into(),
-            experiment: experiment.into(),
-            run_dir: run_dir.to_string_lossy().into_owned().into(),
-            ..Default::default()
-        },
-    }
+    let mut run = RunContext::default();
+    run.project = project.into();
+    run.experiment = experiment.into();
+    run.run_dir = run_dir.to_string_lossy().into_owned();
+    ComponentInit::new(config, run)
 }
 
 /// A tracker of type `T`, initialised with `config` for a run of `project`/`experiment` in `run_dir`.

@@ -1,0 +1,144 @@
+//! What each component declares it can do. Declared statically (an associated function of the
+//! component trait), so `plugins list` shows them without creating the component, and the trainer
+//! checks a config against them before step 1: asking for what a component cannot do fails at
+//! start with a message naming both. Defaults are the conservative answer.
+
+use serde::{Deserialize, Serialize};
+
+/// How new weights reach a rollout.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightSourceKind {
+    /// Borrowed tensors in the trainer's memory (the rollout shares the process).
+    #[default]
+    Memory,
+    /// A directory of safetensors files.
+    File,
+    /// A collective transfer the rollout joins.
+    Collective,
+    /// A kind this build does not know (declared by a newer peer).
+    #[serde(other)]
+    Other,
+}
+
+impl WeightSourceKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::File => "file",
+            Self::Collective => "collective",
+            Self::Other => "other",
+        }
+    }
+}
+
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[serde(default)]
+pub struct EngineCapabilities {
+    /// The roles the engine can hold: "actor", "ref", "critic".
+    pub roles: Vec<String>,
+    /// Largest world size the engine runs on (1: single rank only).
+    pub max_world_size: u32,
+    /// Whether each rank writes its own shard of a checkpoint.
+    pub sharded_checkpoints: bool,
+    /// Torch device types it computes on ("cpu", "cuda", "npu"); empty means any.
+    pub devices: Vec<String>,
+}
+
+impl Default for EngineCapabilities {
+    fn default() -> Self {
+        Self {
+            roles: Vec::new(),
+            max_world_size: 1,
+            sharded_checkpoints: false,
+            devices: Vec::new(),
+        }
+    }
+}
+
+impl EngineCapabilities {
+    pub fn roles<S: Into<String>>(mut self, roles: impl IntoIterator<Item = S>) -> Self {
+        self.roles = roles.into_iter().map(Into::into).collect();
+        self
+    }
+    pub fn max_world_size(mut self, n: u32) -> Self {
+        self.max_world_size = n;
+        self
+    }
+    pub fn sharded_checkpoints(mut self, yes: bool) -> Self {
+        self.sharded_checkpoints = yes;
+        self
+    }
+    pub fn devices<S: Into<String>>(mut self, devices: impl IntoIterator<Item = S>) -> Self {
+        self.devices = devices.into_iter().map(Into::into).collect();
+        self
+    }
+    pub fn supports_role(&self, role: &str) -> bool {
+        self.roles.iter().any(|r| r == role)
+    }
+    pub fn supports_device(&self, device_type: &str) -> bool {
+        self.devices.is_empty() || self.devices.iter().any(|d| d == device_type)
+    }
+}
+
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
+pub struct RolloutCapabilities {
+    /// The weight sources `update_weights` accepts; empty: the weights never change.
+    pub weight_sources: Vec<WeightSourceKind>,
+    /// Whether `sleep` / `wake_up` free and restore memory.
+    pub sleep_wake: bool,
+    /// Whether completions carry per-token log-probs.
+    pub logprobs: bool,
+}
+
+impl RolloutCapabilities {
+    pub fn weight_sources(mut self, kinds: impl IntoIterator<Item = WeightSourceKind>) -> Self {
+        self.weight_sources = kinds.into_iter().collect();
+        self
+    }
+    pub fn sleep_wake(mut self, yes: bool) -> Self {
+        self.sleep_wake = yes;
+        self
+    }
+    pub fn logprobs(mut self, yes: bool) -> Self {
+        self.logprobs = yes;
+        self
+    }
+    pub fn accepts(&self, kind: WeightSourceKind) -> bool {
+        self.weight_sources.contains(&kind)
+    }
+}
+
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
+pub struct CheckpointCapabilities {
+    /// What the weight sync hands the rollout.
+    pub handover: WeightSourceKind,
+}
+
+impl CheckpointCapabilities {
+    pub fn handover(mut self, kind: WeightSourceKind) -> Self {
+        self.handover = kind;
+        self
+    }
+}
+
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
+pub struct TrackerCapabilities {
+    /// Whether `log_table` records tables.
+    pub tables: bool,
+}
+
+impl TrackerCapabilities {
+    pub fn tables(mut self, yes: bool) -> Self {
+        self.tables = yes;
+        self
+    }
+}

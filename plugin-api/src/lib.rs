@@ -44,6 +44,7 @@
 
 mod abi;
 mod components;
+pub mod config;
 mod device;
 mod error;
 pub mod keys;

@@ -11,9 +11,9 @@
 //! Unknown keys are found by a round trip: the section is deserialised into `T`, `T` is serialised
 //! again, and every key of the input missing from that output is unknown; the output's keys at the
 //! same level are the candidates for "did you mean". So plugin types need no annotation beyond
-//! `Deserialize + Serialize`, `#[serde(flatten)]` composes sections, and free-form fields (a
-//! `serde_json::Value`, a map) accept any key. What breaks the round trip: `alias` (the output has
-//! the primary name only) and `skip_serializing*` on a field users may set.
+//! `Deserialize + Serialize`, and free-form fields (a `serde_json::Value`, a map) accept any key.
+//! What breaks the round trip: `alias` (the output has the primary name only) and
+//! `skip_serializing*` on a field users may set. Two types sharing one section: [`parse_section2`].
 
 use std::collections::BTreeMap;
 
@@ -38,49 +38,122 @@ pub fn parse_section<T: DeserializeOwned + Serialize>(
     json: &str,
     origins_json: &str,
 ) -> Result<T, PluginError> {
-    let origins: BTreeMap<String, String> = match origins_json.trim() {
-        "" => BTreeMap::new(),
-        text => serde_json::from_str(text).map_err(|e| {
-            PluginError::invalid_config(format!("config origins of `{section_path}`: {e}"))
-        })?,
-    };
-    let input = match json.trim() {
-        "" => Value::Object(Default::default()),
-        text => match serde_json::from_str(text) {
-            Ok(Value::Null) => Value::Object(Default::default()),
-            Ok(value) => value,
-            Err(e) => {
-                return Err(PluginError::invalid_config(format!(
-                    "config section `{section_path}`: {e}"
-                )));
-            }
-        },
-    };
-    let value: T = serde_path_to_error::deserialize(input.clone()).map_err(|e| {
-        let key = match e.path().to_string().as_str() {
-            "." => section_path.to_owned(),
-            rel => join(section_path, rel),
-        };
-        PluginError::invalid_config(format!(
-            "config key `{key}` (from {}): {}",
-            origin(&origins, &key),
-            e.inner()
-        ))
-    })?;
-    let known = serde_json::to_value(&value).map_err(|e| {
-        PluginError::invalid_config(format!("config section `{section_path}`: {e}"))
-    })?;
-    if let Some((path, suggestion)) = first_unknown(&input, &known, &known, &mut Vec::new()) {
-        let key = join(section_path, &path.join("."));
-        let hint = suggestion
-            .map(|s| format!("; did you mean `{}`?", join(section_path, &s)))
-            .unwrap_or_default();
-        return Err(PluginError::invalid_config(format!(
-            "unknown config key `{key}` (from {}){hint}",
-            origin(&origins, &key)
-        )));
-    }
+    let section = Section::new(section_path, json, origins_json)?;
+    let value: T = section.read()?;
+    section.check(&section.known(&value)?)?;
     Ok(value)
+}
+
+/// [`parse_section`] for a section that two types share, e.g. settings common to a family of
+/// plugins and one plugin's own: each reads the keys it knows, a key neither knows is unknown.
+/// (Rather than one type with two `#[serde(flatten)]` fields: serde buffers flattened keys, which
+/// loses the key path of a wrong type.)
+pub fn parse_section2<A, B>(
+    section_path: &str,
+    json: &str,
+    origins_json: &str,
+) -> Result<(A, B), PluginError>
+where
+    A: DeserializeOwned + Serialize,
+    B: DeserializeOwned + Serialize,
+{
+    let section = Section::new(section_path, json, origins_json)?;
+    let (a, b): (A, B) = (section.read()?, section.read()?);
+    let mut known = section.known(&a)?;
+    merge(&mut known, section.known(&b)?);
+    section.check(&known)?;
+    Ok((a, b))
+}
+
+/// One section's input, with what errors need.
+struct Section<'a> {
+    path: &'a str,
+    input: Value,
+    origins: BTreeMap<String, String>,
+}
+
+impl<'a> Section<'a> {
+    fn new(path: &'a str, json: &str, origins_json: &str) -> Result<Self, PluginError> {
+        let origins = match origins_json.trim() {
+            "" => BTreeMap::new(),
+            text => serde_json::from_str(text).map_err(|e| {
+                PluginError::invalid_config(format!("config origins of `{path}`: {e}"))
+            })?,
+        };
+        let input = match json.trim() {
+            "" => Value::Object(Default::default()),
+            text => match serde_json::from_str(text) {
+                Ok(Value::Null) => Value::Object(Default::default()),
+                Ok(value) => value,
+                Err(e) => {
+                    return Err(PluginError::invalid_config(format!(
+                        "config section `{path}`: {e}"
+                    )));
+                }
+            },
+        };
+        Ok(Self {
+            path,
+            input,
+            origins,
+        })
+    }
+
+    /// `T` from the keys it knows; a wrong type names the key.
+    fn read<T: DeserializeOwned>(&self) -> Result<T, PluginError> {
+        serde_path_to_error::deserialize(self.input.clone()).map_err(|e| {
+            let key = match e.path().to_string().as_str() {
+                "." => self.path.to_owned(),
+                rel => join(self.path, rel),
+            };
+            PluginError::invalid_config(format!(
+                "config key `{key}` (from {}): {}",
+                origin(&self.origins, &key),
+                e.inner()
+            ))
+        })
+    }
+
+    /// The keys `value` knows: its round trip.
+    fn known<T: Serialize>(&self, value: &T) -> Result<Value, PluginError> {
+        serde_json::to_value(value).map_err(|e| {
+            PluginError::invalid_config(format!("config section `{}`: {e}", self.path))
+        })
+    }
+
+    /// Rejects the first input key missing from `known`.
+    fn check(&self, known: &Value) -> Result<(), PluginError> {
+        let Some((path, suggestion)) = first_unknown(&self.input, known, known, &mut Vec::new())
+        else {
+            return Ok(());
+        };
+        let key = join(self.path, &path.join("."));
+        let hint = suggestion
+            .map(|s| format!("; did you mean `{}`?", join(self.path, &s)))
+            .unwrap_or_default();
+        Err(PluginError::invalid_config(format!(
+            "unknown config key `{key}` (from {}){hint}",
+            origin(&self.origins, &key)
+        )))
+    }
+}
+
+/// Adds `other`'s keys to `known`, recursively.
+fn merge(known: &mut Value, other: Value) {
+    match (known, other) {
+        (Value::Object(known), Value::Object(other)) => {
+            for (k, v) in other {
+                match known.get_mut(&k) {
+                    Some(existing) => merge(existing, v),
+                    None => {
+                        known.insert(k, v);
+                    }
+                }
+            }
+        }
+        (known, other) if known.is_null() => *known = other,
+        _ => {}
+    }
 }
 
 fn join(prefix: &str, rel: &str) -> String {
@@ -282,6 +355,24 @@ mod tests {
         let err = parse(r#"{"wrap_policy": {"fsdp_size": 2}}"#, "").unwrap_err();
         assert!(
             err.ends_with(&format!("did you mean `{PATH}.fsdp_size`?")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn two_types_share_a_section() {
+        let (a, b): (Wrap, Section) =
+            parse_section2("s", r#"{"min_num_params": 2, "param_offload": true}"#, "").unwrap();
+        assert_eq!((a.min_num_params, b.param_offload), (2, true));
+        let err = parse_section2::<Wrap, Section>("s", r#"{"min_num_param": 2}"#, "").unwrap_err();
+        assert_eq!(
+            err.message(),
+            "unknown config key `s.min_num_param` (from unknown source); did you mean `s.min_num_params`?"
+        );
+        let err = parse_section2::<Wrap, Section>("s", r#"{"dir": 2}"#, "").unwrap_err();
+        assert!(
+            err.message()
+                .starts_with("config key `s.dir` (from unknown source): invalid type: integer"),
             "{err}"
         );
     }

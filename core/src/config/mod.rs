@@ -14,8 +14,9 @@
 //! unknown keys come with the nearest valid key. In files, verl's `_target_` markers and Hydra's
 //! top-level `defaults`/`hydra` entries are ignored.
 //!
-//! Plugin-owned sections (see [`sections`]) are accepted only under the names the caller declares
-//! in [`PluginSections`]; their contents pass through to the plugin, which checks them.
+//! Plugin-owned sections (an engine's `fsdp_config`, a logger's `wandb`, …; see [`Slot`]) are
+//! accepted only under the names the caller declares in [`PluginSections`]; their contents pass
+//! through to the plugin ([`Config::plugin_section`]), which checks them.
 
 mod interp;
 mod overrides;

@@ -4,12 +4,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use verl_core::config::Config;
+use verl_core::config::{Config, PluginSections, SectionKind};
 use verl_core::data::synthetic::AdditionTask;
 use verl_core::quickstart::TinyModel;
 use verl_core::placement::{self, Placement};
 use verl_core::{bench, inference, quickstart, report, sft, trainer};
-use verl_plugin_api::SamplingParams;
+use verl_plugin_api::{ComponentKind, SamplingParams};
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
 
 #[derive(Parser)]
@@ -249,20 +249,39 @@ fn load_registry(args: &PluginArgs) -> anyhow::Result<Registry> {
     Ok(registry)
 }
 
+/// The config sections the registry's plugins declare (`config_section` of each loaded component).
+fn plugin_sections(registry: &Registry) -> PluginSections {
+    let mut sections = PluginSections::new();
+    let declared = registry.plugins().iter().filter(|p| p.status.is_ok()).flat_map(|p| &p.components);
+    for component in declared {
+        let Some(section) = &component.config_section else { continue };
+        let kind = match component.kind {
+            ComponentKind::ENGINE => SectionKind::Engine,
+            ComponentKind::ROLLOUT => SectionKind::Rollout,
+            ComponentKind::CHECKPOINT => SectionKind::Checkpoint,
+            ComponentKind::TRACKER => SectionKind::Tracker,
+            _ => continue,
+        };
+        sections.declare(kind, section.clone());
+    }
+    sections
+}
+
 /// The config from `--config` (or, for `run`, the embedded quickstart), VERL_* variables and
-/// overrides.
-fn load_config(args: &RunArgs, embedded_default: bool) -> anyhow::Result<Config> {
+/// overrides, with the sections of `registry`'s plugins.
+fn load_config(args: &RunArgs, embedded_default: bool, registry: &Registry) -> anyhow::Result<Config> {
+    let sections = plugin_sections(registry);
     match (&args.config, embedded_default) {
-        (Some(path), _) => Ok(Config::from_process(Some(path), &args.overrides)?),
+        (Some(path), _) => Ok(Config::from_process(Some(path), &args.overrides, &sections)?),
         (None, true) => {
             // figment reads files, so the embedded YAML goes through one.
             let path = std::env::temp_dir().join(format!("verl-core-quickstart-{}.yaml", std::process::id()));
             std::fs::write(&path, quickstart::QUICKSTART_YAML).with_context(|| format!("writing {}", path.display()))?;
-            let config = Config::from_process(Some(&path), &args.overrides);
+            let config = Config::from_process(Some(&path), &args.overrides, &sections);
             let _ = std::fs::remove_file(&path);
             Ok(config.context("the embedded examples/quickstart.yaml")?)
         }
-        (None, false) => Ok(Config::from_process(None, &args.overrides)?),
+        (None, false) => Ok(Config::from_process(None, &args.overrides, &sections)?),
     }
 }
 
@@ -370,8 +389,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Run(args) => {
-            let config = load_config(&args, true)?;
             let registry = load_registry(&cli.plugins)?;
+            let config = load_config(&args, true, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
@@ -388,14 +407,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Sft(args) => {
-            let config = load_config(&args, false)?;
             let registry = load_registry(&cli.plugins)?;
+            let config = load_config(&args, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Config(ConfigCommand::Show { run, json }) => {
-            let config = load_config(&run, true)?;
+            let config = load_config(&run, true, &load_registry(&cli.plugins)?)?;
             if json {
                 print_json(&config.to_json())?;
             } else {

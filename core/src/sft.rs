@@ -6,16 +6,16 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use verl_plugin_api::{ComponentInit, ComponentKind, keys};
+use verl_plugin_api::{ComponentKind, keys};
 use verl_plugin_host::Registry;
 
 use crate::algo::masked_mean;
 use crate::batch;
-use crate::config::{Config, EngineRole};
+use crate::config::{Config, EngineRole, Slot};
 use crate::data::{ChatTemplate, DataLoader, PromptProcessor, Sample, expand_home};
 use crate::placement::Placement;
 use crate::quickstart::io;
-use crate::trainer::TrainError;
+use crate::trainer::{TrainError, plugin_init};
 
 /// `sft.*`: supervised fine-tuning on the data's reference answers (`extra_info.answer`, else
 /// `#### <ground_truth>`), through the actor engine.
@@ -93,11 +93,12 @@ pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, placement:
     section["optim"]["weight_decay"] = json!(0.0);
     section["optim"]["total_training_steps"] = json!(sft.steps);
     let name = config.engine_strategy(EngineRole::Actor);
-    let mut engine = registry.resolve(ComponentKind::ENGINE, name)?.create_engine()?;
+    let component = registry.resolve(ComponentKind::ENGINE, name)?;
+    let mut engine = component.create_engine()?;
     let run_dir = expand_home(&config.trainer.default_local_dir);
     let run = placement.for_run(&config.trainer.project_name, &config.trainer.experiment_name, &run_dir.to_string_lossy());
     engine
-        .init(&ComponentInit::new(section, run))
+        .init(&plugin_init(config, Slot::Engine(EngineRole::Actor), &component, section, &run))
         .map_err(|error| TrainError::Plugin { context: format!("initialising the sft engine `{name}`"), error })?;
 
     let plugin = |context: &str| {

@@ -90,6 +90,18 @@ impl ComponentInit {
         }
     }
 
+    /// [`ComponentInit::config_origins`] as the JSON [`crate::config::parse_section`] takes.
+    pub fn origins_json(&self) -> String {
+        serde_json::to_string(&self.config_origins).expect("string maps serialise")
+    }
+
+    /// The whole config as the plugin-owned section, parsed strictly (unknown keys rejected with
+    /// path, origin and the nearest valid key); `default_path` names it when the host sent no path.
+    pub fn section<T: DeserializeOwned + Serialize>(&self, default_path: &str) -> Result<T, PluginError> {
+        let path = if self.section_path.is_empty() { default_path } else { &self.section_path };
+        crate::config::parse_section(path, &self.config.to_string(), &self.origins_json())
+    }
+
     /// Deserialises the config, naming the component and the key path in the error. Unknown keys
     /// are ignored here: the host has validated verl's own keys.
     pub fn config<T: DeserializeOwned>(&self, component: &str) -> Result<T, PluginError> {

@@ -53,6 +53,7 @@
 mod abi;
 mod capabilities;
 mod components;
+pub mod config;
 mod device;
 mod error;
 pub mod keys;

@@ -18,6 +18,7 @@ fn builtin_components() -> PluginBuilder {
         .tracker("file", 0, "JSONL, one {\"step\", \"data\"} object per step (verl's file logger)", FileTracker::default)
         .checkpoint("naive", 0, "hands weights over in memory (trainer and rollout in one process)", NaiveWeightSync::default)
         .checkpoint("disk", 0, "hands the rollout a directory of safetensors files", DiskWeightSync::default)
+        .config_section("disk")
 }
 
 inventory::submit! { BuiltinPlugin(builtin_components) }

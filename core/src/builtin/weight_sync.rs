@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, TensorView};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use verl_plugin_api::{
     CheckpointCapabilities, CheckpointEngine, ComponentInit, DType, Handover, PluginError, WeightSource,
     WeightSourceKind,
@@ -30,8 +30,9 @@ impl CheckpointEngine for NaiveWeightSync {
     }
 }
 
-#[derive(Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
+/// `actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk`.
+#[derive(Deserialize, Serialize, Default)]
+#[serde(default)]
 struct DiskConfig {
     /// Directory for the handover directories; default `<run_dir>/weight_sync`.
     path: Option<PathBuf>,
@@ -72,7 +73,7 @@ impl CheckpointEngine for DiskWeightSync {
     }
 
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
-        let config: DiskConfig = init.config("checkpoint_engine disk")?;
+        let config: DiskConfig = init.section("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk")?;
         self.dir = config.path.unwrap_or_else(|| PathBuf::from(&init.run.run_dir).join("weight_sync"));
         std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))
     }
@@ -168,6 +169,6 @@ mod tests {
         let mut init = ComponentInit::default();
         init.config = serde_json::json!({"pth": "/tmp"});
         let err = DiskWeightSync::default().init(&init).unwrap_err();
-        assert!(err.message().contains("pth"), "{err}");
+        assert!(err.message().contains("engine_kwargs.disk.pth") && err.message().contains("did you mean"), "{err}");
     }
 }

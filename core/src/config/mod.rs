@@ -13,11 +13,16 @@
 //! Unknown keys and wrong types are errors naming the full key path and where the value came from;
 //! unknown keys come with the nearest valid key. In files, verl's `_target_` markers and Hydra's
 //! top-level `defaults`/`hydra` entries are ignored.
+//!
+//! Plugin-owned sections (an engine's `fsdp_config`, a logger's `wandb`, …; see [`Slot`]) are
+//! accepted only under the names the caller declares in [`PluginSections`]; their contents pass
+//! through to the plugin ([`Config::plugin_section`]), which checks them.
 
 mod interp;
 mod overrides;
 mod plugin;
 mod schema;
+mod sections;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +35,7 @@ use serde_json::Value;
 
 pub use plugin::EngineRole;
 pub use schema::*;
+pub use sections::{PluginSection, PluginSections, SectionKind, Slot};
 
 /// Prefix of config environment variables.
 pub const ENV_PREFIX: &str = "VERL_";
@@ -88,9 +94,11 @@ impl Provider for Layer {
     }
 }
 
-/// The valid keys: the defaults serialised, with [`FREE_FORM`] sections taking anything.
-struct Schema {
+/// The valid keys: the defaults serialised, with [`FREE_FORM`] sections and the declared plugin
+/// sections taking anything.
+struct Schema<'a> {
     root: Value,
+    sections: &'a PluginSections,
 }
 
 /// Where a key path ends in the schema.
@@ -99,11 +107,17 @@ enum Lookup<'a> {
     FreeForm,
 }
 
-impl Schema {
-    fn new() -> Self {
+impl<'a> Schema<'a> {
+    fn new(sections: &'a PluginSections) -> Self {
         Self {
             root: serde_json::to_value(Config::default()).expect("defaults serialise"),
+            sections,
         }
+    }
+
+    /// Whether `name` under `parent` is a declared plugin section (core's own keys come first).
+    fn is_plugin_section(&self, parent: &[String], name: &str) -> bool {
+        sections::slot_kind(parent).is_some_and(|kind| self.sections.contains(kind, name))
     }
 
     /// Checks `path` exists; `origin` names the source for the error.
@@ -124,6 +138,9 @@ impl Schema {
             match map.get(segment) {
                 Some(child) => node = child,
                 None if FREE_FORM.contains(&key.as_str()) => return Ok(Lookup::FreeForm),
+                None if self.is_plugin_section(&path[..i], segment) => {
+                    return Ok(Lookup::FreeForm);
+                }
                 None => {
                     return Err(ConfigError::UnknownKey {
                         suggestion: self.suggest(&path[..i], segment),
@@ -140,7 +157,8 @@ impl Schema {
         }
     }
 
-    /// The nearest sibling by edit distance, else the first key with the same name elsewhere.
+    /// The nearest sibling (a plugin section declared there included) by edit distance, else the
+    /// first key with the same name elsewhere.
     fn suggest(&self, parent: &[String], segment: &str) -> Option<String> {
         let prefix = |k: &str| {
             parent
@@ -154,9 +172,13 @@ impl Schema {
             .iter()
             .try_fold(&self.root, |v, k| v.get(k))
             .and_then(Value::as_object);
+        let declared = sections::slot_kind(parent)
+            .into_iter()
+            .flat_map(|kind| self.sections.names(kind));
         let close = siblings
             .into_iter()
-            .flat_map(|m| m.keys())
+            .flat_map(|m| m.keys().map(String::as_str))
+            .chain(declared)
             .map(|k| (strsim::levenshtein(k, segment), k))
             .filter(|(d, k)| *d <= (k.len() / 3).max(2))
             .min();
@@ -255,29 +277,44 @@ fn read_file(path: &Path) -> Result<Value, ConfigError> {
 
 impl Config {
     /// Loads the config from the process environment (see [`Config::load`]).
-    pub fn from_process(file: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
-        Self::load(file, std::env::vars(), overrides)
+    pub fn from_process(
+        file: Option<&Path>,
+        overrides: &[String],
+        sections: &PluginSections,
+    ) -> Result<Self, ConfigError> {
+        Self::load(file, std::env::vars(), overrides, sections)
     }
 
     /// Layers defaults, `file`, the `VERL_…__…` variables among `env`, and `overrides`; then
-    /// resolves interpolations (`${oc.env:…}` reads `env`).
+    /// resolves interpolations (`${oc.env:…}` reads `env`). `sections` are the plugin sections
+    /// accepted in their slots (built from the plugin registry).
     pub fn load(
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
         overrides: &[String],
+        sections: &PluginSections,
     ) -> Result<Self, ConfigError> {
         let env: HashMap<String, String> = env.into_iter().collect();
-        let schema = Schema::new();
+        let schema = Schema::new(sections);
         let mut figment =
             Figment::from(Layer::new(schema.root.clone(), "built-in defaults", |_| {
                 "built-in defaults".to_owned()
             }));
+        // Each layer's tree and origins, lowest first: where plugin-section keys came from.
+        let mut layers = Vec::new();
+        let mut merge = |figment: Figment, layer: Layer| {
+            layers.push((layer.tree.clone(), layer.metadata.clone()));
+            figment.merge(layer)
+        };
 
         if let Some(path) = file {
             let tree = read_file(path)?;
             let origin = format!("config file {}", path.display());
             schema.check_tree(&tree, &mut Vec::new(), &origin)?;
-            figment = figment.merge(Layer::new(tree, "config file", move |_| origin.clone()));
+            figment = merge(
+                figment,
+                Layer::new(tree, "config file", move |_| origin.clone()),
+            );
         }
 
         let mut env_tree = Value::Object(Default::default());
@@ -295,12 +332,15 @@ impl Config {
             let value = parse_for(&schema, &path, text, &origin)?;
             insert(&mut env_tree, &path, value);
         }
-        figment = figment.merge(Layer::new(env_tree, "environment", |keys| {
-            format!(
-                "environment variable {ENV_PREFIX}{}",
-                keys.join(ENV_SEPARATOR).to_ascii_uppercase()
-            )
-        }));
+        figment = merge(
+            figment,
+            Layer::new(env_tree, "environment", |keys| {
+                format!(
+                    "environment variable {ENV_PREFIX}{}",
+                    keys.join(ENV_SEPARATOR).to_ascii_uppercase()
+                )
+            }),
+        );
 
         let mut cli_tree = Value::Object(Default::default());
         let mut cli_args: HashMap<String, String> = HashMap::new();
@@ -316,22 +356,29 @@ impl Config {
             insert(&mut cli_tree, &path, value);
         }
         let cli_args = Arc::new(cli_args);
-        figment = figment.merge(Layer::new(cli_tree, "command line", move |keys| {
-            // A type error may name a key inside the overridden value: report the override.
-            (1..=keys.len())
-                .rev()
-                .find_map(|n| cli_args.get(&keys[..n].join(".")))
-                .map_or_else(
-                    || "the command line".to_owned(),
-                    |arg| format!("command-line override `{arg}`"),
-                )
-        }));
+        figment = merge(
+            figment,
+            Layer::new(cli_tree, "command line", move |keys| {
+                // A type error may name a key inside the overridden value: report the override.
+                (1..=keys.len())
+                    .rev()
+                    .find_map(|n| cli_args.get(&keys[..n].join(".")))
+                    .map_or_else(
+                        || "the command line".to_owned(),
+                        |arg| format!("command-line override `{arg}`"),
+                    )
+            }),
+        );
 
         let config: Config = figment.extract().map_err(from_figment)?;
         let mut tree = serde_json::to_value(&config).expect("config serialises");
         interp::resolve_all(&mut tree, &env)
             .map_err(|(key, message)| ConfigError::Interpolation { key, message })?;
-        Ok(serde_json::from_value(tree).expect("interpolation only rewrites strings"))
+        let provenance = plugin_origins(&tree, &schema, &layers)?;
+        let mut config: Config =
+            serde_json::from_value(tree).expect("interpolation only rewrites strings");
+        config.provenance = provenance;
+        Ok(config)
     }
 
     /// The config as YAML (`verl-core config show`).
@@ -350,6 +397,66 @@ impl Config {
             .filter(|s| !s.is_empty())
             .try_fold(self.to_json(), |v, k| v.get(k).cloned())
     }
+}
+
+/// The origin of every key inside the plugin sections of the merged `tree`: the highest layer
+/// that sets it (or a section above it). A section must be a mapping.
+fn plugin_origins(
+    tree: &Value,
+    schema: &Schema,
+    layers: &[(Value, Metadata)],
+) -> Result<sections::Provenance, ConfigError> {
+    let origin = |path: &[String]| {
+        let keys: Vec<&str> = path.iter().map(String::as_str).collect();
+        layers
+            .iter()
+            .rev()
+            .find(|(layer, _)| keys.iter().try_fold(layer, |v, k| v.get(k)).is_some())
+            .map_or_else(
+                || "built-in defaults".to_owned(),
+                |(_, metadata)| metadata.interpolate(&Profile::default(), &keys),
+            )
+    };
+    let mut origins = std::collections::BTreeMap::new();
+    let mut path = Vec::new();
+    collect_paths(tree, &mut path, &mut |path| {
+        let (name, parent) = path.split_last().expect("paths are not empty");
+        if !schema.is_plugin_section(parent, name) || schema_has(&schema.root, path) {
+            return;
+        }
+        let section = path
+            .iter()
+            .try_fold(tree, |v, k| v.get(k))
+            .expect("a path of the tree");
+        match section {
+            Value::Object(_) => {}
+            Value::Null => return,
+            _ => {
+                origins.insert(path.join("."), Err(origin(path)));
+                return;
+            }
+        }
+        collect_paths(section, &mut path.to_vec(), &mut |key| {
+            origins.insert(key.join("."), Ok(origin(key)));
+        });
+    });
+    origins
+        .into_iter()
+        .map(|(key, origin)| match origin {
+            Ok(origin) => Ok((key, origin)),
+            Err(origin) => Err(ConfigError::Invalid {
+                key,
+                origin,
+                message: "a plugin section is a mapping of keys, not a single value".into(),
+            }),
+        })
+        .collect::<Result<_, _>>()
+        .map(sections::Provenance)
+}
+
+/// Whether `path` is one of core's own keys.
+fn schema_has(root: &Value, path: &[String]) -> bool {
+    path.iter().try_fold(root, |v, k| v.get(k)).is_some()
 }
 
 /// Parses an env/CLI value after checking its key; bare values of string keys stay strings.

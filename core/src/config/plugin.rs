@@ -86,6 +86,10 @@ impl Config {
             }
             EngineRole::Ref => {
                 let mut v = section(&arr.actor);
+                // The ref's plugin sections are its own, never the actor's.
+                if let Value::Object(base) = &mut v {
+                    base.retain(|k, _| !arr.actor.sections.contains_key(k));
+                }
                 if let (Value::Object(base), Value::Object(overlay)) =
                     (&mut v, section(&arr.reference))
                 {

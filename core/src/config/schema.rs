@@ -1,6 +1,8 @@
 //! The run config: verl's sections, key names and defaults (verl's `ppo_trainer.yaml`), for the
 //! keys verl-core reads or that verl's own example scripts set. Additions of ours are marked.
 
+use std::collections::BTreeMap;
+
 use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
@@ -35,9 +37,15 @@ fn empty_object() -> Value {
     json!({})
 }
 
+/// Plugin-owned sections in a verl section: the declared [`PluginSections`](super::PluginSections)
+/// that the config sets, by name, unchecked here (their plugin checks them). Flattened, so every
+/// struct holding one takes unknown keys from serde: the schema in `config/mod.rs` is what rejects
+/// them, before deserialisation.
+pub type Sections = BTreeMap<String, Value>;
+
 /// The whole config.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Config {
     pub data: DataConfig,
     pub actor_rollout_ref: ActorRolloutRefConfig,
@@ -51,53 +59,18 @@ pub struct Config {
     pub quickstart: crate::quickstart::QuickstartConfig,
     /// Supervised fine-tuning (`verl-core sft`, and the quickstart's warm-up).
     pub sft: crate::sft::SftConfig,
-    /// Tracker settings read by tracker plugins (also accepted under `trainer.<name>`); free-form.
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub wandb: Value,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub mlflow: Value,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub tensorboard: Value,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub trackio: Value,
+    /// Logger sections (also accepted under `trainer.<name>`).
+    #[serde(flatten)]
+    pub sections: Sections,
+    #[serde(skip)]
+    pub(super) provenance: super::sections::Provenance,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            data: DataConfig::default(),
-            actor_rollout_ref: ActorRolloutRefConfig::default(),
-            critic: CriticConfig::default(),
-            reward_model: RewardModelConfig::default(),
-            custom_reward_function: CustomRewardFunctionConfig::default(),
-            algorithm: AlgorithmConfig::default(),
-            trainer: TrainerConfig::default(),
-            quickstart: Default::default(),
-            sft: Default::default(),
-            wandb: Value::Null,
-            mlflow: Value::Null,
-            tensorboard: Value::Null,
-            trackio: Value::Null,
-        }
-    }
-}
-
-/// Sections whose contents are not checked: plugin settings and verl's pass-through dicts.
-pub const FREE_FORM: [&str; 16] = [
-    "wandb",
-    "mlflow",
-    "tensorboard",
-    "trackio",
-    "trainer.wandb",
-    "trainer.mlflow",
-    "trainer.tensorboard",
-    "trainer.trackio",
+/// verl's pass-through dicts, whose contents are not checked (plugin sections are declared
+/// separately, see [`PluginSections`](super::PluginSections)).
+pub const FREE_FORM: [&str; 4] = [
     "data.apply_chat_template_kwargs",
     "actor_rollout_ref.model.override_config",
-    "actor_rollout_ref.actor.fsdp_config",
-    "actor_rollout_ref.ref.fsdp_config",
-    "actor_rollout_ref.rollout.engine_kwargs",
-    "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs",
     "critic.model",
     "reward_model.model",
 ];
@@ -300,7 +273,7 @@ impl Default for PolicyLossConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct ActorConfig {
     /// The engine plugin (`fsdp`, `megatron`, …).
     pub strategy: String,
@@ -330,7 +303,9 @@ pub struct ActorConfig {
     pub ulysses_sequence_parallel_size: usize,
     pub use_torch_compile: bool,
     pub optim: OptimConfig,
-    pub fsdp_config: Value,
+    /// The engine's section (`fsdp_config`, `megatron`, …).
+    #[serde(flatten)]
+    pub sections: Sections,
 }
 
 impl Default for ActorConfig {
@@ -359,13 +334,13 @@ impl Default for ActorConfig {
             ulysses_sequence_parallel_size: 1,
             use_torch_compile: true,
             optim: OptimConfig::default(),
-            fsdp_config: empty_object(),
+            sections: Sections::new(),
         }
     }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct RefConfig {
     /// None: the actor's strategy.
     pub strategy: Option<String>,
@@ -374,7 +349,9 @@ pub struct RefConfig {
     pub log_prob_use_dynamic_bsz: bool,
     pub log_prob_max_token_len_per_gpu: usize,
     pub ulysses_sequence_parallel_size: usize,
-    pub fsdp_config: Value,
+    /// The engine's section, not inherited from the actor's (verl's ref has its own).
+    #[serde(flatten)]
+    pub sections: Sections,
 }
 
 impl Default for RefConfig {
@@ -386,7 +363,7 @@ impl Default for RefConfig {
             log_prob_use_dynamic_bsz: false,
             log_prob_max_token_len_per_gpu: 16384,
             ulysses_sequence_parallel_size: 1,
-            fsdp_config: empty_object(),
+            sections: Sections::new(),
         }
     }
 }
@@ -421,6 +398,7 @@ pub struct CheckpointEngineConfig {
     /// The checkpoint component (`naive` in-process, `disk` safetensors, …).
     pub backend: String,
     pub update_weights_bucket_megabytes: usize,
+    /// Backend sections by backend name (verl passes the selected backend's entry).
     pub engine_kwargs: Value,
 }
 
@@ -471,6 +449,7 @@ pub struct RolloutConfig {
     pub disable_log_stats: bool,
     pub calculate_log_probs: bool,
     pub skip_tokenizer_init: bool,
+    /// Rollout sections by engine name; verl's default names its two engines, ours none.
     pub engine_kwargs: Value,
     pub val_kwargs: ValKwargs,
     pub checkpoint_engine: CheckpointEngineConfig,
@@ -509,7 +488,7 @@ impl Default for RolloutConfig {
             disable_log_stats: true,
             calculate_log_probs: false,
             skip_tokenizer_init: true,
-            engine_kwargs: json!({"vllm": {}, "sglang": {}}),
+            engine_kwargs: empty_object(),
             val_kwargs: ValKwargs::default(),
             checkpoint_engine: CheckpointEngineConfig::default(),
         }
@@ -521,7 +500,7 @@ impl Default for RolloutConfig {
 /// (None: the actor's model), `random_init`, `dtype`, `enable_gradient_checkpointing`, and verl's
 /// pass-through keys.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct CriticConfig {
     /// None: enabled exactly when the advantage estimator needs a critic (GAE).
     pub enable: Option<bool>,
@@ -543,6 +522,9 @@ pub struct CriticConfig {
     pub loss_agg_mode: Option<String>,
     pub grad_clip: Option<f64>,
     pub ulysses_sequence_parallel_size: usize,
+    /// The engine's section.
+    #[serde(flatten)]
+    pub sections: Sections,
 }
 
 impl Default for CriticConfig {
@@ -567,6 +549,7 @@ impl Default for CriticConfig {
             loss_agg_mode: None,
             grad_clip: None,
             ulysses_sequence_parallel_size: 1,
+            sections: Sections::new(),
         }
     }
 }
@@ -708,7 +691,7 @@ pub enum ResumeMode {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct TrainerConfig {
     pub balance_batch: bool,
     pub total_epochs: u64,
@@ -746,14 +729,9 @@ pub struct TrainerConfig {
     pub seed: u64,
     /// Ours: bit-identical resumed runs (deterministic kernels, no thread-count dependence).
     pub deterministic: bool,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub wandb: Value,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub mlflow: Value,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub tensorboard: Value,
-    #[serde(skip_serializing_if = "Value::is_null")]
-    pub trackio: Value,
+    /// Logger sections (see [`Config::sections`]).
+    #[serde(flatten)]
+    pub sections: Sections,
 }
 
 impl Default for TrainerConfig {
@@ -786,10 +764,7 @@ impl Default for TrainerConfig {
             device: "auto".into(),
             seed: 42,
             deterministic: false,
-            wandb: Value::Null,
-            mlflow: Value::Null,
-            tensorboard: Value::Null,
-            trackio: Value::Null,
+            sections: Sections::new(),
         }
     }
 }

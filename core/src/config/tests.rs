@@ -1,14 +1,33 @@
 use std::path::PathBuf;
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::*;
 use crate::algo::AdvEstimator;
 
+/// The sections the plugins bundled in this workspace declare.
+fn bundled() -> PluginSections {
+    ["wandb", "mlflow", "tensorboard", "trackio"]
+        .into_iter()
+        .fold(
+            PluginSections::new().with(SectionKind::Engine, "fsdp_config"),
+            |s, name| s.with(SectionKind::Tracker, name),
+        )
+}
+
 fn load(file: Option<&Path>, env: &[(&str, &str)], args: &[&str]) -> Result<Config, ConfigError> {
+    load_with(&bundled(), file, env, args)
+}
+
+fn load_with(
+    sections: &PluginSections,
+    file: Option<&Path>,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> Result<Config, ConfigError> {
     let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    Config::load(file, env, &args)
+    Config::load(file, env, &args, sections)
 }
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
@@ -256,25 +275,237 @@ fn non_config_variables_and_free_form_sections() {
         "f.yaml",
         "defaults:\n  - ppo_trainer\n  - _self_\nhydra:\n  searchpath: []\nactor_rollout_ref:\n  actor:\n    _target_: verl.workers.config.FSDPActorConfig\n    fsdp_config:\n      param_offload: true\nwandb:\n  entity: me\n",
     );
-    let c = load(
+    let c = load_with(
+        &bundled().with(SectionKind::Rollout, "vllm"),
         Some(&file),
         &[],
         &[
             "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
             "trainer.mlflow.tracking_uri=http://127.0.0.1:5000",
+            "data.apply_chat_template_kwargs.enable_thinking=false",
         ],
     )
     .unwrap();
     assert_eq!(
-        c.actor_rollout_ref.actor.fsdp_config,
+        c.actor_rollout_ref.actor.sections["fsdp_config"],
         json!({"param_offload": true})
     );
     assert_eq!(
         c.actor_rollout_ref.rollout.engine_kwargs["vllm"]["swap_space"],
         4
     );
-    assert_eq!(c.wandb, json!({"entity": "me"}));
-    assert_eq!(c.trainer.mlflow["tracking_uri"], "http://127.0.0.1:5000");
+    assert_eq!(c.sections["wandb"], json!({"entity": "me"}));
+    assert_eq!(
+        c.trainer.sections["mlflow"]["tracking_uri"],
+        "http://127.0.0.1:5000"
+    );
+    assert_eq!(
+        c.data.apply_chat_template_kwargs,
+        json!({"enable_thinking": false})
+    );
+}
+
+#[test]
+fn declared_engine_section_passes_through_with_origins() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      param_offload: true\n      wrap_policy:\n        min_num_params: 3\n",
+    );
+    let c = load(
+        Some(&file),
+        &[("VERL_ACTOR_ROLLOUT_REF__ACTOR__FSDP_CONFIG__FSDP_SIZE", "2")],
+        &["actor_rollout_ref.actor.fsdp_config.param_offload=false"],
+    )
+    .unwrap();
+    let section = c.plugin_section(Slot::Engine(EngineRole::Actor), "fsdp_config");
+    let path = "actor_rollout_ref.actor.fsdp_config";
+    let from_file = format!("config file {}", file.display());
+    assert_eq!(
+        section,
+        PluginSection {
+            path: path.into(),
+            value: json!({"param_offload": false, "fsdp_size": 2, "wrap_policy": {"min_num_params": 3}}),
+            origins: [
+                (
+                    "param_offload",
+                    "command-line override `actor_rollout_ref.actor.fsdp_config.param_offload=false`"
+                ),
+                (
+                    "fsdp_size",
+                    "environment variable VERL_ACTOR_ROLLOUT_REF__ACTOR__FSDP_CONFIG__FSDP_SIZE"
+                ),
+                ("wrap_policy", &from_file),
+                ("wrap_policy.min_num_params", &from_file),
+            ]
+            .into_iter()
+            .map(|(k, v)| (format!("{path}.{k}"), v.to_owned()))
+            .collect(),
+        }
+    );
+    let origins: serde_json::Map<String, Value> =
+        serde_json::from_str(&section.origins_json()).unwrap();
+    assert_eq!(origins.len(), 4);
+    // The engine sees its section; the ref's is its own (unset here), not the actor's.
+    assert_eq!(
+        c.engine_json(EngineRole::Actor)["fsdp_config"],
+        section.value
+    );
+    assert_eq!(c.engine_json(EngineRole::Ref).get("fsdp_config"), None);
+    let reference = c.plugin_section(Slot::Engine(EngineRole::Ref), "fsdp_config");
+    assert_eq!(
+        (
+            reference.path.as_str(),
+            reference.value,
+            reference.origins.len()
+        ),
+        ("actor_rollout_ref.ref.fsdp_config", json!({}), 0)
+    );
+    // The section shows and loads back like any other.
+    let shown = write(&dir, "shown.yaml", &c.to_yaml());
+    assert_eq!(load(Some(&shown), &[], &[]).unwrap(), c);
+}
+
+#[test]
+fn undeclared_plugin_sections_are_unknown_keys() {
+    let err = load(
+        None,
+        &[],
+        &["actor_rollout_ref.actor.fsdp_confg.param_offload=true"],
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        ConfigError::UnknownKey {
+            key: "actor_rollout_ref.actor.fsdp_confg".into(),
+            origin: "command-line override `actor_rollout_ref.actor.fsdp_confg.param_offload=true`"
+                .into(),
+            suggestion: Some("actor_rollout_ref.actor.fsdp_config".into()),
+        }
+    );
+    let err = load(None, &[("VERL_TRAINER__WANDBB__ENTITY", "me")], &[])
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "unknown config key `trainer.wandbb` (from environment variable VERL_TRAINER__WANDBB__ENTITY); did you mean `trainer.wandb`?"
+    );
+    // Nothing declared: core accepts no plugin section, wherever it sits.
+    let none = PluginSections::new();
+    for arg in [
+        "wandb.entity=me",
+        "trainer.mlflow.tracking_uri=x",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "critic.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+        "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk.dir=/x",
+    ] {
+        let err = load_with(&none, None, &[], &[arg]).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::UnknownKey { .. }),
+            "{arg}: {err}"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "f.yaml",
+        "actor_rollout_ref:\n  actor:\n    megatron: {}\n",
+    );
+    let err = load(Some(&file), &[], &[]).unwrap_err().to_string();
+    assert!(
+        err.starts_with("unknown config key `actor_rollout_ref.actor.megatron` (from config file"),
+        "{err}"
+    );
+    // Declared by another plugin, the same keys load; a section is a mapping.
+    let megatron = bundled().with(SectionKind::Engine, "megatron");
+    assert!(load_with(&megatron, Some(&file), &[], &[]).is_ok());
+    let err = load(None, &[], &["wandb=3"]).unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::Invalid { key, origin, .. } if key == "wandb" && origin == "command-line override `wandb=3`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn tracker_sections_at_top_level_and_under_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "wandb:\n  entity: me\n  project: top\ntrainer:\n  wandb:\n    dir: /d\n    project: nested\n",
+    );
+    let c = load(Some(&file), &[], &["trainer.mlflow.tracking_uri=http://h"]).unwrap();
+    let from_file = format!("config file {}", file.display());
+    let wandb = c.plugin_section(Slot::Tracker, "wandb");
+    assert_eq!(wandb.path, "wandb");
+    assert_eq!(
+        wandb.value,
+        json!({"dir": "/d", "entity": "me", "project": "top"})
+    );
+    assert_eq!(
+        wandb.origins,
+        [
+            ("wandb.dir", format!("{from_file}, as `trainer.wandb.dir`")),
+            ("wandb.entity", from_file.clone()),
+            ("wandb.project", from_file.clone()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    );
+    let mlflow = c.plugin_section(Slot::Tracker, "mlflow");
+    assert_eq!(
+        (mlflow.path.as_str(), &mlflow.value),
+        ("trainer.mlflow", &json!({"tracking_uri": "http://h"}))
+    );
+    assert_eq!(
+        mlflow.origins["trainer.mlflow.tracking_uri"],
+        "command-line override `trainer.mlflow.tracking_uri=http://h`"
+    );
+    let unset = c.plugin_section(Slot::Tracker, "trackio");
+    assert_eq!((unset.path.as_str(), unset.value), ("trackio", json!({})));
+}
+
+#[test]
+fn rollout_and_checkpoint_sections_by_name() {
+    let sections = PluginSections::new()
+        .with(SectionKind::Rollout, "vllm")
+        .with(SectionKind::Checkpoint, "disk");
+    let c = load_with(
+        &sections,
+        None,
+        &[(
+            "VERL_ACTOR_ROLLOUT_REF__ROLLOUT__ENGINE_KWARGS__VLLM__SWAP_SPACE",
+            "4",
+        )],
+        &["actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk={dir: /x}"],
+    )
+    .unwrap();
+    let vllm = c.plugin_section(Slot::Rollout, "vllm");
+    assert_eq!(vllm.value, json!({"swap_space": 4}));
+    assert_eq!(
+        vllm.origins["actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space"],
+        "environment variable VERL_ACTOR_ROLLOUT_REF__ROLLOUT__ENGINE_KWARGS__VLLM__SWAP_SPACE"
+    );
+    let disk = c.plugin_section(Slot::Checkpoint, "disk");
+    assert_eq!(
+        (disk.path.as_str(), &disk.value),
+        (
+            "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk",
+            &json!({"dir": "/x"})
+        )
+    );
+    // A value set as a whole: its keys carry the override that set it.
+    assert_eq!(
+        disk.origins["actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk.dir"],
+        "command-line override `actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk={dir: /x}`"
+    );
+    assert_eq!(
+        Config::default().actor_rollout_ref.rollout.engine_kwargs,
+        json!({})
+    );
 }
 
 #[test]

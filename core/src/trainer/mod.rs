@@ -24,7 +24,7 @@ use crate::algo::{
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager};
-use crate::config::{Config, EngineRole, ResumeMode};
+use crate::config::{Config, EngineRole, ResumeMode, Slot};
 use crate::data::{ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt, expand_home, load_samples};
 use crate::placement::Placement;
 use crate::reward::{self, RewardError};
@@ -187,7 +187,8 @@ impl Trainer {
             let mut section = config.engine_json(role);
             section["optim"]["total_training_steps"] = json!(total_steps);
             section["deterministic"] = json!(config.trainer.deterministic);
-            engine.init(&init(section)).context(|| format!("initialising the {} engine `{}`", role.as_str(), component.name))?;
+            let init = plugin_init(&config, Slot::Engine(role), component, section, &run);
+            engine.init(&init).context(|| format!("initialising the {} engine `{}`", role.as_str(), component.name))?;
             Ok(Box::new(engine))
         };
         let actor = engine(EngineRole::Actor, &components.actor)?;
@@ -197,15 +198,18 @@ impl Trainer {
         let mut rollout = components.rollout.create_rollout()?;
         rollout.init(&init(config.rollout_json())).context(|| format!("initialising the rollout `{}`", components.rollout.name))?;
 
-        let sync_config = &config.actor_rollout_ref.rollout.checkpoint_engine;
-        let mut weight_sync = components.weight_sync.create_checkpoint()?;
+        // verl hands a checkpoint engine its own entry of `engine_kwargs`.
+        let sync = &components.weight_sync;
+        let kwargs = sync.config_section.as_ref().map_or(json!({}), |name| config.plugin_section(Slot::Checkpoint, name).value);
+        let mut weight_sync = sync.create_checkpoint()?;
         weight_sync
-            .init(&init(sync_config.engine_kwargs.clone()))
-            .context(|| format!("initialising the weight sync `{}`", sync_config.backend))?;
+            .init(&plugin_init(&config, Slot::Checkpoint, sync, kwargs, &run))
+            .context(|| format!("initialising the weight sync `{}`", sync.name))?;
 
         let mut tracker_config = config.to_json();
         tracker_config["trainer"]["total_training_steps"] = json!(total_steps);
-        let trackers = Trackers::start(registry, &config.trainer.logger, &init(tracker_config))?;
+        let trackers =
+            Trackers::start(registry, &config.trainer.logger, |tracker| plugin_init(&config, Slot::Tracker, tracker, tracker_config.clone(), &run))?;
 
         let kl = &config.algorithm.kl_ctrl;
         let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
@@ -628,6 +632,18 @@ impl Trainer {
 /// Runs a whole training job: the trainer's entry point for `verl-core run`.
 pub fn run(config: Config, registry: &Registry, placement: &Placement) -> Result<RunSummary, TrainError> {
     Trainer::new(config, registry, placement)?.fit()
+}
+
+/// The init record of `component`, with the path and key origins of its plugin-owned section (if
+/// it declares one) so the plugin's own checks name where a bad key came from.
+pub(crate) fn plugin_init(config: &Config, slot: Slot, component: &Component, value: Value, run: &RunContext) -> ComponentInit {
+    let mut init = ComponentInit::new(value, run.clone());
+    if let Some(name) = &component.config_section {
+        let section = config.plugin_section(slot, name);
+        init.section_path = section.path;
+        init.config_origins = section.origins;
+    }
+    init
 }
 
 /// The components a run uses, resolved by name before any is created.

@@ -2,7 +2,7 @@
 //! is reported once, with the reason, and left out from then on.
 
 use verl_plugin_api::{ComponentInit, ComponentKind, Metric, Table, TrackerCapabilities};
-use verl_plugin_host::{Registry, TrackerHandle};
+use verl_plugin_host::{Component, Registry, TrackerHandle};
 
 pub struct Trackers {
     /// Name, handle, whether it records tables.
@@ -12,13 +12,17 @@ pub struct Trackers {
 impl Trackers {
     /// Creates and initialises every tracker; unknown names are an error (a typo in
     /// `trainer.logger` should not silently drop the metrics), failing initialisation is a warning.
-    pub fn start(registry: &Registry, names: &[String], init: &ComponentInit) -> Result<Self, verl_plugin_host::LookupError> {
+    pub fn start(
+        registry: &Registry,
+        names: &[String],
+        init: impl Fn(&Component) -> ComponentInit,
+    ) -> Result<Self, verl_plugin_host::LookupError> {
         let mut active = Vec::new();
         for name in names {
             let component = registry.resolve(ComponentKind::TRACKER, name)?;
             let tables = component.capabilities::<TrackerCapabilities>().tables;
             let mut tracker = component.create_tracker()?;
-            match tracker.init(init) {
+            match tracker.init(&init(&component)) {
                 Ok(()) => active.push((name.clone(), tracker, tables)),
                 Err(e) => tracing::warn!("tracker `{name}` is disabled for this run: {e}"),
             }

@@ -1,10 +1,15 @@
 //! The engine's config: verl's `actor_rollout_ref.actor` (or `critic`) section, with verl's key
-//! names and defaults, plus `role` and `model`. Keys this engine does not use are ignored; a wrong
-//! type is reported by serde with the key's path, a wrong value by [`EngineConfig::validate`].
+//! names and defaults, plus `role` and `model`. The host has checked verl's keys, so keys this
+//! engine does not use are ignored; its own section, `fsdp_config`, is parsed strictly
+//! ([`FsdpConfig::parse`]). A wrong type is reported by serde with the key's path, a wrong value by
+//! [`EngineConfig::validate`].
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use verl_model::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode};
 use verl_model::{AdamWConfig, LrDecay, LrSchedule, ModelSpec};
+
+use verl_plugin_api::PluginError;
 
 use crate::error::EngineError;
 
@@ -26,6 +31,15 @@ impl Role {
             Self::Actor => "actor",
             Self::Ref => "ref",
             Self::Critic => "critic",
+        }
+    }
+
+    /// The role's `fsdp_config` in verl's config.
+    pub fn fsdp_config_path(self) -> &'static str {
+        match self {
+            Self::Actor => "actor_rollout_ref.actor.fsdp_config",
+            Self::Ref => "actor_rollout_ref.ref.fsdp_config",
+            Self::Critic => "critic.fsdp_config",
         }
     }
 }
@@ -106,6 +120,83 @@ pub struct PolicyLossConfig {
     pub loss_mode: PolicyLossMode,
 }
 
+/// verl's `FSDPEngineConfig.wrap_policy`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WrapPolicy {
+    pub min_num_params: u64,
+    pub transformer_layer_cls_to_wrap: Option<Vec<String>>,
+}
+
+/// The engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`): verl's keys and defaults,
+/// any other key is an error. One rank holds the whole model, so nothing here changes the
+/// computation yet; the keys are accepted so verl's configs run unchanged.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FsdpConfig {
+    pub wrap_policy: WrapPolicy,
+    pub param_offload: bool,
+    pub optimizer_offload: bool,
+    pub offload_policy: bool,
+    pub reshard_after_forward: bool,
+    /// GPUs per shard group; −1: all.
+    pub fsdp_size: i64,
+    pub forward_prefetch: bool,
+    pub model_dtype: String,
+    pub dtype: String,
+    /// `param_dtype`, `reduce_dtype`, `buffer_dtype`.
+    pub mixed_precision: Option<Value>,
+    pub use_orig_params: bool,
+    pub seed: u64,
+    pub full_determinism: bool,
+    pub ulysses_sequence_parallel_size: usize,
+    pub entropy_from_logits_with_chunking: bool,
+    pub use_torch_compile: bool,
+    pub entropy_checkpointing: bool,
+    pub forward_only: bool,
+    /// `fsdp` | `fsdp2`.
+    pub strategy: String,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            wrap_policy: WrapPolicy::default(),
+            param_offload: false,
+            optimizer_offload: false,
+            offload_policy: false,
+            reshard_after_forward: true,
+            fsdp_size: -1,
+            forward_prefetch: false,
+            model_dtype: "fp32".into(),
+            dtype: "bfloat16".into(),
+            mixed_precision: None,
+            use_orig_params: false,
+            seed: 42,
+            full_determinism: false,
+            ulysses_sequence_parallel_size: 1,
+            entropy_from_logits_with_chunking: false,
+            use_torch_compile: true,
+            entropy_checkpointing: false,
+            forward_only: false,
+            strategy: "fsdp".into(),
+        }
+    }
+}
+
+impl FsdpConfig {
+    /// Parses the section at `section_path` strictly: an unknown key is an error naming its full
+    /// path, where it came from (`origins_json`: full key path → origin, may be empty) and the
+    /// nearest valid key.
+    pub fn parse(
+        section_path: &str,
+        section_json: &str,
+        origins_json: &str,
+    ) -> Result<Self, PluginError> {
+        verl_plugin_api::config::parse_section(section_path, section_json, origins_json)
+    }
+}
+
 /// The whole section.
 #[derive(Debug, Clone, Deserialize)]
 pub struct EngineConfig {
@@ -152,6 +243,9 @@ pub struct EngineConfig {
     /// Critic: clip range of the value update around the old values.
     #[serde(default = "default_cliprange_value")]
     pub cliprange_value: f64,
+    /// The engine's own section, parsed by [`EngineConfig::validate`].
+    #[serde(default)]
+    pub fsdp_config: Value,
 }
 
 /// The validated, resolved settings the engine runs with.
@@ -175,6 +269,7 @@ pub struct Settings {
     /// `Some((coef, penalty))` when `use_kl_loss`.
     pub kl_loss: Option<(f64, KlPenalty)>,
     pub cliprange_value: f64,
+    pub fsdp: FsdpConfig,
 }
 
 fn invalid(key: &str, reason: impl Into<String>) -> EngineError {
@@ -207,6 +302,18 @@ impl EngineConfig {
     /// Checks values serde cannot and resolves verl's fallbacks (clip_ratio_low/high default to
     /// clip_ratio, warm-up steps from the ratio, the schedule type from either spelling).
     pub fn validate(self) -> Result<Settings, EngineError> {
+        let path = self.role.fsdp_config_path();
+        self.validate_section(path, "")
+    }
+
+    /// [`validate`](Self::validate), with the path of `fsdp_config` and where its keys came from
+    /// (full key path → origin, JSON) as the host sends them.
+    pub fn validate_section(
+        self,
+        section_path: &str,
+        origins_json: &str,
+    ) -> Result<Settings, EngineError> {
+        let fsdp = FsdpConfig::parse(section_path, &self.fsdp_config.to_string(), origins_json)?;
         let o = &self.optim;
         non_negative("optim.lr", o.lr)?;
         non_negative("optim.weight_decay", o.weight_decay)?;
@@ -355,6 +462,7 @@ impl EngineConfig {
             kl_loss,
             cliprange_value: non_negative("cliprange_value", self.cliprange_value)?,
             model: self.model,
+            fsdp,
         })
     }
 }
@@ -408,6 +516,42 @@ mod tests {
             }
         );
         assert_eq!(s.kl_loss.unwrap().0, 0.001);
+    }
+
+    #[test]
+    fn fsdp_config_is_strict() {
+        let s =
+            settings(r#","fsdp_config":{"param_offload":true,"wrap_policy":{"min_num_params":8}}"#)
+                .unwrap();
+        assert!(s.fsdp.param_offload && s.fsdp.reshard_after_forward);
+        assert_eq!(
+            (s.fsdp.wrap_policy.min_num_params, s.fsdp.fsdp_size),
+            (8, -1)
+        );
+        // Keys of the actor section this engine does not read are the host's to check.
+        assert!(settings(r#","use_dynamic_bsz":true,"checkpoint":{"x":1}"#).is_ok());
+        let err = settings(r#","fsdp_config":{"param_ofload":true}"#)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "unknown config key `actor_rollout_ref.actor.fsdp_config.param_ofload` (from unknown source); did you mean `actor_rollout_ref.actor.fsdp_config.param_offload`?"
+        );
+        let critic: EngineConfig = serde_json::from_str(
+            r#"{"role": "critic", "model": {"path": "m"}, "fsdp_config": {"fsdp_size": "all"}}"#,
+        )
+        .unwrap();
+        let origins = r#"{"critic.fsdp_config.fsdp_size": "config file run.yaml"}"#;
+        let err = critic
+            .validate_section("critic.fsdp_config", origins)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(
+                "config key `critic.fsdp_config.fsdp_size` (from config file run.yaml): invalid type"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

@@ -87,7 +87,12 @@ impl Worker {
                 run.world_size, run.rank
             )));
         }
-        let settings = init.config::<EngineConfig>("fsdp")?.validate()?;
+        let config = init.config::<EngineConfig>("fsdp")?;
+        let settings = if init.section_path.is_empty() {
+            config.validate()?
+        } else {
+            config.validate_section(&init.section_path, &init.origins_json())?
+        };
         let device = parse_device(&run.device)?;
         let head = if settings.role == Role::Critic {
             Head::Value

@@ -96,4 +96,5 @@ verl_plugin_api::export_plugin!(
         "verl's PPO/GRPO actor, reference and critic on libtorch; single rank for now",
         FsdpEngine::default
     )
+    .config_section("fsdp_config")
 );

@@ -3,18 +3,23 @@
 //! Precedence, highest first: the tracker's own section of the run config (top-level `<name>`,
 //! over `trainer.<name>`), then the tool's usual environment variables, then defaults derived from
 //! the run (project, experiment, run directory).
+//!
+//! The section is strict: a key that is neither a [`Delivery`] key nor one of the backend's own
+//! settings is an error naming its full path, where it came from and the nearest valid key
+//! ([`parse_settings`]).
 
 use std::hash::{BuildHasher, Hasher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use verl_plugin_api::{ComponentInit, PluginError};
 
 /// Settings of the delivery layer, the same keys for every tracker.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Delivery {
     /// Log calls buffered between the training thread and the sender thread.
@@ -72,13 +77,24 @@ pub struct Context {
     pub config: Value,
     /// The tracker's own settings (see the module doc).
     pub section: Value,
+    /// Where `section` sits in the run config (`<name>` or `trainer.<name>`), for errors.
+    pub section_path: String,
+    /// Full key path → where its value came from, as JSON (see [`parse_settings`]); empty when
+    /// the host sent none.
+    pub origins: String,
     pub delivery: Delivery,
 }
 
 impl Context {
     pub fn new(name: &'static str, init: &ComponentInit) -> Result<Self, PluginError> {
         let config: Value = init.config(name)?;
+        let section_path = if init.section_path.is_empty() {
+            section_path(&config, name)
+        } else {
+            init.section_path.clone()
+        };
         let section = section(&config, name);
+        // Lenient here: the backend's own keys are only known to `settings`, which is strict.
         let delivery = serde_json::from_value(section.clone())
             .map_err(|e| PluginError::invalid_config(format!("tracker `{name}`: {e}")))?;
         // The host fills the run context; verl's own keys stand in when it is blank (direct use).
@@ -108,14 +124,38 @@ impl Context {
             run_dir,
             config: redact(config),
             section,
+            section_path,
+            origins: init.origins_json(),
             delivery,
         })
     }
 
-    /// The backend's own settings, deserialised from the section.
-    pub fn settings<T: for<'de> Deserialize<'de>>(&self) -> Result<T, PluginError> {
-        serde_json::from_value(self.section.clone())
-            .map_err(|e| PluginError::invalid_config(format!("tracker `{}`: {e}", self.name)))
+    /// The backend's own settings, deserialised from the section, which may hold nothing else
+    /// but the [`Delivery`] keys.
+    pub fn settings<T: DeserializeOwned + Serialize>(&self) -> Result<T, PluginError> {
+        parse_settings(&self.section_path, &self.section.to_string(), &self.origins)
+            .map(|(_, own)| own)
+    }
+}
+
+/// Parses a tracker's section strictly into the delivery settings and the backend's own `T`.
+/// `section_path` is the section's full dotted path, `origins_json` maps full key paths to where
+/// their values came from (may be empty); see `verl_plugin_api::config::parse_section`.
+pub fn parse_settings<T: DeserializeOwned + Serialize>(
+    section_path: &str,
+    section_json: &str,
+    origins_json: &str,
+) -> Result<(Delivery, T), PluginError> {
+    verl_plugin_api::config::parse_section2(section_path, section_json, origins_json)
+}
+
+/// Where [`section`] reads from: the top-level `<name>` when set (it wins key by key), else
+/// `trainer.<name>`.
+fn section_path(config: &Value, name: &str) -> String {
+    if config.get(name).is_none() && config.pointer(&format!("/trainer/{name}")).is_some() {
+        format!("trainer.{name}")
+    } else {
+        name.to_owned()
     }
 }
 
@@ -258,6 +298,52 @@ mod tests {
         let config = json!({"trainer": {"mlflow": {"a": 1, "b": 2}}, "mlflow": {"b": 3}});
         assert_eq!(section(&config, "mlflow"), json!({"a": 1, "b": 3}));
         assert_eq!(section(&config, "wandb"), json!({}));
+    }
+
+    #[derive(Debug, Default, Serialize, Deserialize)]
+    #[serde(default)]
+    struct Own {
+        dir: Option<String>,
+        tags: std::collections::BTreeMap<String, String>,
+    }
+
+    #[test]
+    fn sections_are_strict() {
+        let (delivery, own) = parse_settings::<Own>(
+            "wandb",
+            r#"{"dir": "/d", "retries": 1, "tags": {"any": "x"}}"#,
+            "",
+        )
+        .unwrap();
+        assert_eq!((delivery.retries, own.dir.as_deref()), (1, Some("/d")));
+        assert_eq!(delivery.queue_capacity, 256);
+        assert_eq!(own.tags["any"], "x");
+        let origins =
+            r#"{"trainer.wandb.retrys": "environment variable VERL_TRAINER__WANDB__RETRYS"}"#;
+        let err = parse_settings::<Own>("trainer.wandb", r#"{"retrys": 1}"#, origins).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "unknown config key `trainer.wandb.retrys` (from environment variable VERL_TRAINER__WANDB__RETRYS); did you mean `trainer.wandb.retries`?"
+        );
+        let err = parse_settings::<Own>("wandb", r#"{"dirr": "/d"}"#, "").unwrap_err();
+        assert!(
+            err.message().ends_with("did you mean `wandb.dir`?"),
+            "{err}"
+        );
+        let err = parse_settings::<Own>("wandb", r#"{"dir": 3}"#, "").unwrap_err();
+        assert!(
+            err.message()
+                .starts_with("config key `wandb.dir` (from unknown source): invalid type"),
+            "{err}"
+        );
+        assert_eq!(
+            section_path(&json!({"trainer": {"mlflow": {}}}), "mlflow"),
+            "trainer.mlflow"
+        );
+        assert_eq!(
+            section_path(&json!({"trainer": {"mlflow": {}}, "mlflow": {}}), "mlflow"),
+            "mlflow"
+        );
     }
 
     #[test]

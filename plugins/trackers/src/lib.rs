@@ -72,19 +72,23 @@ verl_plugin_api::export_plugin!(
         "TensorBoard event files",
         TensorboardTracker::new
     )
+    .config_section("tensorboard")
     .tracker(
         "mlflow",
         50,
         "MLflow tracking server (REST)",
         MlflowTracker::new
     )
+    .config_section("mlflow")
     .tracker("trackio", 50, "Trackio server (HTTP)", TrackioTracker::new)
+    .config_section("trackio")
     .tracker(
         "wandb",
         50,
         "Weights & Biases offline run, uploaded with `wandb sync`",
         WandbTracker::new
     )
+    .config_section("wandb")
 );
 
 #[cfg(test)]

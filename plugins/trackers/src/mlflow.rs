@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::PluginError;
 
@@ -32,7 +32,7 @@ const MAX_KEY_LENGTH: usize = 250;
 const MAX_PARAM_VALUE_LENGTH: usize = 6000;
 const MAX_TAG_VALUE_LENGTH: usize = 8000;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
 struct Settings {
     tracking_uri: Option<String>,

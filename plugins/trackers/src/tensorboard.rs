@@ -13,7 +13,7 @@ use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
 use prost::Message;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use verl_plugin_api::PluginError;
 
 use crate::TrackerError;
@@ -49,7 +49,7 @@ struct SummaryValue {
     simple_value: Option<f32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
 struct Settings {
     dir: Option<PathBuf>,

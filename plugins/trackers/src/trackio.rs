@@ -10,7 +10,7 @@
 //! IGNORE` on it, so a retry after a lost answer stores nothing twice. NaN/±inf are sent as the
 //! strings trackio itself stores them as. Tables are logged as `trackio.table` values.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use verl_plugin_api::PluginError;
 
@@ -22,7 +22,7 @@ use crate::http::Http;
 /// Metrics per request: keeps a request (and the server's one SQLite transaction) small.
 const MAX_METRICS_PER_REQUEST: usize = 5000;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
 struct Settings {
     server_url: Option<String>,

@@ -22,7 +22,7 @@ use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
 use prost::Message;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use verl_plugin_api::PluginError;
@@ -146,7 +146,7 @@ struct VersionInfo {
     producer: String,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
 struct Settings {
     dir: Option<PathBuf>,

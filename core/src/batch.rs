@@ -9,22 +9,37 @@ use crate::algo::Matrix;
 /// A 2-D F32 batch tensor as an algorithm matrix.
 pub fn matrix(name: &str, tensor: &Tensor) -> Result<Matrix, PluginError> {
     let [rows, cols] = tensor.shape.as_slice() else {
-        return Err(PluginError::other(format!("`{name}` should be 2-D, has shape {:?}", tensor.shape.as_slice())));
+        return Err(PluginError::other(format!(
+            "`{name}` should be 2-D, has shape {:?}",
+            tensor.shape.as_slice()
+        )));
     };
-    let values = tensor.to_vec::<f32>().map_err(|e| PluginError::other(format!("`{name}`: {e}")))?;
-    Matrix::new(*rows as usize, *cols as usize, values).map_err(|e| PluginError::other(format!("`{name}`: {e}")))
+    let values = tensor
+        .to_vec::<f32>()
+        .map_err(|e| PluginError::other(format!("`{name}`: {e}")))?;
+    Matrix::new(*rows as usize, *cols as usize, values)
+        .map_err(|e| PluginError::other(format!("`{name}`: {e}")))
 }
 
 /// An algorithm matrix as a 2-D F32 batch tensor.
 pub fn tensor(matrix: &Matrix) -> Tensor {
     let (rows, cols) = matrix.shape();
-    Tensor::from_slice(&[rows as i64, cols as i64], matrix.data()).expect("a matrix's shape matches its data")
+    Tensor::from_slice(&[rows as i64, cols as i64], matrix.data())
+        .expect("a matrix's shape matches its data")
 }
 
 /// The engine batch for `prompts[i]` followed by `responses[i]`.
-pub fn build(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad_id: u32) -> Result<Batch, PluginError> {
+pub fn build(
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    pad_id: u32,
+) -> Result<Batch, PluginError> {
     if prompts.len() != responses.len() || prompts.is_empty() {
-        return Err(PluginError::other(format!("{} prompts for {} responses", prompts.len(), responses.len())));
+        return Err(PluginError::other(format!(
+            "{} prompts for {} responses",
+            prompts.len(),
+            responses.len()
+        )));
     }
     let rows = prompts.len();
     let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -49,21 +64,43 @@ pub fn build(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad_id: u32) -> Resul
         }
     }
     let mut batch = Batch::default();
-    batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[rows as i64, width as i64], &input_ids)?);
-    batch.insert(keys::ATTENTION_MASK, Tensor::from_slice(&[rows as i64, width as i64], &attention)?);
-    batch.insert(keys::RESPONSES, Tensor::from_slice(&[rows as i64, response_len as i64], &response_ids)?);
-    batch.insert(keys::RESPONSE_MASK, Tensor::from_slice(&[rows as i64, response_len as i64], &response_mask)?);
+    batch.insert(
+        keys::INPUT_IDS,
+        Tensor::from_slice(&[rows as i64, width as i64], &input_ids)?,
+    );
+    batch.insert(
+        keys::ATTENTION_MASK,
+        Tensor::from_slice(&[rows as i64, width as i64], &attention)?,
+    );
+    batch.insert(
+        keys::RESPONSES,
+        Tensor::from_slice(&[rows as i64, response_len as i64], &response_ids)?,
+    );
+    batch.insert(
+        keys::RESPONSE_MASK,
+        Tensor::from_slice(&[rows as i64, response_len as i64], &response_mask)?,
+    );
     Ok(batch)
 }
 
 /// A per-token response tensor (`log_probs`, `values`, …) cut back to each response's length.
-pub fn response_values(batch: &Batch, name: &str, lengths: &[usize]) -> Result<Vec<Vec<f32>>, PluginError> {
+pub fn response_values(
+    batch: &Batch,
+    name: &str,
+    lengths: &[usize],
+) -> Result<Vec<Vec<f32>>, PluginError> {
     let matrix = matrix(name, batch.require(name)?)?;
     let (rows, cols) = matrix.shape();
     if rows != lengths.len() || lengths.iter().any(|&l| l > cols) {
-        return Err(PluginError::other(format!("`{name}` has shape [{rows}, {cols}], too small for the responses")));
+        return Err(PluginError::other(format!(
+            "`{name}` has shape [{rows}, {cols}], too small for the responses"
+        )));
     }
-    Ok(lengths.iter().enumerate().map(|(i, &len)| matrix.row(i)[..len].to_vec()).collect())
+    Ok(lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| matrix.row(i)[..len].to_vec())
+        .collect())
 }
 
 #[cfg(test)]
@@ -75,18 +112,48 @@ mod tests {
         let batch = build(&[vec![5, 6, 7], vec![8]], &[vec![1], vec![2, 3]], 0).unwrap();
         let ids = batch.require(keys::INPUT_IDS).unwrap();
         assert_eq!(ids.shape.as_slice(), &[2, 5]);
-        assert_eq!(ids.to_vec::<i64>().unwrap(), vec![5, 6, 7, 1, 0, 0, 0, 8, 2, 3]);
-        assert_eq!(batch.require(keys::ATTENTION_MASK).unwrap().to_vec::<i64>().unwrap(), vec![1, 1, 1, 1, 0, 0, 0, 1, 1, 1]);
-        assert_eq!(batch.require(keys::RESPONSES).unwrap().to_vec::<i64>().unwrap(), vec![1, 0, 2, 3]);
-        assert_eq!(batch.require(keys::RESPONSE_MASK).unwrap().to_vec::<f32>().unwrap(), vec![1.0, 0.0, 1.0, 1.0]);
+        assert_eq!(
+            ids.to_vec::<i64>().unwrap(),
+            vec![5, 6, 7, 1, 0, 0, 0, 8, 2, 3]
+        );
+        assert_eq!(
+            batch
+                .require(keys::ATTENTION_MASK)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
+            vec![1, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+        );
+        assert_eq!(
+            batch
+                .require(keys::RESPONSES)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
+            vec![1, 0, 2, 3]
+        );
+        assert_eq!(
+            batch
+                .require(keys::RESPONSE_MASK)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+            vec![1.0, 0.0, 1.0, 1.0]
+        );
         assert!(build(&[vec![1]], &[], 0).is_err());
     }
 
     #[test]
     fn response_values_are_trimmed_per_row() {
         let mut batch = Batch::default();
-        batch.insert("log_probs", Tensor::from_slice(&[2, 3], &[-1.0f32, -2.0, 0.0, -3.0, 0.0, 0.0]).unwrap());
-        assert_eq!(response_values(&batch, "log_probs", &[2, 1]).unwrap(), vec![vec![-1.0, -2.0], vec![-3.0]]);
+        batch.insert(
+            "log_probs",
+            Tensor::from_slice(&[2, 3], &[-1.0f32, -2.0, 0.0, -3.0, 0.0, 0.0]).unwrap(),
+        );
+        assert_eq!(
+            response_values(&batch, "log_probs", &[2, 1]).unwrap(),
+            vec![vec![-1.0, -2.0], vec![-3.0]]
+        );
         assert!(response_values(&batch, "log_probs", &[4, 1]).is_err());
         assert!(response_values(&batch, "values", &[1, 1]).is_err());
     }

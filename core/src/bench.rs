@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use serde_json::json;
-use verl_plugin_host::api::{ComponentInit, ComponentKind, Device, GenerateOutput, GenerateRequest, SamplingParams, wire};
+use verl_plugin_host::api::{
+    ComponentInit, ComponentKind, Device, GenerateOutput, GenerateRequest, SamplingParams, wire,
+};
 use verl_plugin_host::{CpuDevice, PluginSearch, Registry, detect_platform, process_probe};
 
 use crate::placement::Placement;
@@ -91,11 +93,21 @@ pub fn plugins(exe: &Path, plugin_dirs: &[PathBuf], runs: usize) -> anyhow::Resu
     // (sabi_trait vtable + panic guard + RResult), interleaved, best of several rounds. `info` is
     // the cheapest call in the interface, so it shows the fixed per-call overhead at its largest;
     // `detect` on the real probe is the call the host actually makes.
-    let cpu = registry.resolve(ComponentKind::DEVICE, "cpu")?.create_device()?;
+    let cpu = registry
+        .resolve(ComponentKind::DEVICE, "cpu")?
+        .create_device()?;
     let direct: &dyn Device = &CpuDevice;
     let probe = process_probe();
-    let info = compare_calls(200_000, || drop(black_box(direct).info()), || drop(black_box(&cpu).info().unwrap()));
-    let detect = compare_calls(2_000, || drop(black_box(direct).detect(&probe)), || drop(black_box(&cpu).detect(&probe).unwrap()));
+    let info = compare_calls(
+        200_000,
+        || drop(black_box(direct).info()),
+        || drop(black_box(&cpu).info().unwrap()),
+    );
+    let detect = compare_calls(
+        2_000,
+        || drop(black_box(direct).detect(&probe)),
+        || drop(black_box(&cpu).detect(&probe).unwrap()),
+    );
     for (name, (direct_ns, abi_ns)) in [("Device::info", info), ("Device::detect", detect)] {
         let _ = writeln!(
             out,
@@ -109,7 +121,11 @@ pub fn plugins(exe: &Path, plugin_dirs: &[PathBuf], runs: usize) -> anyhow::Resu
 
 /// Best-of-7 nanoseconds per call of `direct` and `through_abi`, interleaved so both see the same
 /// machine load.
-fn compare_calls(calls: u32, mut direct: impl FnMut(), mut through_abi: impl FnMut()) -> (f64, f64) {
+fn compare_calls(
+    calls: u32,
+    mut direct: impl FnMut(),
+    mut through_abi: impl FnMut(),
+) -> (f64, f64) {
     let (mut best_direct, mut best_abi) = (f64::MAX, f64::MAX);
     for _ in 0..7 {
         let t = Instant::now();
@@ -158,14 +174,30 @@ pub fn components(bench: &ComponentBench<'_>) -> anyhow::Result<String> {
     run.run_dir = scratch.path().to_string_lossy().into_owned();
     let init = |config: serde_json::Value| ComponentInit::new(config, run.clone());
 
-    let mut actor = bench.registry.resolve(ComponentKind::ENGINE, bench.engine)?.create_engine()?;
-    actor.init(&init(json!({"role": "actor", "model": model, "ppo_mini_batch_size": 1}))).context("initialising the engine")?;
-    let mut rollout = bench.registry.resolve(ComponentKind::ROLLOUT, bench.rollout)?.create_rollout()?;
-    rollout.init(&init(json!({"model": model}))).context("initialising the rollout")?;
+    let mut actor = bench
+        .registry
+        .resolve(ComponentKind::ENGINE, bench.engine)?
+        .create_engine()?;
+    actor
+        .init(&init(
+            json!({"role": "actor", "model": model, "ppo_mini_batch_size": 1}),
+        ))
+        .context("initialising the engine")?;
+    let mut rollout = bench
+        .registry
+        .resolve(ComponentKind::ROLLOUT, bench.rollout)?
+        .create_rollout()?;
+    rollout
+        .init(&init(json!({"model": model})))
+        .context("initialising the rollout")?;
 
     for backend in ["naive", "disk"] {
-        let mut sync = bench.registry.resolve(ComponentKind::CHECKPOINT, backend)?.create_checkpoint()?;
-        sync.init(&init(json!({}))).with_context(|| format!("initialising weight sync `{backend}`"))?;
+        let mut sync = bench
+            .registry
+            .resolve(ComponentKind::CHECKPOINT, backend)?
+            .create_checkpoint()?;
+        sync.init(&init(json!({})))
+            .with_context(|| format!("initialising weight sync `{backend}`"))?;
         let mut stats = sync_weights(&mut actor, &mut sync, backend, &mut rollout, 0)?;
         let mut times = Vec::with_capacity(bench.runs);
         let mut copies = Vec::with_capacity(bench.runs);
@@ -182,7 +214,10 @@ pub fn components(bench: &ComponentBench<'_>) -> anyhow::Result<String> {
         }
         times.sort_by(f64::total_cmp);
         copies.sort_by(f64::total_cmp);
-        let (sync_ms, copy_ms) = (percentile(&times, 0.5) * 1e3, percentile(&copies, 0.5) * 1e3);
+        let (sync_ms, copy_ms) = (
+            percentile(&times, 0.5) * 1e3,
+            percentile(&copies, 0.5) * 1e3,
+        );
         let _ = writeln!(
             out,
             "weight sync `{backend}` ({} tensors, {:.1} MB): median {sync_ms:.2} ms per sync, one memcpy of the model {copy_ms:.2} ms: {:.2} copy equivalents",
@@ -193,7 +228,9 @@ pub fn components(bench: &ComponentBench<'_>) -> anyhow::Result<String> {
     }
 
     // Generation: the records cross as JSON; compare their codec time with the call they carry.
-    let prompts: Vec<Vec<u32>> = (0..32u32).map(|i| (0..24).map(|t| 3 + (i + t) % 10).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..32u32)
+        .map(|i| (0..24).map(|t| 3 + (i + t) % 10).collect())
+        .collect();
     let mut sampling = SamplingParams::default();
     sampling.n = 4;
     sampling.max_new_tokens = 48;
@@ -217,6 +254,9 @@ pub fn components(bench: &ComponentBench<'_>) -> anyhow::Result<String> {
         codec_s * 1e3,
         call_s / (call_s - codec_s).max(f64::MIN_POSITIVE)
     );
-    let _ = writeln!(out, "update_actor / compute_log_prob: batches cross by reference (no copy, no encoding); only the metric list is returned");
+    let _ = writeln!(
+        out,
+        "update_actor / compute_log_prob: batches cross by reference (no copy, no encoding); only the metric list is returned"
+    );
     Ok(out)
 }

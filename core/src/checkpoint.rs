@@ -13,18 +13,28 @@ const STEP_PREFIX: &str = "global_step_";
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("{}: {error}", path.display())]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     #[error("resume path {} is not a checkpoint directory (expected …/global_step_N)", .0.display())]
     NotACheckpoint(PathBuf),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |error| CheckpointError::Io { path: path.to_path_buf(), error }
+    move |error| CheckpointError::Io {
+        path: path.to_path_buf(),
+        error,
+    }
 }
 
 /// The step of a `global_step_N` directory name.
 pub fn step_of(dir: &Path) -> Option<u64> {
-    dir.file_name()?.to_str()?.strip_prefix(STEP_PREFIX)?.parse().ok()
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix(STEP_PREFIX)?
+        .parse()
+        .ok()
 }
 
 #[derive(Debug, Clone)]
@@ -49,7 +59,10 @@ impl Pending {
 impl CheckpointManager {
     /// `max_keep`: how many checkpoints to keep (oldest removed first); `None` keeps all.
     pub fn new(root: impl Into<PathBuf>, max_keep: Option<usize>) -> Self {
-        Self { root: root.into(), max_keep }
+        Self {
+            root: root.into(),
+            max_keep,
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -82,7 +95,9 @@ impl CheckpointManager {
         let latest = self.root.join(LATEST_FILE);
         let tmp = self.root.join(format!(".{LATEST_FILE}.tmp"));
         fs::write(&tmp, pending.step.to_string()).map_err(io(&tmp))?;
-        fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp))?;
+        fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&tmp))?;
         fs::rename(&tmp, &latest).map_err(io(&latest))?;
         sync_dir(&self.root)?;
         self.prune()?;
@@ -93,15 +108,26 @@ impl CheckpointManager {
         let entries = match fs::read_dir(&self.root) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(CheckpointError::Io { path: self.root.clone(), error: e }),
+            Err(e) => {
+                return Err(CheckpointError::Io {
+                    path: self.root.clone(),
+                    error: e,
+                });
+            }
         };
-        let mut steps: Vec<u64> = entries.filter_map(|e| e.ok()).filter(|e| e.path().is_dir()).filter_map(|e| step_of(&e.path())).collect();
+        let mut steps: Vec<u64> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| step_of(&e.path()))
+            .collect();
         steps.sort_unstable();
         Ok(steps)
     }
 
     fn prune(&self) -> Result<(), CheckpointError> {
-        let Some(keep) = self.max_keep.filter(|&k| k > 0) else { return Ok(()) };
+        let Some(keep) = self.max_keep.filter(|&k| k > 0) else {
+            return Ok(());
+        };
         let steps = self.complete_steps()?;
         for step in &steps[..steps.len().saturating_sub(keep)] {
             let dir = self.step_dir(*step);
@@ -114,11 +140,16 @@ impl CheckpointManager {
     /// names if it exists, else the highest complete `global_step_N` (the tracker file may lag a
     /// crash by one checkpoint). Partial directories are never considered.
     pub fn latest(&self) -> Result<Option<(u64, PathBuf)>, CheckpointError> {
-        let recorded = fs::read_to_string(self.root.join(LATEST_FILE)).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        let recorded = fs::read_to_string(self.root.join(LATEST_FILE))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok());
         if let Some(step) = recorded.filter(|&s| self.step_dir(s).is_dir()) {
             return Ok(Some((step, self.step_dir(step))));
         }
-        Ok(self.complete_steps()?.last().map(|&s| (s, self.step_dir(s))))
+        Ok(self
+            .complete_steps()?
+            .last()
+            .map(|&s| (s, self.step_dir(s))))
     }
 
     /// Validates an explicit `resume_from_path`.
@@ -131,7 +162,9 @@ impl CheckpointManager {
 }
 
 fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    fs::File::open(dir).and_then(|f| f.sync_all()).map_err(io(dir))
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io(dir))
 }
 
 fn sync_tree(dir: &Path) -> Result<(), CheckpointError> {
@@ -140,7 +173,9 @@ fn sync_tree(dir: &Path) -> Result<(), CheckpointError> {
         if path.is_dir() {
             sync_tree(&path)?;
         } else {
-            fs::File::open(&path).and_then(|f| f.sync_all()).map_err(io(&path))?;
+            fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io(&path))?;
         }
     }
     sync_dir(dir)
@@ -166,7 +201,10 @@ mod tests {
             let dir = write_step(&manager, step);
             assert_eq!(step_of(&dir), Some(step));
         }
-        assert_eq!(fs::read_to_string(root.path().join("ckpt").join(LATEST_FILE)).unwrap(), "6");
+        assert_eq!(
+            fs::read_to_string(root.path().join("ckpt").join(LATEST_FILE)).unwrap(),
+            "6"
+        );
         assert!(!manager.step_dir(2).exists(), "oldest pruned");
         assert!(manager.step_dir(4).exists() && manager.step_dir(6).exists());
         assert_eq!(manager.latest().unwrap().unwrap().0, 6);
@@ -185,7 +223,11 @@ mod tests {
         // Killed after the rename but before the latest file was updated: the complete step 5 wins.
         write_step(&manager, 5);
         fs::write(root.path().join(LATEST_FILE), "3").unwrap();
-        assert_eq!(manager.latest().unwrap().unwrap().0, 3, "the recorded latest is honoured while it exists");
+        assert_eq!(
+            manager.latest().unwrap().unwrap().0,
+            3,
+            "the recorded latest is honoured while it exists"
+        );
         fs::remove_dir_all(manager.step_dir(3)).unwrap();
         assert_eq!(manager.latest().unwrap().unwrap().0, 5);
     }
@@ -196,7 +238,9 @@ mod tests {
         let manager = CheckpointManager::new(root.path(), None);
         let dir = write_step(&manager, 7);
         assert_eq!(CheckpointManager::resolve_path(&dir).unwrap().0, 7);
-        let err = CheckpointManager::resolve_path(root.path()).unwrap_err().to_string();
+        let err = CheckpointManager::resolve_path(root.path())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("global_step_N"), "{err}");
     }
 }

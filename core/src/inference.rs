@@ -28,7 +28,11 @@ pub fn load_tokenizer(model: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
 }
 
 pub fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> anyhow::Result<Vec<u32>> {
-    Ok(tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?.get_ids().to_vec())
+    Ok(tokenizer
+        .encode(text, false)
+        .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?
+        .get_ids()
+        .to_vec())
 }
 
 /// Generates with the rollout component `rollout` loaded from `model`.
@@ -41,18 +45,27 @@ pub fn generate(
     placement: &Placement,
     tokenizer: Option<&tokenizers::Tokenizer>,
 ) -> anyhow::Result<Vec<GeneratedText>> {
-    let mut generator = registry.resolve(ComponentKind::ROLLOUT, rollout)?.create_rollout()?;
+    let mut generator = registry
+        .resolve(ComponentKind::ROLLOUT, rollout)?
+        .create_rollout()?;
     let config = serde_json::json!({ "model": { "path": model } });
-    generator.init(&placement.init(config)).with_context(|| format!("initialising rollout `{rollout}`"))?;
+    generator
+        .init(&placement.init(config))
+        .with_context(|| format!("initialising rollout `{rollout}`"))?;
     let request = GenerateRequest::new(prompts, sampling);
-    let output = generator.generate(&request).with_context(|| format!("rollout `{rollout}`"))?;
+    let output = generator
+        .generate(&request)
+        .with_context(|| format!("rollout `{rollout}`"))?;
     output
         .completions
         .into_iter()
         .map(|c| {
             let ids = c.response_ids;
             let text = match tokenizer {
-                Some(t) => Some(t.decode(&ids, true).map_err(|e| anyhow::anyhow!("decoding: {e}"))?),
+                Some(t) => Some(
+                    t.decode(&ids, true)
+                        .map_err(|e| anyhow::anyhow!("decoding: {e}"))?,
+                ),
                 None => None,
             };
             Ok(GeneratedText {
@@ -86,7 +99,8 @@ pub fn read_score_input(path: &PathBuf) -> anyhow::Result<(Vec<Vec<u32>>, Vec<Ve
         if line.trim().is_empty() {
             continue;
         }
-        let parsed: ScoreLine = serde_json::from_str(&line).with_context(|| format!("{}:{}", path.display(), number + 1))?;
+        let parsed: ScoreLine = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}", path.display(), number + 1))?;
         if parsed.prompt_ids.is_empty() {
             bail!("{}:{}: prompt_ids is empty", path.display(), number + 1);
         }
@@ -108,12 +122,23 @@ pub fn score(
     responses: &[Vec<u32>],
     placement: &Placement,
 ) -> anyhow::Result<Vec<ScoredResponse>> {
-    let mut scorer = registry.resolve(ComponentKind::ENGINE, engine)?.create_engine()?;
+    let mut scorer = registry
+        .resolve(ComponentKind::ENGINE, engine)?
+        .create_engine()?;
     let config = serde_json::json!({ "role": "ref", "model": { "path": model } });
-    scorer.init(&placement.init(config)).with_context(|| format!("initialising engine `{engine}`"))?;
+    scorer
+        .init(&placement.init(config))
+        .with_context(|| format!("initialising engine `{engine}`"))?;
     let mut input = batch::build(prompts, responses, 0)?;
-    input.meta_json = serde_json::json!({ "temperature": 1.0, "calculate_entropy": false }).to_string().into();
-    let output = scorer.compute_log_prob(&input).with_context(|| format!("engine `{engine}`"))?;
+    input.meta_json = serde_json::json!({ "temperature": 1.0, "calculate_entropy": false })
+        .to_string()
+        .into();
+    let output = scorer
+        .compute_log_prob(&input)
+        .with_context(|| format!("engine `{engine}`"))?;
     let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
-    Ok(batch::response_values(&output, keys::LOG_PROBS, &lengths)?.into_iter().map(|logprobs| ScoredResponse { logprobs }).collect())
+    Ok(batch::response_values(&output, keys::LOG_PROBS, &lengths)?
+        .into_iter()
+        .map(|logprobs| ScoredResponse { logprobs })
+        .collect())
 }

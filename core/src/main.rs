@@ -6,8 +6,8 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use verl_core::config::{Config, PluginSections, SectionKind};
 use verl_core::data::synthetic::AdditionTask;
-use verl_core::quickstart::TinyModel;
 use verl_core::placement::{self, Placement};
+use verl_core::quickstart::TinyModel;
 use verl_core::{bench, inference, quickstart, report, sft, trainer};
 use verl_plugin_api::{ComponentKind, SamplingParams};
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
@@ -252,9 +252,15 @@ fn load_registry(args: &PluginArgs) -> anyhow::Result<Registry> {
 /// The config sections the registry's plugins declare (`config_section` of each loaded component).
 fn plugin_sections(registry: &Registry) -> PluginSections {
     let mut sections = PluginSections::new();
-    let declared = registry.plugins().iter().filter(|p| p.status.is_ok()).flat_map(|p| &p.components);
+    let declared = registry
+        .plugins()
+        .iter()
+        .filter(|p| p.status.is_ok())
+        .flat_map(|p| &p.components);
     for component in declared {
-        let Some(section) = &component.config_section else { continue };
+        let Some(section) = &component.config_section else {
+            continue;
+        };
         let kind = match component.kind {
             ComponentKind::ENGINE => SectionKind::Engine,
             ComponentKind::ROLLOUT => SectionKind::Rollout,
@@ -269,14 +275,24 @@ fn plugin_sections(registry: &Registry) -> PluginSections {
 
 /// The config from `--config` (or, for `run`, the embedded quickstart), VERL_* variables and
 /// overrides, with the sections of `registry`'s plugins.
-fn load_config(args: &RunArgs, embedded_default: bool, registry: &Registry) -> anyhow::Result<Config> {
+fn load_config(
+    args: &RunArgs,
+    embedded_default: bool,
+    registry: &Registry,
+) -> anyhow::Result<Config> {
     let sections = plugin_sections(registry);
     match (&args.config, embedded_default) {
-        (Some(path), _) => Ok(Config::from_process(Some(path), &args.overrides, &sections)?),
+        (Some(path), _) => Ok(Config::from_process(
+            Some(path),
+            &args.overrides,
+            &sections,
+        )?),
         (None, true) => {
             // figment reads files, so the embedded YAML goes through one.
-            let path = std::env::temp_dir().join(format!("verl-core-quickstart-{}.yaml", std::process::id()));
-            std::fs::write(&path, quickstart::QUICKSTART_YAML).with_context(|| format!("writing {}", path.display()))?;
+            let path = std::env::temp_dir()
+                .join(format!("verl-core-quickstart-{}.yaml", std::process::id()));
+            std::fs::write(&path, quickstart::QUICKSTART_YAML)
+                .with_context(|| format!("writing {}", path.display()))?;
             let config = Config::from_process(Some(&path), &args.overrides, &sections);
             let _ = std::fs::remove_file(&path);
             Ok(config.context("the embedded examples/quickstart.yaml")?)
@@ -288,7 +304,11 @@ fn load_config(args: &RunArgs, embedded_default: bool, registry: &Registry) -> a
 /// This process's placement for training: `trainer.device=auto` follows platform selection,
 /// anything else names a platform (or a torch device type) explicitly. The platform's
 /// environment updates are applied before any component exists.
-fn training_placement(config: &Config, registry: &Registry, timeout: Duration) -> anyhow::Result<Placement> {
+fn training_placement(
+    config: &Config,
+    registry: &Registry,
+    timeout: Duration,
+) -> anyhow::Result<Placement> {
     let wanted = config.trainer.device.trim().to_ascii_lowercase();
     if wanted.is_empty() || wanted == "auto" {
         return placement(registry, timeout, config.trainer.seed);
@@ -298,8 +318,23 @@ fn training_placement(config: &Config, registry: &Registry, timeout: Duration) -
         .devices
         .iter()
         .find(|d| d.name == wanted || d.device_type == wanted)
-        .ok_or_else(|| anyhow::anyhow!("trainer.device={wanted} names no platform; known: {}", report.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")))?;
-    anyhow::ensure!(device.available, "trainer.device={wanted}: {} is not available: {}", device.name, device.reason);
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "trainer.device={wanted} names no platform; known: {}",
+                report
+                    .devices
+                    .iter()
+                    .map(|d| d.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })?;
+    anyhow::ensure!(
+        device.available,
+        "trainer.device={wanted}: {} is not available: {}",
+        device.name,
+        device.reason
+    );
     placement::apply_env_updates(device);
     Ok(Placement::on_platform(device, config.trainer.seed)?)
 }
@@ -308,7 +343,9 @@ fn training_placement(config: &Config, registry: &Registry, timeout: Duration) -
 fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<Placement> {
     let (report, selection) = detect_platform(registry, &process_probe(), timeout);
     selection.context("selecting the device platform (see `verl-core platform`)")?;
-    let device = report.selected_device().expect("a selected platform has a report");
+    let device = report
+        .selected_device()
+        .expect("a selected platform has a report");
     placement::apply_env_updates(device);
     Ok(Placement::on_platform(device, seed)?)
 }
@@ -395,10 +432,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
-            if let (Some(first), Some(last)) = (summary.validations.first(), summary.validations.last()) {
+            if let (Some(first), Some(last)) =
+                (summary.validations.first(), summary.validations.last())
+            {
                 for (key, value) in &last.1 {
                     let before = first.1.get(key).copied().unwrap_or(f64::NAN);
-                    eprintln!("{key}: {before:.3} (step {}) -> {value:.3} (step {})", first.0, last.0);
+                    eprintln!(
+                        "{key}: {before:.3} (step {}) -> {value:.3} (step {})",
+                        first.0, last.0
+                    );
                 }
             }
             if let Some(model) = summary.final_model {
@@ -422,8 +464,24 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Data(DataCommand::Gen { output, train_size, val_size, min_digits, max_digits, operands, seed, tokenizer }) => {
-            let task = AdditionTask { min_digits, max_digits, operands, train_size, val_size, seed };
+        Command::Data(DataCommand::Gen {
+            output,
+            train_size,
+            val_size,
+            min_digits,
+            max_digits,
+            operands,
+            seed,
+            tokenizer,
+        }) => {
+            let task = AdditionTask {
+                min_digits,
+                max_digits,
+                operands,
+                train_size,
+                val_size,
+                seed,
+            };
             let (train, val) = task.write(&output)?;
             println!("{}\n{}", train.display(), val.display());
             if tokenizer {
@@ -435,16 +493,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Generate(args) => {
             let registry = load_registry(&cli.plugins)?;
             let placement = placement(&registry, timeout, args.seed)?;
-            let tokenizer = if args.prompts.is_empty() && !args.json { None } else { inference::load_tokenizer(&args.model).ok() };
+            let tokenizer = if args.prompts.is_empty() && !args.json {
+                None
+            } else {
+                inference::load_tokenizer(&args.model).ok()
+            };
             let mut prompts: Vec<Vec<u32>> = Vec::new();
             for text in &args.prompts {
-                let tokenizer = tokenizer.as_ref().ok_or_else(|| anyhow::anyhow!("--prompt needs {}/tokenizer.json", args.model.display()))?;
+                let tokenizer = tokenizer.as_ref().ok_or_else(|| {
+                    anyhow::anyhow!("--prompt needs {}/tokenizer.json", args.model.display())
+                })?;
                 prompts.push(inference::encode(tokenizer, text)?);
             }
             if !args.prompt_ids.is_empty() {
                 prompts.push(args.prompt_ids.clone());
             }
-            anyhow::ensure!(!prompts.is_empty(), "give at least one --prompt or --prompt-ids");
+            anyhow::ensure!(
+                !prompts.is_empty(),
+                "give at least one --prompt or --prompt-ids"
+            );
             let mut sampling = SamplingParams::default();
             sampling.n = args.n;
             sampling.greedy = args.temperature.is_none() || args.greedy;
@@ -453,12 +520,27 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             sampling.top_k = args.top_k.unwrap_or(-1);
             sampling.max_new_tokens = args.max_new_tokens;
             sampling.seed = Some(args.seed);
-            let results = inference::generate(&registry, &args.rollout, &args.model, prompts, sampling, &placement, tokenizer.as_ref())?;
+            let results = inference::generate(
+                &registry,
+                &args.rollout,
+                &args.model,
+                prompts,
+                sampling,
+                &placement,
+                tokenizer.as_ref(),
+            )?;
             if args.json {
                 print_json(&serde_json::json!({ "results": results }))?;
             } else {
                 for r in &results {
-                    println!("[{}] ({}) {}", r.prompt_index, r.finish_reason, r.text.clone().unwrap_or_else(|| format!("{:?}", r.response_ids)));
+                    println!(
+                        "[{}] ({}) {}",
+                        r.prompt_index,
+                        r.finish_reason,
+                        r.text
+                            .clone()
+                            .unwrap_or_else(|| format!("{:?}", r.response_ids))
+                    );
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -467,12 +549,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let placement = placement(&registry, timeout, 0)?;
             let (prompts, responses) = inference::read_score_input(&args.input)?;
-            let results = inference::score(&registry, &args.engine, &args.model, &prompts, &responses, &placement)?;
+            let results = inference::score(
+                &registry,
+                &args.engine,
+                &args.model,
+                &prompts,
+                &responses,
+                &placement,
+            )?;
             if args.json {
                 print_json(&serde_json::json!({ "results": results }))?;
             } else {
                 for (i, r) in results.iter().enumerate() {
-                    println!("[{i}] sum {:.6}  {:?}", r.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>(), r.logprobs);
+                    println!(
+                        "[{i}] sum {:.6}  {:?}",
+                        r.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>(),
+                        r.logprobs
+                    );
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -482,7 +575,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print!("{}", bench::plugins(&exe, &cli.plugins.plugin_dirs, runs)?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench(BenchCommand::Components { model, engine, rollout, hidden_size, layers, runs }) => {
+        Command::Bench(BenchCommand::Components {
+            model,
+            engine,
+            rollout,
+            hidden_size,
+            layers,
+            runs,
+        }) => {
             let registry = load_registry(&cli.plugins)?;
             let placement = placement(&registry, timeout, 0)?;
             let tiny = TinyModel {

@@ -9,7 +9,11 @@ use verl_plugin_host::DeviceReport;
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PlacementError {
     #[error("environment variable {name}={value}: {reason}")]
-    Env { name: &'static str, value: String, reason: String },
+    Env {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
 }
 
 /// The platform and rank a process computes on.
@@ -29,7 +33,14 @@ where
 {
     match env(name) {
         None => Ok(default),
-        Some(value) => value.trim().parse().map_err(|e: T::Err| PlacementError::Env { name, value, reason: e.to_string() }),
+        Some(value) => value
+            .trim()
+            .parse()
+            .map_err(|e: T::Err| PlacementError::Env {
+                name,
+                value,
+                reason: e.to_string(),
+            }),
     }
 }
 
@@ -41,17 +52,29 @@ impl Placement {
     }
 
     /// As [`Placement::on_platform`], reading variables through `env` (tests).
-    pub fn with_env(device: &DeviceReport, seed: u64, env: impl Fn(&str) -> Option<String>) -> Result<Self, PlacementError> {
+    pub fn with_env(
+        device: &DeviceReport,
+        seed: u64,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, PlacementError> {
         let world_size: u32 = env_number(&env, "WORLD_SIZE", 1)?;
         let rank: u32 = env_number(&env, "RANK", 0)?;
         let local_rank: u32 = env_number(&env, "LOCAL_RANK", 0)?;
         let local_world_size: u32 = env_number(&env, "LOCAL_WORLD_SIZE", world_size)?;
         let master_port: u16 = env_number(&env, "MASTER_PORT", 0)?;
         if world_size == 0 {
-            return Err(PlacementError::Env { name: "WORLD_SIZE", value: "0".into(), reason: "must be at least 1".into() });
+            return Err(PlacementError::Env {
+                name: "WORLD_SIZE",
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
         }
         if rank >= world_size {
-            return Err(PlacementError::Env { name: "RANK", value: rank.to_string(), reason: format!("must be below WORLD_SIZE={world_size}") });
+            return Err(PlacementError::Env {
+                name: "RANK",
+                value: rank.to_string(),
+                reason: format!("must be below WORLD_SIZE={world_size}"),
+            });
         }
         if local_rank >= local_world_size {
             return Err(PlacementError::Env {
@@ -62,7 +85,11 @@ impl Placement {
         }
         let on_cpu = device.device_type == "cpu";
         let mut run = RunContext::default();
-        run.device = if on_cpu { "cpu".to_owned() } else { format!("{}:{local_rank}", device.device_type) };
+        run.device = if on_cpu {
+            "cpu".to_owned()
+        } else {
+            format!("{}:{local_rank}", device.device_type)
+        };
         run.device_type = device.device_type.clone();
         run.device_index = (!on_cpu).then_some(local_rank);
         run.comm_backend = device.comm_backend.clone();
@@ -122,7 +149,10 @@ mod tests {
     }
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| map.get(k).cloned()
     }
 
@@ -130,25 +160,63 @@ mod tests {
     fn single_process_defaults() {
         let p = Placement::with_env(&device("cpu"), 7, env(&[])).unwrap();
         let run = p.run();
-        assert_eq!((run.rank, run.world_size, run.local_rank, run.local_world_size), (0, 1, 0, 1));
-        assert_eq!((run.device.as_str(), run.device_index, run.seed), ("cpu", None, 7));
+        assert_eq!(
+            (
+                run.rank,
+                run.world_size,
+                run.local_rank,
+                run.local_world_size
+            ),
+            (0, 1, 0, 1)
+        );
+        assert_eq!(
+            (run.device.as_str(), run.device_index, run.seed),
+            ("cpu", None, 7)
+        );
     }
 
     #[test]
     fn torchrun_variables_place_the_rank() {
-        let vars = [("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")];
+        let vars = [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
         let p = Placement::with_env(&device("cuda"), 0, env(&vars)).unwrap();
         let run = p.run();
         assert_eq!((run.rank, run.world_size, run.local_rank), (3, 4, 1));
         assert_eq!((run.device.as_str(), run.device_index), ("cuda:1", Some(1)));
-        assert_eq!((run.master_addr.as_str(), run.master_port, run.comm_backend.as_str()), ("10.0.0.1", 29500, "nccl"));
+        assert_eq!(
+            (
+                run.master_addr.as_str(),
+                run.master_port,
+                run.comm_backend.as_str()
+            ),
+            ("10.0.0.1", 29500, "nccl")
+        );
     }
 
     #[test]
     fn bad_rank_variables_are_named() {
-        let err = Placement::with_env(&device("cpu"), 0, env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
-        assert!(err.to_string().contains("RANK=2") && err.to_string().contains("WORLD_SIZE=2"), "{err}");
-        let err = Placement::with_env(&device("cpu"), 0, env(&[("MASTER_PORT", "http")])).unwrap_err();
-        assert!(err.to_string().starts_with("environment variable MASTER_PORT=http"), "{err}");
+        let err = Placement::with_env(
+            &device("cpu"),
+            0,
+            env(&[("RANK", "2"), ("WORLD_SIZE", "2")]),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("RANK=2") && err.to_string().contains("WORLD_SIZE=2"),
+            "{err}"
+        );
+        let err =
+            Placement::with_env(&device("cpu"), 0, env(&[("MASTER_PORT", "http")])).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("environment variable MASTER_PORT=http"),
+            "{err}"
+        );
     }
 }

@@ -32,7 +32,13 @@ pub struct TinyModel {
 
 impl Default for TinyModel {
     fn default() -> Self {
-        Self { hidden_size: 64, intermediate_size: 256, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2 }
+        Self {
+            hidden_size: 64,
+            intermediate_size: 256,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+        }
     }
 }
 
@@ -47,11 +53,18 @@ pub struct QuickstartConfig {
 }
 
 pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |error| TrainError::Io { path: path.to_path_buf(), error }
+    move |error| TrainError::Io {
+        path: path.to_path_buf(),
+        error,
+    }
 }
 
 fn write_json(path: &Path, value: serde_json::Value) -> Result<(), TrainError> {
-    std::fs::write(path, serde_json::to_string_pretty(&value).expect("JSON values serialise")).map_err(io(path))
+    std::fs::write(
+        path,
+        serde_json::to_string_pretty(&value).expect("JSON values serialise"),
+    )
+    .map_err(io(path))
 }
 
 /// `config.json`, `generation_config.json` and the character tokenizer of the tiny model.
@@ -80,20 +93,34 @@ pub fn write_tiny_model(dir: &Path, model: &TinyModel) -> Result<(), TrainError>
             "torch_dtype": "float32",
         }),
     )?;
-    write_json(&dir.join("generation_config.json"), json!({ "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0 }))
+    write_json(
+        &dir.join("generation_config.json"),
+        json!({ "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0 }),
+    )
 }
 
 /// Makes what the config points at and is missing: the task's parquet files, and the warmed-up
 /// model at `actor_rollout_ref.model.path` (from a random tiny model next to it).
-pub fn prepare(config: &Config, registry: &Registry, placement: &Placement) -> Result<(), TrainError> {
+pub fn prepare(
+    config: &Config,
+    registry: &Registry,
+    placement: &Placement,
+) -> Result<(), TrainError> {
     let quick = &config.quickstart;
     if !quick.enable {
         return Ok(());
     }
-    let (train, val) = match (config.data.train_files.first(), config.data.val_files.first()) {
-        (Some(t), Some(v)) => (expand_home(t), expand_home(v)),
-        _ => return Err(TrainError::Invalid("quickstart needs data.train_files and data.val_files (where to write the task)".into())),
-    };
+    let (train, val) =
+        match (
+            config.data.train_files.first(),
+            config.data.val_files.first(),
+        ) {
+            (Some(t), Some(v)) => (expand_home(t), expand_home(v)),
+            _ => return Err(TrainError::Invalid(
+                "quickstart needs data.train_files and data.val_files (where to write the task)"
+                    .into(),
+            )),
+        };
     if !train.is_file() || !val.is_file() {
         let (train_samples, val_samples) = quick.task.generate()?;
         for (path, samples) in [(&train, &train_samples), (&val, &val_samples)] {
@@ -102,11 +129,22 @@ pub fn prepare(config: &Config, registry: &Registry, placement: &Placement) -> R
             }
             crate::data::write_parquet(path, samples, "prompt")?;
         }
-        eprintln!("quickstart: wrote {} training and {} validation problems to {}", train_samples.len(), val_samples.len(), train.parent().unwrap_or(Path::new(".")).display());
+        eprintln!(
+            "quickstart: wrote {} training and {} validation problems to {}",
+            train_samples.len(),
+            val_samples.len(),
+            train.parent().unwrap_or(Path::new(".")).display()
+        );
     }
     let model_dir = expand_home(&config.actor_rollout_ref.model.path);
     if !model_dir.join("model.safetensors").is_file() {
-        let base = model_dir.with_file_name(format!("{}-base", model_dir.file_name().and_then(|n| n.to_str()).unwrap_or("model")));
+        let base = model_dir.with_file_name(format!(
+            "{}-base",
+            model_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("model")
+        ));
         std::fs::create_dir_all(&base).map_err(io(&base))?;
         write_tiny_model(&base, &quick.model)?;
         let mut sft = config.sft.clone();

@@ -35,7 +35,14 @@ pub struct SftConfig {
 
 impl Default for SftConfig {
     fn default() -> Self {
-        Self { steps: 100, batch_size: 64, lr: 1e-4, base_model: None, random_init: false, output_dir: None }
+        Self {
+            steps: 100,
+            batch_size: 64,
+            lr: 1e-4,
+            base_model: None,
+            random_init: false,
+            output_dir: None,
+        }
     }
 }
 
@@ -53,16 +60,41 @@ fn reference_answer(sample: &Sample) -> String {
 /// Supervised fine-tuning through the actor engine's `update_actor`: with `old_log_probs` equal
 /// to the current log-probs and every advantage 1, the PPO loss's gradient is the NLL's.
 /// Returns the output directory.
-pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, placement: &Placement) -> Result<PathBuf, TrainError> {
-    let base = expand_home(sft.base_model.as_deref().unwrap_or(&config.actor_rollout_ref.model.path));
-    let output = expand_home(sft.output_dir.as_deref().unwrap_or(&format!("{}/sft", config.trainer.default_local_dir)));
+pub fn run_sft(
+    config: &Config,
+    sft: &SftConfig,
+    registry: &Registry,
+    placement: &Placement,
+) -> Result<PathBuf, TrainError> {
+    let base = expand_home(
+        sft.base_model
+            .as_deref()
+            .unwrap_or(&config.actor_rollout_ref.model.path),
+    );
+    let output = expand_home(
+        sft.output_dir
+            .as_deref()
+            .unwrap_or(&format!("{}/sft", config.trainer.default_local_dir)),
+    );
     let tokenizer_json = base.join("tokenizer.json");
-    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json).map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_json.display())))?;
-    let eos = ["</s>", "<|endoftext|>", "<|im_end|>", "<eos>"].iter().find_map(|t| tokenizer.token_to_id(t));
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_json.display())))?;
+    let eos = ["</s>", "<|endoftext|>", "<|im_end|>", "<eos>"]
+        .iter()
+        .find_map(|t| tokenizer.token_to_id(t));
     let data = &config.data;
-    let processor = PromptProcessor::new(ChatTemplate::from_model_dir(&base)?, &tokenizer_json, data.max_prompt_length, true, data.truncation)?;
+    let processor = PromptProcessor::new(
+        ChatTemplate::from_model_dir(&base)?,
+        &tokenizer_json,
+        data.max_prompt_length,
+        true,
+        data.truncation,
+    )?;
     let examples: Vec<(Vec<u32>, Vec<u32>)> = processor
-        .prepare(crate::data::load_samples(&data.train_files, &data.prompt_key)?)?
+        .prepare(crate::data::load_samples(
+            &data.train_files,
+            &data.prompt_key,
+        )?)?
         .into_iter()
         .map(|(sample, prompt)| {
             let mut answer = tokenizer
@@ -76,7 +108,11 @@ pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, placement:
         })
         .collect::<Result<_, TrainError>>()?;
     if examples.len() < sft.batch_size {
-        return Err(TrainError::Invalid(format!("sft.batch_size={} but the training set has {} examples", sft.batch_size, examples.len())));
+        return Err(TrainError::Invalid(format!(
+            "sft.batch_size={} but the training set has {} examples",
+            sft.batch_size,
+            examples.len()
+        )));
     }
 
     let mut section = config.engine_json(EngineRole::Actor);
@@ -96,18 +132,42 @@ pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, placement:
     let component = registry.resolve(ComponentKind::ENGINE, name)?;
     let mut engine = component.create_engine()?;
     let run_dir = expand_home(&config.trainer.default_local_dir);
-    let run = placement.for_run(&config.trainer.project_name, &config.trainer.experiment_name, &run_dir.to_string_lossy());
+    let run = placement.for_run(
+        &config.trainer.project_name,
+        &config.trainer.experiment_name,
+        &run_dir.to_string_lossy(),
+    );
     engine
-        .init(&plugin_init(config, Slot::Engine(EngineRole::Actor), &component, section, &run))
-        .map_err(|error| TrainError::Plugin { context: format!("initialising the sft engine `{name}`"), error })?;
+        .init(&plugin_init(
+            config,
+            Slot::Engine(EngineRole::Actor),
+            &component,
+            section,
+            &run,
+        ))
+        .map_err(|error| TrainError::Plugin {
+            context: format!("initialising the sft engine `{name}`"),
+            error,
+        })?;
 
     let plugin = |context: &str| {
         let context = context.to_owned();
         move |error| TrainError::Plugin { context, error }
     };
-    let mut loader = DataLoader::new(examples.len(), sft.batch_size, true, config.trainer.seed, true);
+    let mut loader = DataLoader::new(
+        examples.len(),
+        sft.batch_size,
+        true,
+        config.trainer.seed,
+        true,
+    );
     let started = Instant::now();
-    eprintln!("sft: {} steps of {} examples from {}", sft.steps, sft.batch_size, base.display());
+    eprintln!(
+        "sft: {} steps of {} examples from {}",
+        sft.steps,
+        sft.batch_size,
+        base.display()
+    );
     for step in 1..=sft.steps {
         let indices = loop {
             if let Some(b) = loader.next_batch() {
@@ -116,19 +176,40 @@ pub fn run_sft(config: &Config, sft: &SftConfig, registry: &Registry, placement:
         };
         let prompts: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].0.clone()).collect();
         let answers: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].1.clone()).collect();
-        let mut input = batch::build(&prompts, &answers, 0).map_err(plugin("building an sft batch"))?;
-        input.meta_json = json!({ "temperature": 1.0, "global_steps": step }).to_string().into();
-        let out = engine.compute_log_prob(&input).map_err(plugin("sft log-probs"))?;
-        let log_probs = out.require(keys::LOG_PROBS).map_err(plugin("sft log-probs"))?.clone();
-        let mask_tensor = input.require(keys::RESPONSE_MASK).map_err(plugin("sft batch"))?.clone();
+        let mut input =
+            batch::build(&prompts, &answers, 0).map_err(plugin("building an sft batch"))?;
+        input.meta_json = json!({ "temperature": 1.0, "global_steps": step })
+            .to_string()
+            .into();
+        let out = engine
+            .compute_log_prob(&input)
+            .map_err(plugin("sft log-probs"))?;
+        let log_probs = out
+            .require(keys::LOG_PROBS)
+            .map_err(plugin("sft log-probs"))?
+            .clone();
+        let mask_tensor = input
+            .require(keys::RESPONSE_MASK)
+            .map_err(plugin("sft batch"))?
+            .clone();
         let mask = batch::matrix(keys::RESPONSE_MASK, &mask_tensor).map_err(plugin("sft batch"))?;
-        let nll = -masked_mean(&batch::matrix(keys::LOG_PROBS, &log_probs).map_err(plugin("sft log-probs"))?, &mask)?;
+        let nll = -masked_mean(
+            &batch::matrix(keys::LOG_PROBS, &log_probs).map_err(plugin("sft log-probs"))?,
+            &mask,
+        )?;
         input.insert(keys::OLD_LOG_PROBS, log_probs);
         input.insert(keys::ADVANTAGES, mask_tensor);
         let metrics = engine.update_actor(&input).map_err(plugin("sft update"))?;
         if step == 1 || step % 25 == 0 || step == sft.steps {
-            let grad = metrics.iter().find(|m| m.key == "actor/grad_norm").map_or(f64::NAN, |m| m.value);
-            eprintln!("sft step {step}/{}: nll {nll:.4}, grad_norm {grad:.3}, {:.1} s", sft.steps, started.elapsed().as_secs_f64());
+            let grad = metrics
+                .iter()
+                .find(|m| m.key == "actor/grad_norm")
+                .map_or(f64::NAN, |m| m.value);
+            eprintln!(
+                "sft step {step}/{}: nll {nll:.4}, grad_norm {grad:.3}, {:.1} s",
+                sft.steps,
+                started.elapsed().as_secs_f64()
+            );
         }
     }
     std::fs::create_dir_all(&output).map_err(io(&output))?;

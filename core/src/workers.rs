@@ -95,11 +95,25 @@ pub fn sync_weights(
     version: u64,
 ) -> Result<SyncStats, SyncError> {
     let views = actor.weights().map_err(SyncError::Export)?;
-    let stats = SyncStats { bytes: views.iter().map(|t| t.data.len()).sum(), tensors: views.len() };
-    let publish = |error| SyncError::Publish { backend: backend.to_owned(), error };
-    let handover = weight_sync.send_weights(&WeightSource::memory(version, &views)).map_err(publish)?;
+    let stats = SyncStats {
+        bytes: views.iter().map(|t| t.data.len()).sum(),
+        tensors: views.len(),
+    };
+    let publish = |error| SyncError::Publish {
+        backend: backend.to_owned(),
+        error,
+    };
+    let handover = weight_sync
+        .send_weights(&WeightSource::memory(version, &views))
+        .map_err(publish)?;
     let handover_json = WeightSource::encode_handover(&handover);
-    rollout.update_weights(&WeightSource::from_handover(version, &views, &handover_json)).map_err(SyncError::Update)?;
+    rollout
+        .update_weights(&WeightSource::from_handover(
+            version,
+            &views,
+            &handover_json,
+        ))
+        .map_err(SyncError::Update)?;
     drop(views);
     weight_sync.finalize().map_err(publish)?;
     Ok(stats)

@@ -65,7 +65,10 @@ impl RolloutHandle {
         done(self.0.init(encode(init).as_rstr()))
     }
     pub fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
-        decode("generate output", &done(self.0.generate(encode(request).as_rstr()))?)
+        decode(
+            "generate output",
+            &done(self.0.generate(encode(request).as_rstr()))?,
+        )
     }
     pub fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
         done(self.0.update_weights(source))

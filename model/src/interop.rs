@@ -145,7 +145,8 @@ impl LentTensors {
                 let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
                 // SAFETY: a contiguous host tensor's storage holds `len` bytes from its data
                 // pointer, and `self` keeps the tensor (and so the storage) alive.
-                let bytes = unsafe { std::slice::from_raw_parts(tensor.data_ptr().cast::<u8>(), len) };
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(tensor.data_ptr().cast::<u8>(), len) };
                 TensorRef::new(name, dtype, shape, bytes).map_err(|e| ModelError::Tensor {
                     tensor: name.clone(),
                     reason: e.to_string(),
@@ -174,16 +175,28 @@ pub fn load_views(model: &CausalLM, views: &[TensorRef<'_>]) -> Result<usize> {
             })?;
             // `TensorRef::new` checked the length; a peer could still hand a bad one.
             let numel: i64 = view.shape.iter().product();
-            if view.shape.iter().any(|&d| d < 0) || numel as usize * kind.elt_size_in_bytes() != view.data.len() {
+            if view.shape.iter().any(|&d| d < 0)
+                || numel as usize * kind.elt_size_in_bytes() != view.data.len()
+            {
                 return Err(ModelError::Tensor {
                     tensor: name.to_owned(),
-                    reason: format!("shape {:?} does not match {} bytes", view.shape.as_slice(), view.data.len()),
+                    reason: format!(
+                        "shape {:?} does not match {} bytes",
+                        view.shape.as_slice(),
+                        view.data.len()
+                    ),
                 });
             }
             // SAFETY: the blob aliases `view.data`, which outlives this function; the tensor is
             // only read (copied from) and dropped before returning.
             let tensor = unsafe {
-                Tensor::f_from_blob(view.data.as_ptr(), view.shape.as_slice(), &[], kind, Device::Cpu)
+                Tensor::f_from_blob(
+                    view.data.as_ptr(),
+                    view.shape.as_slice(),
+                    &[],
+                    kind,
+                    Device::Cpu,
+                )
             }?;
             Ok((name.to_owned(), tensor))
         })
@@ -250,7 +263,11 @@ mod tests {
         for (view, (name, param)) in views.iter().zip(&params) {
             assert_eq!(view.name.as_str(), name);
             // In place: the view is the parameter's own storage.
-            assert_eq!(view.data.as_ptr() as usize, param.data_ptr() as usize, "{name}");
+            assert_eq!(
+                view.data.as_ptr() as usize,
+                param.data_ptr() as usize,
+                "{name}"
+            );
         }
         assert_eq!(lent.staged_bytes(), 0);
 
@@ -266,11 +283,16 @@ mod tests {
         }
 
         // A strided (non-contiguous) tensor is staged once.
-        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]).tr();
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])
+            .view([2, 2])
+            .tr();
         lent.lend(vec![("t".into(), t.shallow_clone())]).unwrap();
         assert_eq!(lent.staged_bytes(), 16);
         let staged = lent.views().unwrap()[0].to_named();
-        assert_eq!(staged.tensor.to_vec::<f32>().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
+        assert_eq!(
+            staged.tensor.to_vec::<f32>().unwrap(),
+            vec![1.0, 3.0, 2.0, 4.0]
+        );
     }
 
     #[test]

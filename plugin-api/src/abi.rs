@@ -8,7 +8,9 @@ use abi_stable::std_types::{RBox, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::{StableAbi, sabi_trait};
 use serde::{Deserialize, Serialize};
 
-use crate::components::{CheckpointEngine, ComponentInit, Engine, GenerateRequest, Rollout, Table, Tracker};
+use crate::components::{
+    CheckpointEngine, ComponentInit, Engine, GenerateRequest, Rollout, Table, Tracker,
+};
 use crate::device::{Device, ProbeContext};
 use crate::error::{PluginError, guard};
 use crate::wire::{decode, encode};
@@ -109,13 +111,19 @@ impl<T: Engine> StableEngine for Guarded<T> {
         guard("compute_values", || self.0.compute_values(batch))
     }
     fn update_actor(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError> {
-        guard("update_actor", || self.0.update_actor(batch).map(RVec::from))
+        guard("update_actor", || {
+            self.0.update_actor(batch).map(RVec::from)
+        })
     }
     fn update_critic(&mut self, batch: &Batch) -> RResult<RVec<Metric>, PluginError> {
-        guard("update_critic", || self.0.update_critic(batch).map(RVec::from))
+        guard("update_critic", || {
+            self.0.update_critic(batch).map(RVec::from)
+        })
     }
     fn save_checkpoint(&mut self, dir: RStr<'_>, global_step: u64) -> RResult<(), PluginError> {
-        guard("save_checkpoint", || self.0.save_checkpoint(dir.as_str(), global_step))
+        guard("save_checkpoint", || {
+            self.0.save_checkpoint(dir.as_str(), global_step)
+        })
     }
     fn load_checkpoint(&mut self, dir: RStr<'_>) -> RResult<u64, PluginError> {
         guard("load_checkpoint", || self.0.load_checkpoint(dir.as_str()))
@@ -154,7 +162,9 @@ impl<T: CheckpointEngine> StableCheckpoint for Guarded<T> {
         guard("init", || self.0.init(&init_record(init)?))
     }
     fn send_weights(&mut self, weights: &WeightSource<'_>) -> RResult<RString, PluginError> {
-        guard("send_weights", || self.0.send_weights(weights).map(|h| encode(&h)))
+        guard("send_weights", || {
+            self.0.send_weights(weights).map(|h| encode(&h))
+        })
     }
     fn finalize(&mut self) -> RResult<(), PluginError> {
         guard("finalize", || self.0.finalize())
@@ -182,7 +192,9 @@ impl<T: Tracker> StableTracker for Guarded<T> {
 /// The five kinds of component. A newtype so kinds can be added without a layout change; a host
 /// skips components of a kind it does not know.
 #[repr(transparent)]
-#[derive(StableAbi, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    StableAbi, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord,
+)]
 #[serde(transparent)]
 pub struct ComponentKind(pub u8);
 
@@ -400,7 +412,13 @@ impl PluginBuilder {
         let ctor = Constructor::Engine(Box::new(move || {
             EngineBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
+        self.add(
+            name,
+            priority,
+            description,
+            capabilities(&T::capabilities()),
+            ctor,
+        )
     }
 
     pub fn rollout<T: Rollout>(
@@ -413,7 +431,13 @@ impl PluginBuilder {
         let ctor = Constructor::Rollout(Box::new(move || {
             RolloutBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
+        self.add(
+            name,
+            priority,
+            description,
+            capabilities(&T::capabilities()),
+            ctor,
+        )
     }
 
     pub fn checkpoint<T: CheckpointEngine>(
@@ -426,7 +450,13 @@ impl PluginBuilder {
         let ctor = Constructor::Checkpoint(Box::new(move || {
             CheckpointBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
+        self.add(
+            name,
+            priority,
+            description,
+            capabilities(&T::capabilities()),
+            ctor,
+        )
     }
 
     pub fn tracker<T: Tracker>(
@@ -439,7 +469,13 @@ impl PluginBuilder {
         let ctor = Constructor::Tracker(Box::new(move || {
             TrackerBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
         }));
-        self.add(name, priority, description, capabilities(&T::capabilities()), ctor)
+        self.add(
+            name,
+            priority,
+            description,
+            capabilities(&T::capabilities()),
+            ctor,
+        )
     }
 
     pub fn into_manifest(self) -> PluginManifest {
@@ -447,7 +483,11 @@ impl PluginBuilder {
             name: self.name.clone(),
             version: self.version,
             description: self.description,
-            components: self.components.iter().map(|(meta, _)| meta.clone()).collect(),
+            components: self
+                .components
+                .iter()
+                .map(|(meta, _)| meta.clone())
+                .collect(),
         };
         let factory = Factory {
             plugin: self.name,

@@ -97,8 +97,15 @@ impl ComponentInit {
 
     /// The whole config as the plugin-owned section, parsed strictly (unknown keys rejected with
     /// path, origin and the nearest valid key); `default_path` names it when the host sent no path.
-    pub fn section<T: DeserializeOwned + Serialize>(&self, default_path: &str) -> Result<T, PluginError> {
-        let path = if self.section_path.is_empty() { default_path } else { &self.section_path };
+    pub fn section<T: DeserializeOwned + Serialize>(
+        &self,
+        default_path: &str,
+    ) -> Result<T, PluginError> {
+        let path = if self.section_path.is_empty() {
+            default_path
+        } else {
+            &self.section_path
+        };
         crate::config::parse_section(path, &self.config.to_string(), &self.origins_json())
     }
 

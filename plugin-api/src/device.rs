@@ -123,7 +123,10 @@ impl DeviceInfo {
         }
     }
 
-    pub fn visible_devices_env<S: Into<String>>(mut self, vars: impl IntoIterator<Item = S>) -> Self {
+    pub fn visible_devices_env<S: Into<String>>(
+        mut self,
+        vars: impl IntoIterator<Item = S>,
+    ) -> Self {
         self.visible_devices_env = vars.into_iter().map(Into::into).collect();
         self
     }

@@ -199,10 +199,15 @@ pub struct TensorRef<'a> {
 
 impl<'a> TensorRef<'a> {
     /// A view; fails when `data` is not exactly `shape` × the dtype's size.
-    pub fn new(name: &'a str, dtype: DType, shape: &'a [i64], data: &'a [u8]) -> Result<Self, PluginError> {
-        let width = dtype
-            .size()
-            .ok_or_else(|| PluginError::other(format!("tensor `{name}`: unknown dtype code {}", dtype.0)))?;
+    pub fn new(
+        name: &'a str,
+        dtype: DType,
+        shape: &'a [i64],
+        data: &'a [u8],
+    ) -> Result<Self, PluginError> {
+        let width = dtype.size().ok_or_else(|| {
+            PluginError::other(format!("tensor `{name}`: unknown dtype code {}", dtype.0))
+        })?;
         let bytes = numel(shape)?.checked_mul(width);
         if bytes != Some(data.len()) {
             return Err(PluginError::other(format!(
@@ -271,13 +276,21 @@ impl<'a> WeightSource<'a> {
 
     /// What a weight sync published; `handover_json` is [`WeightSource::encode_handover`]'s text.
     /// Memory handovers keep `tensors`; the others carry none.
-    pub fn from_handover(version: u64, tensors: &'a [TensorRef<'a>], handover_json: &'a str) -> Self {
+    pub fn from_handover(
+        version: u64,
+        tensors: &'a [TensorRef<'a>],
+        handover_json: &'a str,
+    ) -> Self {
         let memory = handover_json.is_empty()
             || wire::decode::<Handover>("handover", handover_json)
                 .is_ok_and(|h| h.kind == WeightSourceKind::Memory);
         Self {
             version,
-            tensors: if memory { tensors.into() } else { RSlice::default() },
+            tensors: if memory {
+                tensors.into()
+            } else {
+                RSlice::default()
+            },
             handover: handover_json.into(),
         }
     }

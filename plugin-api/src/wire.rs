@@ -25,8 +25,11 @@ pub fn encode<T: Serialize>(record: &T) -> RString {
 
 /// A record from JSON text; `what` names it in the error (a peer sent something unreadable).
 pub fn decode<T: DeserializeOwned>(what: &str, text: &str) -> Result<T, PluginError> {
-    serde_json::from_str(text)
-        .map_err(|e| PluginError::other(format!("unreadable {what} record across the plugin boundary: {e}")))
+    serde_json::from_str(text).map_err(|e| {
+        PluginError::other(format!(
+            "unreadable {what} record across the plugin boundary: {e}"
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -50,16 +53,28 @@ mod tests {
 
     impl Default for New {
         fn default() -> Self {
-            Self { a: 0, b: "fallback".into() }
+            Self {
+                a: 0,
+                b: "fallback".into(),
+            }
         }
     }
 
     #[test]
     fn records_grow_in_both_directions() {
-        let from_new = encode(&New { a: 3, b: "x".into() });
+        let from_new = encode(&New {
+            a: 3,
+            b: "x".into(),
+        });
         assert_eq!(decode::<Old>("t", &from_new).unwrap(), Old { a: 3 });
         let from_old = encode(&Old { a: 4 });
-        assert_eq!(decode::<New>("t", &from_old).unwrap(), New { a: 4, b: "fallback".into() });
+        assert_eq!(
+            decode::<New>("t", &from_old).unwrap(),
+            New {
+                a: 4,
+                b: "fallback".into()
+            }
+        );
         let err = decode::<Old>("sampling", "\"text\"").unwrap_err();
         assert!(err.message().contains("sampling record"), "{err}");
     }

@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 
 use verl_plugin_api::{ComponentKind, Detection, DeviceInfo, PluginError, ProbeContext};
 use verl_plugin_host::{
-    DeviceHandle,
-    Component, DEFAULT_DETECT_TIMEOUT, DeviceReport, LoadError, PlatformError, PlatformReport,
-    PluginRecord, Registry, detect_platform,
+    Component, DEFAULT_DETECT_TIMEOUT, DeviceHandle, DeviceReport, LoadError, PlatformError,
+    PlatformReport, PluginRecord, Registry, detect_platform,
 };
 
 use crate::FakeRoot;

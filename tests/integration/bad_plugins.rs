@@ -117,13 +117,26 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
 fn a_plugin_loads_into_a_host_whose_records_grew() {
     let plugin = fixture_plugin(&["echo-rollout"], None);
     let host = grown_host("2.1.0");
-    let out = std::process::Command::new(&host).arg(&plugin).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(&host)
+        .arg(&plugin)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!((report["host_api"].as_str(), report["plugin_api"].as_str()), (Some("2.1.0"), Some(API_VERSION)));
+    assert_eq!(
+        (report["host_api"].as_str(), report["plugin_api"].as_str()),
+        (Some("2.1.0"), Some(API_VERSION))
+    );
     let completions = report["completions"].as_array().unwrap();
     // Two prompts, n = 2; each reports [n, max_new_tokens, rank, world_size, seed].
-    let prompts: Vec<u64> = completions.iter().map(|c| c["prompt_index"].as_u64().unwrap()).collect();
+    let prompts: Vec<u64> = completions
+        .iter()
+        .map(|c| c["prompt_index"].as_u64().unwrap())
+        .collect();
     assert_eq!(prompts, [0, 0, 1, 1]);
     for c in completions {
         assert_eq!(c["ids"], serde_json::json!([2, 7, 2, 4, 9]));

@@ -7,22 +7,41 @@ use crate::helpers::*;
 
 fn compute_plugins() -> tempfile::TempDir {
     plugin_dir(&[
-        ("libverl_plugin_native.so", &bundled_plugin("verl_plugin_native")),
-        ("libverl_plugin_fsdp.so", &bundled_plugin("verl_plugin_fsdp")),
+        (
+            "libverl_plugin_native.so",
+            &bundled_plugin("verl_plugin_native"),
+        ),
+        (
+            "libverl_plugin_fsdp.so",
+            &bundled_plugin("verl_plugin_fsdp"),
+        ),
     ])
 }
 
 fn expected(model: &str) -> Value {
-    let path = workspace_root().join("model/fixtures").join(model).join("expected.json");
+    let path = workspace_root()
+        .join("model/fixtures")
+        .join(model)
+        .join("expected.json");
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
 fn ids(value: &Value) -> Vec<u64> {
-    value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect()
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
 }
 
 fn floats(value: &Value) -> Vec<f64> {
-    value.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
 }
 
 #[test]
@@ -32,7 +51,10 @@ fn greedy_generation_matches_transformers() {
         let reference = expected(model);
         let model_dir = workspace_root().join("model/fixtures").join(model);
         for case in reference["greedy"].as_array().unwrap() {
-            let prompt: Vec<String> = ids(&case["prompt_ids"]).iter().map(u64::to_string).collect();
+            let prompt: Vec<String> = ids(&case["prompt_ids"])
+                .iter()
+                .map(u64::to_string)
+                .collect();
             let out = verl_core(
                 &[
                     "generate",
@@ -48,11 +70,25 @@ fn greedy_generation_matches_transformers() {
                 ],
                 &[],
             );
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             let result = &stdout_json(&out)["results"][0];
-            assert_eq!(ids(&result["response_ids"]), ids(&case["response_ids"]), "{model}: greedy continuation differs");
-            for (ours, theirs) in floats(&result["logprobs"]).iter().zip(floats(&case["logprobs"])) {
-                assert!((ours - theirs).abs() < 1e-5, "{model}: logprob {ours} vs transformers {theirs}");
+            assert_eq!(
+                ids(&result["response_ids"]),
+                ids(&case["response_ids"]),
+                "{model}: greedy continuation differs"
+            );
+            for (ours, theirs) in floats(&result["logprobs"])
+                .iter()
+                .zip(floats(&case["logprobs"]))
+            {
+                assert!(
+                    (ours - theirs).abs() < 1e-5,
+                    "{model}: logprob {ours} vs transformers {theirs}"
+                );
             }
         }
     }
@@ -67,15 +103,31 @@ fn scoring_matches_transformers_log_probs() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| serde_json::json!({"prompt_ids": c["prompt_ids"], "response_ids": c["response_ids"]}).to_string())
+        .map(|c| {
+            serde_json::json!({"prompt_ids": c["prompt_ids"], "response_ids": c["response_ids"]})
+                .to_string()
+        })
         .collect();
     std::fs::write(input.path(), lines.join("\n")).unwrap();
     let model_dir = workspace_root().join("model/fixtures/tiny-llama");
     let out = verl_core(
-        &["score", "--json", "--plugin-dir", plugins.path().to_str().unwrap(), "--model", model_dir.to_str().unwrap(), "--input", input.path().to_str().unwrap()],
+        &[
+            "score",
+            "--json",
+            "--plugin-dir",
+            plugins.path().to_str().unwrap(),
+            "--model",
+            model_dir.to_str().unwrap(),
+            "--input",
+            input.path().to_str().unwrap(),
+        ],
         &[],
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let results = stdout_json(&out)["results"].as_array().unwrap().clone();
     assert_eq!(results.len(), lines.len());
     for (result, case) in results.iter().zip(reference["greedy"].as_array().unwrap()) {
@@ -88,10 +140,22 @@ fn scoring_matches_transformers_log_probs() {
     // A malformed line names the file and line.
     std::fs::write(input.path(), "{\"prompt_ids\": [1]}\n").unwrap();
     let out = verl_core(
-        &["score", "--plugin-dir", plugins.path().to_str().unwrap(), "--model", model_dir.to_str().unwrap(), "--input", input.path().to_str().unwrap()],
+        &[
+            "score",
+            "--plugin-dir",
+            plugins.path().to_str().unwrap(),
+            "--model",
+            model_dir.to_str().unwrap(),
+            "--input",
+            input.path().to_str().unwrap(),
+        ],
         &[],
     );
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains(&format!("{}:1", input.path().display())) && stderr.contains("response_ids"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{}:1", input.path().display()))
+            && stderr.contains("response_ids"),
+        "{stderr}"
+    );
 }

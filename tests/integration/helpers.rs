@@ -52,7 +52,8 @@ pub fn release() -> &'static Release {
     static RELEASE: OnceLock<Release> = OnceLock::new();
     RELEASE.get_or_init(|| {
         let mut cmd = cargo();
-        cmd.current_dir(workspace_root()).args(["build", "--release", "-p", "verl-core"]);
+        cmd.current_dir(workspace_root())
+            .args(["build", "--release", "-p", "verl-core"]);
         for plugin in ["rocm", "ascend", "fsdp", "native", "trackers"] {
             cmd.args(["-p", &format!("verl-plugin-{plugin}")]);
         }
@@ -83,10 +84,16 @@ pub struct Api<'a> {
 
 impl<'a> Api<'a> {
     pub fn at(version: &'a str) -> Self {
-        Self { version, grown: false }
+        Self {
+            version,
+            grown: false,
+        }
     }
     pub fn grown(version: &'a str) -> Self {
-        Self { version, grown: true }
+        Self {
+            version,
+            grown: true,
+        }
     }
     fn key(&self) -> String {
         format!("{}{}", self.version, if self.grown { "-grown" } else { "" })
@@ -141,7 +148,10 @@ pub const API_VERSION: &str = "2.0.0";
 fn versioned_fixture(fixture: &Path, name: &str, api: Api<'_>) -> PathBuf {
     let base = target_dir().join("fixture-api").join(api.key());
     let api_dir = base.join("plugin-api");
-    copy_dir(&workspace_root().join("plugin-api/src"), &api_dir.join("src"));
+    copy_dir(
+        &workspace_root().join("plugin-api/src"),
+        &api_dir.join("src"),
+    );
     if api.grown {
         grow(&api_dir.join("src/components.rs"));
     }
@@ -175,15 +185,37 @@ fn versioned_fixture(fixture: &Path, name: &str, api: Api<'_>) -> PathBuf {
 fn grow(components: &Path) {
     let mut text = std::fs::read_to_string(components).unwrap();
     let edits = [
-        ("    pub seed: u64,\n}", "    pub seed: u64,\n    pub numa_node: Option<u32>,\n}"),
-        ("            seed: 0,\n        }", "            seed: 0,\n            numa_node: None,\n        }"),
-        ("    pub seed: Option<u64>,\n}", "    pub seed: Option<u64>,\n    pub min_p: f32,\n}"),
-        ("            seed: None,\n        }", "            seed: None,\n            min_p: 0.0,\n        }"),
-        ("    pub finish_reason: FinishReason,\n}", "    pub finish_reason: FinishReason,\n    pub routed_experts: Vec<u32>,\n}"),
-        ("            finish_reason,\n        }", "            finish_reason,\n            routed_experts: Vec::new(),\n        }"),
+        (
+            "    pub seed: u64,\n}",
+            "    pub seed: u64,\n    pub numa_node: Option<u32>,\n}",
+        ),
+        (
+            "            seed: 0,\n        }",
+            "            seed: 0,\n            numa_node: None,\n        }",
+        ),
+        (
+            "    pub seed: Option<u64>,\n}",
+            "    pub seed: Option<u64>,\n    pub min_p: f32,\n}",
+        ),
+        (
+            "            seed: None,\n        }",
+            "            seed: None,\n            min_p: 0.0,\n        }",
+        ),
+        (
+            "    pub finish_reason: FinishReason,\n}",
+            "    pub finish_reason: FinishReason,\n    pub routed_experts: Vec<u32>,\n}",
+        ),
+        (
+            "            finish_reason,\n        }",
+            "            finish_reason,\n            routed_experts: Vec::new(),\n        }",
+        ),
     ];
     for (anchor, grown) in edits {
-        assert_eq!(text.matches(anchor).count(), 1, "growing plugin-api: `{anchor}` must occur once in components.rs");
+        assert_eq!(
+            text.matches(anchor).count(),
+            1,
+            "growing plugin-api: `{anchor}` must occur once in components.rs"
+        );
         text = text.replace(anchor, grown);
     }
     std::fs::write(components, text).unwrap();

@@ -16,9 +16,18 @@ fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
     static SHARED: OnceLock<(tempfile::TempDir, tempfile::TempDir)> = OnceLock::new();
     SHARED.get_or_init(|| {
         let plugins = plugin_dir(&[
-            ("libverl_plugin_native.so", &bundled_plugin("verl_plugin_native")),
-            ("libverl_plugin_fsdp.so", &bundled_plugin("verl_plugin_fsdp")),
-            ("libverl_plugin_trackers.so", &bundled_plugin("verl_plugin_trackers")),
+            (
+                "libverl_plugin_native.so",
+                &bundled_plugin("verl_plugin_native"),
+            ),
+            (
+                "libverl_plugin_fsdp.so",
+                &bundled_plugin("verl_plugin_fsdp"),
+            ),
+            (
+                "libverl_plugin_trackers.so",
+                &bundled_plugin("verl_plugin_trackers"),
+            ),
         ]);
         let work = tempfile::tempdir().unwrap();
         (plugins, work)
@@ -33,7 +42,10 @@ fn args(run_dir: &Path, steps: u64, save_freq: u64) -> Vec<String> {
         plugins.path().display().to_string(),
         "run".into(),
         "--config".into(),
-        workspace_root().join("examples/quickstart.yaml").display().to_string(),
+        workspace_root()
+            .join("examples/quickstart.yaml")
+            .display()
+            .to_string(),
     ];
     args.extend(
         [
@@ -67,7 +79,11 @@ fn run(run_dir: &Path, steps: u64, save_freq: u64) -> Output {
     let args = args(run_dir, steps, save_freq);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = verl_core(&args, &[]);
-    assert!(out.status.success(), "run failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "run failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
@@ -78,7 +94,9 @@ fn metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
     let mut by_step: BTreeMap<u64, BTreeMap<String, Value>> = BTreeMap::new();
     for line in text.lines() {
         let record: Value = serde_json::from_str(line).unwrap();
-        let Some(data) = record["data"].as_object() else { continue };
+        let Some(data) = record["data"].as_object() else {
+            continue;
+        };
         let entry = by_step.entry(record["step"].as_u64().unwrap()).or_default();
         for (k, v) in data {
             if !k.starts_with("timing_s/") && !k.starts_with("perf/") {
@@ -110,10 +128,17 @@ fn reference() -> &'static PathBuf {
 fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
     let run_dir = reference();
     let by_step = metrics(run_dir);
-    assert_eq!(by_step.keys().copied().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5, 6]);
+    assert_eq!(
+        by_step.keys().copied().collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4, 5, 6]
+    );
     let val_key = "val-core/verl-core/addition/reward/mean@1";
     for step in [0, 2, 4, 6] {
-        assert!(by_step[&step][val_key].is_f64(), "validation at step {step}: {:?}", by_step[&step]);
+        assert!(
+            by_step[&step][val_key].is_f64(),
+            "validation at step {step}: {:?}",
+            by_step[&step]
+        );
     }
     for step in 1..=6 {
         let m = &by_step[&step];
@@ -130,7 +155,10 @@ fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
             "prompt_length/mean",
             "training/global_step",
         ] {
-            let value = m.get(key).and_then(Value::as_f64).unwrap_or_else(|| panic!("step {step}: `{key}` missing or not finite in {m:?}"));
+            let value = m
+                .get(key)
+                .and_then(Value::as_f64)
+                .unwrap_or_else(|| panic!("step {step}: `{key}` missing or not finite in {m:?}"));
             assert!(value.is_finite());
         }
         assert_eq!(m["training/global_step"], step as f64);
@@ -139,14 +167,25 @@ fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
     assert!(text.contains("\"timing_s/gen\"") && text.contains("\"perf/throughput\""));
     for step in [2, 4, 6] {
         let dir = run_dir.join(format!("global_step_{step}"));
-        assert!(dir.join("actor").is_dir() && dir.join("trainer_state.json").is_file(), "{}", dir.display());
+        assert!(
+            dir.join("actor").is_dir() && dir.join("trainer_state.json").is_file(),
+            "{}",
+            dir.display()
+        );
     }
-    assert_eq!(std::fs::read_to_string(run_dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "6");
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join("latest_checkpointed_iteration.txt"))
+            .unwrap()
+            .trim(),
+        "6"
+    );
     assert!(run_dir.join("huggingface/config.json").is_file());
     // The tracker plugin was driven by the run too (its own tests read the files back with
     // TensorBoard).
     let events = run_dir.join("tensorboard/verl-core-quickstart/grpo-addition");
-    let files: Vec<_> = std::fs::read_dir(&events).unwrap_or_else(|e| panic!("{}: {e}", events.display())).collect();
+    let files: Vec<_> = std::fs::read_dir(&events)
+        .unwrap_or_else(|e| panic!("{}: {e}", events.display()))
+        .collect();
     assert_eq!(files.len(), 1, "one tfevents file in {}", events.display());
     assert!(files[0].as_ref().unwrap().metadata().unwrap().len() > 1000);
 }
@@ -160,10 +199,21 @@ fn a_resumed_run_matches_the_uninterrupted_one() {
     run(&run_dir, 6, 2);
     let (ours, theirs) = (metrics(&run_dir), metrics(reference()));
     for step in 3..=6 {
-        let differing: Vec<&String> = ours[&step].keys().filter(|k| ours[&step].get(*k) != theirs[&step].get(*k)).collect();
-        assert!(differing.is_empty(), "step {step} differs after resume in {differing:?}:\n{:?}\n{:?}", ours[&step], theirs[&step]);
+        let differing: Vec<&String> = ours[&step]
+            .keys()
+            .filter(|k| ours[&step].get(*k) != theirs[&step].get(*k))
+            .collect();
+        assert!(
+            differing.is_empty(),
+            "step {step} differs after resume in {differing:?}:\n{:?}\n{:?}",
+            ours[&step],
+            theirs[&step]
+        );
     }
-    assert!(final_weights(&run_dir) == final_weights(reference()), "final weights differ after resume");
+    assert!(
+        final_weights(&run_dir) == final_weights(reference()),
+        "final weights differ after resume"
+    );
 }
 
 #[test]
@@ -188,19 +238,29 @@ fn sigkill_during_training_then_auto_resume_completes_identically() {
         if logged.contains("\"training/global_step\":2") {
             break;
         }
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
         assert!(Instant::now() < deadline, "step 2 never logged");
         std::thread::sleep(Duration::from_millis(20));
     }
     child.kill().unwrap(); // SIGKILL
     let status = child.wait().unwrap();
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(9), "the run finished before the kill landed ({status}); the test proves nothing");
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the run finished before the kill landed ({status}); the test proves nothing"
+    );
     assert!(!run_dir.join("huggingface").exists());
     run(&run_dir, 6, 1);
     let (ours, theirs) = (metrics(&run_dir), metrics(reference()));
     assert_eq!(ours[&6], theirs[&6]);
-    assert!(final_weights(&run_dir) == final_weights(reference()), "final weights differ after kill + resume");
+    assert!(
+        final_weights(&run_dir) == final_weights(reference()),
+        "final weights differ after kill + resume"
+    );
 }
 
 #[test]
@@ -210,11 +270,28 @@ fn every_example_config_is_valid() {
     for entry in std::fs::read_dir(&examples).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "yaml") {
-            let out = verl_core(&["config", "show", "--json", "--config", path.to_str().unwrap()], &[]);
-            assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+            let out = verl_core(
+                &[
+                    "config",
+                    "show",
+                    "--json",
+                    "--config",
+                    path.to_str().unwrap(),
+                ],
+                &[],
+            );
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
             assert!(stdout_json(&out)["trainer"]["project_name"].is_string());
             checked += 1;
         }
     }
-    assert!(checked >= 3, "examples/quickstart.yaml, gsm8k_grpo.yaml and ppo_gae.yaml at least");
+    assert!(
+        checked >= 3,
+        "examples/quickstart.yaml, gsm8k_grpo.yaml and ppo_gae.yaml at least"
+    );
 }

@@ -37,7 +37,10 @@ impl ConsoleTracker {
 /// `0.4375` → "0.438", `12345.6` → "1.23e4": short but never misleading.
 fn short(value: f64) -> String {
     if value == 0.0 || (1e-3..1e4).contains(&value.abs()) {
-        format!("{value:.3}").trim_end_matches('0').trim_end_matches('.').to_owned()
+        format!("{value:.3}")
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_owned()
     } else {
         format!("{value:.2e}")
     }
@@ -46,18 +49,32 @@ fn short(value: f64) -> String {
 pub fn headline(step: u64, metrics: &[Metric]) -> String {
     let find = |key: &str| metrics.iter().find(|m| m.key == key).map(|m| m.value);
     let mut parts = vec![format!("step {step}")];
-    parts.extend(HEADLINE.iter().filter_map(|(key, label)| find(key).map(|v| format!("{label} {}", short(v)))));
-    parts.extend(metrics.iter().filter(|m| m.key.starts_with("val-core/")).map(|m| format!("{} {}", m.key, short(m.value))));
+    parts.extend(
+        HEADLINE
+            .iter()
+            .filter_map(|(key, label)| find(key).map(|v| format!("{label} {}", short(v)))),
+    );
+    parts.extend(
+        metrics
+            .iter()
+            .filter(|m| m.key.starts_with("val-core/"))
+            .map(|m| format!("{} {}", m.key, short(m.value))),
+    );
     parts.join(" │ ")
 }
 
 impl Tracker for ConsoleTracker {
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
-        let total = init.config.pointer("/trainer/total_training_steps").and_then(serde_json::Value::as_u64);
+        let total = init
+            .config
+            .pointer("/trainer/total_training_steps")
+            .and_then(serde_json::Value::as_u64);
         let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr());
         bar.set_style(
-            ProgressStyle::with_template("{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}")
-                .map_err(|e| PluginError::other(e.to_string()))?,
+            ProgressStyle::with_template(
+                "{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+            )
+            .map_err(|e| PluginError::other(e.to_string()))?,
         );
         self.bar = Some(bar);
         self.started = Some(Instant::now());
@@ -66,7 +83,10 @@ impl Tracker for ConsoleTracker {
 
     fn log(&mut self, step: u64, metrics: &[Metric]) -> Result<(), PluginError> {
         if tracing::enabled!(tracing::Level::DEBUG) {
-            let all: Vec<String> = metrics.iter().map(|m| format!("{}:{}", m.key, m.value)).collect();
+            let all: Vec<String> = metrics
+                .iter()
+                .map(|m| format!("{}:{}", m.key, m.value))
+                .collect();
             tracing::debug!("step:{step} - {}", all.join(" - "));
         }
         self.println(headline(step, metrics));
@@ -77,10 +97,17 @@ impl Tracker for ConsoleTracker {
     }
 
     fn log_table(&mut self, step: u64, table: &Table) -> Result<(), PluginError> {
-        self.println(format!("step {step} │ {} ({} rows)", table.name, table.rows.len()));
+        self.println(format!(
+            "step {step} │ {} ({} rows)",
+            table.name,
+            table.rows.len()
+        ));
         if let Some(row) = table.rows.first() {
             for (column, cell) in table.columns.iter().zip(row.iter()) {
-                self.println(format!("    {column}: {}", cell.as_str().replace('\n', "⏎")));
+                self.println(format!(
+                    "    {column}: {}",
+                    cell.as_str().replace('\n', "⏎")
+                ));
             }
         }
         Ok(())
@@ -90,7 +117,10 @@ impl Tracker for ConsoleTracker {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
-        let elapsed = self.started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        let elapsed = self
+            .started
+            .map(|t| t.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
         let outcome = if exit_code == 0 { "finished" } else { "failed" };
         eprintln!("run {outcome} after {elapsed:.1} s");
         Ok(())

@@ -19,9 +19,14 @@ pub struct FileTracker {
 impl FileTracker {
     fn write_line(&mut self, value: &serde_json::Value) -> Result<(), PluginError> {
         let path = self.path.display().to_string();
-        let out = self.out.as_mut().ok_or_else(|| PluginError::other("file tracker used before init"))?;
+        let out = self
+            .out
+            .as_mut()
+            .ok_or_else(|| PluginError::other("file tracker used before init"))?;
         serde_json::to_writer(&mut *out, value)?;
-        out.write_all(b"\n").and_then(|()| out.flush()).map_err(|e| PluginError::other(format!("{path}: {e}")))
+        out.write_all(b"\n")
+            .and_then(|()| out.flush())
+            .map_err(|e| PluginError::other(format!("{path}: {e}")))
     }
 }
 
@@ -32,7 +37,8 @@ impl Tracker for FileTracker {
             _ => PathBuf::from(init.run.run_dir.as_str()).join("metrics.jsonl"),
         };
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| PluginError::other(format!("{}: {e}", dir.display())))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| PluginError::other(format!("{}: {e}", dir.display())))?;
         }
         let file = OpenOptions::new()
             .create(true)
@@ -45,21 +51,30 @@ impl Tracker for FileTracker {
     }
 
     fn log(&mut self, step: u64, metrics: &[Metric]) -> Result<(), PluginError> {
-        let data: serde_json::Map<String, serde_json::Value> = metrics.iter().map(|m| (m.key.to_string(), serde_json::json!(m.value))).collect();
+        let data: serde_json::Map<String, serde_json::Value> = metrics
+            .iter()
+            .map(|m| (m.key.to_string(), serde_json::json!(m.value)))
+            .collect();
         self.write_line(&serde_json::json!({ "step": step, "data": data }))
     }
 
     /// Tables go to the same file as `{"step", "table": {"name", "columns", "rows"}}` lines, which
     /// readers of `data` skip.
     fn log_table(&mut self, step: u64, table: &Table) -> Result<(), PluginError> {
-        let rows: Vec<Vec<&str>> = table.rows.iter().map(|r| r.iter().map(|c| c.as_str()).collect()).collect();
+        let rows: Vec<Vec<&str>> = table
+            .rows
+            .iter()
+            .map(|r| r.iter().map(|c| c.as_str()).collect())
+            .collect();
         let columns: Vec<&str> = table.columns.iter().map(|c| c.as_str()).collect();
         self.write_line(&serde_json::json!({ "step": step, "table": { "name": table.name.as_str(), "columns": columns, "rows": rows } }))
     }
 
     fn finish(&mut self, _exit_code: i32) -> Result<(), PluginError> {
         match self.out.take() {
-            Some(mut out) => out.flush().map_err(|e| PluginError::other(format!("{}: {e}", self.path.display()))),
+            Some(mut out) => out
+                .flush()
+                .map_err(|e| PluginError::other(format!("{}: {e}", self.path.display()))),
             None => Ok(()),
         }
     }
@@ -76,14 +91,31 @@ mod tests {
         let mut init = ComponentInit::default();
         init.run.run_dir = dir.path().to_string_lossy().into_owned();
         tracker.init(&init).unwrap();
-        tracker.log(1, &[Metric::new("actor/pg_loss", 0.5), Metric::new("x", f64::NAN)]).unwrap();
+        tracker
+            .log(
+                1,
+                &[
+                    Metric::new("actor/pg_loss", 0.5),
+                    Metric::new("x", f64::NAN),
+                ],
+            )
+            .unwrap();
         // Flushed before finish: a crash loses nothing already logged.
         let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
-        assert_eq!(text, "{\"data\":{\"actor/pg_loss\":0.5,\"x\":null},\"step\":1}\n");
-        tracker.log(2, &[Metric::new("actor/pg_loss", 0.25)]).unwrap();
+        assert_eq!(
+            text,
+            "{\"data\":{\"actor/pg_loss\":0.5,\"x\":null},\"step\":1}\n"
+        );
+        tracker
+            .log(2, &[Metric::new("actor/pg_loss", 0.25)])
+            .unwrap();
         tracker.finish(0).unwrap();
         let lines: Vec<serde_json::Value> =
-            std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
         assert_eq!(lines[1]["step"], 2);
         assert_eq!(lines[1]["data"]["actor/pg_loss"], 0.25);
     }

@@ -13,12 +13,36 @@ pub use file_logger::{FILE_LOGGER_PATH_ENV, FileTracker};
 pub use weight_sync::{DiskWeightSync, NaiveWeightSync};
 
 fn builtin_components() -> PluginBuilder {
-    PluginBuilder::new("verl-core-trainer", env!("CARGO_PKG_VERSION"), "trackers and weight sync built into verl-core")
-        .tracker("console", 0, "compact metric table per step and a progress bar on stderr", ConsoleTracker::default)
-        .tracker("file", 0, "JSONL, one {\"step\", \"data\"} object per step (verl's file logger)", FileTracker::default)
-        .checkpoint("naive", 0, "hands weights over in memory (trainer and rollout in one process)", NaiveWeightSync::default)
-        .checkpoint("disk", 0, "hands the rollout a directory of safetensors files", DiskWeightSync::default)
-        .config_section("disk")
+    PluginBuilder::new(
+        "verl-core-trainer",
+        env!("CARGO_PKG_VERSION"),
+        "trackers and weight sync built into verl-core",
+    )
+    .tracker(
+        "console",
+        0,
+        "compact metric table per step and a progress bar on stderr",
+        ConsoleTracker::default,
+    )
+    .tracker(
+        "file",
+        0,
+        "JSONL, one {\"step\", \"data\"} object per step (verl's file logger)",
+        FileTracker::default,
+    )
+    .checkpoint(
+        "naive",
+        0,
+        "hands weights over in memory (trainer and rollout in one process)",
+        NaiveWeightSync::default,
+    )
+    .checkpoint(
+        "disk",
+        0,
+        "hands the rollout a directory of safetensors files",
+        DiskWeightSync::default,
+    )
+    .config_section("disk")
 }
 
 inventory::submit! { BuiltinPlugin(builtin_components) }

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use verl_plugin_api::{
-    CheckpointCapabilities, CheckpointEngine, ComponentInit, DType, Handover, PluginError, WeightSource,
-    WeightSourceKind,
+    CheckpointCapabilities, CheckpointEngine, ComponentInit, DType, Handover, PluginError,
+    WeightSource, WeightSourceKind,
 };
 
 #[derive(Default)]
@@ -59,12 +59,22 @@ fn to_safetensors_dtype(dtype: DType) -> Result<Dtype, PluginError> {
         DType::I32 => Dtype::I32,
         DType::U8 => Dtype::U8,
         DType::BOOL => Dtype::BOOL,
-        other => return Err(PluginError::other(format!("disk weight sync: unsupported dtype code {}", other.0))),
+        other => {
+            return Err(PluginError::other(format!(
+                "disk weight sync: unsupported dtype code {}",
+                other.0
+            )));
+        }
     })
 }
 
 fn io_error(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> PluginError + '_ {
-    move |e| PluginError::new(verl_plugin_api::ErrorKind::IO, format!("{}: {e}", path.display()))
+    move |e| {
+        PluginError::new(
+            verl_plugin_api::ErrorKind::IO,
+            format!("{}: {e}", path.display()),
+        )
+    }
 }
 
 impl CheckpointEngine for DiskWeightSync {
@@ -73,8 +83,11 @@ impl CheckpointEngine for DiskWeightSync {
     }
 
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
-        let config: DiskConfig = init.section("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk")?;
-        self.dir = config.path.unwrap_or_else(|| PathBuf::from(&init.run.run_dir).join("weight_sync"));
+        let config: DiskConfig =
+            init.section("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.disk")?;
+        self.dir = config
+            .path
+            .unwrap_or_else(|| PathBuf::from(&init.run.run_dir).join("weight_sync"));
         std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))
     }
 
@@ -86,12 +99,14 @@ impl CheckpointEngine for DiskWeightSync {
             .iter()
             .map(|t| {
                 let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-                let view = TensorView::new(to_safetensors_dtype(t.dtype)?, shape, t.data.as_slice())
-                    .map_err(|e| PluginError::other(format!("tensor `{}`: {e}", t.name)))?;
+                let view =
+                    TensorView::new(to_safetensors_dtype(t.dtype)?, shape, t.data.as_slice())
+                        .map_err(|e| PluginError::other(format!("tensor `{}`: {e}", t.name)))?;
                 Ok((t.name.as_str(), view))
             })
             .collect::<Result<Vec<_>, PluginError>>()?;
-        let metadata = HashMap::from([(VERSION_METADATA_KEY.to_owned(), weights.version.to_string())]);
+        let metadata =
+            HashMap::from([(VERSION_METADATA_KEY.to_owned(), weights.version.to_string())]);
         let name = format!("step_{}", weights.version);
         let target = self.dir.join(&name);
         let tmp = self.dir.join(format!(".{name}.tmp"));
@@ -100,7 +115,8 @@ impl CheckpointEngine for DiskWeightSync {
         }
         std::fs::create_dir_all(&tmp).map_err(io_error(&tmp))?;
         let file = tmp.join(WEIGHTS_FILE);
-        safetensors::serialize_to_file(views, Some(metadata), &file).map_err(|e| PluginError::other(format!("{}: {e}", file.display())))?;
+        safetensors::serialize_to_file(views, Some(metadata), &file)
+            .map_err(|e| PluginError::other(format!("{}: {e}", file.display())))?;
         if target.exists() {
             std::fs::remove_dir_all(&target).map_err(io_error(&target))?;
         }
@@ -125,7 +141,10 @@ mod tests {
 
     fn tensors() -> Vec<NamedTensor> {
         vec![
-            NamedTensor::new("a.weight", Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, -4.5]).unwrap()),
+            NamedTensor::new(
+                "a.weight",
+                Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, -4.5]).unwrap(),
+            ),
             NamedTensor::new("b.bias", Tensor::from_slice(&[3], &[7i64, 8, 9]).unwrap()),
         ]
     }
@@ -134,7 +153,9 @@ mod tests {
     fn naive_hands_over_the_memory() {
         let owned = tensors();
         let views: Vec<_> = owned.iter().map(NamedTensor::as_ref).collect();
-        let handover = NaiveWeightSync.send_weights(&WeightSource::memory(3, &views)).unwrap();
+        let handover = NaiveWeightSync
+            .send_weights(&WeightSource::memory(3, &views))
+            .unwrap();
         assert_eq!(handover.kind, WeightSourceKind::Memory);
     }
 
@@ -144,21 +165,30 @@ mod tests {
         let mut sync = DiskWeightSync::default();
         let mut run = RunContext::default();
         run.run_dir = dir.path().to_string_lossy().into_owned();
-        sync.init(&ComponentInit::new(serde_json::Value::Null, run)).unwrap();
+        sync.init(&ComponentInit::new(serde_json::Value::Null, run))
+            .unwrap();
         let owned = tensors();
         let views: Vec<_> = owned.iter().map(NamedTensor::as_ref).collect();
-        let handover = sync.send_weights(&WeightSource::memory(12, &views)).unwrap();
+        let handover = sync
+            .send_weights(&WeightSource::memory(12, &views))
+            .unwrap();
         assert_eq!(handover.kind, WeightSourceKind::File);
         let target = dir.path().join("weight_sync/step_12");
         assert_eq!(PathBuf::from(&handover.path), target);
         let bytes = std::fs::read(target.join(WEIGHTS_FILE)).unwrap();
         let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(metadata.metadata().as_ref().unwrap()[VERSION_METADATA_KEY], "12");
+        assert_eq!(
+            metadata.metadata().as_ref().unwrap()[VERSION_METADATA_KEY],
+            "12"
+        );
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for t in &owned {
             let read = file.tensor(&t.name).unwrap();
             assert_eq!(read.data(), t.tensor.data.as_slice(), "{}", t.name);
-            assert_eq!(read.shape().iter().map(|&d| d as i64).collect::<Vec<_>>(), t.tensor.shape.to_vec());
+            assert_eq!(
+                read.shape().iter().map(|&d| d as i64).collect::<Vec<_>>(),
+                t.tensor.shape.to_vec()
+            );
         }
         sync.finalize().unwrap();
         assert!(!target.exists());
@@ -169,6 +199,10 @@ mod tests {
         let mut init = ComponentInit::default();
         init.config = serde_json::json!({"pth": "/tmp"});
         let err = DiskWeightSync::default().init(&init).unwrap_err();
-        assert!(err.message().contains("engine_kwargs.disk.pth") && err.message().contains("did you mean"), "{err}");
+        assert!(
+            err.message().contains("engine_kwargs.disk.pth")
+                && err.message().contains("did you mean"),
+            "{err}"
+        );
     }
 }

@@ -13,19 +13,23 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError, RolloutCapabilities, RunContext,
-    SamplingParams, Table, keys,
+    ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError,
+    RolloutCapabilities, RunContext, SamplingParams, Table, keys,
 };
 use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry};
 
 use crate::algo::{
-    AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController, SamplerProgress,
-    apply_kl_penalty, compute_advantage, compute_data_metrics, filter_groups, place_scores,
+    AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
+    SamplerProgress, apply_kl_penalty, compute_advantage, compute_data_metrics, filter_groups,
+    place_scores,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager};
 use crate::config::{Config, EngineRole, ResumeMode, Slot};
-use crate::data::{ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt, expand_home, load_samples};
+use crate::data::{
+    ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt,
+    expand_home, load_samples,
+};
 use crate::placement::Placement;
 use crate::reward::{self, RewardError};
 use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
@@ -52,10 +56,15 @@ pub enum TrainError {
     #[error("{0}")]
     Capability(String),
     #[error("{}: {error}", path.display())]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     #[error("{0}")]
     Invalid(String),
-    #[error("interrupted after step {0}; rerun with trainer.resume_mode=auto to continue from the last checkpoint")]
+    #[error(
+        "interrupted after step {0}; rerun with trainer.resume_mode=auto to continue from the last checkpoint"
+    )]
     Interrupted(u64),
 }
 
@@ -80,7 +89,10 @@ trait Context<T> {
 
 impl<T> Context<T> for Result<T, PluginError> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
-        self.map_err(|error| TrainError::Plugin { context: what(), error })
+        self.map_err(|error| TrainError::Plugin {
+            context: what(),
+            error,
+        })
     }
 }
 
@@ -134,10 +146,22 @@ pub struct Trainer {
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
 fn tokenizer_dir(config: &Config) -> PathBuf {
     let model = &config.actor_rollout_ref.model;
-    expand_home(config.data.tokenizer.as_deref().or(model.tokenizer_path.as_deref()).unwrap_or(&model.path))
+    expand_home(
+        config
+            .data
+            .tokenizer
+            .as_deref()
+            .or(model.tokenizer_path.as_deref())
+            .unwrap_or(&model.path),
+    )
 }
 
-fn load_split(processor: &PromptProcessor, files: &[String], key: &str, max: i64) -> Result<Vec<(Sample, TokenizedPrompt)>, TrainError> {
+fn load_split(
+    processor: &PromptProcessor,
+    files: &[String],
+    key: &str,
+    max: i64,
+) -> Result<Vec<(Sample, TokenizedPrompt)>, TrainError> {
     let mut samples = load_samples(files, key)?;
     if let Ok(max) = usize::try_from(max) {
         if max > 0 {
@@ -150,9 +174,16 @@ fn load_split(processor: &PromptProcessor, files: &[String], key: &str, max: i64
 impl Trainer {
     /// Loads the data, checks the config against the components' declared capabilities, then
     /// creates and initialises every component where `placement` says.
-    pub fn new(config: Config, registry: &Registry, placement: &Placement) -> Result<Self, TrainError> {
+    pub fn new(
+        config: Config,
+        registry: &Registry,
+        placement: &Placement,
+    ) -> Result<Self, TrainError> {
         let run_dir = expand_home(&config.trainer.default_local_dir);
-        std::fs::create_dir_all(&run_dir).map_err(|error| TrainError::Io { path: run_dir.clone(), error })?;
+        std::fs::create_dir_all(&run_dir).map_err(|error| TrainError::Io {
+            path: run_dir.clone(),
+            error,
+        })?;
 
         let tokenizer_dir = tokenizer_dir(&config);
         let tokenizer_json = tokenizer_dir.join("tokenizer.json");
@@ -163,10 +194,32 @@ impl Trainer {
             None => ChatTemplate::from_model_dir(&tokenizer_dir)?,
         };
         let data = &config.data;
-        let processor = PromptProcessor::new(template, &tokenizer_json, data.max_prompt_length, data.filter_overlong_prompts, data.truncation)?;
-        let train = load_split(&processor, &data.train_files, &data.prompt_key, data.train_max_samples)?;
-        let val = load_split(&processor, &data.val_files, &data.prompt_key, data.val_max_samples)?;
-        let loader = DataLoader::new(train.len(), data.train_batch_size, data.shuffle, data.seed.unwrap_or(config.trainer.seed), true);
+        let processor = PromptProcessor::new(
+            template,
+            &tokenizer_json,
+            data.max_prompt_length,
+            data.filter_overlong_prompts,
+            data.truncation,
+        )?;
+        let train = load_split(
+            &processor,
+            &data.train_files,
+            &data.prompt_key,
+            data.train_max_samples,
+        )?;
+        let val = load_split(
+            &processor,
+            &data.val_files,
+            &data.prompt_key,
+            data.val_max_samples,
+        )?;
+        let loader = DataLoader::new(
+            train.len(),
+            data.train_batch_size,
+            data.shuffle,
+            data.seed.unwrap_or(config.trainer.seed),
+            true,
+        );
         if loader.batches_per_epoch() == 0 {
             return Err(TrainError::Invalid(format!(
                 "the training set has {} prompts (after filtering), fewer than data.train_batch_size={}",
@@ -174,33 +227,60 @@ impl Trainer {
                 data.train_batch_size
             )));
         }
-        let total_steps =
-            config.trainer.total_training_steps.filter(|&s| s > 0).unwrap_or(config.trainer.total_epochs * loader.batches_per_epoch());
+        let total_steps = config
+            .trainer
+            .total_training_steps
+            .filter(|&s| s > 0)
+            .unwrap_or(config.trainer.total_epochs * loader.batches_per_epoch());
 
-        let run = placement.for_run(&config.trainer.project_name, &config.trainer.experiment_name, &run_dir.to_string_lossy());
+        let run = placement.for_run(
+            &config.trainer.project_name,
+            &config.trainer.experiment_name,
+            &run_dir.to_string_lossy(),
+        );
         let components = Components::resolve(&config, registry)?;
         components.check(&config, &run)?;
 
         let init = |config: Value| ComponentInit::new(config, run.clone());
-        let engine = |role: EngineRole, component: &Component| -> Result<Box<dyn EngineWorker>, TrainError> {
+        let engine = |role: EngineRole,
+                      component: &Component|
+         -> Result<Box<dyn EngineWorker>, TrainError> {
             let mut engine = component.create_engine()?;
             let mut section = config.engine_json(role);
             section["optim"]["total_training_steps"] = json!(total_steps);
             section["deterministic"] = json!(config.trainer.deterministic);
             let init = plugin_init(&config, Slot::Engine(role), component, section, &run);
-            engine.init(&init).context(|| format!("initialising the {} engine `{}`", role.as_str(), component.name))?;
+            engine.init(&init).context(|| {
+                format!(
+                    "initialising the {} engine `{}`",
+                    role.as_str(),
+                    component.name
+                )
+            })?;
             Ok(Box::new(engine))
         };
         let actor = engine(EngineRole::Actor, &components.actor)?;
-        let reference = components.reference.as_ref().map(|c| engine(EngineRole::Ref, c)).transpose()?;
-        let critic = components.critic.as_ref().map(|c| engine(EngineRole::Critic, c)).transpose()?;
+        let reference = components
+            .reference
+            .as_ref()
+            .map(|c| engine(EngineRole::Ref, c))
+            .transpose()?;
+        let critic = components
+            .critic
+            .as_ref()
+            .map(|c| engine(EngineRole::Critic, c))
+            .transpose()?;
 
         let mut rollout = components.rollout.create_rollout()?;
-        rollout.init(&init(config.rollout_json())).context(|| format!("initialising the rollout `{}`", components.rollout.name))?;
+        rollout
+            .init(&init(config.rollout_json()))
+            .context(|| format!("initialising the rollout `{}`", components.rollout.name))?;
 
         // verl hands a checkpoint engine its own entry of `engine_kwargs`.
         let sync = &components.weight_sync;
-        let kwargs = sync.config_section.as_ref().map_or(json!({}), |name| config.plugin_section(Slot::Checkpoint, name).value);
+        let kwargs = sync.config_section.as_ref().map_or(json!({}), |name| {
+            config.plugin_section(Slot::Checkpoint, name).value
+        });
         let mut weight_sync = sync.create_checkpoint()?;
         weight_sync
             .init(&plugin_init(&config, Slot::Checkpoint, sync, kwargs, &run))
@@ -208,8 +288,15 @@ impl Trainer {
 
         let mut tracker_config = config.to_json();
         tracker_config["trainer"]["total_training_steps"] = json!(total_steps);
-        let trackers =
-            Trackers::start(registry, &config.trainer.logger, |tracker| plugin_init(&config, Slot::Tracker, tracker, tracker_config.clone(), &run))?;
+        let trackers = Trackers::start(registry, &config.trainer.logger, |tracker| {
+            plugin_init(
+                &config,
+                Slot::Tracker,
+                tracker,
+                tracker_config.clone(),
+                &run,
+            )
+        })?;
 
         let kl = &config.algorithm.kl_ctrl;
         let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
@@ -254,7 +341,13 @@ impl Trainer {
         let trainer = &self.config.trainer;
         if trainer.val_before_train && !self.val.is_empty() {
             let metrics = self.validate()?;
-            summary.validations.push((self.global_step, metrics.iter().map(|m| (m.key.to_string(), m.value)).collect()));
+            summary.validations.push((
+                self.global_step,
+                metrics
+                    .iter()
+                    .map(|m| (m.key.to_string(), m.value))
+                    .collect(),
+            ));
             self.trackers.log(self.global_step, &metrics);
         }
         if self.config.trainer.val_only {
@@ -268,11 +361,15 @@ impl Trainer {
             let step = self.global_step + 1;
             let mut metrics = self.train_step(step)?;
             let is_last = step == self.total_steps;
-            let (test_freq, save_freq) = (self.config.trainer.test_freq, self.config.trainer.save_freq);
+            let (test_freq, save_freq) =
+                (self.config.trainer.test_freq, self.config.trainer.save_freq);
             if test_freq > 0 && !self.val.is_empty() && (is_last || step % test_freq as u64 == 0) {
                 let t = Instant::now();
                 let val = self.validate()?;
-                summary.validations.push((step, val.iter().map(|m| (m.key.to_string(), m.value)).collect()));
+                summary.validations.push((
+                    step,
+                    val.iter().map(|m| (m.key.to_string(), m.value)).collect(),
+                ));
                 metrics.extend(val);
                 metrics.push(Metric::new("timing_s/testing", t.elapsed().as_secs_f64()));
             }
@@ -280,12 +377,17 @@ impl Trainer {
             if save_freq > 0 && (is_last || step % save_freq as u64 == 0) {
                 let t = Instant::now();
                 self.save_checkpoint()?;
-                metrics.push(Metric::new("timing_s/save_checkpoint", t.elapsed().as_secs_f64()));
+                metrics.push(Metric::new(
+                    "timing_s/save_checkpoint",
+                    t.elapsed().as_secs_f64(),
+                ));
             }
             self.trackers.log(step, &metrics);
         }
         let final_dir = self.run_dir.join("huggingface");
-        self.actor.export_hf(&final_dir.to_string_lossy()).context(|| format!("exporting {}", final_dir.display()))?;
+        self.actor
+            .export_hf(&final_dir.to_string_lossy())
+            .context(|| format!("exporting {}", final_dir.display()))?;
         tracing::info!("final model written to {}", final_dir.display());
         summary.global_step = self.global_step;
         summary.final_model = Some(final_dir);
@@ -307,7 +409,13 @@ impl Trainer {
             let v = &rollout.val_kwargs;
             (v.n, v.do_sample, v.temperature, v.top_p, v.top_k)
         } else {
-            (rollout.n, rollout.do_sample, rollout.temperature, rollout.top_p, rollout.top_k)
+            (
+                rollout.n,
+                rollout.do_sample,
+                rollout.temperature,
+                rollout.top_p,
+                rollout.top_k,
+            )
         };
         let mut params = SamplingParams::default();
         params.n = n as u32;
@@ -318,21 +426,42 @@ impl Trainer {
         params.max_new_tokens = self.config.data.max_response_length as u32;
         // A seed per step (not a running generator) keeps a resumed run identical to an
         // uninterrupted one.
-        params.seed = Some(self.config.trainer.seed.wrapping_mul(0x9E37_79B9).wrapping_add(step * 2 + u64::from(validation)));
+        params.seed = Some(
+            self.config
+                .trainer
+                .seed
+                .wrapping_mul(0x9E37_79B9)
+                .wrapping_add(step * 2 + u64::from(validation)),
+        );
         params
     }
 
     /// Generates `n` responses per prompt of `indices` (into `data`); rows come back grouped by
     /// prompt, with group ids `first_group..`.
-    fn generate(&mut self, val: bool, indices: &[usize], sampling: SamplingParams, first_group: u64) -> Result<Vec<Row>, TrainError> {
+    fn generate(
+        &mut self,
+        val: bool,
+        indices: &[usize],
+        sampling: SamplingParams,
+        first_group: u64,
+    ) -> Result<Vec<Row>, TrainError> {
         let data = if val { &self.val } else { &self.train };
         let prompts = indices.iter().map(|&i| data[i].1.ids.clone()).collect();
         let request = GenerateRequest::new(prompts, sampling);
-        let output = self.rollout.generate(&request).context(|| format!("generating with `{}`", self.config.actor_rollout_ref.rollout.name))?;
+        let output = self.rollout.generate(&request).context(|| {
+            format!(
+                "generating with `{}`",
+                self.config.actor_rollout_ref.rollout.name
+            )
+        })?;
         let mut rows: Vec<Row> = output
             .completions
             .iter()
-            .map(|c| Row { sample: indices[c.prompt_index as usize], group: first_group + u64::from(c.prompt_index), response: c.response_ids.clone() })
+            .map(|c| Row {
+                sample: indices[c.prompt_index as usize],
+                group: first_group + u64::from(c.prompt_index),
+                response: c.response_ids.clone(),
+            })
             .collect();
         rows.sort_by_key(|r| r.group);
         Ok(rows)
@@ -343,8 +472,15 @@ impl Trainer {
         rows.iter()
             .map(|row| {
                 let sample = &data[row.sample].0;
-                let text = self.tokenizer.decode(&row.response, true).map_err(|e| TrainError::Invalid(format!("decoding a response: {e}")))?;
-                Ok(reward::compute_score(&sample.data_source, &text, &sample.reward_model.ground_truth)?)
+                let text = self
+                    .tokenizer
+                    .decode(&row.response, true)
+                    .map_err(|e| TrainError::Invalid(format!("decoding a response: {e}")))?;
+                Ok(reward::compute_score(
+                    &sample.data_source,
+                    &text,
+                    &sample.reward_model.ground_truth,
+                )?)
             })
             .collect()
     }
@@ -359,7 +495,9 @@ impl Trainer {
         loop {
             let indices = self.next_indices();
             let mut sampling = self.sampling(step, false);
-            sampling.seed = sampling.seed.map(|s| s.wrapping_add(gen_batches as u64 * 1_000_003));
+            sampling.seed = sampling
+                .seed
+                .map(|s| s.wrapping_add(gen_batches as u64 * 1_000_003));
             let first_group = (gen_batches * target) as u64;
             let new_rows = self.generate(false, &indices, sampling, first_group)?;
             let new_scores = self.score(false, &new_rows)?;
@@ -384,7 +522,11 @@ impl Trainer {
                         first_groups.push(row.group);
                     }
                 }
-                let (rows, scores) = rows.into_iter().zip(scores).filter(|(row, _)| first_groups.contains(&row.group)).unzip();
+                let (rows, scores) = rows
+                    .into_iter()
+                    .zip(scores)
+                    .filter(|(row, _)| first_groups.contains(&row.group))
+                    .unzip();
                 return Ok((rows, scores, gen_batches));
             }
         }
@@ -402,21 +544,44 @@ impl Trainer {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
         }
 
-        let prompts: Vec<Vec<u32>> = rows.iter().map(|r| self.train[r.sample].1.ids.clone()).collect();
+        let prompts: Vec<Vec<u32>> = rows
+            .iter()
+            .map(|r| self.train[r.sample].1.ids.clone())
+            .collect();
         let responses: Vec<Vec<u32>> = rows.iter().map(|r| r.response.clone()).collect();
-        let mut batch = batch::build(&prompts, &responses, 0).context(|| "building the training batch".to_owned())?;
+        let mut batch = batch::build(&prompts, &responses, 0)
+            .context(|| "building the training batch".to_owned())?;
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
-        batch.meta_json = json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true }).to_string().into();
-        let mask = batch::matrix(keys::RESPONSE_MASK, batch.require(keys::RESPONSE_MASK).context(|| "batch".to_owned())?)
-            .context(|| "batch".to_owned())?;
+        batch.meta_json =
+            json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true })
+                .to_string()
+                .into();
+        let mask = batch::matrix(
+            keys::RESPONSE_MASK,
+            batch
+                .require(keys::RESPONSE_MASK)
+                .context(|| "batch".to_owned())?,
+        )
+        .context(|| "batch".to_owned())?;
 
         let t = Instant::now();
-        let old = self.actor.compute_log_prob(&batch).context(|| "computing old log-probs".to_owned())?;
-        let old_log_probs = batch::matrix(keys::LOG_PROBS, old.require(keys::LOG_PROBS).context(|| "actor output".to_owned())?)
-            .context(|| "actor output".to_owned())?;
+        let old = self
+            .actor
+            .compute_log_prob(&batch)
+            .context(|| "computing old log-probs".to_owned())?;
+        let old_log_probs = batch::matrix(
+            keys::LOG_PROBS,
+            old.require(keys::LOG_PROBS)
+                .context(|| "actor output".to_owned())?,
+        )
+        .context(|| "actor output".to_owned())?;
         if let Some(entropy) = old.get(keys::ENTROPYS) {
-            let entropy = batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
-            metrics.push(Metric::new("actor/entropy", crate::algo::masked_mean(&entropy, &mask)?));
+            let entropy =
+                batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
+            metrics.push(Metric::new(
+                "actor/entropy",
+                crate::algo::masked_mean(&entropy, &mask)?,
+            ));
         }
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
         timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
@@ -424,9 +589,15 @@ impl Trainer {
         let mut ref_log_probs = None;
         if let Some(reference) = &mut self.reference {
             let t = Instant::now();
-            let out = reference.compute_log_prob(&batch).context(|| "computing reference log-probs".to_owned())?;
-            let m = batch::matrix(keys::LOG_PROBS, out.require(keys::LOG_PROBS).context(|| "ref output".to_owned())?)
-                .context(|| "ref output".to_owned())?;
+            let out = reference
+                .compute_log_prob(&batch)
+                .context(|| "computing reference log-probs".to_owned())?;
+            let m = batch::matrix(
+                keys::LOG_PROBS,
+                out.require(keys::LOG_PROBS)
+                    .context(|| "ref output".to_owned())?,
+            )
+            .context(|| "ref output".to_owned())?;
             batch.insert(keys::REF_LOG_PROB, batch::tensor(&m));
             ref_log_probs = Some(m);
             timing.push(("ref", t.elapsed().as_secs_f64()));
@@ -435,9 +606,15 @@ impl Trainer {
         let mut values = None;
         if let Some(critic) = &mut self.critic {
             let t = Instant::now();
-            let out = critic.compute_values(&batch).context(|| "computing values".to_owned())?;
-            let m = batch::matrix(keys::VALUES, out.require(keys::VALUES).context(|| "critic output".to_owned())?)
-                .context(|| "critic output".to_owned())?;
+            let out = critic
+                .compute_values(&batch)
+                .context(|| "computing values".to_owned())?;
+            let m = batch::matrix(
+                keys::VALUES,
+                out.require(keys::VALUES)
+                    .context(|| "critic output".to_owned())?,
+            )
+            .context(|| "critic output".to_owned())?;
             batch.insert(keys::VALUES, batch::tensor(&m));
             values = Some(m);
             timing.push(("values", t.elapsed().as_secs_f64()));
@@ -448,14 +625,25 @@ impl Trainer {
         let token_level_scores = place_scores(&scores_f32, &mask)?;
         let token_level_rewards = match (&ref_log_probs, self.config.algorithm.use_kl_in_reward) {
             (Some(ref_lp), true) => {
-                let out = apply_kl_penalty(&token_level_scores, &old_log_probs, ref_lp, &mask, self.config.algorithm.kl_penalty, &mut self.kl_ctrl)?;
+                let out = apply_kl_penalty(
+                    &token_level_scores,
+                    &old_log_probs,
+                    ref_lp,
+                    &mask,
+                    self.config.algorithm.kl_penalty,
+                    &mut self.kl_ctrl,
+                )?;
                 metrics.extend(out.metrics().iter().map(|(k, v)| Metric::new(*k, *v)));
                 out.token_level_rewards
             }
             _ => token_level_scores.clone(),
         };
         let groups: Vec<u64> = rows.iter().map(|r| r.group).collect();
-        let baselines = if self.config.algorithm.adv_estimator.needs_greedy_baseline() { Some(self.greedy_baselines(step, &rows)?) } else { None };
+        let baselines = if self.config.algorithm.adv_estimator.needs_greedy_baseline() {
+            Some(self.greedy_baselines(step, &rows)?)
+        } else {
+            None
+        };
         let algorithm = &self.config.algorithm;
         let params = AdvantageParams {
             gamma: algorithm.gamma as f32,
@@ -477,13 +665,18 @@ impl Trainer {
 
         if let Some(critic) = &mut self.critic {
             let t = Instant::now();
-            let out = critic.update_critic(&batch).context(|| "updating the critic".to_owned())?;
+            let out = critic
+                .update_critic(&batch)
+                .context(|| "updating the critic".to_owned())?;
             metrics.extend(out.iter().cloned());
             timing.push(("update_critic", t.elapsed().as_secs_f64()));
         }
         if step > self.config.trainer.critic_warmup {
             let t = Instant::now();
-            let out = self.actor.update_actor(&batch).context(|| "updating the actor".to_owned())?;
+            let out = self
+                .actor
+                .update_actor(&batch)
+                .context(|| "updating the actor".to_owned())?;
             // The engine's own entropy (from the update) supersedes the one measured above.
             if out.iter().any(|m| m.key == "actor/entropy") {
                 metrics.retain(|m| m.key != "actor/entropy");
@@ -509,14 +702,22 @@ impl Trainer {
         metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
 
         let step_time = step_start.elapsed().as_secs_f64();
-        let tokens: usize = prompt_lengths.iter().sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>();
+        let tokens: usize =
+            prompt_lengths.iter().sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>();
         timing.push(("step", step_time));
-        metrics.extend(timing.into_iter().map(|(k, v)| Metric::new(format!("timing_s/{k}"), v)));
+        metrics.extend(
+            timing
+                .into_iter()
+                .map(|(k, v)| Metric::new(format!("timing_s/{k}"), v)),
+        );
         metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
         metrics.push(Metric::new("perf/time_per_step", step_time));
         metrics.push(Metric::new("perf/throughput", tokens as f64 / step_time));
         metrics.push(Metric::new("training/global_step", step as f64));
-        metrics.push(Metric::new("training/epoch", self.loader.state().epoch as f64));
+        metrics.push(Metric::new(
+            "training/epoch",
+            self.loader.state().epoch as f64,
+        ));
         Ok(metrics)
     }
 
@@ -529,14 +730,29 @@ impl Trainer {
         sampling.greedy = true;
         let greedy = self.generate(false, &unique, sampling, 0)?;
         let scores = self.score(false, &greedy)?;
-        let by_sample: BTreeMap<usize, f64> = greedy.iter().zip(scores).map(|(r, s)| (r.sample, s)).collect();
+        let by_sample: BTreeMap<usize, f64> = greedy
+            .iter()
+            .zip(scores)
+            .map(|(r, s)| (r.sample, s))
+            .collect();
         Ok(rows.iter().map(|r| by_sample[&r.sample] as f32).collect())
     }
 
     /// Actor weights → weight sync → rollout, by reference, tagged with the step.
     fn sync_weights(&mut self, step: u64) -> Result<(), TrainError> {
-        let backend = &self.config.actor_rollout_ref.rollout.checkpoint_engine.backend;
-        sync_weights(self.actor.as_mut(), &mut self.weight_sync, backend, self.rollout.as_mut(), step)?;
+        let backend = &self
+            .config
+            .actor_rollout_ref
+            .rollout
+            .checkpoint_engine
+            .backend;
+        sync_weights(
+            self.actor.as_mut(),
+            &mut self.weight_sync,
+            backend,
+            self.rollout.as_mut(),
+            step,
+        )?;
         Ok(())
     }
 
@@ -545,7 +761,12 @@ impl Trainer {
     fn validate(&mut self) -> Result<Vec<Metric>, TrainError> {
         let sampling = self.sampling(0, true);
         let n = sampling.n;
-        let chunk = self.config.data.val_batch_size.unwrap_or(self.val.len()).max(1);
+        let chunk = self
+            .config
+            .data
+            .val_batch_size
+            .unwrap_or(self.val.len())
+            .max(1);
         let indices: Vec<usize> = (0..self.val.len()).collect();
         let (mut rows, mut scores) = (Vec::new(), Vec::new());
         for (i, part) in indices.chunks(chunk).enumerate() {
@@ -555,23 +776,43 @@ impl Trainer {
         }
         let mut by_source: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
         for (row, score) in rows.iter().zip(&scores) {
-            let entry = by_source.entry(self.val[row.sample].0.data_source.as_str()).or_default();
+            let entry = by_source
+                .entry(self.val[row.sample].0.data_source.as_str())
+                .or_default();
             entry.0 += score;
             entry.1 += 1;
         }
-        let metrics: Vec<Metric> =
-            by_source.iter().map(|(source, (sum, count))| Metric::new(format!("val-core/{source}/reward/mean@{n}"), sum / *count as f64)).collect();
+        let metrics: Vec<Metric> = by_source
+            .iter()
+            .map(|(source, (sum, count))| {
+                Metric::new(
+                    format!("val-core/{source}/reward/mean@{n}"),
+                    sum / *count as f64,
+                )
+            })
+            .collect();
         let shown = self.config.trainer.log_val_generations.min(rows.len());
         if shown > 0 {
             let table_rows = rows[..shown]
                 .iter()
                 .zip(&scores)
                 .map(|(row, score)| {
-                    let response = self.tokenizer.decode(&row.response, true).unwrap_or_default();
-                    vec![self.val[row.sample].1.text.clone(), response, format!("{score}")]
+                    let response = self
+                        .tokenizer
+                        .decode(&row.response, true)
+                        .unwrap_or_default();
+                    vec![
+                        self.val[row.sample].1.text.clone(),
+                        response,
+                        format!("{score}"),
+                    ]
                 })
                 .collect();
-            let table = Table::new("val/generations", vec!["input".into(), "output".into(), "score".into()], table_rows);
+            let table = Table::new(
+                "val/generations",
+                vec!["input".into(), "output".into(), "score".into()],
+                table_rows,
+            );
             self.trackers.log_table(self.global_step, &table);
         }
         Ok(metrics)
@@ -581,14 +822,26 @@ impl Trainer {
         let step = self.global_step;
         let pending = self.checkpoints.begin(step)?;
         let actor_dir = pending.dir().join("actor");
-        self.actor.save_checkpoint(&actor_dir.to_string_lossy(), step).context(|| format!("saving {}", actor_dir.display()))?;
+        self.actor
+            .save_checkpoint(&actor_dir.to_string_lossy(), step)
+            .context(|| format!("saving {}", actor_dir.display()))?;
         if let Some(critic) = &mut self.critic {
             let dir = pending.dir().join("critic");
-            critic.save_checkpoint(&dir.to_string_lossy(), step).context(|| format!("saving {}", dir.display()))?;
+            critic
+                .save_checkpoint(&dir.to_string_lossy(), step)
+                .context(|| format!("saving {}", dir.display()))?;
         }
-        let state = TrainerState { global_step: step, loader: self.loader.state(), kl_coef: self.kl_ctrl.value };
+        let state = TrainerState {
+            global_step: step,
+            loader: self.loader.state(),
+            kl_coef: self.kl_ctrl.value,
+        };
         let path = pending.dir().join(TRAINER_STATE_FILE);
-        std::fs::write(&path, serde_json::to_vec_pretty(&state).expect("trainer state serialises")).map_err(|error| TrainError::Io { path, error })?;
+        std::fs::write(
+            &path,
+            serde_json::to_vec_pretty(&state).expect("trainer state serialises"),
+        )
+        .map_err(|error| TrainError::Io { path, error })?;
         let dir = self.checkpoints.commit(pending)?;
         tracing::info!("checkpoint written to {}", dir.display());
         Ok(())
@@ -596,17 +849,25 @@ impl Trainer {
 
     /// Restores the latest checkpoint as `trainer.resume_mode` says; returns its step.
     fn resume(&mut self) -> Result<Option<u64>, TrainError> {
-        let found = match self.config.trainer.resume_mode {
-            ResumeMode::Disable => None,
-            ResumeMode::Auto => self.checkpoints.latest()?,
-            ResumeMode::ResumePath => {
-                let path = self.config.trainer.resume_from_path.as_deref().ok_or_else(|| {
-                    TrainError::Invalid("trainer.resume_mode=resume_path needs trainer.resume_from_path".to_owned())
-                })?;
-                Some(CheckpointManager::resolve_path(&expand_home(path))?)
-            }
+        let found =
+            match self.config.trainer.resume_mode {
+                ResumeMode::Disable => None,
+                ResumeMode::Auto => self.checkpoints.latest()?,
+                ResumeMode::ResumePath => {
+                    let path = self.config.trainer.resume_from_path.as_deref().ok_or_else(
+                        || {
+                            TrainError::Invalid(
+                                "trainer.resume_mode=resume_path needs trainer.resume_from_path"
+                                    .to_owned(),
+                            )
+                        },
+                    )?;
+                    Some(CheckpointManager::resolve_path(&expand_home(path))?)
+                }
+            };
+        let Some((step, dir)) = found else {
+            return Ok(None);
         };
-        let Some((step, dir)) = found else { return Ok(None) };
         self.load_from(&dir)?;
         debug_assert_eq!(self.global_step, step);
         Ok(Some(step))
@@ -614,13 +875,21 @@ impl Trainer {
 
     fn load_from(&mut self, dir: &Path) -> Result<(), TrainError> {
         let path = dir.join(TRAINER_STATE_FILE);
-        let text = std::fs::read_to_string(&path).map_err(|error| TrainError::Io { path: path.clone(), error })?;
-        let state: TrainerState = serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(&path).map_err(|error| TrainError::Io {
+            path: path.clone(),
+            error,
+        })?;
+        let state: TrainerState = serde_json::from_str(&text)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
         let actor_dir = dir.join("actor");
-        self.actor.load_checkpoint(&actor_dir.to_string_lossy()).context(|| format!("loading {}", actor_dir.display()))?;
+        self.actor
+            .load_checkpoint(&actor_dir.to_string_lossy())
+            .context(|| format!("loading {}", actor_dir.display()))?;
         if let Some(critic) = &mut self.critic {
             let critic_dir = dir.join("critic");
-            critic.load_checkpoint(&critic_dir.to_string_lossy()).context(|| format!("loading {}", critic_dir.display()))?;
+            critic
+                .load_checkpoint(&critic_dir.to_string_lossy())
+                .context(|| format!("loading {}", critic_dir.display()))?;
         }
         self.loader.restore(state.loader);
         self.kl_ctrl.value = state.kl_coef;
@@ -630,13 +899,23 @@ impl Trainer {
 }
 
 /// Runs a whole training job: the trainer's entry point for `verl-core run`.
-pub fn run(config: Config, registry: &Registry, placement: &Placement) -> Result<RunSummary, TrainError> {
+pub fn run(
+    config: Config,
+    registry: &Registry,
+    placement: &Placement,
+) -> Result<RunSummary, TrainError> {
     Trainer::new(config, registry, placement)?.fit()
 }
 
 /// The init record of `component`, with the path and key origins of its plugin-owned section (if
 /// it declares one) so the plugin's own checks name where a bad key came from.
-pub(crate) fn plugin_init(config: &Config, slot: Slot, component: &Component, value: Value, run: &RunContext) -> ComponentInit {
+pub(crate) fn plugin_init(
+    config: &Config,
+    slot: Slot,
+    component: &Component,
+    value: Value,
+    run: &RunContext,
+) -> ComponentInit {
     let mut init = ComponentInit::new(value, run.clone());
     if let Some(name) = &component.config_section {
         let section = config.plugin_section(slot, name);
@@ -661,17 +940,30 @@ impl Components {
         let rollout = &config.actor_rollout_ref.rollout;
         Ok(Self {
             actor: engine(EngineRole::Actor)?,
-            reference: config.ref_enabled().then(|| engine(EngineRole::Ref)).transpose()?,
-            critic: config.critic_enabled().then(|| engine(EngineRole::Critic)).transpose()?,
+            reference: config
+                .ref_enabled()
+                .then(|| engine(EngineRole::Ref))
+                .transpose()?,
+            critic: config
+                .critic_enabled()
+                .then(|| engine(EngineRole::Critic))
+                .transpose()?,
             rollout: registry.resolve(ComponentKind::ROLLOUT, &rollout.name)?,
-            weight_sync: registry.resolve(ComponentKind::CHECKPOINT, &rollout.checkpoint_engine.backend)?,
+            weight_sync: registry.resolve(
+                ComponentKind::CHECKPOINT,
+                &rollout.checkpoint_engine.backend,
+            )?,
         })
     }
 
     /// Checks the run against what each component declares it can do, before any is created:
     /// a mismatch names the component, the capability and the config key that asks for it.
     fn check(&self, config: &Config, run: &RunContext) -> Result<(), TrainError> {
-        let roles = [(EngineRole::Actor, Some(&self.actor)), (EngineRole::Ref, self.reference.as_ref()), (EngineRole::Critic, self.critic.as_ref())];
+        let roles = [
+            (EngineRole::Actor, Some(&self.actor)),
+            (EngineRole::Ref, self.reference.as_ref()),
+            (EngineRole::Critic, self.critic.as_ref()),
+        ];
         for (role, component) in roles {
             let Some(component) = component else { continue };
             let caps: EngineCapabilities = component.capabilities();
@@ -703,9 +995,16 @@ impl Components {
             }
         }
         let rollout_caps: RolloutCapabilities = self.rollout.capabilities();
-        let handover = self.weight_sync.capabilities::<verl_plugin_api::CheckpointCapabilities>().handover;
+        let handover = self
+            .weight_sync
+            .capabilities::<verl_plugin_api::CheckpointCapabilities>()
+            .handover;
         if !rollout_caps.accepts(handover) {
-            let accepted: Vec<&str> = rollout_caps.weight_sources.iter().map(|k| k.as_str()).collect();
+            let accepted: Vec<&str> = rollout_caps
+                .weight_sources
+                .iter()
+                .map(|k| k.as_str())
+                .collect();
             return Err(TrainError::Capability(format!(
                 "rollout `{}` (actor_rollout_ref.rollout.name) cannot take weights from {}, which weight sync `{}` \
                  (actor_rollout_ref.rollout.checkpoint_engine.backend) hands over; it accepts [{}]",

@@ -31,7 +31,12 @@ impl Trackers {
     }
 
     /// Calls every active tracker (only those that record tables when `tables` is set).
-    fn each(&mut self, what: &str, tables: bool, mut call: impl FnMut(&mut TrackerHandle) -> Result<(), verl_plugin_api::PluginError>) {
+    fn each(
+        &mut self,
+        what: &str,
+        tables: bool,
+        mut call: impl FnMut(&mut TrackerHandle) -> Result<(), verl_plugin_api::PluginError>,
+    ) {
         self.active.retain_mut(|(name, tracker, records_tables)| {
             if tables && !*records_tables {
                 return true;

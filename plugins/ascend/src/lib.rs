@@ -361,7 +361,10 @@ mod tests {
         let info = manifest.info().expect("manifest info");
         assert_eq!(info.name, NAME);
         assert_eq!(
-            (info.components[0].name.as_str(), info.components[0].priority),
+            (
+                info.components[0].name.as_str(),
+                info.components[0].priority
+            ),
             (NAME, PRIORITY)
         );
         let device = manifest
@@ -371,7 +374,10 @@ mod tests {
             .expect("device");
         let root = FakeRoot::new().ascend_npus(2);
         let probe = verl_plugin_api::wire::encode(&root.probe());
-        let detected = device.detect(probe.as_rstr()).into_result().expect("detect");
+        let detected = device
+            .detect(probe.as_rstr())
+            .into_result()
+            .expect("detect");
         let d: Detection = verl_plugin_api::wire::decode("detection", &detected).unwrap();
         assert_eq!(d.count, 2);
     }

@@ -27,8 +27,7 @@ mod error;
 use std::path::Path;
 
 use verl_plugin_api::{
-    Batch, ComponentInit, Engine, EngineCapabilities, Metric, PluginBuilder, PluginError,
-    TensorRef,
+    Batch, ComponentInit, Engine, EngineCapabilities, Metric, PluginBuilder, PluginError, TensorRef,
 };
 
 use engine::Worker;

@@ -184,16 +184,9 @@ fn save_load_resume_is_bit_identical() {
 
     let mut first = engine(&config);
     update(&mut first, &batch);
-    first
-        .save_checkpoint(rstr(dir.path()), 1)
-        .unwrap();
+    first.save_checkpoint(rstr(dir.path()), 1).unwrap();
     let mut resumed = engine(&config);
-    assert_eq!(
-        resumed
-            .load_checkpoint(rstr(dir.path()))
-            .unwrap(),
-        1
-    );
+    assert_eq!(resumed.load_checkpoint(rstr(dir.path())).unwrap(), 1);
     let metrics = update(&mut resumed, &batch);
     assert_eq!(
         weights(&mut resumed),
@@ -208,9 +201,7 @@ fn save_load_resume_is_bit_identical() {
 
     // A critic cannot load an actor's checkpoint; a reference engine has no training state.
     let mut critic = engine(&json!({"role": "critic", "model": {"path": fixture("tiny-llama")}}));
-    let err = critic
-        .load_checkpoint(rstr(dir.path()))
-        .unwrap_err();
+    let err = critic.load_checkpoint(rstr(dir.path())).unwrap_err();
     assert!(
         err.message().contains("actor") && err.message().contains("engine_state.json"),
         "{err}"
@@ -245,7 +236,12 @@ fn export_hf_round_trips() {
         let reloaded_weights: Vec<NamedTensor> = reloaded
             .named_tensors()
             .iter()
-            .map(|(name, t)| NamedTensor::new(name.clone(), verl_model::interop::from_tch(name, t).unwrap()))
+            .map(|(name, t)| {
+                NamedTensor::new(
+                    name.clone(),
+                    verl_model::interop::from_tch(name, t).unwrap(),
+                )
+            })
             .collect();
         assert_eq!(exported, reloaded_weights, "{model}");
 
@@ -340,11 +336,7 @@ fn critic_computes_and_updates_values() {
         Tensor::from_slice(&values.shape, &returns).unwrap(),
     );
     batch.insert(keys::VALUES, values.clone());
-    let metrics: Vec<_> = critic
-        .update_critic(&batch)
-        .unwrap()
-        .into_iter()
-        .collect();
+    let metrics: Vec<_> = critic.update_critic(&batch).unwrap().into_iter().collect();
     let mut names: Vec<&str> = metrics.iter().map(|m| m.key.as_str()).collect();
     names.sort();
     assert_eq!(
@@ -375,10 +367,7 @@ fn critic_computes_and_updates_values() {
     );
     // A critic has no LM head.
     assert_eq!(
-        critic
-            .compute_log_prob(&batch)
-            .unwrap_err()
-            .kind,
+        critic.compute_log_prob(&batch).unwrap_err().kind,
         ErrorKind::UNSUPPORTED
     );
 }
@@ -461,10 +450,7 @@ fn errors_name_the_problem() {
     let mut reference =
         common::engine(&json!({"role": "ref", "model": {"path": fixture("tiny-llama")}}));
     assert_eq!(
-        reference
-            .update_actor(&batch)
-            .unwrap_err()
-            .kind,
+        reference.update_actor(&batch).unwrap_err().kind,
         ErrorKind::UNSUPPORTED
     );
 }

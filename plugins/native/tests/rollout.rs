@@ -178,15 +178,11 @@ fn stop_tokens_and_length_limit_set_the_finish_reason() {
     // Stop on the third greedy token: the response ends with it.
     let stop = g.response_ids[2];
     let first = g.response_ids.iter().position(|&t| t == stop).unwrap();
-    let out = generate(
-        &mut rollout,
-        std::slice::from_ref(&g.prompt_ids),
-        {
-            let mut s = greedy(16);
-            s.stop_token_ids = vec![stop];
-            s
-        },
-    );
+    let out = generate(&mut rollout, std::slice::from_ref(&g.prompt_ids), {
+        let mut s = greedy(16);
+        s.stop_token_ids = vec![stop];
+        s
+    });
     let c = &out.completions[0];
     assert_eq!(
         (c.finish_reason, c.response_ids.as_slice()),
@@ -392,9 +388,7 @@ fn weight_sync_from_the_engine() {
 
 #[test]
 fn errors_name_the_problem() {
-    let init_err = |config: Value| {
-        new_rollout().init(&init_for(&config)).unwrap_err()
-    };
+    let init_err = |config: Value| new_rollout().init(&init_for(&config)).unwrap_err();
     let err = init_err(json!({"ignore_eos": "yes", "model": {"path": fixture("tiny-llama")}}));
     assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
     assert!(err.message().contains("`ignore_eos`"), "{err}");

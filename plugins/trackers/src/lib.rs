@@ -104,8 +104,12 @@ mod tests {
         let info = manifest.info().unwrap();
         let names: Vec<&str> = info.components.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["tensorboard", "mlflow", "trackio", "wandb"]);
-        assert!(info.components.iter().all(|c| c.kind == ComponentKind::TRACKER
-            && c.capabilities == serde_json::json!({"tables": true})));
+        assert!(
+            info.components
+                .iter()
+                .all(|c| c.kind == ComponentKind::TRACKER
+                    && c.capabilities == serde_json::json!({"tables": true}))
+        );
 
         let dir =
             std::env::temp_dir().join(format!("verl-trackers-manifest-{}", std::process::id()));

@@ -137,7 +137,11 @@ fn metrics_params_tags_and_tables_round_trip() {
             )
             .unwrap();
     }
-    let table = Table::new("val/generations", vec!["prompt".into(), "response".into(), "score".into()], vec![vec!["1+1?".into(), "2".into(), "1.0".into()]]);
+    let table = Table::new(
+        "val/generations",
+        vec!["prompt".into(), "response".into(), "score".into()],
+        vec![vec!["1+1?".into(), "2".into(), "1.0".into()]],
+    );
     tracker.log_table(3, &table).unwrap();
     tracker.finish(0).unwrap();
 

@@ -59,7 +59,11 @@ fn scalars_read_back_with_steps_and_values() {
     assert_eq!(early["zero"].as_array().unwrap().len(), 40);
 
     log_steps(&mut tracker, 40..100);
-    let table = Table::new("val/generations", vec!["prompt".into()], vec![vec!["q".into()]]);
+    let table = Table::new(
+        "val/generations",
+        vec!["prompt".into()],
+        vec![vec!["q".into()]],
+    );
     tracker.log_table(99, &table).unwrap();
     tracker.finish(0).unwrap();
 

@@ -44,7 +44,11 @@ fn metrics_config_and_tables_read_back() {
             .unwrap();
     }
     tracker.log(25, &[Metric::new("odd", f64::NAN)]).unwrap();
-    let table = Table::new("val/generations", vec!["prompt".into(), "score".into()], vec![vec!["q".into(), "1".into()]]);
+    let table = Table::new(
+        "val/generations",
+        vec!["prompt".into(), "score".into()],
+        vec![vec!["q".into(), "1".into()]],
+    );
     tracker.log_table(25, &table).unwrap();
     tracker.finish(0).unwrap();
 

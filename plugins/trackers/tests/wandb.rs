@@ -139,7 +139,11 @@ fn offline_run_reads_back_with_wandb() {
         .map(|i| Metric::new(format!("wide/{i:04}"), i as f64))
         .collect();
     tracker.log(32, &wide).unwrap();
-    let table = Table::new("val/generations", vec!["prompt".into(), "response".into(), "score".into()], vec![vec!["1+1?".into(), "2".into(), "1.0".into()]]);
+    let table = Table::new(
+        "val/generations",
+        vec!["prompt".into(), "response".into(), "score".into()],
+        vec![vec!["1+1?".into(), "2".into(), "1.0".into()]],
+    );
     tracker.log_table(32, &table).unwrap();
     tracker.finish(0).unwrap();
 

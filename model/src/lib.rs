@@ -2,6 +2,7 @@
 //! from Hugging Face model directories, per-token log-probs and entropy, KV-cache generation,
 //! verl's PPO loss kernels, and an AdamW optimiser whose state saves and restores exactly.
 
+pub mod actor;
 mod config;
 mod error;
 mod export;

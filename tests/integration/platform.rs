@@ -232,3 +232,55 @@ fn verl_platform_errors_name_the_valid_choices() {
         &["rocm", "not available", "KFD"],
     );
 }
+
+/// The selected platform's `env_updates` are applied before any component initialises: on a fake
+/// ROCm machine with HIP_VISIBLE_DEVICES, `verl-core generate` sets CUDA_VISIBLE_DEVICES (what
+/// CUDA-compatible libraries read) first, then places the rollout on the platform's device.
+#[test]
+fn platform_env_updates_are_applied_before_components_start() {
+    let root = machine().rocm_gpus(4).env("HIP_VISIBLE_DEVICES", "1,3");
+    let dir = plugin_dir(&[
+        (
+            "libverl_plugin_rocm.so",
+            &bundled_plugin("verl_plugin_rocm"),
+        ),
+        (
+            "libverl_plugin_native.so",
+            &bundled_plugin("verl_plugin_native"),
+        ),
+    ]);
+    let model = workspace_root().join("model/fixtures/tiny-llama");
+    let root_path = root.path().to_str().unwrap().to_owned();
+    let mut env: Vec<(&str, &str)> = root
+        .fake_env()
+        .vars()
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    env.extend([
+        ("VERL_PROBE_ROOT", root_path.as_str()),
+        ("RUST_LOG", "info"),
+    ]);
+    let out = verl_core(
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+        &env,
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let applied = stderr
+        .find("platform `rocm` sets CUDA_VISIBLE_DEVICES=1,3")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    // This machine has no GPU: the rollout, placed on cuda:0, fails after the update was applied.
+    assert!(!out.status.success(), "{stderr}");
+    let failed = stderr
+        .find("initialising rollout `native`")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(applied < failed, "{stderr}");
+}

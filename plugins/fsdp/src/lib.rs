@@ -5,7 +5,8 @@
 //! multi-rank run before step 1, and `init` rejects `world_size > 1` for any other host.
 //!
 //! Config (`ComponentInit::config`): verl's `actor_rollout_ref.actor` (or `critic`) section
-//! with verl's keys and defaults (see [`config::EngineConfig`]), plus `"role": "actor" | "ref" |
+//! with verl's keys and defaults (the shared [`verl_model::actor::ActorConfig`]; its own
+//! `fsdp_config` is [`config::FsdpConfig`], parsed strictly), plus `"role": "actor" | "ref" |
 //! "critic"` and `"model": {"path", "random_init", "enable_gradient_checkpointing", "dtype"}`.
 //! Mini-batch sizes count sequences (the trainer has multiplied them by `rollout.n`).
 //!
@@ -20,9 +21,7 @@
 
 pub mod config;
 
-mod batch;
 mod engine;
-mod error;
 
 use std::path::Path;
 
@@ -30,8 +29,8 @@ use verl_plugin_api::{
     Batch, ComponentInit, Engine, EngineCapabilities, Metric, PluginBuilder, PluginError, TensorRef,
 };
 
-use engine::Worker;
-use error::EngineError;
+use engine::{Worker, new_worker};
+use verl_model::actor::ActorError;
 
 /// The `fsdp` engine as the ABI sees it: the model, optimizer and settings once `init` has run.
 #[derive(Default)]
@@ -40,8 +39,8 @@ pub struct FsdpEngine {
 }
 
 impl FsdpEngine {
-    fn worker(&mut self) -> Result<&mut Worker, EngineError> {
-        self.worker.as_mut().ok_or(EngineError::NotInitialised)
+    fn worker(&mut self) -> Result<&mut Worker, ActorError> {
+        self.worker.as_mut().ok_or(ActorError::NotInitialised)
     }
 }
 
@@ -52,7 +51,7 @@ impl Engine for FsdpEngine {
             .max_world_size(1)
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
-        self.worker = Some(Worker::new(init)?);
+        self.worker = Some(new_worker(init)?);
         Ok(())
     }
     fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, PluginError> {

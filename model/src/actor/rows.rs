@@ -3,10 +3,10 @@
 
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
-use verl_model::interop::{parse_config, to_tch};
 use verl_plugin_api::{Batch, keys};
 
-use crate::error::EngineError;
+use super::ActorError;
+use crate::interop::{parse_config, to_tch};
 
 /// The per-call settings an engine reads from `Batch::meta_json`.
 #[derive(Debug, Deserialize)]
@@ -26,10 +26,10 @@ fn yes() -> bool {
 }
 
 impl Meta {
-    pub fn of(batch: &Batch) -> Result<Self, EngineError> {
+    pub fn of(batch: &Batch) -> Result<Self, ActorError> {
         let meta: Self = parse_config(&batch.meta_json, "batch meta_json")?;
         if !(meta.temperature > 0.0 && meta.temperature.is_finite()) {
-            return Err(EngineError::Batch(format!(
+            return Err(ActorError::Batch(format!(
                 "meta_json `temperature` must be positive, got {}",
                 meta.temperature
             )));
@@ -60,13 +60,13 @@ impl Rows {
         batch: &Batch,
         wanted: &[&'static str],
         device: Device,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, ActorError> {
         let mut tensors = Vec::with_capacity(wanted.len());
         for &key in wanted {
             let abi = batch.require(key)?;
             let tensor = to_tch(key, abi, device)?;
             if tensor.kind() != kind_of(key) || tensor.dim() != 2 {
-                return Err(EngineError::Batch(format!(
+                return Err(ActorError::Batch(format!(
                     "`{key}` must be a 2-D {:?} tensor, got {:?} of shape {:?}",
                     kind_of(key),
                     tensor.kind(),
@@ -82,13 +82,13 @@ impl Rows {
                 .map(|(_, t)| t.size())
         };
         let (Some(seq), Some(resp)) = (size(keys::INPUT_IDS), size(keys::RESPONSES)) else {
-            return Err(EngineError::Batch(
+            return Err(ActorError::Batch(
                 "needs `input_ids` and `responses`".into(),
             ));
         };
         let response_len = resp[1];
         if resp[0] != seq[0] || response_len < 1 || response_len >= seq[1] {
-            return Err(EngineError::Batch(format!(
+            return Err(ActorError::Batch(format!(
                 "`responses` {resp:?} must have the rows of `input_ids` {seq:?} and fewer columns"
             )));
         }
@@ -98,7 +98,7 @@ impl Rows {
                 _ => resp.clone(),
             };
             if tensor.size() != expected {
-                return Err(EngineError::Batch(format!(
+                return Err(ActorError::Batch(format!(
                     "`{key}` has shape {:?}, expected {expected:?}",
                     tensor.size()
                 )));

@@ -1,10 +1,11 @@
-//! The engine's errors; each becomes a [`PluginError`] at the ABI boundary.
+//! An engine's errors; each becomes a [`PluginError`] at the ABI boundary.
 
-use verl_model::ModelError;
 use verl_plugin_api::{ErrorKind, PluginError};
 
+use crate::ModelError;
+
 #[derive(Debug, thiserror::Error)]
-pub enum EngineError {
+pub enum ActorError {
     #[error("config key `{key}`: {reason}")]
     Config { key: String, reason: String },
 
@@ -29,23 +30,21 @@ pub enum EngineError {
     Plugin(#[from] PluginError),
 }
 
-impl From<tch::TchError> for EngineError {
+impl From<tch::TchError> for ActorError {
     fn from(e: tch::TchError) -> Self {
         Self::Model(e.into())
     }
 }
 
-impl From<EngineError> for PluginError {
-    fn from(e: EngineError) -> Self {
+impl From<ActorError> for PluginError {
+    fn from(e: ActorError) -> Self {
         match e {
-            EngineError::Model(e) => e.into(),
-            EngineError::Plugin(e) => e,
-            EngineError::Config { .. } => PluginError::invalid_config(e.to_string()),
-            EngineError::Unsupported(_) => PluginError::new(ErrorKind::UNSUPPORTED, e.to_string()),
-            EngineError::NotInitialised | EngineError::Batch(_) => {
-                PluginError::other(e.to_string())
-            }
-            EngineError::Checkpoint { .. } => PluginError::new(ErrorKind::IO, e.to_string()),
+            ActorError::Model(e) => e.into(),
+            ActorError::Plugin(e) => e,
+            ActorError::Config { .. } => PluginError::invalid_config(e.to_string()),
+            ActorError::Unsupported(_) => PluginError::new(ErrorKind::UNSUPPORTED, e.to_string()),
+            ActorError::NotInitialised | ActorError::Batch(_) => PluginError::other(e.to_string()),
+            ActorError::Checkpoint { .. } => PluginError::new(ErrorKind::IO, e.to_string()),
         }
     }
 }

@@ -1,0 +1,446 @@
+//! verl's actor / critic section (`actor_rollout_ref.actor`, `…ref`, `critic`) with verl's key
+//! names and defaults, plus `role` and `model`, for every engine strategy. The host has checked
+//! verl's keys, so keys not read here (a strategy's own section among them) are ignored; a wrong
+//! type is reported by serde with the key's path, a wrong value by [`ActorConfig::validate`].
+
+use serde::{Deserialize, Serialize};
+
+use super::ActorError;
+use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode};
+use crate::{AdamWConfig, LrDecay, LrSchedule, ModelSpec};
+
+/// What the engine trains (or only scores).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The policy: log-probs and PPO updates.
+    Actor,
+    /// A frozen policy: log-probs only.
+    Ref,
+    /// A value model: values and value-loss updates.
+    Critic,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Actor => "actor",
+            Self::Ref => "ref",
+            Self::Critic => "critic",
+        }
+    }
+
+    /// Where the role's section sits in verl's config.
+    pub fn section_path(self) -> &'static str {
+        match self {
+            Self::Actor => "actor_rollout_ref.actor",
+            Self::Ref => "actor_rollout_ref.ref",
+            Self::Critic => "critic",
+        }
+    }
+}
+
+fn default_lr() -> f64 {
+    1e-6
+}
+fn default_weight_decay() -> f64 {
+    0.01
+}
+fn default_betas() -> (f64, f64) {
+    (0.9, 0.999)
+}
+fn minus_one() -> i64 {
+    -1
+}
+fn default_num_cycles() -> f64 {
+    0.5
+}
+fn one() -> usize {
+    1
+}
+fn default_mini_batch() -> usize {
+    256
+}
+fn default_clip_ratio() -> f64 {
+    0.2
+}
+fn default_clip_ratio_c() -> f64 {
+    3.0
+}
+fn default_kl_loss_coef() -> f64 {
+    0.001
+}
+fn default_kl_loss_type() -> String {
+    "low_var_kl".into()
+}
+fn default_cliprange_value() -> f64 {
+    0.5
+}
+
+/// verl's `optim` section. Keys verl may leave `null` are options.
+#[derive(Debug, Clone, Deserialize)]
+pub struct OptimConfig {
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    #[serde(default = "default_weight_decay")]
+    pub weight_decay: f64,
+    /// Max global gradient norm; `None` falls back to the section's `grad_clip` (older verl), then 1.0.
+    pub clip_grad: Option<f64>,
+    #[serde(default = "default_betas")]
+    pub betas: (f64, f64),
+    /// ≤ 0: derive from `lr_warmup_steps_ratio`.
+    #[serde(default = "minus_one")]
+    pub lr_warmup_steps: i64,
+    #[serde(default)]
+    pub lr_warmup_steps_ratio: f64,
+    /// Filled in by the trainer; needed by the cosine schedule and the warm-up ratio.
+    pub total_training_steps: Option<i64>,
+    /// `constant` | `cosine`; `warmup_style` is its older spelling.
+    pub lr_scheduler_type: Option<String>,
+    pub warmup_style: Option<String>,
+    pub min_lr_ratio: Option<f64>,
+    #[serde(default = "default_num_cycles")]
+    pub num_cycles: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        serde_json::from_str("{}").expect("every optim key has a default")
+    }
+}
+
+/// verl's `policy_loss` sub-section.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct PolicyLossConfig {
+    #[serde(default)]
+    pub loss_mode: PolicyLossMode,
+}
+
+/// The section, as every strategy reads it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ActorConfig {
+    pub role: Role,
+    pub model: ModelSpec,
+    #[serde(default)]
+    pub optim: OptimConfig,
+    /// Older verl's place for the gradient-clipping norm.
+    pub grad_clip: Option<f64>,
+    /// Sequences per optimizer step (the trainer has already multiplied by `rollout.n`).
+    #[serde(default = "default_mini_batch")]
+    pub ppo_mini_batch_size: usize,
+    /// Sequences per forward/backward (gradient accumulation); default the whole mini-batch.
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    /// Sequences per forward in `compute_log_prob` / `compute_values` (verl's ref/rollout and
+    /// critic keys); default the PPO micro-batch size, then the whole batch.
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    pub forward_micro_batch_size_per_gpu: Option<usize>,
+    #[serde(default = "one")]
+    pub ppo_epochs: usize,
+    /// Shuffle the batch before splitting it into mini-batches, each epoch (seeded, checkpointed).
+    #[serde(default)]
+    pub shuffle: bool,
+    #[serde(default = "default_clip_ratio")]
+    pub clip_ratio: f64,
+    pub clip_ratio_low: Option<f64>,
+    pub clip_ratio_high: Option<f64>,
+    #[serde(default = "default_clip_ratio_c")]
+    pub clip_ratio_c: f64,
+    #[serde(default)]
+    pub loss_agg_mode: LossAggMode,
+    /// Divisor of `seq-mean-token-sum-norm` (verl's); default the response length.
+    pub loss_scale_factor: Option<f64>,
+    #[serde(default)]
+    pub entropy_coeff: f64,
+    #[serde(default)]
+    pub use_kl_loss: bool,
+    #[serde(default = "default_kl_loss_coef")]
+    pub kl_loss_coef: f64,
+    #[serde(default = "default_kl_loss_type")]
+    pub kl_loss_type: String,
+    #[serde(default)]
+    pub policy_loss: PolicyLossConfig,
+    /// Critic: clip range of the value update around the old values.
+    #[serde(default = "default_cliprange_value")]
+    pub cliprange_value: f64,
+}
+
+/// The validated, resolved settings an engine runs with.
+#[derive(Debug, Clone)]
+pub struct ActorSettings {
+    pub role: Role,
+    pub model: ModelSpec,
+    pub optimizer: AdamWConfig,
+    pub clip_grad: f64,
+    pub schedule: LrSchedule,
+    pub mini_batch: usize,
+    pub micro_batch: Option<usize>,
+    pub forward_micro_batch: Option<usize>,
+    pub epochs: usize,
+    pub shuffle: bool,
+    pub clip: ClipConfig,
+    pub loss_agg_mode: LossAggMode,
+    pub loss_scale_factor: Option<f64>,
+    pub loss_mode: PolicyLossMode,
+    pub entropy_coeff: f64,
+    /// `Some((coef, penalty))` when `use_kl_loss`.
+    pub kl_loss: Option<(f64, KlPenalty)>,
+    pub cliprange_value: f64,
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ActorError {
+    ActorError::Config {
+        key: key.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn positive(key: &str, value: usize) -> Result<usize, ActorError> {
+    if value == 0 {
+        Err(invalid(key, "must be at least 1"))
+    } else {
+        Ok(value)
+    }
+}
+
+fn non_negative(key: &str, value: f64) -> Result<f64, ActorError> {
+    if value >= 0.0 && value.is_finite() {
+        Ok(value)
+    } else {
+        Err(invalid(
+            key,
+            format!("must be a finite number ≥ 0, got {value}"),
+        ))
+    }
+}
+
+impl ActorConfig {
+    /// Checks values serde cannot and resolves verl's fallbacks (clip_ratio_low/high default to
+    /// clip_ratio, warm-up steps from the ratio, the schedule type from either spelling).
+    pub fn validate(self) -> Result<ActorSettings, ActorError> {
+        let o = &self.optim;
+        non_negative("optim.lr", o.lr)?;
+        non_negative("optim.weight_decay", o.weight_decay)?;
+        for (key, beta) in [("optim.betas[0]", o.betas.0), ("optim.betas[1]", o.betas.1)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(invalid(key, format!("must lie in [0, 1), got {beta}")));
+            }
+        }
+        let clip_grad = match (o.clip_grad, self.grad_clip) {
+            (Some(c), _) => non_negative("optim.clip_grad", c)?,
+            (None, Some(c)) => non_negative("grad_clip", c)?,
+            (None, None) => 1.0,
+        };
+        let total_steps = o.total_training_steps.filter(|&t| t > 0).unwrap_or(0) as u64;
+        if !(0.0..=1.0).contains(&o.lr_warmup_steps_ratio) {
+            return Err(invalid(
+                "optim.lr_warmup_steps_ratio",
+                format!("must lie in [0, 1], got {}", o.lr_warmup_steps_ratio),
+            ));
+        }
+        let warmup_steps = if o.lr_warmup_steps > 0 {
+            o.lr_warmup_steps as u64
+        } else {
+            (o.lr_warmup_steps_ratio * total_steps as f64) as u64
+        };
+        let (key, style) = match (&o.lr_scheduler_type, &o.warmup_style) {
+            (Some(s), _) => ("optim.lr_scheduler_type", s.as_str()),
+            (None, Some(s)) => ("optim.warmup_style", s.as_str()),
+            (None, None) => ("optim.lr_scheduler_type", "constant"),
+        };
+        let decay = match style {
+            "constant" => LrDecay::Constant,
+            "cosine" => {
+                if total_steps == 0 {
+                    return Err(invalid(
+                        "optim.total_training_steps",
+                        "the cosine schedule needs a positive total",
+                    ));
+                }
+                let min_lr_ratio = o.min_lr_ratio.unwrap_or(0.0);
+                if !(0.0..=1.0).contains(&min_lr_ratio) {
+                    return Err(invalid(
+                        "optim.min_lr_ratio",
+                        format!("must lie in [0, 1], got {min_lr_ratio}"),
+                    ));
+                }
+                LrDecay::Cosine {
+                    min_lr_ratio,
+                    num_cycles: non_negative("optim.num_cycles", o.num_cycles)?,
+                }
+            }
+            other => {
+                return Err(invalid(
+                    key,
+                    format!("unknown schedule {other:?} (constant, cosine)"),
+                ));
+            }
+        };
+        let mini_batch = positive("ppo_mini_batch_size", self.ppo_mini_batch_size)?;
+        let micro_batch = self
+            .ppo_micro_batch_size_per_gpu
+            .map(|m| positive("ppo_micro_batch_size_per_gpu", m))
+            .transpose()?;
+        if let Some(micro) = micro_batch
+            && mini_batch % micro != 0
+        {
+            return Err(invalid(
+                "ppo_micro_batch_size_per_gpu",
+                format!("{micro} does not divide ppo_mini_batch_size {mini_batch}"),
+            ));
+        }
+        let forward_micro_batch = match (
+            self.log_prob_micro_batch_size_per_gpu,
+            self.forward_micro_batch_size_per_gpu,
+        ) {
+            (Some(m), _) => Some(positive("log_prob_micro_batch_size_per_gpu", m)?),
+            (None, Some(m)) => Some(positive("forward_micro_batch_size_per_gpu", m)?),
+            (None, None) => micro_batch,
+        };
+        let clip = ClipConfig {
+            clip_ratio_low: non_negative(
+                "clip_ratio_low",
+                self.clip_ratio_low.unwrap_or(self.clip_ratio),
+            )?,
+            clip_ratio_high: non_negative(
+                "clip_ratio_high",
+                self.clip_ratio_high.unwrap_or(self.clip_ratio),
+            )?,
+            clip_ratio_c: self.clip_ratio_c,
+        };
+        non_negative("clip_ratio", self.clip_ratio)?;
+        if clip.clip_ratio_c <= 1.0 {
+            return Err(invalid(
+                "clip_ratio_c",
+                format!(
+                    "the dual-clip bound must be greater than 1, got {}",
+                    clip.clip_ratio_c
+                ),
+            ));
+        }
+        let kl_loss = if self.use_kl_loss {
+            let penalty = self
+                .kl_loss_type
+                .parse::<KlPenalty>()
+                .map_err(|e| invalid("kl_loss_type", e.to_string()))?;
+            Some((non_negative("kl_loss_coef", self.kl_loss_coef)?, penalty))
+        } else {
+            None
+        };
+        Ok(ActorSettings {
+            role: self.role,
+            optimizer: AdamWConfig {
+                betas: o.betas,
+                weight_decay: o.weight_decay,
+                ..AdamWConfig::default()
+            },
+            clip_grad,
+            schedule: LrSchedule {
+                base_lr: o.lr,
+                warmup_steps,
+                total_steps,
+                decay,
+            },
+            mini_batch,
+            micro_batch,
+            forward_micro_batch,
+            epochs: positive("ppo_epochs", self.ppo_epochs)?,
+            shuffle: self.shuffle,
+            clip,
+            loss_agg_mode: self.loss_agg_mode,
+            loss_scale_factor: self
+                .loss_scale_factor
+                .map(|f| {
+                    if f > 0.0 {
+                        Ok(f)
+                    } else {
+                        Err(invalid(
+                            "loss_scale_factor",
+                            format!("must be positive, got {f}"),
+                        ))
+                    }
+                })
+                .transpose()?,
+            loss_mode: self.policy_loss.loss_mode,
+            entropy_coeff: self.entropy_coeff,
+            kl_loss,
+            cliprange_value: non_negative("cliprange_value", self.cliprange_value)?,
+            model: self.model,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(extra: &str) -> Result<ActorSettings, ActorError> {
+        let text = format!(r#"{{"role":"actor","model":{{"path":"m"}}{extra}}}"#);
+        serde_json::from_str::<ActorConfig>(&text)
+            .unwrap()
+            .validate()
+    }
+
+    #[test]
+    fn verl_defaults_and_fallbacks() {
+        let s = settings("").unwrap();
+        assert_eq!(
+            (s.schedule.base_lr, s.optimizer.weight_decay, s.clip_grad),
+            (1e-6, 0.01, 1.0)
+        );
+        assert_eq!((s.mini_batch, s.micro_batch, s.epochs), (256, None, 1));
+        assert_eq!(
+            (
+                s.clip.clip_ratio_low,
+                s.clip.clip_ratio_high,
+                s.clip.clip_ratio_c
+            ),
+            (0.2, 0.2, 3.0)
+        );
+        assert_eq!(
+            (s.loss_agg_mode, s.loss_mode, s.kl_loss),
+            (LossAggMode::TokenMean, PolicyLossMode::Vanilla, None)
+        );
+        let s = settings(
+            r#","clip_ratio":0.1,"clip_ratio_high":0.28,"grad_clip":0.5,"use_kl_loss":true,
+               "optim":{"lr_warmup_steps_ratio":0.1,"total_training_steps":50,"warmup_style":"cosine","min_lr_ratio":null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (s.clip.clip_ratio_low, s.clip.clip_ratio_high, s.clip_grad),
+            (0.1, 0.28, 0.5)
+        );
+        assert_eq!((s.schedule.warmup_steps, s.schedule.total_steps), (5, 50));
+        assert_eq!(
+            s.schedule.decay,
+            LrDecay::Cosine {
+                min_lr_ratio: 0.0,
+                num_cycles: 0.5
+            }
+        );
+        assert_eq!(s.kl_loss.unwrap().0, 0.001);
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        for (extra, key) in [
+            (
+                r#","optim":{"lr_scheduler_type":"linear"}"#,
+                "optim.lr_scheduler_type",
+            ),
+            (
+                r#","optim":{"lr_scheduler_type":"cosine"}"#,
+                "optim.total_training_steps",
+            ),
+            (
+                r#","ppo_mini_batch_size":8,"ppo_micro_batch_size_per_gpu":3"#,
+                "ppo_micro_batch_size_per_gpu",
+            ),
+            (r#","use_kl_loss":true,"kl_loss_type":"k9""#, "kl_loss_type"),
+            (r#","clip_ratio_c":0.5"#, "clip_ratio_c"),
+            (r#","ppo_epochs":0"#, "ppo_epochs"),
+        ] {
+            let err = settings(extra).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{key}`")), "{extra}: {err}");
+        }
+    }
+}

@@ -1,0 +1,474 @@
+//! verl's actor and critic semantics, shared by every engine strategy: the config with verl's keys
+//! and defaults ([`ActorConfig`]), the batch layout ([`Rows`]), `compute_log_prob` /
+//! `compute_values`, and the update loop — epochs × mini-batches (one optimizer step each) ×
+//! micro-batches (gradient accumulation) — with verl's losses and metric names. A strategy (`fsdp`:
+//! one rank holds the whole model; `megatron`: tensor/sequence/context parallel shards) supplies
+//! only what differs: its forward and backward, its optimizer, its checkpoint files and its weights
+//! ([`Strategy`]).
+//!
+//! Loss scaling follows verl's global-batch normalisation: every micro-batch's loss is aggregated
+//! with the mini-batch's token count (token-mean) or sequence count (seq-mean modes) as the
+//! denominator, so the accumulated gradient equals the mini-batch's loss gradient whatever the
+//! micro-batch size. Metrics are averaged as verl's `reduce_metrics` does (mean of the collected
+//! values), with the loss values (`pg_loss`, `kl_loss`, `vf_loss`) collected per mini-batch (the sum
+//! of its micro-batches' contributions, i.e. the mini-batch loss) and the rest per micro-batch.
+//! `actor/entropy` comes from `update_actor` only when `entropy_coeff != 0`, as in verl, whose
+//! trainer otherwise reports it from `compute_log_prob`'s `entropys`.
+
+mod config;
+mod error;
+mod rows;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use verl_plugin_api::{Batch, Metric, TensorRef, keys};
+
+pub use config::{ActorConfig, ActorSettings, OptimConfig, PolicyLossConfig, Role};
+pub use error::ActorError;
+pub use rows::{Meta, Rows};
+
+use crate::interop::from_tch;
+use crate::losses::{
+    AggScale, PolicyBatch, agg_loss, kl_penalty, masked_mean, policy_loss, value_loss,
+};
+use crate::{LrSchedule, ResponseScores, Rng};
+
+/// What an engine strategy supplies: how its (possibly sharded) model computes and learns.
+/// Everything else — verl's losses, loss scaling, mini/micro-batching, metrics, the schedule,
+/// checkpoint bookkeeping — is [`ActorWorker`]'s.
+pub trait Strategy {
+    fn device(&self) -> Device;
+    /// Per-token log-probs (and entropy when asked) of the response tokens of `rows`, at
+    /// `temperature`. Called under `no_grad`.
+    fn scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> crate::Result<ResponseScores>;
+    /// Per-token values of the response tokens (value-head models). Called under `no_grad`.
+    fn values(&self, rows: &Rows) -> crate::Result<Tensor>;
+    /// Forward and backward of one micro-batch through the policy: `loss` maps the response scores
+    /// to the scalar loss, whose gradient is accumulated into the parameters.
+    fn backward_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        loss: &mut dyn FnMut(&ResponseScores) -> crate::Result<Tensor>,
+    ) -> crate::Result<()>;
+    /// As [`Strategy::backward_scores`], through the value head.
+    fn backward_values(
+        &self,
+        rows: &Rows,
+        loss: &mut dyn FnMut(&Tensor) -> crate::Result<Tensor>,
+    ) -> crate::Result<()>;
+    fn zero_grad(&mut self);
+    /// Clips the global gradient norm to `max_norm`; returns the norm before clipping.
+    fn clip_grad_norm(&mut self, max_norm: f64) -> f64;
+    fn step(&mut self, lr: f64);
+    /// Writes weights and optimizer state under `dir`, with the worker's schedule and generator.
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> crate::Result<()>;
+    /// Restores what [`Strategy::save`] wrote; returns the schedule and generator.
+    fn load(&mut self, dir: &Path) -> crate::Result<(LrSchedule, Rng)>;
+    /// The full weights as views (see `verl_plugin_api::Engine::weights`).
+    fn weights(&mut self) -> crate::Result<Vec<TensorRef<'_>>>;
+    fn export_hf(&self, dir: &Path) -> crate::Result<()>;
+}
+
+/// What a trainable role carries besides its strategy.
+struct Training {
+    schedule: LrSchedule,
+    /// Shuffles mini-batches; saved with the checkpoint so a resumed run shuffles identically.
+    rng: Rng,
+    /// `update_*` calls so far: verl steps the LR scheduler once per call, not per optimizer step.
+    updates: u64,
+}
+
+/// The worker's own part of a checkpoint, next to the strategy's files.
+#[derive(Serialize, Deserialize)]
+struct EngineState {
+    role: Role,
+    global_step: u64,
+    updates: u64,
+}
+
+const ENGINE_STATE_FILE: &str = "engine_state.json";
+
+/// Collected metric values, averaged at the end.
+#[derive(Default)]
+struct Metrics(BTreeMap<&'static str, Vec<f64>>);
+
+impl Metrics {
+    fn push(&mut self, key: &'static str, value: f64) {
+        self.0.entry(key).or_default().push(value);
+    }
+
+    fn into_means(self) -> Vec<Metric> {
+        self.0
+            .into_iter()
+            .map(|(k, v)| Metric::new(k, v.iter().sum::<f64>() / v.len() as f64))
+            .collect()
+    }
+}
+
+fn scalar(t: &Tensor) -> f64 {
+    t.double_value(&[])
+}
+
+/// One micro-batch's forward and backward; returns its contributions to the mini-batch's loss
+/// values.
+type MicroStep<'a, S> = dyn FnMut(&S, &Rows, &AggScale, &mut Metrics) -> Result<Vec<(&'static str, f64)>, ActorError>
+    + 'a;
+
+/// An engine role (actor, ref or critic) on a strategy.
+pub struct ActorWorker<S> {
+    settings: ActorSettings,
+    strategy: S,
+    /// `None` for the reference policy, which never learns.
+    training: Option<Training>,
+}
+
+impl<S: Strategy> ActorWorker<S> {
+    /// `seed` seeds mini-batch shuffling (the run seed).
+    pub fn new(settings: ActorSettings, strategy: S, seed: u64) -> Self {
+        let training = (settings.role != Role::Ref).then(|| Training {
+            schedule: settings.schedule.clone(),
+            rng: Rng::stream(seed, 1),
+            updates: 0,
+        });
+        Self {
+            settings,
+            strategy,
+            training,
+        }
+    }
+
+    pub fn settings(&self) -> &ActorSettings {
+        &self.settings
+    }
+
+    fn require_role(&self, op: &str, roles: &[Role]) -> Result<(), ActorError> {
+        if roles.contains(&self.settings.role) {
+            Ok(())
+        } else {
+            Err(ActorError::Unsupported(format!(
+                "a `{}` engine does not support `{op}`",
+                self.settings.role.as_str()
+            )))
+        }
+    }
+
+    pub fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
+        self.require_role("compute_log_prob", &[Role::Actor, Role::Ref])?;
+        let meta = Meta::of(batch)?;
+        let rows = Rows::load(
+            batch,
+            &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
+            self.strategy.device(),
+        )?;
+        let (mut log_probs, mut entropys) = (Vec::new(), Vec::new());
+        tch::no_grad(|| -> Result<(), ActorError> {
+            for micro in rows.chunks(self.settings.forward_micro_batch) {
+                let scores =
+                    self.strategy
+                        .scores(&micro, meta.temperature, meta.calculate_entropy)?;
+                log_probs.push(scores.log_probs);
+                entropys.extend(scores.entropy);
+            }
+            Ok(())
+        })?;
+        let mut out = Batch::default();
+        out.insert(
+            keys::LOG_PROBS,
+            from_tch(keys::LOG_PROBS, &Tensor::cat(&log_probs, 0))?,
+        );
+        if meta.calculate_entropy {
+            out.insert(
+                keys::ENTROPYS,
+                from_tch(keys::ENTROPYS, &Tensor::cat(&entropys, 0))?,
+            );
+        }
+        Ok(out)
+    }
+
+    pub fn compute_values(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
+        self.require_role("compute_values", &[Role::Critic])?;
+        let rows = Rows::load(
+            batch,
+            &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
+            self.strategy.device(),
+        )?;
+        let values = tch::no_grad(|| -> Result<Vec<Tensor>, ActorError> {
+            rows.chunks(self.settings.forward_micro_batch)
+                .map(|m| Ok(self.strategy.values(&m)?))
+                .collect()
+        })?;
+        let mut out = Batch::default();
+        out.insert(
+            keys::VALUES,
+            from_tch(keys::VALUES, &Tensor::cat(&values, 0))?,
+        );
+        Ok(out)
+    }
+
+    pub fn update_actor(&mut self, batch: &Batch) -> Result<Vec<Metric>, ActorError> {
+        self.require_role("update_actor", &[Role::Actor])?;
+        let meta = Meta::of(batch)?;
+        let mut wanted = vec![
+            keys::INPUT_IDS,
+            keys::ATTENTION_MASK,
+            keys::RESPONSES,
+            keys::RESPONSE_MASK,
+            keys::OLD_LOG_PROBS,
+            keys::ADVANTAGES,
+        ];
+        if self.settings.kl_loss.is_some() {
+            wanted.push(keys::REF_LOG_PROB);
+        }
+        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
+        let settings = self.settings.clone();
+        self.update("actor", rows, &mut |strategy, micro, scale, metrics| {
+            actor_micro_step(&settings, strategy, micro, scale, meta.temperature, metrics)
+        })
+    }
+
+    pub fn update_critic(&mut self, batch: &Batch) -> Result<Vec<Metric>, ActorError> {
+        self.require_role("update_critic", &[Role::Critic])?;
+        let wanted = [
+            keys::INPUT_IDS,
+            keys::ATTENTION_MASK,
+            keys::RESPONSES,
+            keys::RESPONSE_MASK,
+            keys::VALUES,
+            keys::RETURNS,
+        ];
+        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
+        let (cliprange, agg_mode) = (self.settings.cliprange_value, self.settings.loss_agg_mode);
+        self.update("critic", rows, &mut |strategy, micro, scale, metrics| {
+            let response_mask = micro.get(keys::RESPONSE_MASK);
+            let mut loss_value = 0.0;
+            strategy.backward_values(micro, &mut |vpreds| {
+                let (loss, clipfrac) = value_loss(
+                    vpreds,
+                    micro.get(keys::RETURNS),
+                    micro.get(keys::VALUES),
+                    response_mask,
+                    cliprange,
+                    agg_mode,
+                    scale,
+                );
+                metrics.push("critic/vf_clipfrac", clipfrac);
+                metrics.push(
+                    "critic/vpred_mean",
+                    scalar(&masked_mean(&vpreds.detach(), response_mask)),
+                );
+                loss_value = scalar(&loss);
+                Ok(loss)
+            })?;
+            Ok(vec![("critic/vf_loss", loss_value)])
+        })
+    }
+
+    /// verl's update loop, shared by the actor and the critic: `micro_step` runs forward and
+    /// backward of one micro-batch under the mini-batch's loss normalisation and records the
+    /// micro-batch's metrics; it returns the micro-batch's contribution to the mini-batch loss
+    /// values (keyed like the metrics), which are recorded once per mini-batch.
+    fn update(
+        &mut self,
+        prefix: &'static str,
+        rows: Rows,
+        micro_step: &mut MicroStep<'_, S>,
+    ) -> Result<Vec<Metric>, ActorError> {
+        let s = &self.settings;
+        let training = self
+            .training
+            .as_mut()
+            .expect("trainable roles have training state");
+        let lr = training.schedule.lr_at(training.updates);
+        let mut metrics = Metrics::default();
+        for _ in 0..s.epochs {
+            let order = if s.shuffle {
+                rows.select(&permutation(
+                    &mut training.rng,
+                    rows.rows(),
+                    self.strategy.device(),
+                ))
+            } else {
+                rows.narrow(0, rows.rows())
+            };
+            for mini in order.chunks(Some(s.mini_batch)) {
+                self.strategy.zero_grad();
+                let mask = mini.get(keys::RESPONSE_MASK);
+                let tokens = scalar(&mask.sum(Kind::Float));
+                let seqs = scalar(
+                    &mask
+                        .sum_dim_intlist(-1, false, Kind::Float)
+                        .gt(0.0)
+                        .sum(Kind::Float),
+                );
+                let scale = AggScale {
+                    batch_num_tokens: Some(tokens.max(1.0)),
+                    global_batch_size: Some(seqs.max(1.0)),
+                    loss_scale_factor: s.loss_scale_factor,
+                    ..AggScale::default()
+                };
+                let mut losses: BTreeMap<&'static str, f64> = BTreeMap::new();
+                for micro in mini.chunks(s.micro_batch) {
+                    for (key, value) in micro_step(&self.strategy, &micro, &scale, &mut metrics)? {
+                        *losses.entry(key).or_default() += value;
+                    }
+                }
+                losses.into_iter().for_each(|(k, v)| metrics.push(k, v));
+                let grad_norm = self.strategy.clip_grad_norm(s.clip_grad);
+                // As verl: a non-finite gradient skips the step instead of corrupting the weights.
+                if grad_norm.is_finite() {
+                    self.strategy.step(lr);
+                }
+                self.strategy.zero_grad();
+                metrics.push(
+                    if prefix == "actor" {
+                        "actor/grad_norm"
+                    } else {
+                        "critic/grad_norm"
+                    },
+                    grad_norm,
+                );
+            }
+        }
+        training.updates += 1;
+        let mut out = metrics.into_means();
+        out.push(Metric::new(format!("{prefix}/lr"), lr));
+        Ok(out)
+    }
+
+    fn training(&self, op: &str) -> Result<&Training, ActorError> {
+        self.training.as_ref().ok_or_else(|| {
+            ActorError::Unsupported(format!("a `ref` engine has no training state to `{op}`"))
+        })
+    }
+
+    /// The strategy's weights and optimizer state plus the schedule, generator and step
+    /// counters, so that the next update after `load_checkpoint` is bit-identical.
+    pub fn save_checkpoint(&mut self, dir: &Path, global_step: u64) -> Result<(), ActorError> {
+        let training = self.training("save_checkpoint")?;
+        self.strategy.save(dir, &training.schedule, &training.rng)?;
+        let state = EngineState {
+            role: self.settings.role,
+            global_step,
+            updates: training.updates,
+        };
+        let path = dir.join(ENGINE_STATE_FILE);
+        let text = serde_json::to_string_pretty(&state).expect("plain struct");
+        std::fs::write(&path, text).map_err(|e| checkpoint_error(&path, e))
+    }
+
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<u64, ActorError> {
+        self.training("load_checkpoint")?;
+        let path = dir.join(ENGINE_STATE_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|e| checkpoint_error(&path, e))?;
+        let state: EngineState =
+            serde_json::from_str(&text).map_err(|e| checkpoint_error(&path, e))?;
+        if state.role != self.settings.role {
+            return Err(checkpoint_error(
+                &path,
+                format!(
+                    "was saved by a `{}` engine, this one is `{}`",
+                    state.role.as_str(),
+                    self.settings.role.as_str()
+                ),
+            ));
+        }
+        let (schedule, rng) = self.strategy.load(dir)?;
+        let training = self.training.as_mut().expect("checked above");
+        training.schedule = schedule;
+        training.rng = rng;
+        training.updates = state.updates;
+        Ok(state.global_step)
+    }
+
+    pub fn weights(&mut self) -> Result<Vec<TensorRef<'_>>, ActorError> {
+        Ok(self.strategy.weights()?)
+    }
+
+    pub fn export_hf(&self, dir: &Path) -> Result<(), ActorError> {
+        Ok(self.strategy.export_hf(dir)?)
+    }
+}
+
+fn actor_micro_step<S: Strategy>(
+    s: &ActorSettings,
+    strategy: &S,
+    micro: &Rows,
+    scale: &AggScale,
+    temperature: f64,
+    metrics: &mut Metrics,
+) -> Result<Vec<(&'static str, f64)>, ActorError> {
+    let response_mask = micro.get(keys::RESPONSE_MASK);
+    let mut losses = Vec::new();
+    // As verl: entropy only when it is in the loss (then also reported); otherwise the trainer
+    // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
+    // vocab] entropy tensors are never built here.
+    let with_entropy = s.entropy_coeff != 0.0;
+    strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+        let pg = policy_loss(
+            s.loss_mode,
+            PolicyBatch {
+                old_log_prob: micro.get(keys::OLD_LOG_PROBS),
+                log_prob: &scores.log_probs,
+                advantages: micro.get(keys::ADVANTAGES),
+                response_mask,
+            },
+            &s.clip,
+            s.loss_agg_mode,
+            scale,
+        )?;
+        metrics.push("actor/pg_clipfrac", pg.pg_clipfrac);
+        metrics.push("actor/ppo_kl", pg.ppo_kl);
+        metrics.push("actor/pg_clipfrac_lower", pg.pg_clipfrac_lower);
+        losses.push(("actor/pg_loss", scalar(&pg.pg_loss)));
+        let mut terms = vec![pg.pg_loss];
+        if let Some(entropy) = &scores.entropy {
+            // The micro-batch's own mean entropy, as verl reports it.
+            let own = agg_loss(
+                &entropy.detach(),
+                response_mask,
+                s.loss_agg_mode,
+                &AggScale::default(),
+            );
+            metrics.push("actor/entropy", scalar(&own));
+            terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
+        }
+        if let Some((coef, penalty)) = s.kl_loss {
+            let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
+            let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
+            losses.push(("actor/kl_loss", scalar(&kl_loss)));
+            terms.push(kl_loss * coef);
+        }
+        Ok(Tensor::stack(&terms, 0).sum(Kind::Float))
+    })?;
+    if let Some((coef, _)) = s.kl_loss {
+        metrics.push("actor/kl_coef", coef);
+    }
+    Ok(losses)
+}
+
+fn checkpoint_error(path: &Path, reason: impl ToString) -> ActorError {
+    ActorError::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// A seeded Fisher–Yates permutation of `0..n` (our own RNG, so it is checkpointed with the engine).
+fn permutation(rng: &mut Rng, n: i64, device: Device) -> Tensor {
+    let mut order: Vec<i64> = (0..n).collect();
+    for i in (1..order.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    Tensor::from_slice(&order).to_device(device)
+}

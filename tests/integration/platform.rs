@@ -249,7 +249,7 @@ fn platform_env_updates_are_applied_before_components_start() {
             &bundled_plugin("verl_plugin_native"),
         ),
     ]);
-    let model = workspace_root().join("model/fixtures/tiny-llama");
+    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
     let root_path = root.path().to_str().unwrap().to_owned();
     let mut env: Vec<(&str, &str)> = root
         .fake_env()

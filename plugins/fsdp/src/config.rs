@@ -1,10 +1,10 @@
 //! The `fsdp` engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`), parsed strictly;
-//! verl's actor keys around it are the shared [`verl_model::actor::ActorConfig`].
+//! verl's actor keys around it are the shared [`verl_torch_runtime::actor::ActorConfig`].
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use verl_model::actor::Role;
 use verl_plugin_api::{ComponentInit, PluginError};
+use verl_torch_runtime::actor::Role;
 
 /// verl's `FSDPEngineConfig.wrap_policy`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -1,16 +1,16 @@
 //! The `fsdp` strategy on one rank: the whole model and its AdamW optimizer in this process. verl's
-//! actor/critic semantics around it are the shared [`verl_model::actor::ActorWorker`].
+//! actor/critic semantics around it are the shared [`verl_torch_runtime::actor::ActorWorker`].
 
 use std::path::Path;
 
 use tch::{Device, Tensor};
-use verl_model::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows, Strategy};
-use verl_model::interop::LentTensors;
-use verl_model::{
+use verl_plugin_api::{ComponentInit, TensorRef, keys};
+use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows, Strategy};
+use verl_torch_runtime::interop::LentTensors;
+use verl_torch_runtime::{
     AdamW, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, load_training_state,
     parse_device, save_training_state,
 };
-use verl_plugin_api::{ComponentInit, TensorRef, keys};
 
 use crate::config::FsdpConfig;
 
@@ -70,8 +70,8 @@ impl LocalModel {
     fn backward(
         &self,
         rows: &Rows,
-        loss_fn: impl FnOnce(&Tensor) -> verl_model::Result<Tensor>,
-    ) -> verl_model::Result<()> {
+        loss_fn: impl FnOnce(&Tensor) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
         let (ids, mask) = (rows.get(keys::INPUT_IDS), rows.get(keys::ATTENTION_MASK));
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
@@ -93,7 +93,7 @@ impl Strategy for LocalModel {
         rows: &Rows,
         temperature: f64,
         with_entropy: bool,
-    ) -> verl_model::Result<ResponseScores> {
+    ) -> verl_torch_runtime::Result<ResponseScores> {
         self.model.response_scores(
             rows.get(keys::INPUT_IDS),
             rows.get(keys::ATTENTION_MASK),
@@ -103,7 +103,7 @@ impl Strategy for LocalModel {
         )
     }
 
-    fn values(&self, rows: &Rows) -> verl_model::Result<Tensor> {
+    fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
         self.model.response_values(
             rows.get(keys::INPUT_IDS),
             rows.get(keys::ATTENTION_MASK),
@@ -116,8 +116,8 @@ impl Strategy for LocalModel {
         rows: &Rows,
         temperature: f64,
         with_entropy: bool,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
-    ) -> verl_model::Result<()> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
         self.backward(rows, |hidden| {
             let scores = self.model.response_scores_from_hidden(
                 hidden,
@@ -134,8 +134,8 @@ impl Strategy for LocalModel {
     fn backward_values(
         &self,
         rows: &Rows,
-        loss: &mut dyn FnMut(&Tensor) -> verl_model::Result<Tensor>,
-    ) -> verl_model::Result<()> {
+        loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
         self.backward(rows, |hidden| {
             let values = self.model.response_values_from_hidden(
                 hidden,
@@ -158,8 +158,8 @@ impl Strategy for LocalModel {
         self.optimizer().step(lr);
     }
 
-    /// verl-model's training state: weights, optimizer moments, schedule and generator.
-    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_model::Result<()> {
+    /// verl-torch-runtime's training state: weights, optimizer moments, schedule and generator.
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
         let optimizer = self
             .optimizer
             .as_ref()
@@ -167,7 +167,7 @@ impl Strategy for LocalModel {
         save_training_state(dir, &self.model, optimizer, schedule, rng)
     }
 
-    fn load(&mut self, dir: &Path) -> verl_model::Result<(LrSchedule, Rng)> {
+    fn load(&mut self, dir: &Path) -> verl_torch_runtime::Result<(LrSchedule, Rng)> {
         let optimizer = self
             .optimizer
             .as_mut()
@@ -177,12 +177,12 @@ impl Strategy for LocalModel {
     }
 
     /// The parameters as views, in place for contiguous host tensors.
-    fn weights(&mut self) -> verl_model::Result<Vec<TensorRef<'_>>> {
+    fn weights(&mut self) -> verl_torch_runtime::Result<Vec<TensorRef<'_>>> {
         self.lent.lend(self.model.named_tensors())?;
         self.lent.views()
     }
 
-    fn export_hf(&self, dir: &Path) -> verl_model::Result<()> {
+    fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
         self.model.save_pretrained(dir, Some(&self.spec.path))
     }
 }

@@ -5,7 +5,7 @@
 //! multi-rank run before step 1, and `init` rejects `world_size > 1` for any other host.
 //!
 //! Config (`ComponentInit::config`): verl's `actor_rollout_ref.actor` (or `critic`) section
-//! with verl's keys and defaults (the shared [`verl_model::actor::ActorConfig`]; its own
+//! with verl's keys and defaults (the shared [`verl_torch_runtime::actor::ActorConfig`]; its own
 //! `fsdp_config` is [`config::FsdpConfig`], parsed strictly), plus `"role": "actor" | "ref" |
 //! "critic"` and `"model": {"path", "random_init", "enable_gradient_checkpointing", "dtype"}`.
 //! Mini-batch sizes count sequences (the trainer has multiplied them by `rollout.n`).
@@ -30,7 +30,7 @@ use verl_plugin_api::{
 };
 
 use engine::{Worker, new_worker};
-use verl_model::actor::ActorError;
+use verl_torch_runtime::actor::ActorError;
 
 /// The `fsdp` engine as the ABI sees it: the model, optimizer and settings once `init` has run.
 #[derive(Default)]

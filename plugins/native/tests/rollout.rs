@@ -1,5 +1,5 @@
 //! The `native` rollout loaded from its built library and driven through the stable ABI, on
-//! verl-model's committed fixtures (transformers' greedy continuations).
+//! verl-torch-runtime's committed fixtures (transformers' greedy continuations).
 
 use std::path::{Path, PathBuf};
 
@@ -14,7 +14,7 @@ use verl_testkit::{PluginHarness, built_plugin};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../model/fixtures")
+        .join("../torch-runtime/fixtures")
         .join(name)
 }
 

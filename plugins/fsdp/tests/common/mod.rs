@@ -1,5 +1,5 @@
-//! Driving the built `fsdp` plugin through the host and the stable ABI, on verl-model's committed
-//! tiny fixtures (`model/fixtures`, made by `make_fixtures.py` with transformers).
+//! Driving the built `fsdp` plugin through the host and the stable ABI, on verl-torch-runtime's committed
+//! tiny fixtures (`plugins/torch-runtime/fixtures`, made by `make_fixtures.py` with transformers).
 
 use std::path::{Path, PathBuf};
 
@@ -13,7 +13,7 @@ use verl_testkit::{PluginHarness, built_plugin};
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../model/fixtures")
+        .join("../torch-runtime/fixtures")
         .join(name)
 }
 

@@ -5,11 +5,11 @@ mod common;
 
 use common::{Padding, batch, expected, load};
 use tch::Tensor;
-use verl_model::losses::{
+use verl_torch_runtime::losses::{
     AggScale, ClipConfig, KlPenalty, LossAggMode, PolicyBatch, PolicyLossMode, agg_loss,
     kl_penalty, policy_loss,
 };
-use verl_model::{
+use verl_torch_runtime::{
     AdamW, AdamWConfig, CausalLM, LrDecay, LrSchedule, ModelOptions, Rng, load_training_state,
     save_training_state,
 };
@@ -172,7 +172,8 @@ fn resumed_update_is_bit_identical() {
 
     // A checkpoint missing its optimizer moments names the file and the tensor.
     let moments: Vec<(String, Tensor)> = opt.state_tensors().into_iter().skip(1).collect();
-    verl_model::write_safetensors(&dir.path().join("optimizer.safetensors"), &moments).unwrap();
+    verl_torch_runtime::write_safetensors(&dir.path().join("optimizer.safetensors"), &moments)
+        .unwrap();
     let err = load_training_state(dir.path(), &resumed, &mut resumed_opt)
         .unwrap_err()
         .to_string();
@@ -193,7 +194,7 @@ fn checkpointed_backward_matches_plain_backward() {
             .collect();
         let (ids, mask) = batch(&seqs, Padding::Left);
         let weights = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 3.0]).view([4, 1]);
-        let loss_of = |scores: verl_model::ResponseScores| {
+        let loss_of = |scores: verl_torch_runtime::ResponseScores| {
             (scores.log_probs * &weights).sum(tch::Kind::Float)
                 + scores.entropy.unwrap().mean(tch::Kind::Float)
         };

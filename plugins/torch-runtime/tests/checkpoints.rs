@@ -7,7 +7,7 @@ use std::path::Path;
 
 use common::{Padding, batch, expected, fixture, load};
 use tch::Tensor;
-use verl_model::{
+use verl_torch_runtime::{
     CausalLM, Head, INDEX_FILE, ModelError, ModelOptions, SINGLE_FILE, read_safetensors,
     write_safetensors,
 };
@@ -332,5 +332,5 @@ fn bf16_parameters_give_close_fp32_log_probs() {
 fn models_move_between_threads() {
     fn assert_send<T: Send>() {}
     assert_send::<CausalLM>();
-    assert_send::<verl_model::AdamW>();
+    assert_send::<verl_torch_runtime::AdamW>();
 }

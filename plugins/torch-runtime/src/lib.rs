@@ -1,6 +1,8 @@
-//! libtorch compute core of verl-core: decoder-only transformers of the Llama/Qwen2 family read
-//! from Hugging Face model directories, per-token log-probs and entropy, KV-cache generation,
-//! verl's PPO loss kernels, and an AdamW optimiser whose state saves and restores exactly.
+//! The libtorch (tch) runtime the engine and rollout plugins share (core never links it):
+//! decoder-only transformers of the Llama/Qwen2 family read from Hugging Face model directories,
+//! per-token log-probs and entropy, KV-cache generation, verl's PPO loss kernels, an AdamW optimiser
+//! whose state saves and restores exactly, the ABI interop (tensors, lent weights), and [`actor`]:
+//! verl's actor/critic semantics that every engine strategy runs on.
 
 pub mod actor;
 mod config;

@@ -5,7 +5,9 @@ mod common;
 
 use common::{Padding, batch, expected, fixture, load, max_abs_diff, row};
 use tch::Tensor;
-use verl_model::{CausalLM, Completion, FinishReason, ModelConfig, ModelOptions, SamplingParams};
+use verl_torch_runtime::{
+    CausalLM, Completion, FinishReason, ModelConfig, ModelOptions, SamplingParams,
+};
 
 fn prompts(name: &str) -> Vec<Vec<i64>> {
     expected(name).prompts.into_iter().map(|p| p.ids).collect()

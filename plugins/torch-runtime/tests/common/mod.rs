@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
-use verl_model::{CausalLM, ModelOptions};
+use verl_torch_runtime::{CausalLM, ModelOptions};
 
 pub const MODELS: [&str; 2] = ["tiny-llama", "tiny-qwen2"];
 

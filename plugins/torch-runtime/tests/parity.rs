@@ -6,7 +6,7 @@ mod common;
 
 use common::{MODELS, Padding, batch, expected, fixture, load, max_abs_diff, row};
 use tch::Tensor;
-use verl_model::{
+use verl_torch_runtime::{
     FinishReason, GenerationConfig, SamplingParams, Tokenizer, log_probs_from_logits,
 };
 
@@ -198,7 +198,8 @@ fn llama3_rope_scaling_matches_transformers() {
         dir.path().join("config.json"),
     )
     .unwrap();
-    let model = verl_model::CausalLM::from_pretrained(dir.path(), &Default::default()).unwrap();
+    let model =
+        verl_torch_runtime::CausalLM::from_pretrained(dir.path(), &Default::default()).unwrap();
     assert!(model.config().rope_scaling.is_some());
     let exp = expected(name);
     let mut worst = 0.0f64;

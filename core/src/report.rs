@@ -108,6 +108,7 @@ fn capabilities_text(capabilities: &serde_json::Value) -> String {
     };
     let pairs: Vec<String> = map
         .iter()
+        .filter(|(_, v)| v.as_array().is_none_or(|items| !items.is_empty()))
         .map(|(k, v)| match v {
             serde_json::Value::Array(items) => format!(
                 "{k}={}",
@@ -117,6 +118,7 @@ fn capabilities_text(capabilities: &serde_json::Value) -> String {
                     .collect::<Vec<_>>()
                     .join(",")
             ),
+            serde_json::Value::String(text) => format!("{k}={text}"),
             other => format!("{k}={other}"),
         })
         .collect();

@@ -3,6 +3,8 @@
 //! (`save_freq`) → log. Every component is taken from the registry by name, so the loop drives
 //! whatever engine, rollout, weight sync and trackers the plugins provide.
 
+#[cfg(test)]
+mod tests;
 mod trackers;
 
 use std::collections::BTreeMap;

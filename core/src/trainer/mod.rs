@@ -852,22 +852,24 @@ impl Trainer {
 
     /// Restores the latest checkpoint as `trainer.resume_mode` says; returns its step.
     fn resume(&mut self) -> Result<Option<u64>, TrainError> {
-        let found =
-            match self.config.trainer.resume_mode {
-                ResumeMode::Disable => None,
-                ResumeMode::Auto => self.checkpoints.latest()?,
-                ResumeMode::ResumePath => {
-                    let path = self.config.trainer.resume_from_path.as_deref().ok_or_else(
-                        || {
-                            TrainError::Invalid(
-                                "trainer.resume_mode=resume_path needs trainer.resume_from_path"
-                                    .to_owned(),
-                            )
-                        },
-                    )?;
-                    Some(CheckpointManager::resolve_path(&expand_home(path))?)
-                }
-            };
+        let found = match self.config.trainer.resume_mode {
+            ResumeMode::Disable => None,
+            ResumeMode::Auto => self.checkpoints.latest()?,
+            ResumeMode::ResumePath => {
+                let path = self
+                    .config
+                    .trainer
+                    .resume_from_path
+                    .as_deref()
+                    .ok_or_else(|| {
+                        TrainError::Invalid(
+                            "trainer.resume_mode=resume_path needs trainer.resume_from_path"
+                                .to_owned(),
+                        )
+                    })?;
+                Some(CheckpointManager::resolve_path(&expand_home(path))?)
+            }
+        };
         let Some((step, dir)) = found else {
             return Ok(None);
         };

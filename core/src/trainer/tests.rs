@@ -191,7 +191,9 @@ impl Engine for FakeEngine {
             step,
         });
         if self.faults.fail_update_at == Some(step) {
-            return Err(PluginError::other(format!("injected failure at step {step}")));
+            return Err(PluginError::other(format!(
+                "injected failure at step {step}"
+            )));
         }
         self.set_value(self.value() + 1.0);
         Ok(vec![Metric::new("actor/pg_loss", 0.5)])
@@ -304,7 +306,12 @@ impl Rollout for FakeRollout {
             for j in 0..request.sampling.n {
                 let text = format!("#### {}", if j == 0 { sum } else { sum + 1 });
                 let ids = text.chars().map(char_id).collect();
-                completions.push(Completion::new(i as u32, ids, Vec::new(), FinishReason::Stop));
+                completions.push(Completion::new(
+                    i as u32,
+                    ids,
+                    Vec::new(),
+                    FinishReason::Stop,
+                ));
             }
         }
         Ok(GenerateOutput::new(completions, self.version))
@@ -380,7 +387,10 @@ impl Tracker for FakeTracker {
     fn log(&mut self, step: u64, metrics: &[Metric]) -> Result<(), PluginError> {
         self.log.push(Event::Log {
             step,
-            metrics: metrics.iter().map(|m| (m.key.to_string(), m.value)).collect(),
+            metrics: metrics
+                .iter()
+                .map(|m| (m.key.to_string(), m.value))
+                .collect(),
         });
         Ok(())
     }
@@ -626,10 +636,7 @@ fn each_step_runs_in_verls_order() {
             })
             .collect();
         assert_eq!(inits, setup, "case {i}");
-        let first_call = events
-            .iter()
-            .position(|e| label(e).is_some())
-            .unwrap();
+        let first_call = events.iter().position(|e| label(e).is_some()).unwrap();
         assert!(
             events[first_call..]
                 .iter()
@@ -966,7 +973,10 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
         },
     )
     .unwrap_err();
-    assert!(err.to_string().contains("injected failure at step 4"), "{err}");
+    assert!(
+        err.to_string().contains("injected failure at step 4"),
+        "{err}"
+    );
     let first = log.events();
     assert_eq!(first.last(), Some(&Event::Finish(1)));
     let run_dir = s.run_dir("resumed");
@@ -1007,7 +1017,14 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
         ]
     );
     assert!(
-        matches!(calls[6], Event::Generate { n: 2, version: Some(2), .. }),
+        matches!(
+            calls[6],
+            Event::Generate {
+                n: 2,
+                version: Some(2),
+                ..
+            }
+        ),
         "{:?}",
         calls[6]
     );
@@ -1028,7 +1045,10 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
             })
             .collect()
     };
-    assert_eq!(synced(&resumed), vec![(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]);
+    assert_eq!(
+        synced(&resumed),
+        vec![(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+    );
     assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
 
     // Resuming a finished run trains no further.

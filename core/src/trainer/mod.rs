@@ -701,6 +701,7 @@ impl Trainer {
             values: values.as_ref(),
             prompt_lengths: &prompt_lengths,
             max_prompt_length: self.config.data.max_prompt_length,
+            max_response_length: self.config.data.max_response_length,
         })?;
         metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
 

@@ -703,6 +703,22 @@ fn each_step_runs_in_verls_order() {
             assert_eq!(metrics.contains_key("critic/vf_loss"), critic);
             assert!(metrics.contains_key("timing_s/update_weights"));
         }
+        // A response is clipped when it used all of `data.max_response_length` (8 tokens), not
+        // when it is merely the batch's longest.
+        let generations = train_generations(&events);
+        assert_eq!(generations.len(), 3);
+        for ((step, metrics), (prompts, _)) in logs(&events).into_iter().zip(&generations) {
+            let lengths: Vec<usize> = prompts
+                .iter()
+                .flat_map(|p| [answer(p), answer(p) + 1])
+                .map(|sum| format!("#### {sum}").len())
+                .collect();
+            let clipped = lengths.iter().filter(|&&l| l == 8).count() as f64 / lengths.len() as f64;
+            assert_eq!(
+                metrics["response_length/clip_ratio"], clipped,
+                "case {i}, step {step}: {lengths:?}"
+            );
+        }
     }
 }
 

@@ -785,6 +785,9 @@ fn the_rollout_generates_with_the_previous_steps_weights() {
 
 #[test]
 fn critic_warmup_holds_the_actor_and_the_rollouts_weights() {
+    // critic_warmup=2: steps 1 and 2 train only the critic (verl's documented meaning, "iterations
+    // to train the critic before actual policy learning"; verl's code, `critic_warmup <=
+    // global_steps`, already updates the actor at step 2).
     let s = setup();
     let mut c = s.config("warmup");
     c.algorithm.adv_estimator = AdvEstimator::Gae;
@@ -1067,15 +1070,59 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
     );
     assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
 
-    // Resuming a finished run trains no further.
+    // Resuming a finished run trains no further; validation before training (verl: at the
+    // resumed step) sees the resumed weights.
+    let mut c = configure("resumed");
+    c.trainer.val_before_train = true;
     let log = Log::default();
-    let summary = fit(configure("resumed"), &log, Faults::default()).unwrap();
+    let summary = fit(c, &log, Faults::default()).unwrap();
     assert_eq!(summary.global_step, 5);
-    assert!(logs(&log.events()).is_empty());
+    let events = log.events();
+    assert_eq!(
+        labels(&events),
+        strings(&[
+            "actor.load",
+            "critic.load",
+            "actor.weights",
+            "sync.send@5",
+            "rollout.update_weights@5",
+            "sync.finalize",
+            "gen(val)@Some(5)",
+            "log@5",
+            "actor.export",
+            "finish(0)",
+        ])
+    );
     assert!(
-        log.events()
-            .iter()
-            .all(|e| !matches!(e, Event::Generate { .. } | Event::UpdateActor { .. }))
+        logs(&events)[0]
+            .1
+            .keys()
+            .all(|k| k.starts_with("val-core/"))
+    );
+
+    // resume_mode=resume_path: from the named checkpoint, into a new directory.
+    let mut c = configure("from-path");
+    c.trainer.resume_mode = ResumeMode::ResumePath;
+    c.trainer.resume_from_path = Some(checkpoint.to_string_lossy().into_owned());
+    c.trainer.total_training_steps = Some(3);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+    assert_eq!(
+        events.iter().find(|e| matches!(e, Event::Load { .. })),
+        Some(&Event::Load {
+            role: "actor".into(),
+            dir: checkpoint.join("actor"),
+        })
+    );
+    assert_eq!(comparable_logs(&events)[..], whole_logs[2..3]);
+    assert_eq!(checkpoint_steps(&s.run_dir("from-path")), vec![3]);
+    let mut c = configure("from-path");
+    c.trainer.resume_mode = ResumeMode::ResumePath;
+    let err = fit(c, &Log::default(), Faults::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("trainer.resume_from_path"),
+        "{err}"
     );
 
     // resume_mode=disable starts over in the same directory.

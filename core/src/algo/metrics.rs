@@ -18,6 +18,9 @@ pub struct DataMetricsInput<'a> {
     pub prompt_lengths: &'a [usize],
     /// `data.max_prompt_length` (for `prompt_length/clip_ratio`).
     pub max_prompt_length: usize,
+    /// `data.max_response_length` (for `response_length/clip_ratio`): the matrices are only as
+    /// wide as the batch's longest response, which need not have used the whole budget.
+    pub max_response_length: usize,
 }
 
 /// `critic/{score,rewards,advantages,returns}/{mean,max,min}`, `critic/values/*`,
@@ -87,7 +90,7 @@ pub fn compute_data_metrics(
             1.0 - unbiased_var(&residual) / (unbiased_var(&returns) + 1e-5),
         );
     }
-    let max_response = shape.1 as f64;
+    let max_response = input.max_response_length as f64;
     put_stats(&mut out, "response_length", &response_lengths);
     out.insert(
         "response_length/clip_ratio".into(),
@@ -208,6 +211,7 @@ mod tests {
             values: Some(&values),
             prompt_lengths: &[4, 2, 4],
             max_prompt_length: 4,
+            max_response_length: 3,
         };
         let out = compute_data_metrics(&input).unwrap();
         // Row 2 is aborted (no tokens): scores over rows 0, 1 = {1, 0}; rewards {0.5, 0}.
@@ -224,6 +228,15 @@ mod tests {
         // Lengths {3, 1, 0}: one of three is full length 3, one is aborted.
         assert_eq!(out["response_length/mean"], 4.0 / 3.0);
         assert_eq!(out["response_length/clip_ratio"], 1.0 / 3.0);
+        // Clipped means the whole `max_response_length`, not the batch's longest response.
+        let wider = DataMetricsInput {
+            max_response_length: 4,
+            ..input
+        };
+        assert_eq!(
+            compute_data_metrics(&wider).unwrap()["response_length/clip_ratio"],
+            0.0
+        );
         assert_eq!(out["response/aborted_ratio"], 1.0 / 3.0);
         assert_eq!(out["prompt_length/clip_ratio"], 2.0 / 3.0);
         assert_eq!(out["prompt_length/min"], 2.0);
@@ -258,6 +271,7 @@ mod tests {
             values: None,
             prompt_lengths: &[1],
             max_prompt_length: 4,
+            max_response_length: 2,
         };
         assert_eq!(compute_data_metrics(&input), Err(AlgoError::AllAborted));
     }

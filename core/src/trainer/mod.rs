@@ -3,6 +3,8 @@
 //! (`save_freq`) → log. Every component is taken from the registry by name, so the loop drives
 //! whatever engine, rollout, weight sync and trackers the plugins provide.
 
+#[cfg(test)]
+mod tests;
 mod trackers;
 
 use std::collections::BTreeMap;
@@ -360,6 +362,8 @@ impl Trainer {
             }
             let step = self.global_step + 1;
             let mut metrics = self.train_step(step)?;
+            // From here on the step is done: validation and the checkpoint belong to it.
+            self.global_step = step;
             let is_last = step == self.total_steps;
             let (test_freq, save_freq) =
                 (self.config.trainer.test_freq, self.config.trainer.save_freq);
@@ -373,7 +377,6 @@ impl Trainer {
                 metrics.extend(val);
                 metrics.push(Metric::new("timing_s/testing", t.elapsed().as_secs_f64()));
             }
-            self.global_step = step;
             if save_freq > 0 && (is_last || step % save_freq as u64 == 0) {
                 let t = Instant::now();
                 self.save_checkpoint()?;
@@ -698,6 +701,7 @@ impl Trainer {
             values: values.as_ref(),
             prompt_lengths: &prompt_lengths,
             max_prompt_length: self.config.data.max_prompt_length,
+            max_response_length: self.config.data.max_response_length,
         })?;
         metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
 

@@ -1,0 +1,1214 @@
+//! The loop driven through fake components registered as built-ins: every call lands in one
+//! shared event log, so the tests check verl's order, the weight versions the rollout sees, the
+//! validation / checkpoint cadence, resuming, and the capability checks before start.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde_json::json;
+use verl_plugin_api::{
+    Batch, CheckpointCapabilities, CheckpointEngine, Completion, ComponentInit, DType, Engine,
+    EngineCapabilities, FinishReason, GenerateOutput, GenerateRequest, Handover, Metric,
+    PluginBuilder, PluginError, Rollout, RolloutCapabilities, Table, Tensor, TensorRef, Tracker,
+    TrackerCapabilities, WeightSource, WeightSourceKind, keys,
+};
+use verl_plugin_host::{DeviceReport, Registry};
+
+use super::{RunSummary, TrainError, Trainer};
+use crate::algo::AdvEstimator;
+use crate::config::{Config, ResumeMode};
+use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
+use crate::placement::Placement;
+
+/// Everything a fake component did, in call order.
+#[derive(Debug, Clone, PartialEq)]
+enum Event {
+    /// A component object was constructed (by the registry's factory).
+    Created(&'static str),
+    /// `init`; engines say their role.
+    Init(String),
+    Generate {
+        /// `sampling.n` (the tests give training and validation different `n`).
+        n: u32,
+        /// The weight version the rollout generated with (the last it received).
+        version: Option<u64>,
+        prompts: Vec<String>,
+        seed: Option<u64>,
+    },
+    LogProb {
+        role: String,
+        keys: Vec<String>,
+    },
+    Values {
+        role: String,
+        keys: Vec<String>,
+    },
+    UpdateActor {
+        role: String,
+        keys: Vec<String>,
+        step: u64,
+    },
+    UpdateCritic {
+        role: String,
+        keys: Vec<String>,
+    },
+    /// The engine lent its weights.
+    Weights(String),
+    Send(u64),
+    /// What the rollout received: the version, and the value of the weight tensor it read.
+    UpdateWeights {
+        version: u64,
+        value: f32,
+    },
+    Finalize,
+    Save {
+        role: String,
+        dir: PathBuf,
+        step: u64,
+    },
+    Load {
+        role: String,
+        dir: PathBuf,
+    },
+    Export(String),
+    Log {
+        step: u64,
+        metrics: BTreeMap<String, f64>,
+    },
+    Table(u64),
+    Finish(i32),
+}
+
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<Event>>>);
+
+impl Log {
+    fn push(&self, event: Event) {
+        self.0.lock().unwrap().push(event);
+    }
+    fn events(&self) -> Vec<Event> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// Failures the fakes inject.
+#[derive(Clone, Copy, Default)]
+struct Faults {
+    /// `update_actor` fails at this global step.
+    fail_update_at: Option<u64>,
+}
+
+fn batch_keys(batch: &Batch) -> Vec<String> {
+    let mut keys: Vec<String> = batch.tensors.iter().map(|t| t.name.to_string()).collect();
+    keys.sort();
+    keys
+}
+
+/// `[B, R]` of the batch's responses.
+fn response_shape(batch: &Batch) -> Result<[i64; 2], PluginError> {
+    match batch.require(keys::RESPONSES)?.shape.as_slice() {
+        &[b, r] => Ok([b, r]),
+        other => Err(PluginError::other(format!("responses of shape {other:?}"))),
+    }
+}
+
+fn filled(batch: &Batch, value: f32) -> Result<Tensor, PluginError> {
+    let [b, r] = response_shape(batch)?;
+    Tensor::from_slice(&[b, r], &vec![value; (b * r) as usize])
+}
+
+fn global_steps(batch: &Batch) -> u64 {
+    serde_json::from_str::<serde_json::Value>(batch.meta_json.as_str())
+        .ok()
+        .and_then(|m| m["global_steps"].as_u64())
+        .unwrap_or(0)
+}
+
+const ENGINE_STATE: &str = "fake_engine.json";
+
+/// An engine for every role. Its one weight is a scalar that each actor update raises by one, so
+/// after step k it is k: the rollout reading it checks that the views are the engine's own.
+struct FakeEngine {
+    log: Log,
+    faults: Faults,
+    role: String,
+    shape: Vec<i64>,
+    weight: Vec<u8>,
+}
+
+impl FakeEngine {
+    fn new(log: Log, faults: Faults) -> Self {
+        Self {
+            log,
+            faults,
+            role: String::new(),
+            shape: vec![1],
+            weight: 0f32.to_le_bytes().to_vec(),
+        }
+    }
+    fn value(&self) -> f32 {
+        f32::from_le_bytes(self.weight[..4].try_into().unwrap())
+    }
+    fn set_value(&mut self, value: f32) {
+        self.weight = value.to_le_bytes().to_vec();
+    }
+}
+
+impl Engine for FakeEngine {
+    fn capabilities() -> EngineCapabilities {
+        EngineCapabilities::default().roles(["actor", "ref", "critic"])
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.role = init.config["role"].as_str().unwrap_or("?").to_owned();
+        self.log.push(Event::Init(format!("engine:{}", self.role)));
+        Ok(())
+    }
+    fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
+        self.log.push(Event::LogProb {
+            role: self.role.clone(),
+            keys: batch_keys(batch),
+        });
+        let mut out = Batch::default();
+        out.insert(keys::LOG_PROBS, filled(batch, -0.5)?);
+        out.insert(keys::ENTROPYS, filled(batch, 0.25)?);
+        Ok(out)
+    }
+    fn compute_values(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
+        self.log.push(Event::Values {
+            role: self.role.clone(),
+            keys: batch_keys(batch),
+        });
+        let mut out = Batch::default();
+        out.insert(keys::VALUES, filled(batch, 0.1)?);
+        Ok(out)
+    }
+    fn update_actor(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
+        let step = global_steps(batch);
+        self.log.push(Event::UpdateActor {
+            role: self.role.clone(),
+            keys: batch_keys(batch),
+            step,
+        });
+        if self.faults.fail_update_at == Some(step) {
+            return Err(PluginError::other(format!(
+                "injected failure at step {step}"
+            )));
+        }
+        self.set_value(self.value() + 1.0);
+        Ok(vec![Metric::new("actor/pg_loss", 0.5)])
+    }
+    fn update_critic(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
+        self.log.push(Event::UpdateCritic {
+            role: self.role.clone(),
+            keys: batch_keys(batch),
+        });
+        Ok(vec![Metric::new("critic/vf_loss", 0.25)])
+    }
+    fn save_checkpoint(&mut self, dir: &str, global_step: u64) -> Result<(), PluginError> {
+        self.log.push(Event::Save {
+            role: self.role.clone(),
+            dir: dir.into(),
+            step: global_step,
+        });
+        std::fs::create_dir_all(dir).map_err(|e| PluginError::other(e.to_string()))?;
+        let state = json!({"value": self.value(), "step": global_step});
+        std::fs::write(Path::new(dir).join(ENGINE_STATE), state.to_string())
+            .map_err(|e| PluginError::other(e.to_string()))
+    }
+    fn load_checkpoint(&mut self, dir: &str) -> Result<u64, PluginError> {
+        self.log.push(Event::Load {
+            role: self.role.clone(),
+            dir: dir.into(),
+        });
+        let text = std::fs::read_to_string(Path::new(dir).join(ENGINE_STATE))
+            .map_err(|e| PluginError::other(format!("{dir}: {e}")))?;
+        let state: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| PluginError::other(e.to_string()))?;
+        self.set_value(state["value"].as_f64().unwrap_or(f64::NAN) as f32);
+        Ok(state["step"].as_u64().unwrap_or(0))
+    }
+    fn weights(&mut self) -> Result<Vec<TensorRef<'_>>, PluginError> {
+        self.log.push(Event::Weights(self.role.clone()));
+        Ok(vec![TensorRef::new(
+            "w",
+            DType::F32,
+            &self.shape,
+            &self.weight,
+        )?])
+    }
+    fn export_hf(&mut self, _dir: &str) -> Result<(), PluginError> {
+        self.log.push(Event::Export(self.role.clone()));
+        Ok(())
+    }
+}
+
+/// An engine that can only be an actor or a reference.
+struct NoCriticEngine;
+
+impl Engine for NoCriticEngine {
+    fn capabilities() -> EngineCapabilities {
+        EngineCapabilities::default().roles(["actor", "ref"])
+    }
+    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+        Ok(())
+    }
+}
+
+fn char_id(c: char) -> u32 {
+    (SPECIAL_TOKENS.len() + ALPHABET.find(c).expect("a task character")) as u32
+}
+
+fn decode(ids: &[u32]) -> String {
+    ids.iter()
+        .filter_map(|&id| {
+            let i = (id as usize).checked_sub(SPECIAL_TOKENS.len())?;
+            ALPHABET.chars().nth(i)
+        })
+        .collect()
+}
+
+/// The sum an addition prompt (`3+5=`) asks for.
+fn answer(prompt: &str) -> u64 {
+    prompt
+        .trim_end_matches('=')
+        .split('+')
+        .map(|n| n.parse::<u64>().unwrap())
+        .sum()
+}
+
+/// Answers the addition task: the first of each prompt's `n` responses is right, the others
+/// wrong, so training scores average 1/n·… and validation (n = 1) scores 1.
+struct FakeRollout {
+    log: Log,
+    version: Option<u64>,
+}
+
+impl Rollout for FakeRollout {
+    fn capabilities() -> RolloutCapabilities {
+        RolloutCapabilities::default().weight_sources([WeightSourceKind::Memory])
+    }
+    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+        self.log.push(Event::Init("rollout".into()));
+        Ok(())
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        let prompts: Vec<String> = request.prompts.iter().map(|p| decode(p)).collect();
+        self.log.push(Event::Generate {
+            n: request.sampling.n,
+            version: self.version,
+            prompts: prompts.clone(),
+            seed: request.sampling.seed,
+        });
+        let mut completions = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let sum = answer(prompt);
+            for j in 0..request.sampling.n {
+                let text = format!("#### {}", if j == 0 { sum } else { sum + 1 });
+                let ids = text.chars().map(char_id).collect();
+                completions.push(Completion::new(
+                    i as u32,
+                    ids,
+                    Vec::new(),
+                    FinishReason::Stop,
+                ));
+            }
+        }
+        Ok(GenerateOutput::new(completions, self.version))
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        if source.kind()? != WeightSourceKind::Memory {
+            return Err(PluginError::other("expected a memory handover"));
+        }
+        let data = source
+            .tensors
+            .first()
+            .ok_or_else(|| PluginError::other("no tensors"))?
+            .data;
+        let value = f32::from_le_bytes(data.as_slice()[..4].try_into().unwrap());
+        self.log.push(Event::UpdateWeights {
+            version: source.version,
+            value,
+        });
+        self.version = Some(source.version);
+        Ok(())
+    }
+}
+
+/// A rollout that only reloads weights from files.
+struct FileOnlyRollout;
+
+impl Rollout for FileOnlyRollout {
+    fn capabilities() -> RolloutCapabilities {
+        RolloutCapabilities::default().weight_sources([WeightSourceKind::File])
+    }
+    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn generate(&mut self, _request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        Ok(GenerateOutput::default())
+    }
+}
+
+struct FakeSync {
+    log: Log,
+}
+
+impl CheckpointEngine for FakeSync {
+    fn capabilities() -> CheckpointCapabilities {
+        CheckpointCapabilities::default().handover(WeightSourceKind::Memory)
+    }
+    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+        self.log.push(Event::Init("sync".into()));
+        Ok(())
+    }
+    fn send_weights(&mut self, weights: &WeightSource<'_>) -> Result<Handover, PluginError> {
+        self.log.push(Event::Send(weights.version));
+        Ok(Handover::memory())
+    }
+    fn finalize(&mut self) -> Result<(), PluginError> {
+        self.log.push(Event::Finalize);
+        Ok(())
+    }
+}
+
+struct FakeTracker {
+    log: Log,
+}
+
+impl Tracker for FakeTracker {
+    fn capabilities() -> TrackerCapabilities {
+        TrackerCapabilities::default().tables(true)
+    }
+    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+        self.log.push(Event::Init("tracker".into()));
+        Ok(())
+    }
+    fn log(&mut self, step: u64, metrics: &[Metric]) -> Result<(), PluginError> {
+        self.log.push(Event::Log {
+            step,
+            metrics: metrics
+                .iter()
+                .map(|m| (m.key.to_string(), m.value))
+                .collect(),
+        });
+        Ok(())
+    }
+    fn log_table(&mut self, step: u64, _table: &Table) -> Result<(), PluginError> {
+        self.log.push(Event::Table(step));
+        Ok(())
+    }
+    fn finish(&mut self, exit_code: i32) -> Result<(), PluginError> {
+        self.log.push(Event::Finish(exit_code));
+        Ok(())
+    }
+}
+
+/// A fresh registry holding only the fakes (all named `fake`, plus `no-critic` and `file-only`).
+fn registry(log: &Log, faults: Faults) -> Registry {
+    let (l1, l2, l3, l4, l5, l6) = (
+        log.clone(),
+        log.clone(),
+        log.clone(),
+        log.clone(),
+        log.clone(),
+        log.clone(),
+    );
+    let mut registry = Registry::default();
+    registry.add_builtin(
+        PluginBuilder::new("fakes", "0.0.0", "trainer test fakes")
+            .engine("fake", 0, "records calls", move || {
+                l1.push(Event::Created("engine"));
+                FakeEngine::new(l1.clone(), faults)
+            })
+            .engine("no-critic", 0, "actor and ref only", move || {
+                l2.push(Event::Created("engine"));
+                NoCriticEngine
+            })
+            .rollout("fake", 0, "answers the addition task", move || {
+                l3.push(Event::Created("rollout"));
+                FakeRollout {
+                    log: l3.clone(),
+                    version: None,
+                }
+            })
+            .rollout("file-only", 0, "takes weights from files", move || {
+                l4.push(Event::Created("rollout"));
+                FileOnlyRollout
+            })
+            .checkpoint("fake", 0, "memory handover", move || {
+                l5.push(Event::Created("checkpoint"));
+                FakeSync { log: l5.clone() }
+            })
+            .tracker("fake", 0, "records logs", move || {
+                l6.push(Event::Created("tracker"));
+                FakeTracker { log: l6.clone() }
+            }),
+    );
+    registry
+}
+
+fn cpu() -> DeviceReport {
+    serde_json::from_value(json!({
+        "name": "cpu", "available": true, "count": 1, "reason": "", "priority": 0, "plugin": "",
+        "origin": "", "vendor": "", "device_type": "cpu", "comm_backend": "gloo",
+        "visible_devices_env": [], "device_names": [], "env_updates": [],
+    }))
+    .unwrap()
+}
+
+fn placement(vars: &[(&str, &str)]) -> Placement {
+    let vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Placement::with_env(&cpu(), 0, move |k| vars.get(k).cloned()).unwrap()
+}
+
+/// The addition task (8 training prompts, 3 validation prompts) and a tokenizer in a temporary
+/// directory.
+struct Setup {
+    dir: tempfile::TempDir,
+    train: PathBuf,
+    val: PathBuf,
+    model: PathBuf,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let task = AdditionTask {
+        train_size: 8,
+        val_size: 3,
+        ..Default::default()
+    };
+    let (train, val) = task.write(&dir.path().join("data")).unwrap();
+    let model = dir.path().join("model");
+    synthetic::write_tokenizer(&model).unwrap();
+    Setup {
+        dir,
+        train,
+        val,
+        model,
+    }
+}
+
+impl Setup {
+    fn run_dir(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// GRPO on the fakes: 4 prompts × 2 responses per step, 2 batches per epoch, 5 steps; no
+    /// validation, no checkpoints unless a test asks.
+    fn config(&self, run: &str) -> Config {
+        let mut c = Config::default();
+        c.data.train_files = vec![self.train.to_string_lossy().into_owned()];
+        c.data.val_files = vec![self.val.to_string_lossy().into_owned()];
+        c.data.train_batch_size = 4;
+        c.data.max_prompt_length = 16;
+        c.data.max_response_length = 8;
+        let arr = &mut c.actor_rollout_ref;
+        arr.model.path = self.model.to_string_lossy().into_owned();
+        arr.actor.strategy = "fake".into();
+        arr.actor.ppo_mini_batch_size = 4;
+        arr.actor.use_kl_loss = false;
+        arr.rollout.name = "fake".into();
+        arr.rollout.n = 2;
+        arr.rollout.val_kwargs.n = 1;
+        arr.rollout.checkpoint_engine.backend = "fake".into();
+        c.critic.strategy = "fake".into();
+        c.algorithm.adv_estimator = AdvEstimator::Grpo;
+        let t = &mut c.trainer;
+        t.logger = vec!["fake".into()];
+        t.default_local_dir = self.run_dir(run).to_string_lossy().into_owned();
+        t.total_training_steps = Some(5);
+        t.save_freq = -1;
+        t.test_freq = -1;
+        t.val_before_train = false;
+        t.resume_mode = ResumeMode::Auto;
+        t.seed = 0;
+        c
+    }
+}
+
+fn fit(config: Config, log: &Log, faults: Faults) -> Result<RunSummary, TrainError> {
+    Trainer::new(config, &registry(log, faults), &placement(&[]))?.fit()
+}
+
+/// The event as a short label; `None` for what the order tests leave out.
+fn label(event: &Event) -> Option<String> {
+    Some(match event {
+        Event::Created(_) | Event::Init(_) | Event::Table(_) => return None,
+        Event::Generate { n: 1, version, .. } => format!("gen(val)@{version:?}"),
+        Event::Generate { version, .. } => format!("gen@{version:?}"),
+        Event::LogProb { role, .. } => format!("{role}.log_prob"),
+        Event::Values { role, .. } => format!("{role}.values"),
+        Event::UpdateActor { role, .. } => format!("{role}.update_actor"),
+        Event::UpdateCritic { role, .. } => format!("{role}.update_critic"),
+        Event::Weights(role) => format!("{role}.weights"),
+        Event::Send(v) => format!("sync.send@{v}"),
+        Event::UpdateWeights { version, .. } => format!("rollout.update_weights@{version}"),
+        Event::Finalize => "sync.finalize".into(),
+        Event::Save { role, step, .. } => format!("{role}.save@{step}"),
+        Event::Load { role, .. } => format!("{role}.load"),
+        Event::Export(role) => format!("{role}.export"),
+        Event::Log { step, .. } => format!("log@{step}"),
+        Event::Finish(code) => format!("finish({code})"),
+    })
+}
+
+fn labels(events: &[Event]) -> Vec<String> {
+    events.iter().filter_map(label).collect()
+}
+
+/// One training step's calls in verl's order.
+fn step_labels(step: u64, reference: bool, critic: bool) -> Vec<String> {
+    let previous = if step == 1 {
+        "None".to_owned()
+    } else {
+        format!("Some({})", step - 1)
+    };
+    let mut out = vec![format!("gen@{previous}"), "actor.log_prob".into()];
+    if reference {
+        out.push("ref.log_prob".into());
+    }
+    if critic {
+        out.push("critic.values".into());
+        out.push("critic.update_critic".into());
+    }
+    out.extend([
+        "actor.update_actor".into(),
+        "actor.weights".into(),
+        format!("sync.send@{step}"),
+        format!("rollout.update_weights@{step}"),
+        "sync.finalize".into(),
+        format!("log@{step}"),
+    ]);
+    out
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+fn logs(events: &[Event]) -> Vec<(u64, &BTreeMap<String, f64>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Log { step, metrics } => Some((*step, metrics)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn each_step_runs_in_verls_order() {
+    let s = setup();
+    // (adv_estimator, use_kl_loss): GRPO alone; GRPO with a KL loss (ref); GAE (critic) with both.
+    let cases = [
+        (AdvEstimator::Grpo, false, false, false),
+        (AdvEstimator::Grpo, true, true, false),
+        (AdvEstimator::Gae, true, true, true),
+    ];
+    for (i, (estimator, kl_loss, reference, critic)) in cases.into_iter().enumerate() {
+        let mut c = s.config(&format!("order{i}"));
+        c.algorithm.adv_estimator = estimator;
+        c.actor_rollout_ref.actor.use_kl_loss = kl_loss;
+        c.trainer.total_training_steps = Some(3);
+        let log = Log::default();
+        let summary = fit(c, &log, Faults::default()).unwrap();
+        assert_eq!(summary.global_step, 3);
+        let events = log.events();
+
+        // Components are created and initialised in order, each once, before any call.
+        let mut setup: Vec<String> = vec!["engine:actor".into()];
+        if reference {
+            setup.push("engine:ref".into());
+        }
+        if critic {
+            setup.push("engine:critic".into());
+        }
+        setup.extend(strings(&["rollout", "sync", "tracker"]));
+        let inits: Vec<String> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Init(what) => Some(what.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(inits, setup, "case {i}");
+        let first_call = events.iter().position(|e| label(e).is_some()).unwrap();
+        assert!(
+            events[first_call..]
+                .iter()
+                .all(|e| !matches!(e, Event::Init(_) | Event::Created(_))),
+            "case {i}: a component was created after the loop started"
+        );
+
+        let mut expected: Vec<String> = (1..=3)
+            .flat_map(|step| step_labels(step, reference, critic))
+            .collect();
+        expected.extend(strings(&["actor.export", "finish(0)"]));
+        assert_eq!(labels(&events), expected, "case {i}");
+
+        // Each call sees what the previous stages added to the batch.
+        let base = strings(&[
+            keys::ATTENTION_MASK,
+            keys::INPUT_IDS,
+            keys::RESPONSE_MASK,
+            keys::RESPONSES,
+        ]);
+        let with = |extra: &[&str]| {
+            let mut k = base.clone();
+            k.extend(strings(extra));
+            k.sort();
+            k
+        };
+        let mut after_values = vec![keys::OLD_LOG_PROBS];
+        if reference {
+            after_values.push(keys::REF_LOG_PROB);
+        }
+        if critic {
+            after_values.push(keys::VALUES);
+        }
+        let mut update_keys = after_values.clone();
+        update_keys.extend([keys::ADVANTAGES, keys::RETURNS]);
+        for e in &events {
+            match e {
+                Event::LogProb { role, keys: k } if role == "actor" => {
+                    assert_eq!(k, &base, "case {i}: old log-probs")
+                }
+                Event::LogProb { role, keys: k } => {
+                    assert_eq!(role, "ref");
+                    assert_eq!(k, &with(&[keys::OLD_LOG_PROBS]), "case {i}: ref")
+                }
+                Event::Values { keys: k, .. } => {
+                    let mut expected = vec![keys::OLD_LOG_PROBS];
+                    if reference {
+                        expected.push(keys::REF_LOG_PROB);
+                    }
+                    assert_eq!(k, &with(&expected), "case {i}: values")
+                }
+                Event::UpdateCritic { keys: k, .. } | Event::UpdateActor { keys: k, .. } => {
+                    assert_eq!(k, &with(&update_keys), "case {i}: update")
+                }
+                _ => {}
+            }
+        }
+
+        // The reward was computed from the rollout's text: one right answer of two per prompt.
+        for (step, metrics) in logs(&events) {
+            assert_eq!(metrics["critic/score/mean"], 0.5, "case {i}, step {step}");
+            assert_eq!(metrics["training/global_step"], step as f64);
+            assert_eq!(metrics["actor/pg_loss"], 0.5);
+            assert_eq!(metrics.contains_key("critic/vf_loss"), critic);
+            assert!(metrics.contains_key("timing_s/update_weights"));
+        }
+        // A response is clipped when it used all of `data.max_response_length` (8 tokens), not
+        // when it is merely the batch's longest.
+        let generations = train_generations(&events);
+        assert_eq!(generations.len(), 3);
+        for ((step, metrics), (prompts, _)) in logs(&events).into_iter().zip(&generations) {
+            let lengths: Vec<usize> = prompts
+                .iter()
+                .flat_map(|p| [answer(p), answer(p) + 1])
+                .map(|sum| format!("#### {sum}").len())
+                .collect();
+            let clipped = lengths.iter().filter(|&&l| l == 8).count() as f64 / lengths.len() as f64;
+            assert_eq!(
+                metrics["response_length/clip_ratio"], clipped,
+                "case {i}, step {step}: {lengths:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_rollout_generates_with_the_previous_steps_weights() {
+    let s = setup();
+    let mut c = s.config("versions");
+    c.trainer.total_training_steps = Some(4);
+    c.trainer.test_freq = 1;
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+
+    let synced: Vec<(u64, f32)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateWeights { version, value } => Some((*version, *value)),
+            _ => None,
+        })
+        .collect();
+    // After step k the rollout gets version k, holding the actor's weights after k updates.
+    assert_eq!(synced, vec![(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]);
+    let sent: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Send(v) => Some(*v),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sent, vec![1, 2, 3, 4]);
+
+    let generated: Vec<(u32, Option<u64>)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Generate { n, version, .. } => Some((*n, *version)),
+            _ => None,
+        })
+        .collect();
+    // Step k+1 generates with version k (step 1 with the rollout's own initial weights), and
+    // validation after step k with version k.
+    assert_eq!(
+        generated,
+        vec![
+            (2, None),
+            (1, Some(1)),
+            (2, Some(1)),
+            (1, Some(2)),
+            (2, Some(2)),
+            (1, Some(3)),
+            (2, Some(3)),
+            (1, Some(4)),
+        ]
+    );
+    // The engine batch says which step it belongs to.
+    let steps: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateActor { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3, 4]);
+}
+
+#[test]
+fn critic_warmup_holds_the_actor_and_the_rollouts_weights() {
+    // critic_warmup=2: steps 1 and 2 train only the critic (verl's documented meaning, "iterations
+    // to train the critic before actual policy learning"; verl's code, `critic_warmup <=
+    // global_steps`, already updates the actor at step 2).
+    let s = setup();
+    let mut c = s.config("warmup");
+    c.algorithm.adv_estimator = AdvEstimator::Gae;
+    c.trainer.critic_warmup = 2;
+    c.trainer.total_training_steps = Some(3);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let mut expected = strings(&[
+        "gen@None",
+        "actor.log_prob",
+        "critic.values",
+        "critic.update_critic",
+        "log@1",
+        "gen@None",
+        "actor.log_prob",
+        "critic.values",
+        "critic.update_critic",
+        "log@2",
+    ]);
+    expected.extend(step_labels(3, false, true).into_iter().map(|l| {
+        // Step 3 is the first update: it generates with the initial weights.
+        if l.starts_with("gen@") {
+            "gen@None".to_owned()
+        } else {
+            l
+        }
+    }));
+    expected.extend(strings(&["actor.export", "finish(0)"]));
+    assert_eq!(labels(&log.events()), expected);
+}
+
+fn checkpoint_steps(run_dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(run_dir)
+        .unwrap()
+        .filter_map(|e| crate::checkpoint::step_of(&e.unwrap().path()))
+        .collect();
+    steps.sort_unstable();
+    steps
+}
+
+#[test]
+fn validation_and_checkpoints_follow_their_frequencies_and_the_last_step() {
+    let s = setup();
+    let mut c = s.config("cadence");
+    c.trainer.save_freq = 2;
+    c.trainer.test_freq = 2;
+    c.trainer.val_before_train = true;
+    c.trainer.log_val_generations = 1;
+    c.algorithm.adv_estimator = AdvEstimator::Gae;
+    let log = Log::default();
+    let summary = fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+
+    let val_steps: Vec<u64> = summary.validations.iter().map(|(s, _)| *s).collect();
+    assert_eq!(val_steps, vec![0, 2, 4, 5]);
+    for (step, metrics) in &summary.validations {
+        assert_eq!(
+            metrics["val-core/verl-core/addition/reward/mean@1"], 1.0,
+            "step {step}"
+        );
+    }
+    // The validation samples are logged at the step the validation belongs to.
+    let tables: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Table(step) => Some(*step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tables, vec![0, 2, 4, 5]);
+
+    // Validation, then checkpoint, then the step's log; each checkpoint holds actor and critic.
+    let mut expected = strings(&["gen(val)@None", "log@0"]);
+    for step in 1..=5u64 {
+        let mut labels = step_labels(step, false, true);
+        let log = labels.pop().unwrap();
+        if step % 2 == 0 || step == 5 {
+            labels.push(format!("gen(val)@Some({step})"));
+            labels.push(format!("actor.save@{step}"));
+            labels.push(format!("critic.save@{step}"));
+        }
+        labels.push(log);
+        expected.extend(labels);
+    }
+    expected.extend(strings(&["actor.export", "finish(0)"]));
+    assert_eq!(labels(&events), expected);
+
+    // The validation metrics are in their step's log, and only there.
+    for (step, metrics) in logs(&events) {
+        let has_val = metrics.contains_key("val-core/verl-core/addition/reward/mean@1");
+        assert_eq!(has_val, [0, 2, 4, 5].contains(&step), "step {step}");
+        assert_eq!(
+            metrics.contains_key("timing_s/save_checkpoint"),
+            [2, 4, 5].contains(&step),
+            "step {step}"
+        );
+    }
+
+    let run_dir = s.run_dir("cadence");
+    assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join(crate::checkpoint::LATEST_FILE)).unwrap(),
+        "5"
+    );
+    for step in [2, 4, 5] {
+        let dir = run_dir.join(format!("global_step_{step}"));
+        for role in ["actor", "critic"] {
+            assert!(dir.join(role).join(ENGINE_STATE).is_file(), "{step} {role}");
+        }
+        assert!(dir.join(super::TRAINER_STATE_FILE).is_file());
+    }
+
+    // Both off: neither happens.
+    let mut c = s.config("never");
+    c.trainer.save_freq = -1;
+    c.trainer.test_freq = -1;
+    c.trainer.val_before_train = false;
+    let log = Log::default();
+    let summary = fit(c, &log, Faults::default()).unwrap();
+    assert!(summary.validations.is_empty());
+    assert!(log.events().iter().all(|e| !matches!(
+        e,
+        Event::Save { .. } | Event::Generate { n: 1, .. } | Event::Table(_)
+    )));
+    assert!(checkpoint_steps(&s.run_dir("never")).is_empty());
+
+    // A frequency that does not divide the run: its multiples and the last step.
+    let mut c = s.config("every3");
+    c.trainer.save_freq = 3;
+    c.trainer.test_freq = 4;
+    let log = Log::default();
+    let summary = fit(c, &log, Faults::default()).unwrap();
+    let val_steps: Vec<u64> = summary.validations.iter().map(|(s, _)| *s).collect();
+    assert_eq!(val_steps, vec![4, 5]);
+    assert_eq!(checkpoint_steps(&s.run_dir("every3")), vec![3, 5]);
+}
+
+/// `(step, metrics without timings)` of every log.
+fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
+    logs(events)
+        .into_iter()
+        .map(|(step, metrics)| {
+            let kept = metrics
+                .iter()
+                .filter(|(k, _)| {
+                    !k.starts_with("timing_s/")
+                        && !["perf/time_per_step", "perf/throughput"].contains(&k.as_str())
+                })
+                .map(|(k, v)| (k.clone(), *v))
+                .collect();
+            (step, kept)
+        })
+        .collect()
+}
+
+/// `(prompts, seed)` of every training generation.
+fn train_generations(events: &[Event]) -> Vec<(Vec<String>, Option<u64>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Generate {
+                n: 2,
+                prompts,
+                seed,
+                ..
+            } => Some((prompts.clone(), *seed)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_resumed_run_continues_where_the_checkpoint_left_off() {
+    let s = setup();
+    let configure = |run: &str| {
+        let mut c = s.config(run);
+        c.algorithm.adv_estimator = AdvEstimator::Gae;
+        c.actor_rollout_ref.actor.use_kl_loss = true;
+        c.trainer.save_freq = 2;
+        c
+    };
+
+    // The reference: five steps without interruption.
+    let log = Log::default();
+    fit(configure("whole"), &log, Faults::default()).unwrap();
+    let whole = log.events();
+    let whole_logs = comparable_logs(&whole);
+    assert_eq!(
+        whole_logs.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5]
+    );
+    // Five steps over two batches per epoch: the resumed run must pick up mid-epoch and cross one.
+    assert_eq!(whole_logs[4].1["training/epoch"], 2.0);
+
+    // The same run failing in step 4: the last checkpoint is step 2.
+    let log = Log::default();
+    let err = fit(
+        configure("resumed"),
+        &log,
+        Faults {
+            fail_update_at: Some(4),
+        },
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("injected failure at step 4"),
+        "{err}"
+    );
+    let first = log.events();
+    assert_eq!(first.last(), Some(&Event::Finish(1)));
+    let run_dir = s.run_dir("resumed");
+    assert_eq!(checkpoint_steps(&run_dir), vec![2]);
+    let first_logs = comparable_logs(&first);
+    assert_eq!(first_logs[..], whole_logs[..3]);
+
+    // Resumed: state and weights from step 2, then steps 3..=5 exactly as the whole run did them.
+    let log = Log::default();
+    let summary = fit(configure("resumed"), &log, Faults::default()).unwrap();
+    assert_eq!(summary.global_step, 5);
+    let resumed = log.events();
+    let checkpoint = run_dir.join("global_step_2");
+    let calls: Vec<&Event> = resumed
+        .iter()
+        .filter(|e| label(e).is_some())
+        .take(7)
+        .collect();
+    assert_eq!(
+        calls,
+        vec![
+            &Event::Load {
+                role: "actor".into(),
+                dir: checkpoint.join("actor"),
+            },
+            &Event::Load {
+                role: "critic".into(),
+                dir: checkpoint.join("critic"),
+            },
+            &Event::Weights("actor".into()),
+            &Event::Send(2),
+            &Event::UpdateWeights {
+                version: 2,
+                value: 2.0
+            },
+            &Event::Finalize,
+            calls[6],
+        ]
+    );
+    assert!(
+        matches!(
+            calls[6],
+            Event::Generate {
+                n: 2,
+                version: Some(2),
+                ..
+            }
+        ),
+        "{:?}",
+        calls[6]
+    );
+    // No step logged twice or skipped, and every step the same as without the interruption.
+    let resumed_logs = comparable_logs(&resumed);
+    assert_eq!(resumed_logs[..], whole_logs[2..]);
+    assert_eq!(
+        train_generations(&resumed)[..],
+        train_generations(&whole)[2..],
+        "the loader (and the sampling seeds) continue where step 2 left them"
+    );
+    let synced = |events: &[Event]| -> Vec<(u64, f32)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::UpdateWeights { version, value } => Some((*version, *value)),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(
+        synced(&resumed),
+        vec![(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+    );
+    assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
+
+    // Resuming a finished run trains no further; validation before training (verl: at the
+    // resumed step) sees the resumed weights.
+    let mut c = configure("resumed");
+    c.trainer.val_before_train = true;
+    let log = Log::default();
+    let summary = fit(c, &log, Faults::default()).unwrap();
+    assert_eq!(summary.global_step, 5);
+    let events = log.events();
+    assert_eq!(
+        labels(&events),
+        strings(&[
+            "actor.load",
+            "critic.load",
+            "actor.weights",
+            "sync.send@5",
+            "rollout.update_weights@5",
+            "sync.finalize",
+            "gen(val)@Some(5)",
+            "log@5",
+            "actor.export",
+            "finish(0)",
+        ])
+    );
+    assert!(
+        logs(&events)[0]
+            .1
+            .keys()
+            .all(|k| k.starts_with("val-core/"))
+    );
+
+    // resume_mode=resume_path: from the named checkpoint, into a new directory.
+    let mut c = configure("from-path");
+    c.trainer.resume_mode = ResumeMode::ResumePath;
+    c.trainer.resume_from_path = Some(checkpoint.to_string_lossy().into_owned());
+    c.trainer.total_training_steps = Some(3);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+    assert_eq!(
+        events.iter().find(|e| matches!(e, Event::Load { .. })),
+        Some(&Event::Load {
+            role: "actor".into(),
+            dir: checkpoint.join("actor"),
+        })
+    );
+    assert_eq!(comparable_logs(&events)[..], whole_logs[2..3]);
+    assert_eq!(checkpoint_steps(&s.run_dir("from-path")), vec![3]);
+    let mut c = configure("from-path");
+    c.trainer.resume_mode = ResumeMode::ResumePath;
+    let err = fit(c, &Log::default(), Faults::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("trainer.resume_from_path"),
+        "{err}"
+    );
+
+    // resume_mode=disable starts over in the same directory.
+    let mut c = configure("resumed");
+    c.trainer.resume_mode = ResumeMode::Disable;
+    c.trainer.total_training_steps = Some(1);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    assert!(
+        log.events()
+            .iter()
+            .all(|e| !matches!(e, Event::Load { .. }))
+    );
+    assert_eq!(
+        logs(&log.events())
+            .iter()
+            .map(|(s, _)| *s)
+            .collect::<Vec<_>>(),
+        vec![1]
+    );
+}
+
+#[test]
+fn capability_mismatches_fail_before_any_component_is_created() {
+    let s = setup();
+    let check = |c: Config, vars: &[(&str, &str)], wanted: &[&str]| {
+        let log = Log::default();
+        let err = match Trainer::new(c, &registry(&log, Faults::default()), &placement(vars)) {
+            Ok(_) => panic!("expected a capability error"),
+            Err(err) => err,
+        };
+        assert!(matches!(err, TrainError::Capability(_)), "{err:?}");
+        let message = err.to_string();
+        for part in wanted {
+            assert!(message.contains(part), "`{part}` missing from: {message}");
+        }
+        assert_eq!(log.events(), vec![], "{message}");
+    };
+
+    // The weight sync hands over memory; the rollout only reads files.
+    let mut c = s.config("caps");
+    c.actor_rollout_ref.rollout.name = "file-only".into();
+    check(
+        c,
+        &[],
+        &[
+            "rollout `file-only`",
+            "actor_rollout_ref.rollout.name",
+            "weight sync `fake`",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            "memory",
+            "[file]",
+        ],
+    );
+
+    // A single-rank engine in a two-rank run.
+    check(
+        s.config("caps"),
+        &[("WORLD_SIZE", "2"), ("RANK", "1")],
+        &[
+            "engine `fake`",
+            "actor_rollout_ref.actor.strategy",
+            "at most 1 rank",
+            "WORLD_SIZE=2",
+        ],
+    );
+
+    // GAE needs a critic the engine cannot be.
+    let mut c = s.config("caps");
+    c.algorithm.adv_estimator = AdvEstimator::Gae;
+    c.critic.strategy = "no-critic".into();
+    check(
+        c,
+        &[],
+        &["engine `no-critic`", "critic.strategy", "critic role"],
+    );
+
+    // Rollout log-probs asked of a rollout without them.
+    let mut c = s.config("caps");
+    c.actor_rollout_ref.rollout.calculate_log_probs = true;
+    check(
+        c,
+        &[],
+        &[
+            "actor_rollout_ref.rollout.calculate_log_probs",
+            "rollout `fake`",
+        ],
+    );
+}

@@ -1,16 +1,155 @@
 #!/usr/bin/env bash
-# Run every test: the workspace's (unit, integration, plugin tests against the real tracking tools)
-# and the out-of-tree vendor example's own suite, built separately as a vendor would.
+# The checks and tests, in tiers. `.ci/run` runs this with no argument.
+#
+#   bash scripts/test.sh fast   the crates that link neither libtorch nor Python (plugin-api, host,
+#                               core, testkit, rocm, ascend, the trackers' unit tests): no
+#                               set-up, no downloads beyond crates
+#   bash scripts/test.sh lint   rustfmt, clippy (-D warnings, all targets), rustdoc (-D warnings),
+#                               cargo-semver-checks on plugin-api against its 2.0.0 release
+#   bash scripts/test.sh full   every test: the workspace's (unit, integration, the tracker
+#                               plugin's against the real tracking tools) and the out-of-tree vendor
+#                               example's own suite, built separately as a vendor would
+#   bash scripts/test.sh        (CI) lint, then fast, then the rest of full (the fast tier's tests
+#                               are not run twice)
+#
+# Each stage's wall time is printed at the end, also when a stage fails.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 
-bash scripts/setup-libtorch.sh >/dev/null
-if [[ -f plugins/trackers/Cargo.toml ]]; then
-  VERL_TOOLS_PYTHON=$(bash scripts/setup-python-tools.sh | tail -n 1)
-  export VERL_TOOLS_PYTHON
-fi
+mode=${1:-ci}
+case "$mode" in
+  fast | lint | full | ci) ;;
+  *)
+    echo "usage: bash scripts/test.sh [fast|lint|full]" >&2
+    exit 2
+    ;;
+esac
 
-cargo test --workspace --no-fail-fast
-# The vendor example shares the target directory the integration tests build it in.
-CARGO_TARGET_DIR="$repo/target/vendor-plugin" cargo test --manifest-path examples/vendor-plugin/Cargo.toml
+# The fast tier: crates whose dependency tree (dev-dependencies included) has no torch-sys.
+fast_crates=(verl-plugin-api verl-plugin-host verl-core verl-testkit verl-plugin-rocm verl-plugin-ascend)
+# The tracker plugin links no libtorch either; its integration tests need the Python tools.
+tools_crate=verl-plugin-trackers
+
+# cargo-semver-checks, built once from crates.io into the cache (~/.cache/verl-core/cargo-tools).
+SEMVER_CHECKS_VERSION=0.51.0
+tools_root=${XDG_CACHE_HOME:-$HOME/.cache}/verl-core/cargo-tools
+
+timings=()
+stage() {
+  local name=$1 start=$SECONDS
+  shift
+  echo "==> $name" >&2
+  "$@"
+  timings+=("$(printf '%-44s %5d s' "$name" $((SECONDS - start)))")
+}
+report() {
+  local rc=$?
+  if ((${#timings[@]})); then
+    echo
+    echo "test.sh $mode: stage timings"
+    printf '  %s\n' "${timings[@]}"
+    ((rc == 0)) || echo "  (stopped by a failure: exit $rc)"
+  fi
+}
+trap report EXIT
+
+packages() {
+  local flag=$1 p
+  shift
+  for p in "$@"; do printf '%s %s ' "$flag" "$p"; done
+}
+
+fast_tier() {
+  # Proof that the tier needs no libtorch: none of its crates depends on torch-sys.
+  # shellcheck disable=SC2046
+  if cargo tree -e normal,build,dev $(packages -p "${fast_crates[@]}" "$tools_crate") --prefix none |
+    grep -q '^torch-sys '; then
+    echo "test.sh fast: a fast-tier crate depends on torch-sys; move it to the full tier" >&2
+    return 1
+  fi
+  # shellcheck disable=SC2046
+  cargo test --no-fail-fast $(packages -p "${fast_crates[@]}")
+  cargo test --no-fail-fast -p "$tools_crate" --lib
+}
+
+setup_libtorch() { bash scripts/setup-libtorch.sh >/dev/null; }
+
+setup_python_tools() {
+  if [[ -f plugins/trackers/Cargo.toml ]]; then
+    VERL_TOOLS_PYTHON=$(bash scripts/setup-python-tools.sh | tail -n 1)
+    export VERL_TOOLS_PYTHON
+  fi
+}
+
+install_semver_checks() {
+  local bin=$tools_root/bin/cargo-semver-checks
+  if [[ -x "$bin" ]] && "$bin" semver-checks --version | grep -qF " $SEMVER_CHECKS_VERSION"; then
+    return 0
+  fi
+  # A temporary target directory: the tool's build shares nothing with the workspace's.
+  local build
+  build=$(mktemp -d)
+  CARGO_TARGET_DIR=$build cargo install cargo-semver-checks --version "=$SEMVER_CHECKS_VERSION" \
+    --locked --root "$tools_root"
+  rm -rf "$build"
+}
+
+semver_checks() {
+  # The baseline: the commit that made plugin-api 2.0.0 (a clone has the history). Every later
+  # change must be semver-compatible with it for the version Cargo.toml declares now.
+  local baseline
+  baseline=$(git log --format=%H -S'version = "2.0.0"' -- plugin-api/Cargo.toml | tail -n 1)
+  if [[ -z "$baseline" ]]; then
+    echo "test.sh lint: no commit in this clone's history sets plugin-api's version to 2.0.0" \
+      "(a shallow clone?): cargo-semver-checks has no baseline" >&2
+    return 1
+  fi
+  echo "plugin-api baseline: $baseline ($(git log -1 --format=%s "$baseline" | cut -c1-60)...)" >&2
+  PATH="$tools_root/bin:$PATH" cargo semver-checks check-release -p verl-plugin-api \
+    --baseline-rev "$baseline"
+}
+
+lint() {
+  stage "rustfmt --check" cargo fmt --all --check
+  stage "clippy -D warnings (workspace, all targets)" \
+    cargo clippy --workspace --all-targets -- -D warnings
+  stage "rustdoc -D warnings (workspace)" \
+    env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
+  stage "cargo-semver-checks: install (cached)" install_semver_checks
+  stage "cargo-semver-checks: plugin-api" semver_checks
+}
+
+vendor_example() {
+  # The vendor example shares the target directory the integration tests build it in.
+  CARGO_TARGET_DIR="$repo/target/vendor-plugin" cargo test \
+    --manifest-path examples/vendor-plugin/Cargo.toml
+}
+
+case "$mode" in
+  fast)
+    stage "fast tier (no libtorch, no Python)" fast_tier
+    ;;
+  lint)
+    stage "libtorch set-up" setup_libtorch
+    lint
+    ;;
+  full)
+    stage "libtorch set-up" setup_libtorch
+    stage "Python tracking tools set-up" setup_python_tools
+    stage "workspace tests" cargo test --workspace --no-fail-fast
+    stage "vendor example tests" vendor_example
+    ;;
+  ci)
+    stage "libtorch set-up" setup_libtorch
+    lint
+    stage "fast tier (no libtorch, no Python)" fast_tier
+    stage "Python tracking tools set-up" setup_python_tools
+    # shellcheck disable=SC2046
+    stage "full tier: the rest of the workspace tests" \
+      cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate")
+    stage "full tier: tracker tests against the tools" \
+      cargo test --no-fail-fast -p "$tools_crate" --test '*'
+    stage "full tier: vendor example tests" vendor_example
+    ;;
+esac

@@ -90,8 +90,11 @@ pub struct ScoredResponse {
     pub logprobs: Vec<f32>,
 }
 
+/// The token ids of `verl-core score`'s input: `(prompts, responses)`, one of each per line.
+pub type ScoreInput = (Vec<Vec<u32>>, Vec<Vec<u32>>);
+
 /// Reads `{"prompt_ids": […], "response_ids": […]}` lines; errors name the file and line.
-pub fn read_score_input(path: &PathBuf) -> anyhow::Result<(Vec<Vec<u32>>, Vec<Vec<u32>>)> {
+pub fn read_score_input(path: &PathBuf) -> anyhow::Result<ScoreInput> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let (mut prompts, mut responses) = (Vec::new(), Vec::new());
     for (number, line) in std::io::BufReader::new(file).lines().enumerate() {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use verl_core::config::{Config, PluginSections, SectionKind};
+use verl_core::config::{Config, ConfigSource, FileFormat, PluginSections, SectionKind};
 use verl_core::data::synthetic::AdditionTask;
 use verl_core::placement::{self, Placement};
 use verl_core::quickstart::TinyModel;
@@ -281,24 +281,20 @@ fn load_config(
     registry: &Registry,
 ) -> anyhow::Result<Config> {
     let sections = plugin_sections(registry);
-    match (&args.config, embedded_default) {
-        (Some(path), _) => Ok(Config::from_process(
-            Some(path),
-            &args.overrides,
-            &sections,
-        )?),
-        (None, true) => {
-            // figment reads files, so the embedded YAML goes through one.
-            let path = std::env::temp_dir()
-                .join(format!("verl-core-quickstart-{}.yaml", std::process::id()));
-            std::fs::write(&path, quickstart::QUICKSTART_YAML)
-                .with_context(|| format!("writing {}", path.display()))?;
-            let config = Config::from_process(Some(&path), &args.overrides, &sections);
-            let _ = std::fs::remove_file(&path);
-            Ok(config.context("the embedded examples/quickstart.yaml")?)
-        }
-        (None, false) => Ok(Config::from_process(None, &args.overrides, &sections)?),
-    }
+    let source = match (&args.config, embedded_default) {
+        (Some(path), _) => Some(ConfigSource::File(path)),
+        (None, true) => Some(ConfigSource::Text {
+            text: quickstart::QUICKSTART_YAML,
+            format: FileFormat::Yaml,
+            name: "the embedded examples/quickstart.yaml",
+        }),
+        (None, false) => None,
+    };
+    Ok(Config::from_process_source(
+        source,
+        &args.overrides,
+        &sections,
+    )?)
 }
 
 /// This process's placement for training: `trainer.device=auto` follows platform selection,

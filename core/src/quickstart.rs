@@ -5,13 +5,14 @@
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 use verl_plugin_host::Registry;
 
+pub use crate::config::{QuickstartConfig, TinyModel};
+
 use crate::config::Config;
 use crate::data::expand_home;
-use crate::data::synthetic::{self, AdditionTask, SPECIAL_TOKENS};
+use crate::data::synthetic::{self, SPECIAL_TOKENS};
 use crate::placement::Placement;
 use crate::sft::run_sft;
 use crate::trainer::TrainError;
@@ -19,40 +20,7 @@ use crate::trainer::TrainError;
 /// The example config `verl-core run` uses when given none.
 pub const QUICKSTART_YAML: &str = include_str!("../../examples/quickstart.yaml");
 
-/// A tiny decoder for the synthetic task (Llama architecture, character vocabulary).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TinyModel {
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-}
-
-impl Default for TinyModel {
-    fn default() -> Self {
-        Self {
-            hidden_size: 64,
-            intermediate_size: 256,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-        }
-    }
-}
-
-/// `quickstart.*`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
-pub struct QuickstartConfig {
-    /// Make the synthetic data, the tiny model and its warm-up when they are missing.
-    pub enable: bool,
-    pub task: AdditionTask,
-    pub model: TinyModel,
-}
-
-pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |error| TrainError::Io {
         path: path.to_path_buf(),
         error,

@@ -4,47 +4,18 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 use verl_plugin_api::{ComponentKind, keys};
 use verl_plugin_host::Registry;
+
+pub use crate::config::SftConfig;
 
 use crate::algo::masked_mean;
 use crate::batch;
 use crate::config::{Config, EngineRole, Slot};
 use crate::data::{ChatTemplate, DataLoader, PromptProcessor, Sample, expand_home};
 use crate::placement::Placement;
-use crate::quickstart::io;
 use crate::trainer::{TrainError, plugin_init};
-
-/// `sft.*`: supervised fine-tuning on the data's reference answers (`extra_info.answer`, else
-/// `#### <ground_truth>`), through the actor engine.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftConfig {
-    pub steps: u64,
-    pub batch_size: usize,
-    pub lr: f64,
-    /// Model to start from; default `actor_rollout_ref.model.path`.
-    pub base_model: Option<String>,
-    /// Start from random weights (the base model's config.json) instead of its safetensors.
-    pub random_init: bool,
-    /// Where the Hugging Face directory is written.
-    pub output_dir: Option<String>,
-}
-
-impl Default for SftConfig {
-    fn default() -> Self {
-        Self {
-            steps: 100,
-            batch_size: 64,
-            lr: 1e-4,
-            base_model: None,
-            random_init: false,
-            output_dir: None,
-        }
-    }
-}
 
 /// The reference response to train on: verl's `extra_info.answer` when present (GSM8K-style
 /// datasets carry the worked answer there), else `#### <ground_truth>`.
@@ -212,7 +183,10 @@ pub fn run_sft(
             );
         }
     }
-    std::fs::create_dir_all(&output).map_err(io(&output))?;
+    std::fs::create_dir_all(&output).map_err(|error| TrainError::Io {
+        path: output.clone(),
+        error,
+    })?;
     engine
         .export_hf(&output.to_string_lossy())
         .map_err(plugin(&format!("exporting {}", output.display())))?;

@@ -19,6 +19,7 @@
 //! through to the plugin ([`Config::plugin_section`]), which checks them.
 
 mod interp;
+mod jobs;
 mod overrides;
 mod plugin;
 mod schema;
@@ -33,6 +34,7 @@ use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde_json::Value;
 
+pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
 pub use plugin::EngineRole;
 pub use schema::*;
 pub use sections::{PluginSection, PluginSections, SectionKind, Slot};
@@ -250,24 +252,79 @@ fn strip_markers(tree: &mut Value, top: bool) {
     }
 }
 
-fn read_file(path: &Path) -> Result<Value, ConfigError> {
-    let file_err = |message: String| ConfigError::File {
-        path: path.to_owned(),
-        message,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
-    let data = match path.extension().and_then(|e| e.to_str()) {
-        Some("yaml" | "yml") => Yaml::string(&text).data(),
-        Some("toml") => Toml::string(&text).data(),
-        _ => {
-            return Err(file_err(
-                "unknown format (expected .yaml, .yml or .toml)".into(),
-            ));
+/// The format of a config file's text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileFormat {
+    Yaml,
+    Toml,
+}
+
+impl FileFormat {
+    /// By extension: `.yaml`/`.yml` or `.toml`.
+    pub fn from_path(path: &Path) -> Option<Self> {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("yaml" | "yml") => Some(Self::Yaml),
+            Some("toml") => Some(Self::Toml),
+            _ => None,
         }
     }
-    .map_err(|e| file_err(e.to_string()))?;
+}
+
+/// The config-file layer: a file on disk, or config text held in memory (the quickstart YAML
+/// embedded in the binary), which is parsed from the string.
+#[derive(Debug, Clone, Copy)]
+pub enum ConfigSource<'a> {
+    /// A file; its format follows its extension.
+    File(&'a Path),
+    /// Text; `name` stands for it in errors (`config key `x` (from <name>)`).
+    Text {
+        text: &'a str,
+        format: FileFormat,
+        name: &'a str,
+    },
+}
+
+impl ConfigSource<'_> {
+    /// How errors name where a key came from.
+    fn origin(&self) -> String {
+        match self {
+            Self::File(path) => format!("config file {}", path.display()),
+            Self::Text { name, .. } => (*name).to_owned(),
+        }
+    }
+
+    /// The layer's tree, markers stripped.
+    fn read(&self) -> Result<Value, ConfigError> {
+        match *self {
+            Self::File(path) => {
+                let file_err = |message: String| ConfigError::File {
+                    path: path.to_owned(),
+                    message,
+                };
+                let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+                let format = FileFormat::from_path(path).ok_or_else(|| {
+                    file_err("unknown format (expected .yaml, .yml or .toml)".into())
+                })?;
+                parse_text(&text, format).map_err(file_err)
+            }
+            Self::Text { text, format, name } => {
+                parse_text(text, format).map_err(|message| ConfigError::Syntax {
+                    origin: name.to_owned(),
+                    message,
+                })
+            }
+        }
+    }
+}
+
+fn parse_text(text: &str, format: FileFormat) -> Result<Value, String> {
+    let data = match format {
+        FileFormat::Yaml => Yaml::string(text).data(),
+        FileFormat::Toml => Toml::string(text).data(),
+    }
+    .map_err(|e| e.to_string())?;
     let dict = data.into_values().next().unwrap_or_default();
-    let mut tree = serde_json::to_value(dict).map_err(|e| file_err(e.to_string()))?;
+    let mut tree = serde_json::to_value(dict).map_err(|e| e.to_string())?;
     if tree.is_null() {
         tree = Value::Object(Default::default());
     }
@@ -285,11 +342,30 @@ impl Config {
         Self::load(file, std::env::vars(), overrides, sections)
     }
 
+    /// [`Config::from_process`] with the file layer from `source` (a file, or text in memory).
+    pub fn from_process_source(
+        source: Option<ConfigSource<'_>>,
+        overrides: &[String],
+        sections: &PluginSections,
+    ) -> Result<Self, ConfigError> {
+        Self::load_source(source, std::env::vars(), overrides, sections)
+    }
+
     /// Layers defaults, `file`, the `VERL_…__…` variables among `env`, and `overrides`; then
     /// resolves interpolations (`${oc.env:…}` reads `env`). `sections` are the plugin sections
     /// accepted in their slots (built from the plugin registry).
     pub fn load(
         file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        overrides: &[String],
+        sections: &PluginSections,
+    ) -> Result<Self, ConfigError> {
+        Self::load_source(file.map(ConfigSource::File), env, overrides, sections)
+    }
+
+    /// [`Config::load`] with the file layer from `source` (a file, or text in memory).
+    pub fn load_source(
+        source: Option<ConfigSource<'_>>,
         env: impl IntoIterator<Item = (String, String)>,
         overrides: &[String],
         sections: &PluginSections,
@@ -307,9 +383,9 @@ impl Config {
             figment.merge(layer)
         };
 
-        if let Some(path) = file {
-            let tree = read_file(path)?;
-            let origin = format!("config file {}", path.display());
+        if let Some(source) = source {
+            let tree = source.read()?;
+            let origin = source.origin();
             schema.check_tree(&tree, &mut Vec::new(), &origin)?;
             figment = merge(
                 figment,

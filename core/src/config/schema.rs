@@ -56,9 +56,9 @@ pub struct Config {
     pub trainer: TrainerConfig,
     /// Prepare the synthetic task, a tiny model and its warm-up when missing (`verl-core run`'s
     /// embedded default).
-    pub quickstart: crate::quickstart::QuickstartConfig,
+    pub quickstart: super::QuickstartConfig,
     /// Supervised fine-tuning (`verl-core sft`, and the quickstart's warm-up).
-    pub sft: crate::sft::SftConfig,
+    pub sft: super::SftConfig,
     /// Logger sections (also accepted under `trainer.<name>`).
     #[serde(flatten)]
     pub sections: Sections,

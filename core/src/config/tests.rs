@@ -115,6 +115,62 @@ fn toml_files_work() {
     ));
 }
 
+/// Config text held in memory (the embedded quickstart) is parsed from the string and named in
+/// errors by the name it is given; it loads exactly as the same text in a file.
+#[test]
+fn text_source_parses_like_a_file_and_names_itself() {
+    let embedded = |text, format| ConfigSource::Text {
+        text,
+        format,
+        name: "the embedded example.yaml",
+    };
+    let load_source = |source: ConfigSource, args: &[&str]| {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        Config::load_source(Some(source), Vec::new(), &args, &bundled())
+    };
+    let yaml = "trainer:\n  total_epochs: 5\n  project_name: proj\nwandb:\n  entity: me\n";
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(&dir, "run.yaml", yaml);
+    let from_text = load_source(embedded(yaml, FileFormat::Yaml), &[]).unwrap();
+    let from_file = load(Some(&file), &[], &[]).unwrap();
+    assert_eq!(from_text.to_json(), from_file.to_json());
+    assert_eq!(from_text.trainer.total_epochs, 5);
+    assert_eq!(
+        from_text.plugin_section(Slot::Tracker, "wandb").origins["wandb.entity"],
+        "the embedded example.yaml"
+    );
+
+    let toml = "[actor_rollout_ref.actor.optim]\nlr = 3e-6\n";
+    let c = load_source(
+        embedded(toml, FileFormat::Toml),
+        &["trainer.total_epochs=2"],
+    )
+    .unwrap();
+    assert_eq!(c.actor_rollout_ref.actor.optim.lr, 3e-6);
+    assert_eq!(c.trainer.total_epochs, 2);
+
+    assert_eq!(
+        load_source(
+            embedded("trainer:\n  total_epoch: 5\n", FileFormat::Yaml),
+            &[]
+        ),
+        Err(ConfigError::UnknownKey {
+            key: "trainer.total_epoch".into(),
+            origin: "the embedded example.yaml".into(),
+            suggestion: Some("trainer.total_epochs".into()),
+        })
+    );
+    assert!(matches!(
+        load_source(embedded("trainer: [\n", FileFormat::Yaml), &[]),
+        Err(ConfigError::Syntax { origin, .. }) if origin == "the embedded example.yaml"
+    ));
+    assert!(matches!(
+        load_source(embedded("trainer:\n  total_epochs: many\n", FileFormat::Yaml), &[]),
+        Err(ConfigError::Invalid { key, origin, .. })
+            if key == "trainer.total_epochs" && origin == "the embedded example.yaml"
+    ));
+}
+
 #[test]
 fn hydra_overrides() {
     let c = load(

@@ -53,7 +53,6 @@ impl Device for CudaDevice {
                     .model
                     .clone()
                     .unwrap_or_else(|| "NVIDIA GPU".to_owned())
-                    .into()
             })
             .collect();
         Ok(detection)

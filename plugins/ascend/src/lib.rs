@@ -112,7 +112,6 @@ impl Device for AscendDevice {
                     driver.chip.as_deref().unwrap_or("Ascend NPU"),
                     npus[i as usize]
                 )
-                .into()
             })
             .collect();
         Ok(detection)

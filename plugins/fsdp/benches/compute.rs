@@ -93,17 +93,9 @@ fn write_model(dir: &Path) -> CausalLM {
 fn engine_with_batch(dir: &Path, input: &Tensor) -> (FsdpEngine, Batch) {
     let mut engine = FsdpEngine::default();
     let config = json!({"role": "actor", "model": {"path": dir}, "ppo_mini_batch_size": BATCH});
-    let run = RunContext {
-        device: "cpu".into(),
-        world_size: 1,
-        ..RunContext::default()
-    };
-    engine
-        .init(&ComponentInit {
-            config_json: config.to_string().into(),
-            run,
-        })
-        .unwrap();
+    // One process on the CPU.
+    let run = RunContext::default();
+    engine.init(&ComponentInit::new(config, run)).unwrap();
     let tensor = |t: &Tensor| verl_torch_runtime::interop::from_tch("t", t).unwrap();
     let response_len = SEQ - 1;
     let ones = Tensor::ones([BATCH, response_len], (Kind::Float, tch::Device::Cpu));

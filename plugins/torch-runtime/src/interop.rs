@@ -271,8 +271,10 @@ mod tests {
         }
         assert_eq!(lent.staged_bytes(), 0);
 
-        let mut options = crate::ModelOptions::default();
-        options.seed = 99;
+        let options = crate::ModelOptions {
+            seed: 99,
+            ..Default::default()
+        };
         let target = CausalLM::random(source.config().clone(), &options).unwrap();
         assert!(!target.named_tensors()[0].1.equal(&params[0].1));
         let copied = load_views(&target, &views).unwrap();

@@ -21,15 +21,11 @@ fn measure(
     config: serde_json::Value,
     run_dir: &std::path::Path,
 ) {
-    let init = ComponentInit {
-        config_json: config.to_string().into(),
-        run: RunContext {
-            project: "bench".into(),
-            experiment: "throughput".into(),
-            run_dir: run_dir.to_string_lossy().into_owned().into(),
-            ..Default::default()
-        },
-    };
+    let mut run = RunContext::default();
+    run.project = "bench".into();
+    run.experiment = "throughput".into();
+    run.run_dir = run_dir.to_string_lossy().into_owned();
+    let init = ComponentInit::new(config, run);
     tracker.init(&init).unwrap();
     let keys: Vec<String> = (0..METRICS)
         .map(|i| format!("bench/metric_{i:05}"))

@@ -165,10 +165,10 @@ fn load_split(
     max: i64,
 ) -> Result<Vec<(Sample, TokenizedPrompt)>, TrainError> {
     let mut samples = load_samples(files, key)?;
-    if let Ok(max) = usize::try_from(max) {
-        if max > 0 {
-            samples.truncate(max);
-        }
+    if let Ok(max) = usize::try_from(max)
+        && max > 0
+    {
+        samples.truncate(max);
     }
     Ok(processor.prepare(samples)?)
 }
@@ -367,7 +367,10 @@ impl Trainer {
             let is_last = step == self.total_steps;
             let (test_freq, save_freq) =
                 (self.config.trainer.test_freq, self.config.trainer.save_freq);
-            if test_freq > 0 && !self.val.is_empty() && (is_last || step % test_freq as u64 == 0) {
+            if test_freq > 0
+                && !self.val.is_empty()
+                && (is_last || step.is_multiple_of(test_freq as u64))
+            {
                 let t = Instant::now();
                 let val = self.validate()?;
                 summary.validations.push((
@@ -377,7 +380,7 @@ impl Trainer {
                 metrics.extend(val);
                 metrics.push(Metric::new("timing_s/testing", t.elapsed().as_secs_f64()));
             }
-            if save_freq > 0 && (is_last || step % save_freq as u64 == 0) {
+            if save_freq > 0 && (is_last || step.is_multiple_of(save_freq as u64)) {
                 let t = Instant::now();
                 self.save_checkpoint()?;
                 metrics.push(Metric::new(

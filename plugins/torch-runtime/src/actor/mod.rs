@@ -136,7 +136,7 @@ impl<S: Strategy> ActorWorker<S> {
     /// `seed` seeds mini-batch shuffling (the run seed).
     pub fn new(settings: ActorSettings, strategy: S, seed: u64) -> Self {
         let training = (settings.role != Role::Ref).then(|| Training {
-            schedule: settings.schedule.clone(),
+            schedule: settings.schedule,
             rng: Rng::stream(seed, 1),
             updates: 0,
         });

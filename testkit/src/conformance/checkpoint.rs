@@ -7,8 +7,8 @@ use std::path::Path;
 
 use serde_json::json;
 use verl_plugin_api::{
-    CheckpointCapabilities, ComponentInit, Handover, NamedTensor, RunContext, Tensor,
-    WeightSource, WeightSourceKind,
+    CheckpointCapabilities, ComponentInit, Handover, NamedTensor, RunContext, Tensor, WeightSource,
+    WeightSourceKind,
 };
 use verl_plugin_host::CheckpointHandle;
 
@@ -63,9 +63,15 @@ fn receive(
         WeightSourceKind::File => {
             let (got, metadata) = read_safetensors_dir(Path::new(&handover.path))?;
             let recorded = metadata.get(VERSION_KEY);
-            ensure(recorded.map(String::as_str) == Some(version.to_string().as_str()), || {
-                format!("the files at {} record {VERSION_KEY} = {recorded:?}, sent version {version}", handover.path)
-            })?;
+            ensure(
+                recorded.map(String::as_str) == Some(version.to_string().as_str()),
+                || {
+                    format!(
+                        "the files at {} record {VERSION_KEY} = {recorded:?}, sent version {version}",
+                        handover.path
+                    )
+                },
+            )?;
             Ok(got)
         }
         other => Err(format!("cannot read a {} handover offline", other.as_str())),
@@ -114,7 +120,10 @@ pub fn run(suite: &mut Suite) {
         return;
     }
     let mut sync = sync.expect("init passed");
-    let offline = matches!(caps.handover, WeightSourceKind::Memory | WeightSourceKind::File);
+    let offline = matches!(
+        caps.handover,
+        WeightSourceKind::Memory | WeightSourceKind::File
+    );
     let not_offline = format!(
         "a {} handover needs a peer to receive it; only memory and file handovers are certified offline",
         caps.handover.as_str()
@@ -125,10 +134,16 @@ pub fn run(suite: &mut Suite) {
     suite.check("handover_as_declared", || {
         let h = send(&mut sync, &first, 3)?;
         ensure(h.kind == caps.handover, || {
-            format!("send_weights handed over `{}`, the capabilities declare `{}`", h.kind.as_str(), caps.handover.as_str())
+            format!(
+                "send_weights handed over `{}`, the capabilities declare `{}`",
+                h.kind.as_str(),
+                caps.handover.as_str()
+            )
         })?;
         if h.kind == WeightSourceKind::File {
-            ensure(Path::new(&h.path).is_dir(), || format!("file handover path `{}` is not a directory", h.path))?;
+            ensure(Path::new(&h.path).is_dir(), || {
+                format!("file handover path `{}` is not a directory", h.path)
+            })?;
         }
         handover = Some(h);
         Ok(Outcome::Pass)
@@ -137,10 +152,15 @@ pub fn run(suite: &mut Suite) {
         if !offline {
             return Ok(Outcome::Skipped(not_offline.clone()));
         }
-        let h = handover.as_ref().ok_or("needs `handover_as_declared`, which failed")?;
+        let h = handover
+            .as_ref()
+            .ok_or("needs `handover_as_declared`, which failed")?;
         let got = receive(h, &first, 3)?;
         ensure(got == sorted(first.clone()), || {
-            format!("the rollout would read other tensors than were sent: {:?}", got.iter().map(|t| t.name.as_str()).collect::<Vec<_>>())
+            format!(
+                "the rollout would read other tensors than were sent: {:?}",
+                got.iter().map(|t| t.name.as_str()).collect::<Vec<_>>()
+            )
         })?;
         Ok(Outcome::Pass)
     });
@@ -152,7 +172,9 @@ pub fn run(suite: &mut Suite) {
         let second = weights(-2.0);
         let h = send(&mut sync, &second, 4)?;
         let got = receive(&h, &second, 4)?;
-        ensure(got == sorted(second.clone()), || "version 4 reads back other tensors than were sent".into())?;
+        ensure(got == sorted(second.clone()), || {
+            "version 4 reads back other tensors than were sent".into()
+        })?;
         handover = Some(h);
         Ok(Outcome::Pass)
     });
@@ -161,7 +183,10 @@ pub fn run(suite: &mut Suite) {
         call("finalize", sync.finalize())?;
         if let Some(h) = h.filter(|h| h.kind == WeightSourceKind::File) {
             ensure(!Path::new(&h.path).exists(), || {
-                format!("after finalize the handover directory {} still exists", h.path)
+                format!(
+                    "after finalize the handover directory {} still exists",
+                    h.path
+                )
             })?;
         }
         call("a second finalize", sync.finalize())?;

@@ -34,11 +34,20 @@ pub fn run(suite: &mut Suite) {
     suite.check("info", || {
         let i = call("info", device.info())?;
         ensure(i.name == name, || {
-            format!("info names the platform `{}`, but the component is `{name}`", i.name)
+            format!(
+                "info names the platform `{}`, but the component is `{name}`",
+                i.name
+            )
         })?;
-        ensure(!i.device_type.is_empty() && !i.comm_backend.is_empty(), || {
-            format!("device_type `{}` and comm_backend `{}` must both be set", i.device_type, i.comm_backend)
-        })?;
+        ensure(
+            !i.device_type.is_empty() && !i.comm_backend.is_empty(),
+            || {
+                format!(
+                    "device_type `{}` and comm_backend `{}` must both be set",
+                    i.device_type, i.comm_backend
+                )
+            },
+        )?;
         info = Some(i);
         Ok(Outcome::Pass)
     });
@@ -67,7 +76,13 @@ pub fn run(suite: &mut Suite) {
         "no fake machine for device `{}` or vendor `{}` (known: {}); add one with Options::device_layout",
         suite.component.name,
         info.vendor,
-        suite.options.device_layouts.keys().cloned().collect::<Vec<_>>().join(", ")
+        suite
+            .options
+            .device_layouts
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     suite.check("detects_declared_hardware", || {
         let Some(layout) = layout else {
@@ -105,11 +120,27 @@ pub fn run(suite: &mut Suite) {
         let root = layout.map_or_else(FakeRoot::new, |l| l(2));
         let mut vars = info.visible_devices_env.clone();
         vars.push("VERL_PLATFORM".into());
-        for value in ["", "garbage", "-1", "99999999999999999999", "0,0,0", ",", "GPU-x,MIG-y"] {
-            let env = vars.iter().fold(FakeEnv::new(), |env, var| env.set(var, value));
-            no_panic(&format!("detect with every variable = {value:?}"), device.detect(&root.probe_with(&env)))?;
+        for value in [
+            "",
+            "garbage",
+            "-1",
+            "99999999999999999999",
+            "0,0,0",
+            ",",
+            "GPU-x,MIG-y",
+        ] {
+            let env = vars
+                .iter()
+                .fold(FakeEnv::new(), |env, var| env.set(var, value));
+            no_panic(
+                &format!("detect with every variable = {value:?}"),
+                device.detect(&root.probe_with(&env)),
+            )?;
         }
-        let missing = ProbeContext::new("/nonexistent/verl-certify-root", Vec::<(String, String)>::new());
+        let missing = ProbeContext::new(
+            "/nonexistent/verl-certify-root",
+            Vec::<(String, String)>::new(),
+        );
         no_panic("detect on a missing root", device.detect(&missing))?;
         Ok(Outcome::Pass)
     });

@@ -178,9 +178,15 @@ pub fn run(suite: &mut Suite) {
         let ma = update(&mut a, &batch)?;
         let mb = update(&mut b, &batch)?;
         let (wa, wb) = (weights(&mut a)?, weights(&mut b)?);
-        ensure(wa != before, || "update_actor did not change the weights".into())?;
-        ensure(wa == wb, || "two engines with the same config, seed and batch end with different weights".into())?;
-        ensure(ma == mb, || format!("the same update reported different metrics: {ma:?} vs {mb:?}"))?;
+        ensure(wa != before, || {
+            "update_actor did not change the weights".into()
+        })?;
+        ensure(wa == wb, || {
+            "two engines with the same config, seed and batch end with different weights".into()
+        })?;
+        ensure(ma == mb, || {
+            format!("the same update reported different metrics: {ma:?} vs {mb:?}")
+        })?;
         Ok(Outcome::Pass)
     });
 
@@ -192,15 +198,22 @@ pub fn run(suite: &mut Suite) {
         let want = update(&mut straight, &batch)?;
         let mut first = ctx.engine()?;
         update(&mut first, &batch)?;
-        call("save_checkpoint", first.save_checkpoint(rstr(dir.path()), 1))?;
+        call(
+            "save_checkpoint",
+            first.save_checkpoint(rstr(dir.path()), 1),
+        )?;
         let mut resumed = ctx.engine()?;
         let step = call("load_checkpoint", resumed.load_checkpoint(rstr(dir.path())))?;
-        ensure(step == 1, || format!("load_checkpoint returned global step {step}, saved as 1"))?;
+        ensure(step == 1, || {
+            format!("load_checkpoint returned global step {step}, saved as 1")
+        })?;
         let got = update(&mut resumed, &batch)?;
         ensure(weights(&mut resumed)? == weights(&mut straight)?, || {
             "update → save → load → update ends with other weights than update → update".into()
         })?;
-        ensure(got == want, || format!("metrics after resuming differ: {got:?} vs {want:?}"))?;
+        ensure(got == want, || {
+            format!("metrics after resuming differ: {got:?} vs {want:?}")
+        })?;
         Ok(Outcome::Pass)
     });
 
@@ -218,20 +231,41 @@ pub fn run(suite: &mut Suite) {
             expect_unsupported("update_critic", critic)?;
         }
         // Before init and on an empty batch, every method fails cleanly.
-        let mut fresh = ctx.suite_component.create_engine().map_err(|e| e.to_string())?;
+        let mut fresh = ctx
+            .suite_component
+            .create_engine()
+            .map_err(|e| e.to_string())?;
         let empty = Batch::default();
         let dir = tempdir()?;
-        no_panic("compute_log_prob before init", fresh.compute_log_prob(&empty))?;
+        no_panic(
+            "compute_log_prob before init",
+            fresh.compute_log_prob(&empty),
+        )?;
         no_panic("compute_values before init", fresh.compute_values(&empty))?;
         no_panic("update_actor before init", fresh.update_actor(&empty))?;
         no_panic("update_critic before init", fresh.update_critic(&empty))?;
-        no_panic("save_checkpoint before init", fresh.save_checkpoint(rstr(dir.path()), 0))?;
-        no_panic("load_checkpoint before init", fresh.load_checkpoint(rstr(dir.path())))?;
+        no_panic(
+            "save_checkpoint before init",
+            fresh.save_checkpoint(rstr(dir.path()), 0),
+        )?;
+        no_panic(
+            "load_checkpoint before init",
+            fresh.load_checkpoint(rstr(dir.path())),
+        )?;
         no_panic("weights before init", fresh.weights().map(|w| w.len()))?;
         no_panic("export_hf before init", fresh.export_hf(rstr(dir.path())))?;
-        no_panic("compute_log_prob of an empty batch", engine.compute_log_prob(&empty))?;
-        no_panic("update_actor of an empty batch", engine.update_actor(&empty))?;
-        no_panic("load_checkpoint of an empty directory", engine.load_checkpoint(rstr(dir.path())))?;
+        no_panic(
+            "compute_log_prob of an empty batch",
+            engine.compute_log_prob(&empty),
+        )?;
+        no_panic(
+            "update_actor of an empty batch",
+            engine.update_actor(&empty),
+        )?;
+        no_panic(
+            "load_checkpoint of an empty directory",
+            engine.load_checkpoint(rstr(dir.path())),
+        )?;
         Ok(Outcome::Pass)
     });
 }

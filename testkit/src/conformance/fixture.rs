@@ -45,8 +45,7 @@ pub struct Greedy {
 
 pub fn expected(dir: &Path) -> Result<Expected, String> {
     let path = dir.join("expected.json");
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
@@ -56,7 +55,11 @@ pub fn expected(dir: &Path) -> Result<Expected, String> {
 pub fn layout(seqs: &[Vec<i64>]) -> (Batch, Vec<usize>) {
     let splits: Vec<usize> = (0..seqs.len()).map(|i| 3 + i).collect();
     let p = splits.iter().copied().max().unwrap_or(0);
-    let lens: Vec<usize> = seqs.iter().zip(&splits).map(|(s, &k)| s.len() - k).collect();
+    let lens: Vec<usize> = seqs
+        .iter()
+        .zip(&splits)
+        .map(|(s, &k)| s.len() - k)
+        .collect();
     let r = lens.iter().copied().max().unwrap_or(0);
     let (mut ids, mut mask, mut responses, mut rmask) = (vec![], vec![], vec![], vec![]);
     for (s, &k) in seqs.iter().zip(&splits) {
@@ -72,8 +75,15 @@ pub fn layout(seqs: &[Vec<i64>]) -> (Batch, Vec<usize>) {
                 .chain(std::iter::repeat_n(1, s.len()))
                 .chain(std::iter::repeat_n(0, pad_r)),
         );
-        responses.extend(response.iter().copied().chain(std::iter::repeat_n(0, pad_r)));
-        rmask.extend(std::iter::repeat_n(1f32, response.len()).chain(std::iter::repeat_n(0.0, pad_r)));
+        responses.extend(
+            response
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(0, pad_r)),
+        );
+        rmask.extend(
+            std::iter::repeat_n(1f32, response.len()).chain(std::iter::repeat_n(0.0, pad_r)),
+        );
     }
     let (b, w, r) = (seqs.len() as i64, (p + r) as i64, r as i64);
     let mut batch = Batch::default();
@@ -108,12 +118,16 @@ pub fn read_safetensors(
 ) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let bad = |what: &str| format!("{}: not a safetensors file ({what})", path.display());
-    let n = u64::from_le_bytes(bytes.get(..8).ok_or_else(|| bad("short"))?.try_into().unwrap())
-        as usize;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(
-        bytes.get(8..8 + n).ok_or_else(|| bad("short header"))?,
-    )
-    .map_err(|e| bad(&e.to_string()))?;
+    let n = u64::from_le_bytes(
+        bytes
+            .get(..8)
+            .ok_or_else(|| bad("short"))?
+            .try_into()
+            .unwrap(),
+    ) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(bytes.get(8..8 + n).ok_or_else(|| bad("short header"))?)
+            .map_err(|e| bad(&e.to_string()))?;
     let data = &bytes[8 + n..];
     let mut metadata = BTreeMap::new();
     let mut tensors = Vec::new();
@@ -187,7 +201,7 @@ pub fn write_safetensors(dir: &Path, tensors: &[NamedTensor]) -> Result<(), Stri
         offset += len;
     }
     let mut text = serde_json::Value::Object(header).to_string().into_bytes();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
@@ -237,7 +251,10 @@ mod tests {
     fn safetensors_round_trip_and_layout() {
         let dir = tempfile::tempdir().unwrap();
         let tensors = vec![
-            NamedTensor::new("a", Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap()),
+            NamedTensor::new(
+                "a",
+                Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap(),
+            ),
             NamedTensor::new("b", Tensor::from_slice(&[3], &[7i64, 8, 9]).unwrap()),
         ];
         write_safetensors(dir.path(), &tensors).unwrap();
@@ -249,9 +266,16 @@ mod tests {
 
         let (batch, lens) = layout(&[vec![1, 2, 3, 4, 5], vec![1, 2, 3, 4, 5, 6]]);
         assert_eq!(lens, vec![2, 2]);
-        assert_eq!(batch.require(keys::INPUT_IDS).unwrap().shape.as_slice(), &[2, 6]);
         assert_eq!(
-            batch.require(keys::INPUT_IDS).unwrap().to_vec::<i64>().unwrap(),
+            batch.require(keys::INPUT_IDS).unwrap().shape.as_slice(),
+            &[2, 6]
+        );
+        assert_eq!(
+            batch
+                .require(keys::INPUT_IDS)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
             vec![0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6]
         );
     }

@@ -76,7 +76,9 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         let layouts: [(&str, DeviceLayout); 5] = [
-            ("nvidia", |n| FakeRoot::new().nvidia_gpus(n, "NVIDIA H100 80GB HBM3")),
+            ("nvidia", |n| {
+                FakeRoot::new().nvidia_gpus(n, "NVIDIA H100 80GB HBM3")
+            }),
             ("amd", |n| FakeRoot::new().rocm_gpus(n)),
             ("huawei", |n| FakeRoot::new().ascend_npus(n)),
             ("intel", |n| FakeRoot::new().intel_gpus(n, false)),
@@ -101,7 +103,8 @@ impl Default for Options {
 impl Options {
     /// Adds (or replaces) the fake machine for a device name or vendor.
     pub fn device_layout(mut self, name_or_vendor: &str, layout: DeviceLayout) -> Self {
-        self.device_layouts.insert(name_or_vendor.to_owned(), layout);
+        self.device_layouts
+            .insert(name_or_vendor.to_owned(), layout);
         self
     }
 
@@ -221,7 +224,11 @@ impl Report {
         let (pass, fail, skip) = self.counts();
         out.push_str(&format!(
             "{}: {pass} passed, {fail} failed, {skip} skipped\n",
-            if fail == 0 { "certified" } else { "NOT certified" }
+            if fail == 0 {
+                "certified"
+            } else {
+                "NOT certified"
+            }
         ));
         out
     }
@@ -453,4 +460,133 @@ pub(crate) fn tempdir() -> Result<tempfile::TempDir, String> {
         .prefix("verl-certify-")
         .tempdir()
         .map_err(|e| format!("creating a temporary directory: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use verl_plugin_api::{
+        Detection, Device, DeviceInfo, PluginBuilder, ProbeContext, visible_devices,
+    };
+
+    use super::*;
+
+    /// An NVIDIA-style device: counts `/dev/nvidiaN`, honours CUDA_VISIBLE_DEVICES; `bug` breaks it.
+    struct Gpu(&'static str);
+    impl Device for Gpu {
+        fn info(&self) -> DeviceInfo {
+            DeviceInfo::new(self.0, "nvidia", "cuda", "nccl")
+                .visible_devices_env(["CUDA_VISIBLE_DEVICES"])
+        }
+        fn detect(&self, probe: &ProbeContext) -> Result<Detection, PluginError> {
+            let physical = probe
+                .list_dir("/dev")
+                .iter()
+                .filter(|n| {
+                    n.strip_prefix("nvidia")
+                        .is_some_and(|d| d.parse::<u32>().is_ok())
+                })
+                .count() as u32;
+            let filter = probe.var("CUDA_VISIBLE_DEVICES");
+            match self.0 {
+                "hangs" if physical == 2 => loop {
+                    std::thread::sleep(Duration::from_secs(60));
+                },
+                "panics" if filter.is_some() => panic!("cannot parse {filter:?}"),
+                "unfiltered" => Ok(Detection::available(physical, "all")),
+                _ => Ok(Detection::available(
+                    visible_devices(physical, filter).len() as u32,
+                    "gpus",
+                )),
+            }
+        }
+    }
+
+    fn certify(name: &'static str, timeout: Duration) -> Vec<Check> {
+        let mut registry = Registry::default();
+        registry.add_builtin(PluginBuilder::new("t", "0.1.0", "test").device(
+            name,
+            1,
+            "d",
+            move || Gpu(name),
+        ));
+        let options = Options {
+            check_timeout: timeout,
+            ..Options::default()
+        };
+        certify_components(&registry.plugins()[0].components, &options)
+    }
+
+    fn outcome<'a>(checks: &'a [Check], name: &str) -> &'a Outcome {
+        &checks
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no check {name}: {checks:?}"))
+            .outcome
+    }
+
+    #[test]
+    fn a_conforming_device_passes_every_check() {
+        let checks = certify("good", Duration::from_secs(30));
+        assert_eq!(checks.len(), device::CHECKS.len());
+        assert!(
+            checks.iter().all(|c| c.outcome == Outcome::Pass),
+            "{checks:#?}"
+        );
+    }
+
+    #[test]
+    fn failures_and_panics_are_named() {
+        let checks = certify("unfiltered", Duration::from_secs(30));
+        assert!(
+            outcome(&checks, "visible_devices_filter").is_fail(),
+            "{checks:#?}"
+        );
+        assert_eq!(
+            *outcome(&checks, "detects_declared_hardware"),
+            Outcome::Pass
+        );
+        let checks = certify("panics", Duration::from_secs(30));
+        let Outcome::Fail(reason) = outcome(&checks, "visible_devices_filter") else {
+            panic!("{checks:#?}")
+        };
+        assert!(
+            reason.contains("panic") && reason.contains("cannot parse"),
+            "{reason}"
+        );
+        assert!(outcome(&checks, "odd_environment").is_fail(), "{checks:#?}");
+    }
+
+    #[test]
+    fn a_hung_check_fails_and_the_rest_are_skipped() {
+        let checks = certify("hangs", Duration::from_millis(500));
+        let Outcome::Fail(reason) = outcome(&checks, "detects_declared_hardware") else {
+            panic!("{checks:#?}")
+        };
+        assert!(reason.contains("did not finish"), "{reason}");
+        let Outcome::Skipped(reason) = outcome(&checks, "odd_environment") else {
+            panic!("{checks:#?}")
+        };
+        assert!(reason.contains("detects_declared_hardware"), "{reason}");
+        assert_eq!(checks.len(), device::CHECKS.len());
+    }
+
+    #[test]
+    fn report_table_and_json() {
+        let report = Report {
+            plugin: "t".into(),
+            version: "1".into(),
+            path: "p".into(),
+            checks: certify("unfiltered", Duration::from_secs(30)),
+        };
+        assert!(!report.passed());
+        let table = report.table();
+        assert!(
+            table.contains("FAIL  device unfiltered visible_devices_filter"),
+            "{table}"
+        );
+        assert!(table.contains("NOT certified"), "{table}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["checks"][3]["status"], "fail", "{json:#}");
+        assert_eq!(json["checks"][0]["name"], "info");
+    }
 }

@@ -10,7 +10,9 @@ use verl_plugin_api::{
 use verl_plugin_host::RolloutHandle;
 
 use super::fixture::{expected, perturbed, read_safetensors_dir, write_safetensors};
-use super::{Outcome, Suite, call, ensure, expect_unsupported, merge, no_panic, ok_or_unsupported, tempdir};
+use super::{
+    Outcome, Suite, call, ensure, expect_unsupported, merge, no_panic, ok_or_unsupported, tempdir,
+};
 
 pub const CHECKS: &[&str] = &[
     "init",
@@ -53,7 +55,10 @@ fn generate(
 }
 
 fn ids(out: &GenerateOutput) -> Vec<Vec<u32>> {
-    out.completions.iter().map(|c| c.response_ids.clone()).collect()
+    out.completions
+        .iter()
+        .map(|c| c.response_ids.clone())
+        .collect()
 }
 
 pub fn run(suite: &mut Suite) {
@@ -82,7 +87,10 @@ pub fn run(suite: &mut Suite) {
         let mut rollout = component.create_rollout().map_err(|e| e.to_string())?;
         let mut run = RunContext::default();
         run.seed = 11;
-        call("init", rollout.init(&ComponentInit::new(config.clone(), run)))?;
+        call(
+            "init",
+            rollout.init(&ComponentInit::new(config.clone(), run)),
+        )?;
         Ok(rollout)
     };
 
@@ -97,31 +105,70 @@ pub fn run(suite: &mut Suite) {
         return;
     }
     let mut rollout = first.expect("init passed");
-    let prompts: Vec<Vec<u32>> = expected.greedy.iter().map(|g| g.prompt_ids.clone()).collect();
-    let longest = expected.greedy.iter().map(|g| g.response_ids.len()).max().unwrap_or(8) as u32;
+    let prompts: Vec<Vec<u32>> = expected
+        .greedy
+        .iter()
+        .map(|g| g.prompt_ids.clone())
+        .collect();
+    let longest = expected
+        .greedy
+        .iter()
+        .map(|g| g.response_ids.len())
+        .max()
+        .unwrap_or(8) as u32;
 
     // Whether a completion matches transformers' greedy continuation of prompt `i`: the same
     // tokens up to where either stopped (an EOS ends it early), log-probs within the tolerance.
     let matches_reference = |out: &GenerateOutput| -> Result<(), String> {
         ensure(out.completions.len() == expected.greedy.len(), || {
-            format!("{} prompts gave {} completions", expected.greedy.len(), out.completions.len())
+            format!(
+                "{} prompts gave {} completions",
+                expected.greedy.len(),
+                out.completions.len()
+            )
         })?;
         for (i, (c, g)) in out.completions.iter().zip(&expected.greedy).enumerate() {
             let n = c.response_ids.len().min(g.response_ids.len());
-            ensure(c.prompt_index as usize == i, || format!("completion {i} has prompt_index {}", c.prompt_index))?;
+            ensure(c.prompt_index as usize == i, || {
+                format!("completion {i} has prompt_index {}", c.prompt_index)
+            })?;
             ensure(n > 0 && c.response_ids[..n] == g.response_ids[..n], || {
-                format!("prompt {i}: greedy tokens {:?}, transformers {:?}", c.response_ids, g.response_ids)
+                format!(
+                    "prompt {i}: greedy tokens {:?}, transformers {:?}",
+                    c.response_ids, g.response_ids
+                )
             })?;
-            let stopped = c.response_ids.last().is_some_and(|id| expected.eos_token_ids.contains(id));
-            ensure(c.response_ids.len() == g.response_ids.len() || stopped, || {
-                format!("prompt {i}: {} tokens without EOS, transformers generated {}", c.response_ids.len(), g.response_ids.len())
-            })?;
+            let stopped = c
+                .response_ids
+                .last()
+                .is_some_and(|id| expected.eos_token_ids.contains(id));
+            ensure(
+                c.response_ids.len() == g.response_ids.len() || stopped,
+                || {
+                    format!(
+                        "prompt {i}: {} tokens without EOS, transformers generated {}",
+                        c.response_ids.len(),
+                        g.response_ids.len()
+                    )
+                },
+            )?;
             if caps.logprobs {
                 ensure(c.logprobs.len() == c.response_ids.len(), || {
-                    format!("prompt {i}: {} log-probs for {} tokens (the rollout declares log-probs)", c.logprobs.len(), c.response_ids.len())
+                    format!(
+                        "prompt {i}: {} log-probs for {} tokens (the rollout declares log-probs)",
+                        c.logprobs.len(),
+                        c.response_ids.len()
+                    )
                 })?;
-                let diff = c.logprobs.iter().zip(&g.logprobs).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-                ensure(diff <= TOLERANCE, || format!("prompt {i}: log-prob max |Δ| {diff:.3e} > {TOLERANCE:e}"))?;
+                let diff = c
+                    .logprobs
+                    .iter()
+                    .zip(&g.logprobs)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                ensure(diff <= TOLERANCE, || {
+                    format!("prompt {i}: log-prob max |Δ| {diff:.3e} > {TOLERANCE:e}")
+                })?;
             }
         }
         Ok(())
@@ -143,17 +190,27 @@ pub fn run(suite: &mut Suite) {
 
     suite.check("stop_token_ids", || {
         let g = &expected.greedy[0];
-        let stop = *g.response_ids.get(2).ok_or("the fixture's first greedy response is too short")?;
+        let stop = *g
+            .response_ids
+            .get(2)
+            .ok_or("the fixture's first greedy response is too short")?;
         let first = g.response_ids.iter().position(|&t| t == stop).unwrap_or(2);
         let mut s = greedy(longest);
         s.stop_token_ids = vec![stop];
         let out = generate(&mut rollout, std::slice::from_ref(&g.prompt_ids), s)?;
         let c = out.completions.first().ok_or("no completion")?;
         ensure(c.response_ids == g.response_ids[..=first], || {
-            format!("stop id {stop}: response {:?}, want {:?}", c.response_ids, &g.response_ids[..=first])
+            format!(
+                "stop id {stop}: response {:?}, want {:?}",
+                c.response_ids,
+                &g.response_ids[..=first]
+            )
         })?;
         ensure(c.finish_reason == FinishReason::Stop, || {
-            format!("a response ended by a stop id has finish reason `{}`", c.finish_reason.as_str())
+            format!(
+                "a response ended by a stop id has finish reason `{}`",
+                c.finish_reason.as_str()
+            )
         })?;
         Ok(Outcome::Pass)
     });
@@ -179,9 +236,13 @@ pub fn run(suite: &mut Suite) {
     suite.check("seeded_reproducibility", || {
         let a = generate(&mut rollout, &prompts, sampled(3, Some(1)))?;
         let b = generate(&mut rollout, &prompts, sampled(3, Some(1)))?;
-        ensure(ids(&a) == ids(&b), || "two requests with seed 1 sampled different tokens".into())?;
+        ensure(ids(&a) == ids(&b), || {
+            "two requests with seed 1 sampled different tokens".into()
+        })?;
         let c = generate(&mut rollout, &prompts, sampled(3, Some(2)))?;
-        ensure(ids(&a) != ids(&c), || "seeds 1 and 2 sampled the same tokens".into())?;
+        ensure(ids(&a) != ids(&c), || {
+            "seeds 1 and 2 sampled the same tokens".into()
+        })?;
         Ok(Outcome::Pass)
     });
 
@@ -235,18 +296,41 @@ pub fn run(suite: &mut Suite) {
         }
         let collective = WeightSource::encode_handover(&Handover::collective(json!({})));
         let file = WeightSource::encode_handover(&Handover::file("/nonexistent/verl-certify"));
-        for (kind, json) in [(WeightSourceKind::Collective, &collective), (WeightSourceKind::File, &file)] {
+        for (kind, json) in [
+            (WeightSourceKind::Collective, &collective),
+            (WeightSourceKind::File, &file),
+        ] {
             let r = rollout.update_weights(&WeightSource::from_handover(9, &[], json));
             if caps.accepts(kind) {
-                no_panic(&format!("update_weights from a {} source", kind.as_str()), r)?;
+                no_panic(
+                    &format!("update_weights from a {} source", kind.as_str()),
+                    r,
+                )?;
             } else {
-                expect_unsupported(&format!("update_weights from a {} source (not declared)", kind.as_str()), r)?;
+                expect_unsupported(
+                    &format!(
+                        "update_weights from a {} source (not declared)",
+                        kind.as_str()
+                    ),
+                    r,
+                )?;
             }
         }
-        let mut fresh = fresh_component.create_rollout().map_err(|e| e.to_string())?;
-        no_panic("generate before init", fresh.generate(&GenerateRequest::new(prompts.clone(), greedy(2))))?;
-        no_panic("generate of no prompts", rollout.generate(&GenerateRequest::new(vec![], greedy(2))))?;
-        no_panic("generate of an empty prompt", rollout.generate(&GenerateRequest::new(vec![vec![]], greedy(2))))?;
+        let mut fresh = fresh_component
+            .create_rollout()
+            .map_err(|e| e.to_string())?;
+        no_panic(
+            "generate before init",
+            fresh.generate(&GenerateRequest::new(prompts.clone(), greedy(2))),
+        )?;
+        no_panic(
+            "generate of no prompts",
+            rollout.generate(&GenerateRequest::new(vec![], greedy(2))),
+        )?;
+        no_panic(
+            "generate of an empty prompt",
+            rollout.generate(&GenerateRequest::new(vec![vec![]], greedy(2))),
+        )?;
         Ok(Outcome::Pass)
     });
 }

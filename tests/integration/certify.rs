@@ -62,6 +62,7 @@ fn assert_certifies(
     let (ok, report) = certify(&[file.to_str().unwrap()], env);
     let checks = checks(&report);
     assert!(ok, "{lib} does not certify: {checks:#?}");
+    assert_eq!(report["certified"], true);
     for (id, status, reason) in &checks {
         let skipped = skips.contains(&id.as_str());
         let want = if skipped { "skip" } else { "pass" };
@@ -130,6 +131,7 @@ fn a_broken_plugin_fails_with_the_named_checks() {
     let file = dir.path().join("libbroken.so");
     let (ok, report) = certify(&[file.to_str().unwrap()], &[]);
     assert!(!ok, "a broken plugin must not certify: {report:#}");
+    assert_eq!(report["certified"], false);
     let checks = checks(&report);
     for id in [
         "device broken detects_declared_hardware",

@@ -164,13 +164,43 @@ pub struct Check {
     pub seconds: f64,
 }
 
-/// Every check of every component a plugin registers.
-#[derive(Debug, Clone, Serialize)]
+/// Every check of every component a plugin registers. As JSON (`plugins certify --json`):
+/// `{"plugin", "version", "path", "certified", "passed", "failed", "skipped",
+/// "checks": [{"kind", "component", "name", "status": "pass"|"fail"|"skip", "reason", "seconds"}]}`.
+#[derive(Debug, Clone)]
 pub struct Report {
     pub plugin: String,
     pub version: String,
     pub path: String,
     pub checks: Vec<Check>,
+}
+
+impl Serialize for Report {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Json<'a> {
+            plugin: &'a str,
+            version: &'a str,
+            path: &'a str,
+            certified: bool,
+            passed: usize,
+            failed: usize,
+            skipped: usize,
+            checks: &'a [Check],
+        }
+        let (passed, failed, skipped) = self.counts();
+        Json {
+            plugin: &self.plugin,
+            version: &self.version,
+            path: &self.path,
+            certified: failed == 0,
+            passed,
+            failed,
+            skipped,
+            checks: &self.checks,
+        }
+        .serialize(s)
+    }
 }
 
 impl Report {
@@ -588,5 +618,9 @@ mod tests {
         let json = serde_json::to_value(&report).unwrap();
         assert_eq!(json["checks"][3]["status"], "fail", "{json:#}");
         assert_eq!(json["checks"][0]["name"], "info");
+        assert_eq!(
+            (json["certified"].clone(), json["failed"].clone()),
+            (false.into(), 1.into())
+        );
     }
 }

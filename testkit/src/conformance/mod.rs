@@ -600,6 +600,100 @@ mod tests {
         assert_eq!(checks.len(), device::CHECKS.len());
     }
 
+    struct Lossy(std::path::PathBuf);
+    impl verl_plugin_api::Tracker for Lossy {
+        fn init(&mut self, init: &verl_plugin_api::ComponentInit) -> Result<(), PluginError> {
+            self.0 = Path::new(&init.run.run_dir).join("metrics.txt");
+            Ok(())
+        }
+        fn log(
+            &mut self,
+            step: u64,
+            metrics: &[verl_plugin_api::Metric],
+        ) -> Result<(), PluginError> {
+            use std::io::Write;
+            if step % 2 == 1 {
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&self.0)?;
+                for m in metrics {
+                    writeln!(f, "{step} {} {}", m.key, m.value)?;
+                }
+            }
+            Ok(())
+        }
+        fn finish(&mut self, _: i32) -> Result<(), PluginError> {
+            Ok(())
+        }
+    }
+
+    struct Misdeclared;
+    impl verl_plugin_api::CheckpointEngine for Misdeclared {
+        fn init(&mut self, _: &verl_plugin_api::ComponentInit) -> Result<(), PluginError> {
+            Ok(())
+        }
+        fn send_weights(
+            &mut self,
+            _: &verl_plugin_api::WeightSource<'_>,
+        ) -> Result<verl_plugin_api::Handover, PluginError> {
+            Ok(verl_plugin_api::Handover::file("/nonexistent/verl-certify"))
+        }
+    }
+
+    struct NoModel;
+    impl verl_plugin_api::Engine for NoModel {
+        fn capabilities() -> verl_plugin_api::EngineCapabilities {
+            verl_plugin_api::EngineCapabilities::default().roles(["actor"])
+        }
+        fn init(&mut self, _: &verl_plugin_api::ComponentInit) -> Result<(), PluginError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn lost_metrics_misdeclared_handovers_and_missing_fixtures_are_reported() {
+        let mut registry = Registry::default();
+        registry.add_builtin(
+            PluginBuilder::new("t", "0.1.0", "test")
+                .tracker("lossy", 1, "drops even steps", || Lossy(Default::default()))
+                .checkpoint("misdeclared", 1, "says memory, hands a file", || {
+                    Misdeclared
+                })
+                .engine("nomodel", 1, "no fixture given", || NoModel),
+        );
+        let options = Options {
+            fixture: None,
+            tracker_steps: 10,
+            ..Options::default()
+        };
+        let checks = certify_components(&registry.plugins()[0].components, &options);
+        let get = |component: &str, name: &str| {
+            checks
+                .iter()
+                .find(|c| c.component == component && c.name == name)
+                .unwrap_or_else(|| panic!("{component} {name}: {checks:#?}"))
+        };
+        assert_eq!(get("lossy", "log_steps").outcome, Outcome::Pass);
+        let lost = &get("lossy", "nothing_lost").outcome;
+        assert!(
+            lost.is_fail() && lost.reason().contains("5 of 10"),
+            "{lost:?}"
+        );
+        let declared = &get("misdeclared", "handover_as_declared").outcome;
+        assert!(
+            declared.is_fail() && declared.reason().contains("`file`"),
+            "{declared:?}"
+        );
+        assert!(get("misdeclared", "round_trip").outcome.is_fail());
+        for name in engine::CHECKS {
+            let Outcome::Skipped(reason) = &get("nomodel", name).outcome else {
+                panic!("{checks:#?}")
+            };
+            assert!(reason.contains("--fixture"), "{reason}");
+        }
+    }
+
     #[test]
     fn report_table_and_json() {
         let report = Report {

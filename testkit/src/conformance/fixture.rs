@@ -7,16 +7,21 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use verl_plugin_api::{Batch, DType, NamedTensor, Tensor, keys};
 
-/// The fixture the suites use by default: `model/fixtures/tiny-llama` of a verl-core checkout,
+/// The fixture the suites use by default: `plugins/torch-runtime/fixtures/tiny-llama` of a verl-core checkout,
 /// looked for above the current directory and above the running executable.
 pub fn locate_fixture() -> Option<PathBuf> {
+    // Where the fixtures live in a checkout (and lived before the torch runtime moved).
+    const FIXTURE_PATHS: [&str; 2] = [
+        "plugins/torch-runtime/fixtures/tiny-llama",
+        "model/fixtures/tiny-llama",
+    ];
     let cwd = std::env::current_dir().ok();
     let exe = std::env::current_exe().ok();
     [cwd, exe]
         .into_iter()
         .flatten()
         .flat_map(|start| start.ancestors().map(Path::to_path_buf).collect::<Vec<_>>())
-        .map(|dir| dir.join("model/fixtures/tiny-llama"))
+        .flat_map(|dir| FIXTURE_PATHS.map(|p| dir.join(p)))
         .find(|dir| dir.join("expected.json").is_file())
 }
 

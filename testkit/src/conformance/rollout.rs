@@ -67,7 +67,7 @@ pub fn run(suite: &mut Suite) {
         for check in CHECKS {
             suite.skip(
                 check,
-                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. model/fixtures/tiny-llama)",
+                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. plugins/torch-runtime/fixtures/tiny-llama)",
             );
         }
         return;

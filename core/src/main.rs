@@ -11,6 +11,7 @@ use verl_core::quickstart::TinyModel;
 use verl_core::{bench, inference, quickstart, report, sft, trainer};
 use verl_plugin_api::{ComponentKind, SamplingParams};
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
+use verl_testkit::conformance::{self, Options};
 
 #[derive(Parser)]
 #[command(
@@ -177,6 +178,26 @@ enum PluginsCommand {
     /// Load one plugin file and show what it registers; exits non-zero when it is rejected.
     Check {
         file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the conformance suite of every component a plugin file registers (or, with
+    /// `--builtin`, of the components built into verl-core) and print a pass/fail table per
+    /// check; exits non-zero on any failure.
+    Certify {
+        #[arg(required_unless_present = "builtin", conflicts_with = "builtin")]
+        file: Option<PathBuf>,
+        /// Certify the built-in components (cpu, cuda, console, file, naive, disk).
+        #[arg(long)]
+        builtin: bool,
+        /// Model fixture for the engine and rollout suites (a Hugging Face directory with
+        /// transformers' expected.json); default: plugins/torch-runtime/fixtures/tiny-llama of a verl-core
+        /// checkout above the current directory or the binary.
+        #[arg(long, value_name = "DIR")]
+        fixture: Option<PathBuf>,
+        /// Limit of one check, in seconds.
+        #[arg(long, value_name = "S", default_value_t = 120)]
+        check_timeout_s: u64,
         #[arg(long)]
         json: bool,
     },
@@ -402,6 +423,46 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 print!("{}", report::plugins_text(&plugins, &conflicts));
             }
             Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Plugins(PluginsCommand::Certify {
+            file,
+            builtin,
+            fixture,
+            check_timeout_s,
+            json,
+        }) => {
+            let mut options = Options::default();
+            if let Some(dir) = fixture {
+                anyhow::ensure!(
+                    dir.join("expected.json").is_file(),
+                    "--fixture {}: no expected.json there",
+                    dir.display()
+                );
+                options.fixture = Some(dir);
+            }
+            options.check_timeout = Duration::from_secs(check_timeout_s);
+            let report = match (file, builtin) {
+                (Some(file), _) => {
+                    let allow_list = cli
+                        .plugins
+                        .plugin_allowlist
+                        .as_deref()
+                        .map(verl_plugin_host::vet::AllowList::from_file)
+                        .transpose()?;
+                    conformance::certify_file(&file, allow_list.as_ref(), &options)?
+                }
+                (None, _) => conformance::certify_builtins(&options),
+            };
+            if json {
+                print_json(&report)?;
+            } else {
+                print!("{}", report.table());
+            }
+            Ok(if report.passed() {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

@@ -18,6 +18,8 @@
 //! plugin.select_platform(&root).assert_selected("xpu");
 //! ```
 
+#[cfg(feature = "host")]
+pub mod conformance;
 mod fake;
 #[cfg(feature = "host")]
 mod harness;

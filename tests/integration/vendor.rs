@@ -40,6 +40,22 @@ fn vendor_plugin_built_separately_loads_into_the_release_binary() {
     assert_eq!(entry["components"][0]["kind"], "device");
     assert_eq!(entry["components"][0]["name"], "xpu");
 
+    // It passes the device conformance suite.
+    let out = verl_core(
+        &[
+            "plugins",
+            "certify",
+            dir.path().join("libverl_plugin_xpu.so").to_str().unwrap(),
+        ],
+        &[],
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(
+        table.contains("certified: 5 passed, 0 failed, 0 skipped"),
+        "{table}"
+    );
+
     let root = FakeRoot::new()
         .cpus("0-3", "GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+")
         .intel_gpus(2, true);

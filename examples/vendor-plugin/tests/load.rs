@@ -60,3 +60,18 @@ fn verl_platform_override_is_case_insensitive() {
     let message = unknown.error().to_string();
     assert!(message.contains("tpu") && message.contains("xpu") && message.contains("cpu"), "{message}");
 }
+
+/// The conformance suite `verl-core plugins certify` runs, from the vendor's own tests: the device
+/// is faked as an Intel machine (its declared vendor), so every check runs and passes.
+#[test]
+fn certifies() {
+    use verl_testkit::conformance::{Options, Outcome, certify_file};
+    let report = certify_file(&built_plugin("verl_plugin_xpu"), None, &Options::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        report.checks.iter().all(|c| c.outcome == Outcome::Pass),
+        "{}",
+        report.table()
+    );
+    assert_eq!(report.checks.len(), 5);
+}

@@ -16,7 +16,7 @@
 //! with a stated reason.
 //!
 //! **What a device declares.** A device suite must know what hardware to fake. It looks the device
-//! up in [`Options::device_layouts`] by component name, then by its [`DeviceInfo`] vendor (and
+//! up in [`Options::device_layouts`] by component name, then by its [`DeviceInfo`](verl_plugin_api::DeviceInfo) vendor (and
 //! `device_type` "cpu"); the defaults are FakeRoot's machines: `nvidia` ([`FakeRoot::nvidia_gpus`]),
 //! `amd` ([`FakeRoot::rocm_gpus`]), `huawei` ([`FakeRoot::ascend_npus`]), `intel`
 //! ([`FakeRoot::intel_gpus`], discrete) and `cpu` ([`FakeRoot::cpus`]). A vendor with another

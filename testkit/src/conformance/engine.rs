@@ -2,7 +2,7 @@
 //! update after save → load equal bit for bit to one without, and clean errors for what the
 //! engine does not do.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::{Value, json};
 use verl_plugin_api::{
@@ -10,7 +10,7 @@ use verl_plugin_api::{
 };
 use verl_plugin_host::EngineHandle;
 
-use super::fixture::{Expected, expected, layout};
+use super::fixture::{self, Expected, layout};
 use super::{Outcome, Suite, call, ensure, expect_unsupported, merge, no_panic, tempdir};
 
 pub const CHECKS: &[&str] = &[
@@ -88,22 +88,8 @@ fn rstr(p: &Path) -> &str {
 
 pub fn run(suite: &mut Suite) {
     let caps: EngineCapabilities = suite.component.capabilities();
-    let fixture: Option<PathBuf> = suite.options.fixture.clone();
-    let Some(fixture) = fixture else {
-        for check in CHECKS {
-            suite.skip(
-                check,
-                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. plugins/torch-runtime/fixtures/tiny-llama)",
-            );
-        }
+    let Some((fixture, expected)) = fixture::load(suite, CHECKS) else {
         return;
-    };
-    let expected = match expected(&fixture) {
-        Ok(e) => e,
-        Err(e) => {
-            suite.check("init", || Err(format!("reading the fixture: {e}")));
-            return;
-        }
     };
     if !caps.supports_role("actor") {
         for check in CHECKS {

@@ -54,6 +54,27 @@ pub fn expected(dir: &Path) -> Result<Expected, String> {
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// The suite's model fixture and its expectations. Without one, every check in `checks` is
+/// skipped with the reason; an unreadable one fails `init`. `None` ends the suite.
+pub fn load(suite: &mut super::Suite, checks: &[&'static str]) -> Option<(PathBuf, Expected)> {
+    let Some(fixture) = suite.options.fixture.clone() else {
+        for &check in checks {
+            suite.skip(
+                check,
+                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. plugins/torch-runtime/fixtures/tiny-llama)",
+            );
+        }
+        return None;
+    };
+    match expected(&fixture) {
+        Ok(expected) => Some((fixture, expected)),
+        Err(e) => {
+            suite.check("init", || Err(format!("reading the fixture: {e}")));
+            None
+        }
+    }
+}
+
 /// verl's layout of the fixture sequences: sequence `i` split after `3 + i` prompt tokens,
 /// prompts left-padded, responses right-padded (pad id 0). Returns the batch and each row's
 /// response length.

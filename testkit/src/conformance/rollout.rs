@@ -9,7 +9,7 @@ use verl_plugin_api::{
 };
 use verl_plugin_host::RolloutHandle;
 
-use super::fixture::{expected, perturbed, read_safetensors_dir, write_safetensors};
+use super::fixture::{self, perturbed, read_safetensors_dir, write_safetensors};
 use super::{
     Outcome, Suite, call, ensure, expect_unsupported, merge, no_panic, ok_or_unsupported, tempdir,
 };
@@ -63,21 +63,8 @@ fn ids(out: &GenerateOutput) -> Vec<Vec<u32>> {
 
 pub fn run(suite: &mut Suite) {
     let caps: RolloutCapabilities = suite.component.capabilities();
-    let Some(fixture) = suite.options.fixture.clone() else {
-        for check in CHECKS {
-            suite.skip(
-                check,
-                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. plugins/torch-runtime/fixtures/tiny-llama)",
-            );
-        }
+    let Some((fixture, expected)) = fixture::load(suite, CHECKS) else {
         return;
-    };
-    let expected = match expected(&fixture) {
-        Ok(e) => e,
-        Err(e) => {
-            suite.check("init", || Err(format!("reading the fixture: {e}")));
-            return;
-        }
     };
     let mut config = json!({"name": suite.component.name, "model": {"path": fixture}});
     merge(&mut config, &suite.options.rollout_config);

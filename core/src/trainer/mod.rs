@@ -62,6 +62,12 @@ pub enum TrainError {
         path: PathBuf,
         error: std::io::Error,
     },
+    #[error("cannot write {what} at {}: {error}; nothing was trained", path.display())]
+    Output {
+        path: PathBuf,
+        what: String,
+        error: std::io::Error,
+    },
     #[error("{0}")]
     Invalid(String),
     #[error(
@@ -182,10 +188,7 @@ impl Trainer {
         placement: &Placement,
     ) -> Result<Self, TrainError> {
         let run_dir = expand_home(&config.trainer.default_local_dir);
-        std::fs::create_dir_all(&run_dir).map_err(|error| TrainError::Io {
-            path: run_dir.clone(),
-            error,
-        })?;
+        check_outputs(&config, &run_dir)?;
 
         let tokenizer_dir = tokenizer_dir(&config);
         let tokenizer_json = tokenizer_dir.join("tokenizer.json");
@@ -914,6 +917,48 @@ pub fn run(
     placement: &Placement,
 ) -> Result<RunSummary, TrainError> {
     Trainer::new(config, registry, placement)?.fit()
+}
+
+/// Writes and removes a probe file in `dir` (created if missing), so an output location that
+/// cannot be written fails before step 1 instead of at the first checkpoint or the final export.
+fn probe_writable(dir: &Path, what: &str) -> Result<(), TrainError> {
+    let unwritable = |error: std::io::Error| TrainError::Output {
+        path: dir.to_path_buf(),
+        what: what.to_owned(),
+        error,
+    };
+    std::fs::create_dir_all(dir).map_err(unwritable)?;
+    let probe = dir.join(format!(".verl-core-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(unwritable)
+}
+
+/// Every place the run writes to: checkpoints and the run's files (`trainer.default_local_dir`),
+/// the final export (`<default_local_dir>/huggingface`) and the `file` logger's path.
+fn check_outputs(config: &Config, run_dir: &Path) -> Result<(), TrainError> {
+    probe_writable(run_dir, "trainer.default_local_dir (checkpoints)")?;
+    let export = run_dir.join("huggingface");
+    if export.exists() {
+        if !export.is_dir() {
+            return Err(TrainError::Output {
+                path: export,
+                what: "the final export".to_owned(),
+                error: std::io::Error::other("exists and is not a directory"),
+            });
+        }
+        probe_writable(&export, "the final export")?;
+    }
+    if config.trainer.logger.iter().any(|l| l == "file")
+        && let Some(path) =
+            std::env::var_os(crate::builtin::FILE_LOGGER_PATH_ENV).filter(|p| !p.is_empty())
+        && let Some(dir) = Path::new(&path)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+    {
+        probe_writable(dir, crate::builtin::FILE_LOGGER_PATH_ENV)?;
+    }
+    Ok(())
 }
 
 /// The init record of `component`, with the path and key origins of its plugin-owned section (if

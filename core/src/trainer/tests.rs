@@ -1212,3 +1212,58 @@ fn capability_mismatches_fail_before_any_component_is_created() {
         ],
     );
 }
+
+/// Output locations that cannot be written fail before any component exists (issue: an
+/// unwritable export directory used to surface only after every step had trained).
+#[test]
+fn unwritable_outputs_fail_before_step_one() {
+    let s = setup();
+    let check = |c: Config, wanted: &[&str]| {
+        let log = Log::default();
+        let err = match Trainer::new(c, &registry(&log, Faults::default()), &placement(&[])) {
+            Ok(_) => panic!("expected an output error"),
+            Err(err) => err,
+        };
+        assert!(matches!(err, TrainError::Output { .. }), "{err:?}");
+        let message = err.to_string();
+        for part in wanted {
+            assert!(message.contains(part), "`{part}` missing from: {message}");
+        }
+        assert_eq!(log.events(), vec![], "{message}");
+    };
+
+    // The final export's place is taken by a file.
+    let c = s.config("export-blocked");
+    let run_dir = PathBuf::from(&c.trainer.default_local_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    std::fs::write(run_dir.join("huggingface"), b"not a directory").unwrap();
+    check(
+        c,
+        &[
+            "the final export",
+            "huggingface",
+            "not a directory",
+            "nothing was trained",
+        ],
+    );
+
+    // The checkpoint directory lies under a regular file.
+    let mut c = s.config("under-a-file");
+    let blocker = s.run_dir("blocker-file");
+    std::fs::create_dir_all(blocker.parent().unwrap()).unwrap();
+    std::fs::write(&blocker, b"x").unwrap();
+    c.trainer.default_local_dir = blocker.join("run").to_string_lossy().into_owned();
+    check(c, &["trainer.default_local_dir", "blocker-file"]);
+
+    // A writable run leaves no probe file behind.
+    let c = s.config("writable");
+    let run_dir = PathBuf::from(&c.trainer.default_local_dir);
+    let log = Log::default();
+    Trainer::new(c, &registry(&log, Faults::default()), &placement(&[])).unwrap();
+    let leftovers: Vec<_> = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("write-probe"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}

@@ -73,6 +73,30 @@ impl CheckpointManager {
         self.root.join(format!("{STEP_PREFIX}{step}"))
     }
 
+    /// Removes what an interrupted save left (`.global_step_N.partial` directories, a half-written
+    /// latest-step file); returns what was removed. Complete checkpoints are never touched.
+    pub fn clean_leftovers(&self) -> Result<Vec<PathBuf>, CheckpointError> {
+        let entries = match fs::read_dir(&self.root) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io(&self.root)(e)),
+        };
+        let mut removed = Vec::new();
+        for entry in entries.filter_map(Result::ok) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = entry.path();
+            if name.starts_with(&format!(".{STEP_PREFIX}")) && name.ends_with(".partial") {
+                fs::remove_dir_all(&path).map_err(io(&path))?;
+            } else if name == format!(".{LATEST_FILE}.tmp") {
+                fs::remove_file(&path).map_err(io(&path))?;
+            } else {
+                continue;
+            }
+            removed.push(path);
+        }
+        Ok(removed)
+    }
+
     /// Starts a checkpoint for `step` in a fresh temporary directory.
     pub fn begin(&self, step: u64) -> Result<Pending, CheckpointError> {
         let dir = self.root.join(format!(".{STEP_PREFIX}{step}.partial"));

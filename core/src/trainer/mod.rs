@@ -306,6 +306,13 @@ impl Trainer {
         let kl = &config.algorithm.kl_ctrl;
         let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
         let checkpoints = CheckpointManager::new(&run_dir, config.trainer.max_actor_ckpt_to_keep);
+        for path in checkpoints
+            .clean_leftovers()?
+            .into_iter()
+            .chain(clean_export_leftovers(&run_dir)?)
+        {
+            tracing::warn!("removed {}, left by an interrupted run", path.display());
+        }
         Ok(Self {
             config,
             actor,
@@ -393,14 +400,36 @@ impl Trainer {
             }
             self.trackers.log(step, &metrics);
         }
-        let final_dir = self.run_dir.join("huggingface");
-        self.actor
-            .export_hf(&final_dir.to_string_lossy())
-            .context(|| format!("exporting {}", final_dir.display()))?;
+        let final_dir = self.export_final()?;
         tracing::info!("final model written to {}", final_dir.display());
         summary.global_step = self.global_step;
         summary.final_model = Some(final_dir);
         Ok(summary)
+    }
+
+    /// Exports the policy into `<run_dir>/.huggingface.partial`, then swaps it in for
+    /// `huggingface`, so a kill at any point leaves either the previous export or the new one,
+    /// never half a model (see [`clean_export_leftovers`]).
+    fn export_final(&mut self) -> Result<PathBuf, TrainError> {
+        let (final_dir, partial, old) = export_dirs(&self.run_dir);
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |error| TrainError::Io { path, error }
+        };
+        if partial.exists() {
+            std::fs::remove_dir_all(&partial).map_err(io(&partial))?;
+        }
+        self.actor
+            .export_hf(&partial.to_string_lossy())
+            .context(|| format!("exporting {}", partial.display()))?;
+        if final_dir.exists() {
+            std::fs::rename(&final_dir, &old).map_err(io(&old))?;
+        }
+        std::fs::rename(&partial, &final_dir).map_err(io(&final_dir))?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(io(&old))?;
+        }
+        Ok(final_dir)
     }
 
     /// The next batch of dataset indices, moving to the next epoch when one is used up.
@@ -917,6 +946,39 @@ pub fn run(
     placement: &Placement,
 ) -> Result<RunSummary, TrainError> {
     Trainer::new(config, registry, placement)?.fit()
+}
+
+/// The final export, its in-progress copy and the previous export while it is being replaced.
+fn export_dirs(run_dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    (
+        run_dir.join("huggingface"),
+        run_dir.join(".huggingface.partial"),
+        run_dir.join(".huggingface.old"),
+    )
+}
+
+/// Undoes an interrupted [`Trainer::export_final`]: the in-progress copy is dropped, and a
+/// previous export set aside is put back when no new one replaced it. Returns what was removed.
+fn clean_export_leftovers(run_dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
+    let (final_dir, partial, old) = export_dirs(run_dir);
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |error| TrainError::Io { path, error }
+    };
+    let mut removed = Vec::new();
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(io(&partial))?;
+        removed.push(partial);
+    }
+    if old.exists() {
+        if final_dir.exists() {
+            std::fs::remove_dir_all(&old).map_err(io(&old))?;
+            removed.push(old);
+        } else {
+            std::fs::rename(&old, &final_dir).map_err(io(&final_dir))?;
+        }
+    }
+    Ok(removed)
 }
 
 /// Writes and removes a probe file in `dir` (created if missing), so an output location that

@@ -237,8 +237,10 @@ impl Engine for FakeEngine {
             &self.weight,
         )?])
     }
-    fn export_hf(&mut self, _dir: &str) -> Result<(), PluginError> {
+    fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
         self.log.push(Event::Export(self.role.clone()));
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(Path::new(dir).join("weight.txt"), self.value().to_string())?;
         Ok(())
     }
 }
@@ -1266,4 +1268,80 @@ fn unwritable_outputs_fail_before_step_one() {
         .filter(|e| e.file_name().to_string_lossy().contains("write-probe"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// What an interrupted run left is cleaned at start, and the final export replaces the previous
+/// one whole: a kill mid-export leaves the old export or the new one, never a half-written model.
+#[test]
+fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
+    let s = setup();
+    let mut c = s.config("leftovers");
+    c.trainer.total_training_steps = Some(2);
+    let run_dir = PathBuf::from(&c.trainer.default_local_dir);
+    let leftovers = [".global_step_7.partial", ".huggingface.partial"];
+    for dir in leftovers {
+        std::fs::create_dir_all(run_dir.join(dir)).unwrap();
+        std::fs::write(run_dir.join(dir).join("half.bin"), b"half").unwrap();
+    }
+    std::fs::write(run_dir.join(".latest_checkpointed_iteration.txt.tmp"), b"7").unwrap();
+    std::fs::create_dir_all(run_dir.join("huggingface")).unwrap();
+    std::fs::write(run_dir.join("huggingface/previous.txt"), b"old export").unwrap();
+
+    let log = Log::default();
+    let trainer = Trainer::new(
+        c.clone(),
+        &registry(&log, Faults::default()),
+        &placement(&[]),
+    )
+    .unwrap();
+    for dir in leftovers {
+        assert!(!run_dir.join(dir).exists(), "{dir}");
+    }
+    assert!(
+        !run_dir
+            .join(".latest_checkpointed_iteration.txt.tmp")
+            .exists()
+    );
+    // The previous export stays until a new one replaces it.
+    assert!(run_dir.join("huggingface/previous.txt").is_file());
+    let summary = trainer.fit().unwrap();
+    assert_eq!(
+        summary.final_model.as_deref(),
+        Some(run_dir.join("huggingface").as_path())
+    );
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join("huggingface/weight.txt")).unwrap(),
+        "2"
+    );
+    assert!(!run_dir.join("huggingface/previous.txt").exists());
+    let hidden: Vec<_> = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".huggingface"))
+        .collect();
+    assert!(hidden.is_empty(), "{hidden:?}");
+
+    // Killed between setting the previous export aside and moving the new one in: the previous
+    // one comes back.
+    std::fs::rename(
+        run_dir.join("huggingface"),
+        run_dir.join(".huggingface.old"),
+    )
+    .unwrap();
+    std::fs::create_dir_all(run_dir.join(".huggingface.partial")).unwrap();
+    Trainer::new(
+        c,
+        &registry(&Log::default(), Faults::default()),
+        &placement(&[]),
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join("huggingface/weight.txt")).unwrap(),
+        "2"
+    );
+    assert!(
+        !run_dir.join(".huggingface.old").exists()
+            && !run_dir.join(".huggingface.partial").exists()
+    );
 }

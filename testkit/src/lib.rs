@@ -20,10 +20,12 @@
 
 #[cfg(feature = "host")]
 pub mod conformance;
+mod exported;
 mod fake;
 #[cfg(feature = "host")]
 mod harness;
 
+pub use exported::detect_exported_device;
 pub use fake::{FakeEnv, FakeRoot, IntelGpu, KfdGpu};
 #[cfg(feature = "host")]
 pub use harness::{PluginHarness, Selection, built_plugin, registry_with, select_platform};

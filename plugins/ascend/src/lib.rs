@@ -357,27 +357,8 @@ mod tests {
     #[test]
     fn exported_manifest_registers_the_device() {
         let manifest = __verl_plugin_manifest().into_result().expect("manifest");
-        let info = manifest.info().expect("manifest info");
-        assert_eq!(info.name, NAME);
-        assert_eq!(
-            (
-                info.components[0].name.as_str(),
-                info.components[0].priority
-            ),
-            (NAME, PRIORITY)
-        );
-        let device = manifest
-            .factory
-            .create_device(NAME.into())
-            .into_result()
-            .expect("device");
         let root = FakeRoot::new().ascend_npus(2);
-        let probe = verl_plugin_api::wire::encode(&root.probe());
-        let detected = device
-            .detect(probe.as_rstr())
-            .into_result()
-            .expect("detect");
-        let d: Detection = verl_plugin_api::wire::decode("detection", &detected).unwrap();
-        assert_eq!(d.count, 2);
+        let detection = verl_testkit::detect_exported_device(manifest, NAME, PRIORITY, &root);
+        assert_eq!(detection.count, 2);
     }
 }

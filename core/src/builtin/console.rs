@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use verl_plugin_api::{ComponentInit, Metric, PluginError, Table, Tracker};
+use verl_plugin_api::{ComponentInit, Metric, PluginError, Table, Tracker, TrackerCapabilities};
 
 /// Shown first, in this order, when present; validation means (`val-core/…`) follow.
 const HEADLINE: &[(&str, &str)] = &[
@@ -64,6 +64,10 @@ pub fn headline(step: u64, metrics: &[Metric]) -> String {
 }
 
 impl Tracker for ConsoleTracker {
+    fn capabilities() -> TrackerCapabilities {
+        TrackerCapabilities::default().tables(true)
+    }
+
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         let total = init
             .config

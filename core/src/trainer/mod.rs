@@ -187,6 +187,7 @@ impl Trainer {
         registry: &Registry,
         placement: &Placement,
     ) -> Result<Self, TrainError> {
+        check_batch_sizes(&config)?;
         let run_dir = expand_home(&config.trainer.default_local_dir);
         check_outputs(&config, &run_dir)?;
 
@@ -218,6 +219,12 @@ impl Trainer {
             &data.prompt_key,
             data.val_max_samples,
         )?;
+        if !data.val_files.is_empty() && val.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "data.val_files ({}) hold no prompts (after filtering); give files with prompts or none",
+                data.val_files.join(", ")
+            )));
+        }
         let loader = DataLoader::new(
             train.len(),
             data.train_batch_size,
@@ -979,6 +986,57 @@ fn clean_export_leftovers(run_dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
         }
     }
     Ok(removed)
+}
+
+/// verl's batch-size checks, before anything is loaded: sizes that would otherwise be replaced
+/// silently (a zero batch trained as one) or fail deep inside an engine.
+fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
+    let invalid = |message: String| Err(TrainError::Invalid(message));
+    let data = &config.data;
+    let arr = &config.actor_rollout_ref;
+    if data.train_batch_size == 0 {
+        return invalid("data.train_batch_size must be at least 1".to_owned());
+    }
+    if data.val_batch_size == Some(0) {
+        return invalid(
+            "data.val_batch_size must be at least 1 (or unset: the whole validation set)"
+                .to_owned(),
+        );
+    }
+    if arr.rollout.n == 0 {
+        return invalid(
+            "actor_rollout_ref.rollout.n (responses per prompt) must be at least 1".to_owned(),
+        );
+    }
+    let mini_batches = [
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            Some(arr.actor.ppo_mini_batch_size),
+        ),
+        (
+            "critic.ppo_mini_batch_size",
+            config.critic_enabled().then(|| {
+                config
+                    .critic
+                    .ppo_mini_batch_size
+                    .unwrap_or(arr.actor.ppo_mini_batch_size)
+            }),
+        ),
+    ];
+    for (key, size) in mini_batches {
+        match size {
+            Some(0) => return invalid(format!("{key} must be at least 1")),
+            // As verl: mini-batches count prompts, so one cannot exceed the batch.
+            Some(size) if size > data.train_batch_size => {
+                return invalid(format!(
+                    "{key}={size} exceeds data.train_batch_size={} (both count prompts)",
+                    data.train_batch_size
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Writes and removes a probe file in `dir` (created if missing), so an output location that

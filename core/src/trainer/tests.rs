@@ -1345,3 +1345,60 @@ fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
             && !run_dir.join(".huggingface.partial").exists()
     );
 }
+
+/// verl's batch-size checks stop a run before anything is created, naming the key.
+#[test]
+fn bad_batch_sizes_are_named_before_anything_runs() {
+    let s = setup();
+    let cases: [(&str, fn(&mut Config)); 5] = [
+        ("data.train_batch_size must be at least 1", |c| {
+            c.data.train_batch_size = 0
+        }),
+        ("data.val_batch_size must be at least 1", |c| {
+            c.data.val_batch_size = Some(0)
+        }),
+        (
+            "actor_rollout_ref.rollout.n (responses per prompt) must be at least 1",
+            |c| c.actor_rollout_ref.rollout.n = 0,
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8 exceeds data.train_batch_size=4",
+            |c| c.actor_rollout_ref.actor.ppo_mini_batch_size = 8,
+        ),
+        (
+            "critic.ppo_mini_batch_size=6 exceeds data.train_batch_size=4",
+            |c| {
+                c.algorithm.adv_estimator = AdvEstimator::Gae;
+                c.critic.ppo_mini_batch_size = Some(6);
+            },
+        ),
+    ];
+    for (wanted, change) in cases {
+        let mut c = s.config("batch-sizes");
+        change(&mut c);
+        let log = Log::default();
+        let err = match Trainer::new(c, &registry(&log, Faults::default()), &placement(&[])) {
+            Ok(_) => panic!("expected an error containing `{wanted}`"),
+            Err(err) => err.to_string(),
+        };
+        assert!(err.contains(wanted), "`{wanted}` missing from: {err}");
+        assert_eq!(log.events(), vec![], "{err}");
+    }
+
+    // A validation file without prompts is an error, not a run that silently never validates.
+    let mut c = s.config("empty-val");
+    let empty = s.run_dir("empty-val-data").with_extension("jsonl");
+    std::fs::create_dir_all(empty.parent().unwrap()).unwrap();
+    std::fs::write(&empty, "").unwrap();
+    c.data.val_files = vec![empty.to_string_lossy().into_owned()];
+    let log = Log::default();
+    let err = match Trainer::new(c, &registry(&log, Faults::default()), &placement(&[])) {
+        Ok(_) => panic!("expected an error for an empty validation file"),
+        Err(err) => err.to_string(),
+    };
+    assert!(
+        err.contains("data.val_files") && err.contains("empty-val-data"),
+        "{err}"
+    );
+    assert_eq!(log.events(), vec![], "{err}");
+}

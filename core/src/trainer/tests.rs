@@ -1350,7 +1350,8 @@ fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
 #[test]
 fn bad_batch_sizes_are_named_before_anything_runs() {
     let s = setup();
-    let cases: [(&str, fn(&mut Config)); 5] = [
+    type Change = fn(&mut Config);
+    let cases: [(&str, Change); 5] = [
         ("data.train_batch_size must be at least 1", |c| {
             c.data.train_batch_size = 0
         }),

@@ -95,17 +95,16 @@ pub fn sync_weights(
     version: u64,
 ) -> Result<SyncStats, SyncError> {
     let views = actor.weights().map_err(SyncError::Export)?;
+    let lent = WeightSource::memory(version, &views);
     let stats = SyncStats {
-        bytes: views.iter().map(|t| t.data.len()).sum(),
+        bytes: lent.bytes(),
         tensors: views.len(),
     };
     let publish = |error| SyncError::Publish {
         backend: backend.to_owned(),
         error,
     };
-    let handover = weight_sync
-        .send_weights(&WeightSource::memory(version, &views))
-        .map_err(publish)?;
+    let handover = weight_sync.send_weights(&lent).map_err(publish)?;
     let handover_json = WeightSource::encode_handover(&handover);
     rollout
         .update_weights(&WeightSource::from_handover(

@@ -25,7 +25,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, SendTimeoutError, Sender, TrySendError};
-use serde::Serialize;
 use serde_json::{Map, Value, json};
 use verl_plugin_api::{ComponentInit, Metric, PluginError, Table, Tracker, TrackerCapabilities};
 
@@ -39,28 +38,6 @@ pub struct Row {
     /// Seconds since the Unix epoch, taken when `log` was called.
     pub wall_time: f64,
     pub metrics: Vec<(String, f64)>,
-}
-
-/// A validation table, owned and serialisable.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TableData {
-    pub name: String,
-    pub columns: Vec<String>,
-    pub rows: Vec<Vec<String>>,
-}
-
-impl From<&Table> for TableData {
-    fn from(t: &Table) -> Self {
-        Self {
-            name: t.name.to_string(),
-            columns: t.columns.iter().map(|c| c.to_string()).collect(),
-            rows: t
-                .rows
-                .iter()
-                .map(|r| r.iter().map(|c| c.to_string()).collect())
-                .collect(),
-        }
-    }
 }
 
 /// The part of a tracker that talks to its tool. Called only from the sender thread.
@@ -78,7 +55,7 @@ pub trait Backend: Sized + Send + 'static {
     fn open(&mut self) -> Result<(), TrackerError>;
     fn send(&mut self, rows: &[Row]) -> Result<(), TrackerError>;
     /// [`TrackerError::NoTables`] sends the table to a side file next to the spill file.
-    fn send_table(&mut self, _step: u64, _table: &TableData) -> Result<(), TrackerError> {
+    fn send_table(&mut self, _step: u64, _table: &Table) -> Result<(), TrackerError> {
         Err(TrackerError::NoTables)
     }
     /// Marks the run finished (`exit_code` 0) or failed.
@@ -102,7 +79,7 @@ const MAX_REST: Duration = Duration::from_secs(30);
 
 enum Msg {
     Row(Row),
-    Table(u64, f64, TableData),
+    Table(u64, f64, Table),
     Finish(i32, Sender<()>),
 }
 
@@ -169,7 +146,7 @@ impl Spill {
         }
     }
 
-    fn table(&mut self, step: u64, wall_time: f64, table: &TableData, reason: &str) {
+    fn table(&mut self, step: u64, wall_time: f64, table: &Table, reason: &str) {
         if self.write(
             into_map(json!({"step": step, "wall_time": wall_time, "table": table})),
             reason,
@@ -421,7 +398,7 @@ impl<B: Backend> Tracker for Managed<B> {
     }
 
     fn log_table(&mut self, step: u64, table: &Table) -> Result<(), PluginError> {
-        self.enqueue(Msg::Table(step, unix_seconds(), table.into()))
+        self.enqueue(Msg::Table(step, unix_seconds(), table.clone()))
     }
 
     fn finish(&mut self, exit_code: i32) -> Result<(), PluginError> {
@@ -493,7 +470,7 @@ impl<B: Backend> Courier<B> {
         }
     }
 
-    fn table(&mut self, step: u64, wall_time: f64, table: &TableData) {
+    fn table(&mut self, step: u64, wall_time: f64, table: &Table) {
         match self.attempt(false, |b| b.send_table(step, table)) {
             Ok(()) => {}
             Err(TrackerError::NoTables) => {

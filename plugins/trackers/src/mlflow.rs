@@ -18,11 +18,11 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use verl_plugin_api::PluginError;
+use verl_plugin_api::{PluginError, Table};
 
 use crate::TrackerError;
 use crate::config::{Context, env, flatten, json_number, unix_seconds};
-use crate::delivery::{Backend, Row, TableData};
+use crate::delivery::{Backend, Row};
 use crate::http::Http;
 
 const API: &str = "/api/2.0/mlflow";
@@ -192,7 +192,7 @@ impl Backend for Mlflow {
         Ok(())
     }
 
-    fn send_table(&mut self, step: u64, table: &TableData) -> Result<(), TrackerError> {
+    fn send_table(&mut self, step: u64, table: &Table) -> Result<(), TrackerError> {
         let (http, run_id) = self.ready()?;
         let Some(artifacts) = self.run.as_ref().and_then(|r| r.artifact_path.as_deref()) else {
             return Err(TrackerError::NoTables);

@@ -12,11 +12,11 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
-use verl_plugin_api::PluginError;
+use verl_plugin_api::{PluginError, Table};
 
 use crate::TrackerError;
 use crate::config::{Context, env, json_number, random_id};
-use crate::delivery::{Backend, Row, TableData};
+use crate::delivery::{Backend, Row};
 use crate::http::Http;
 
 /// Metrics per request: keeps a request (and the server's one SQLite transaction) small.
@@ -105,7 +105,7 @@ impl Backend for Trackio {
         self.bulk_log(entries)
     }
 
-    fn send_table(&mut self, step: u64, table: &TableData) -> Result<(), TrackerError> {
+    fn send_table(&mut self, step: u64, table: &Table) -> Result<(), TrackerError> {
         let rows: Vec<Value> = table
             .rows
             .iter()

@@ -25,11 +25,11 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use verl_plugin_api::PluginError;
+use verl_plugin_api::{PluginError, Table};
 
 use crate::TrackerError;
 use crate::config::{Context, env, hostname, random_id, unix_seconds};
-use crate::delivery::{Backend, Row, TableData, warn};
+use crate::delivery::{Backend, Row, warn};
 
 /// `Record`; its `record_type` oneof spelled as optional fields (the same wire format).
 #[derive(Clone, PartialEq, Message)]
@@ -286,7 +286,7 @@ impl Backend for Wandb {
         self.flush()
     }
 
-    fn send_table(&mut self, step: u64, table: &TableData) -> Result<(), TrackerError> {
+    fn send_table(&mut self, step: u64, table: &Table) -> Result<(), TrackerError> {
         let content = serde_json::to_vec(&json!({"columns": table.columns, "data": table.rows}))
             .expect("strings serialise");
         let sha256: String = Sha256::digest(&content)

@@ -1,38 +1,53 @@
-//! Opening one plugin library: abi_stable's header, version and layout checks, then its manifest.
-
-use std::path::Path;
+//! Loading one checked plugin library: abi_stable's header, version and layout checks, then its
+//! manifest.
 
 use abi_stable::library::lib_header_from_path;
 use verl_plugin_api::{ABI_VERSION, PluginManifest, PluginModule_Ref, check_abi_compatible};
 
 use crate::LoadError;
+use crate::vet::CheckedLibrary;
 
-/// Opens `path` (already vetted) and returns the manifest its root module declares.
+/// Loads `library` through its descriptor and returns the manifest its root module declares.
 ///
 /// abi_stable checks its own header and a C-ABI self-test when reading the header; our semver rule
 /// runs next, before abi_stable's layout check of every type reachable from the root module, so a
 /// version mismatch is reported as such rather than as a layout difference. Libraries are never
 /// unloaded: objects they created may outlive any handle.
-pub fn load_manifest(path: &Path) -> Result<PluginManifest, LoadError> {
-    let header = lib_header_from_path(path).map_err(|e| LoadError::Open {
-        path: path.into(),
-        reason: first_lines(&e.to_string()),
+pub fn load_manifest(library: CheckedLibrary) -> Result<PluginManifest, LoadError> {
+    let path = library.path().to_path_buf();
+    let loader_path = library.loader_path();
+    let header = lib_header_from_path(&loader_path);
+    library.keep_open();
+    // The loader's messages name `/proc/self/fd/N`; the user knows the file by its path.
+    let in_terms_of_path = |text: &str| {
+        first_lines(&text.replace(
+            &*loader_path.to_string_lossy(),
+            &path.display().to_string(),
+        ))
+    };
+    let header = header.map_err(|e| LoadError::Open {
+        path: path.clone(),
+        reason: if std::path::Path::new("/proc/self/fd").is_dir() {
+            in_terms_of_path(&e.to_string())
+        } else {
+            "/proc is not mounted: plugins are loaded through /proc/self/fd".to_owned()
+        },
     })?;
     let plugin_abi = header.version_strings().version.to_string();
     check_abi_compatible(ABI_VERSION, &plugin_abi).map_err(|reason| LoadError::Version {
-        path: path.into(),
+        path: path.clone(),
         reason,
     })?;
     let module = header
         .init_root_module::<PluginModule_Ref>()
         .map_err(|e| LoadError::Abi {
-            path: path.into(),
-            reason: first_lines(&e.to_string()),
+            path: path.clone(),
+            reason: in_terms_of_path(&e.to_string()),
         })?;
     (module.manifest())()
         .into_result()
         .map_err(|e| LoadError::Registration {
-            path: path.into(),
+            path,
             reason: e.to_string(),
         })
 }

@@ -115,11 +115,13 @@ impl Conflict {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LookupError {
-    #[error("no {kind} component named `{name}`; available: {}", if available.is_empty() { "none".to_owned() } else { available.join(", ") })]
+    #[error("no {kind} component named `{name}`; available: {}{}", if available.is_empty() { "none".to_owned() } else { available.join(", ") }, refused_note(refused))]
     Unknown {
         kind: ComponentKind,
         name: String,
         available: Vec<String>,
+        /// Plugin files that were refused or failed to load: one of them may have provided it.
+        refused: Vec<LoadError>,
     },
     #[error("{}", .0.message())]
     Conflict(Conflict),
@@ -130,6 +132,18 @@ pub enum LookupError {
         origin: String,
         source: PluginError,
     },
+}
+
+/// The refused plugin files, one line each, after the sentence they complete.
+fn refused_note(refused: &[LoadError]) -> String {
+    refused.iter().fold(String::new(), |note, error| {
+        let lead = if note.is_empty() {
+            "; plugin files not loaded (one of them may provide it):"
+        } else {
+            ""
+        };
+        format!("{note}{lead}\n  {error}")
+    })
 }
 
 #[derive(Default)]
@@ -147,23 +161,37 @@ impl Registry {
         registry
     }
 
-    /// Vets, opens and registers every plugin `search` finds, in its order. Failures are recorded
-    /// on the plugin's record and never stop the others.
+    /// Vets, loads and registers every plugin `search` finds, in its order. Failures are recorded
+    /// on the plugin's record and never stop the others. A file named like one already loaded is
+    /// a copy found later in the search order: it is not opened at all.
     pub fn load_all(&mut self, search: &PluginSearch) {
         for candidate in search.candidates() {
             match candidate {
-                Candidate::Library(path) => {
-                    self.load_file(&path, search.allow_list.as_ref());
-                }
+                Candidate::Library(path) => match self.loaded_file_named_like(&path) {
+                    Some(first) => self.reject(LoadError::DuplicateFile { path, first }),
+                    None => {
+                        self.load_file(&path, search.allow_list.as_ref());
+                    }
+                },
                 Candidate::Unreadable(error) => self.reject(error),
             }
         }
     }
 
-    /// Vets, opens and registers one library; returns its record.
+    /// The loaded library whose file name is `path`'s.
+    fn loaded_file_named_like(&self, path: &Path) -> Option<PathBuf> {
+        self.plugins.iter().find_map(|p| match &p.origin {
+            Origin::Library(first) if p.status.is_ok() && first.file_name() == path.file_name() => {
+                Some(first.clone())
+            }
+            _ => None,
+        })
+    }
+
+    /// Vets, loads and registers one library; returns its record.
     pub fn load_file(&mut self, path: &Path, allow_list: Option<&vet::AllowList>) -> &PluginRecord {
-        let loaded = vet::vet(path, allow_list)
-            .and_then(|()| load::load_manifest(path))
+        let loaded = vet::open(path, allow_list)
+            .and_then(load::load_manifest)
             .and_then(|manifest| {
                 let info = manifest.info().map_err(|e| LoadError::Registration {
                     path: path.into(),
@@ -260,6 +288,22 @@ impl Registry {
         &self.plugins
     }
 
+    /// Why each plugin file that could have provided a component was not loaded (copies of a
+    /// loaded plugin left out).
+    fn refused(&self) -> Vec<LoadError> {
+        self.plugins
+            .iter()
+            .filter_map(|p| p.status.as_ref().err())
+            .filter(|e| {
+                !matches!(
+                    e,
+                    LoadError::Duplicate { .. } | LoadError::DuplicateFile { .. }
+                )
+            })
+            .cloned()
+            .collect()
+    }
+
     /// Components of loaded plugins grouped by (kind, name), highest priority first.
     fn groups(&self) -> BTreeMap<(ComponentKind, &str), Vec<&Component>> {
         let mut groups: BTreeMap<(ComponentKind, &str), Vec<&Component>> = BTreeMap::new();
@@ -326,6 +370,7 @@ impl Registry {
                 kind,
                 name: name.to_owned(),
                 available: self.names(kind),
+                refused: self.refused(),
             });
         };
         if let Some(conflict) = self

@@ -60,8 +60,10 @@ impl PluginSearch {
         Ok(Self { dirs, allow_list })
     }
 
-    /// Library files in search order; a file reachable twice is listed once. Missing directories
-    /// given explicitly are reported; a missing default directory is not.
+    /// Library files in search order; a path listed twice (a directory given twice) is listed
+    /// once. Nothing is resolved here: which file a path leads to is decided, and checked, when it
+    /// is opened. Missing directories given explicitly are reported; a missing default directory
+    /// is not.
     pub fn candidates(&self) -> Vec<Candidate> {
         let mut seen = HashSet::new();
         let mut out = Vec::new();
@@ -85,8 +87,7 @@ impl PluginSearch {
                     tracing::debug!(path = %file.display(), "not a plugin library, skipped");
                     continue;
                 }
-                let key = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone());
-                if seen.insert(key) {
+                if seen.insert(file.clone()) {
                     out.push(Candidate::Library(file));
                 }
             }

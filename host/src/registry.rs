@@ -2,7 +2,7 @@
 //! a plugin library. Same kind and name: the higher priority wins and the other is shadowed; equal
 //! priorities are a conflict that makes the name unusable until one plugin is removed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -149,6 +149,8 @@ fn refused_note(refused: &[LoadError]) -> String {
 #[derive(Default)]
 pub struct Registry {
     plugins: Vec<PluginRecord>,
+    /// Device and inode of every library loaded.
+    loaded_files: HashSet<(u64, u64)>,
 }
 
 impl Registry {
@@ -163,17 +165,28 @@ impl Registry {
 
     /// Vets, loads and registers every plugin `search` finds, in its order. Failures are recorded
     /// on the plugin's record and never stop the others. A file named like one already loaded is
-    /// a copy found later in the search order: it is not opened at all.
+    /// a copy found later in the search order: it is not opened at all. A file already loaded
+    /// through another path (a link, a hard link) is left out quietly once opened.
     pub fn load_all(&mut self, search: &PluginSearch) {
         for candidate in search.candidates() {
-            match candidate {
-                Candidate::Library(path) => match self.loaded_file_named_like(&path) {
-                    Some(first) => self.reject(LoadError::DuplicateFile { path, first }),
-                    None => {
-                        self.load_file(&path, search.allow_list.as_ref());
-                    }
-                },
-                Candidate::Unreadable(error) => self.reject(error),
+            let path = match candidate {
+                Candidate::Library(path) => path,
+                Candidate::Unreadable(error) => {
+                    self.reject(error);
+                    continue;
+                }
+            };
+            if let Some(first) = self.loaded_file_named_like(&path) {
+                self.reject(LoadError::DuplicateFile { path, first });
+                continue;
+            }
+            match vet::open(&path, search.allow_list.as_ref()) {
+                Ok(library) if self.loaded_files.contains(&library.identity()) => {
+                    tracing::debug!(path = %path.display(), "a plugin file already loaded, skipped");
+                }
+                opened => {
+                    self.register(&path, opened);
+                }
             }
         }
     }
@@ -190,29 +203,40 @@ impl Registry {
 
     /// Vets, loads and registers one library; returns its record.
     pub fn load_file(&mut self, path: &Path, allow_list: Option<&vet::AllowList>) -> &PluginRecord {
-        let loaded = vet::open(path, allow_list)
-            .and_then(load::load_manifest)
-            .and_then(|manifest| {
-                let info = manifest.info().map_err(|e| LoadError::Registration {
+        let opened = vet::open(path, allow_list);
+        self.register(path, opened)
+    }
+
+    /// Loads the library `vet::open` checked (or records why it did not) and registers it.
+    fn register(
+        &mut self,
+        path: &Path,
+        opened: Result<vet::CheckedLibrary, LoadError>,
+    ) -> &PluginRecord {
+        let loaded = opened.and_then(|library| {
+            let identity = library.identity();
+            let manifest = load::load_manifest(library)?;
+            let info = manifest.info().map_err(|e| LoadError::Registration {
+                path: path.into(),
+                reason: e.to_string(),
+            })?;
+            match self
+                .plugins
+                .iter()
+                .find(|p| p.status.is_ok() && p.name == info.name)
+            {
+                Some(first) => Err(LoadError::Duplicate {
                     path: path.into(),
-                    reason: e.to_string(),
-                })?;
-                match self
-                    .plugins
-                    .iter()
-                    .find(|p| p.status.is_ok() && p.name == info.name)
-                {
-                    Some(first) => Err(LoadError::Duplicate {
-                        path: path.into(),
-                        name: info.name,
-                        first: PathBuf::from(first.origin.describe()),
-                    }),
-                    None => Ok((info, manifest.factory)),
-                }
-            });
+                    name: info.name,
+                    first: PathBuf::from(first.origin.describe()),
+                }),
+                None => Ok((info, manifest.factory, identity)),
+            }
+        });
         match loaded {
-            Ok((info, factory)) => {
+            Ok((info, factory, identity)) => {
                 tracing::debug!(plugin = %info.name, path = %path.display(), "loaded plugin");
+                self.loaded_files.insert(identity);
                 self.add(info, factory, Origin::Library(path.into()));
             }
             Err(error) => self.reject(error),
@@ -532,6 +556,34 @@ mod tests {
                 .unwrap()
                 .reason,
             "x"
+        );
+    }
+
+    #[test]
+    fn a_missing_component_names_the_plugin_files_not_loaded() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let writable = dir.path().join("libverl_plugin_fsdp.so");
+        std::fs::write(&writable, b"x").unwrap();
+        std::fs::set_permissions(&writable, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let mut registry = Registry::default();
+        registry.add_builtin(plugin("cpu", &[("cpu", 1)]));
+        let record = registry.load_file(&writable, None);
+        assert!(matches!(record.status, Err(LoadError::Writable { .. })));
+        let err = registry
+            .resolve(ComponentKind::ENGINE, "fsdp")
+            .unwrap_err()
+            .to_string();
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(
+            lines[0],
+            "no engine component named `fsdp`; available: none; plugin files not loaded (one of them may provide it):"
+        );
+        assert_eq!(lines.len(), 2, "{err}");
+        assert!(
+            lines[1].starts_with(&format!("  {}: refused before loading", writable.display())),
+            "{err}"
         );
     }
 }

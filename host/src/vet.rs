@@ -325,12 +325,18 @@ fn check_holding_dir(entry: &Path, dir: &Path, trust: &Trust) -> Result<(), Load
 pub struct CheckedLibrary {
     path: PathBuf,
     file: fs::File,
+    /// Device and inode: the same file reached by two paths is one library.
+    identity: (u64, u64),
 }
 
 impl CheckedLibrary {
     /// The path the library was found at.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    pub(crate) fn identity(&self) -> (u64, u64) {
+        self.identity
     }
 
     /// The path the loader is given: `/proc/self/fd/N` resolves to this descriptor's file, even
@@ -405,6 +411,7 @@ fn open_resolved(
     Ok(CheckedLibrary {
         path: path.into(),
         file,
+        identity: (meta.dev(), meta.ino()),
     })
 }
 

@@ -281,7 +281,10 @@ fn same_name_and_priority_is_a_conflict_naming_both_files() {
 fn a_second_copy_of_a_plugin_is_ignored_in_favour_of_the_first_found() {
     let rocm = bundled_plugin("verl_plugin_rocm");
     let first = plugin_dir(&[(ROCM, &rocm)]);
-    let second = plugin_dir(&[(ROCM, &rocm)]);
+    // A later file of the same name is not opened at all: were it, this one would be rejected as
+    // no loadable plugin.
+    let second = plugin_dir(&[("librocm_copy.so", &rocm)]);
+    std::fs::write(second.path().join(ROCM), b"not even a library").unwrap();
     let out = verl_core(
         &[
             "plugins",
@@ -313,8 +316,16 @@ fn a_second_copy_of_a_plugin_is_ignored_in_favour_of_the_first_found() {
     assert_eq!(entries[1]["status"], "rejected");
     let error = entries[1]["error"].as_str().unwrap();
     assert!(
-        error.contains("already loaded from") && error.contains(first.path().to_str().unwrap()),
+        error.contains("not opened")
+            && error.contains("already loaded from")
+            && error.contains(first.path().to_str().unwrap()),
         "{error}"
+    );
+    // A copy under another file name can only be recognised by the name it declares, once opened.
+    assert_rejected(
+        &list,
+        "librocm_copy.so",
+        &["plugin `rocm` is already loaded from", "was opened"],
     );
 }
 
@@ -359,6 +370,246 @@ fn writable_plugins_and_directories_are_refused_before_loading() {
         &[],
     );
     assert!(!out.status.success());
+    // The developers' escape hatch is explicit and loads with a warning naming the broken rule.
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            safe.path().to_str().unwrap(),
+        ],
+        &[("VERL_PLUGIN_INSECURE_PERMISSIONS", "1")],
+    );
+    assert_loaded(&stdout_json(&out), ASCEND);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("writable by group or others")
+            && stderr.contains("loaded anyway: VERL_PLUGIN_INSECURE_PERMISSIONS=1"),
+        "{stderr}"
+    );
+}
+
+/// The uid this test process runs as (the owner of a file it creates).
+fn own_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    tempfile::tempfile().unwrap().metadata().unwrap().uid()
+}
+
+const STRANGER: u32 = 12345;
+
+#[test]
+fn files_and_directories_of_another_uid_are_refused() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let ascend = bundled_plugin("verl_plugin_ascend");
+    if own_uid() != 0 {
+        // Only root can give files away; the host's unit tests check the rule for any uid.
+        eprintln!("not root: plugin files owned by another uid cannot be made here");
+        return;
+    }
+    let mine = plugin_dir(&[(ROCM, &rocm), ("libforeign.so", &ascend)]);
+    std::os::unix::fs::chown(mine.path().join("libforeign.so"), Some(STRANGER), None).unwrap();
+    // A root-owned plugin in a directory that another uid owns (and so may rename or replace).
+    let theirs = plugin_dir(&[(ASCEND, &ascend)]);
+    std::os::unix::fs::chown(theirs.path(), Some(STRANGER), None).unwrap();
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            mine.path().to_str().unwrap(),
+            "--plugin-dir",
+            theirs.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    let list = stdout_json(&out);
+    assert_loaded(&list, ROCM);
+    assert_rejected(
+        &list,
+        "libforeign.so",
+        &["refused before loading: file", "owned by uid 12345"],
+    );
+    assert_rejected(
+        &list,
+        ASCEND,
+        &[
+            &format!("directory {} is owned by uid 12345", theirs.path().display()),
+            "neither root nor you (uid 0)",
+        ],
+    );
+    let out = verl_core(
+        &[
+            "plugins",
+            "check",
+            mine.path().join("libforeign.so").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+}
+
+#[test]
+fn links_and_directories_that_others_may_write_are_refused() {
+    let rocm = bundled_plugin("verl_plugin_rocm");
+    let ascend = bundled_plugin("verl_plugin_ascend");
+    let top = tempfile::tempdir().unwrap();
+    set_mode(top.path(), 0o755);
+    let mkdir = |rel: &str, mode: u32| {
+        let dir = top.path().join(rel);
+        std::fs::create_dir_all(&dir).unwrap();
+        set_mode(&dir, mode);
+        dir
+    };
+    // A link in a directory anyone may write, pointing at a safe plugin: the link could be
+    // replaced at any moment, so the safe target does not help. Sticky or not.
+    let safe = mkdir("safe", 0o755);
+    std::fs::copy(&rocm, safe.join(ROCM)).unwrap();
+    set_mode(&safe.join(ROCM), 0o644);
+    let open = mkdir("open", 0o777);
+    std::os::unix::fs::symlink(safe.join(ROCM), open.join("liblinked.so")).unwrap();
+    let sticky = mkdir("sticky", 0o1777);
+    std::os::unix::fs::symlink(safe.join(ROCM), sticky.join("libsticky.so")).unwrap();
+    // A safe plugin directory under an ancestor that anyone may write, without and with the
+    // sticky bit (the sticky one, like /tmp, is accepted).
+    let under_open = mkdir("shared/plugins", 0o755);
+    set_mode(&top.path().join("shared"), 0o777);
+    std::fs::copy(&ascend, under_open.join(ASCEND)).unwrap();
+    set_mode(&under_open.join(ASCEND), 0o644);
+    let under_sticky = mkdir("tmp-like/plugins", 0o755);
+    set_mode(&top.path().join("tmp-like"), 0o1777);
+    std::fs::copy(&ascend, under_sticky.join("libascend_sticky.so")).unwrap();
+    set_mode(&under_sticky.join("libascend_sticky.so"), 0o644);
+
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--json",
+            "--plugin-dir",
+            open.to_str().unwrap(),
+            "--plugin-dir",
+            sticky.to_str().unwrap(),
+            "--plugin-dir",
+            under_open.to_str().unwrap(),
+            "--plugin-dir",
+            under_sticky.to_str().unwrap(),
+            "--plugin-dir",
+            safe.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let list = stdout_json(&out);
+    assert_rejected(
+        &list,
+        "liblinked.so",
+        &[
+            &format!("directory {} ", open.display()),
+            "writable by group or others (mode 777)",
+        ],
+    );
+    assert_rejected(
+        &list,
+        "libsticky.so",
+        &[
+            &format!("directory {} ", sticky.display()),
+            "writable by group or others (mode 1777)",
+        ],
+    );
+    assert_rejected(
+        &list,
+        ASCEND,
+        &[
+            &format!("directory {} ", top.path().join("shared").display()),
+            "writable by others without the sticky bit (mode 777)",
+        ],
+    );
+    assert_loaded(&list, "libascend_sticky.so");
+    assert_loaded(&list, ROCM);
+    // The refusals are listed, one line each, in the text view too; the rest is unaffected.
+    let out = verl_core(
+        &[
+            "plugins",
+            "list",
+            "--plugin-dir",
+            open.to_str().unwrap(),
+            "--plugin-dir",
+            safe.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(" loaded, 1 rejected\n")
+            && text.contains(&format!(
+                "[rejected] {}\n      {}: refused before loading: directory",
+                open.join("liblinked.so").display(),
+                open.join("liblinked.so").display()
+            )),
+        "{text}"
+    );
+}
+
+/// The race the descriptor closes: the path is checked, then replaced by another library before it
+/// is loaded. What loads is the checked file.
+#[test]
+fn a_path_replaced_after_the_check_still_loads_the_checked_file() {
+    use verl_testkit::host::{load_manifest, vet};
+    let dir = plugin_dir(&[
+        ("libswap.so", &bundled_plugin("verl_plugin_rocm")),
+        ("ascend.next", &bundled_plugin("verl_plugin_ascend")),
+    ]);
+    let path = dir.path().join("libswap.so");
+    let checked = vet::open(&path, None).unwrap();
+    std::fs::rename(dir.path().join("ascend.next"), &path).unwrap();
+    let loaded = load_manifest(checked).unwrap().info().unwrap();
+    assert_eq!(loaded.name, "rocm");
+    // The swap did happen: the path now leads to the other plugin.
+    let now = load_manifest(vet::open(&path, None).unwrap())
+        .unwrap()
+        .info()
+        .unwrap();
+    assert_eq!(now.name, "ascend");
+}
+
+#[test]
+fn a_run_that_needs_a_refused_plugin_says_why_it_was_refused() {
+    let dir = plugin_dir(&[
+        (
+            "libverl_plugin_native.so",
+            &bundled_plugin("verl_plugin_native"),
+        ),
+        ("libverl_plugin_fsdp.so", &bundled_plugin("verl_plugin_fsdp")),
+    ]);
+    let native = dir.path().join("libverl_plugin_native.so");
+    set_mode(&native, 0o664);
+    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let out = verl_core(
+        &[
+            "generate",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no rollout component named `native`")
+            && stderr.contains(&format!(
+                "{}: refused before loading: file {} is writable by group or others (mode 664)",
+                native.display(),
+                native.display()
+            ))
+            && !stderr.contains("panicked"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -101,9 +101,9 @@ pub enum WriteRule {
 impl WriteRule {
     fn explain(self, mode: u32) -> String {
         match self {
-            Self::GroupOrOthers => format!(
-                "is writable by group or others (mode {mode:o}); run `chmod go-w` on it"
-            ),
+            Self::GroupOrOthers => {
+                format!("is writable by group or others (mode {mode:o}); run `chmod go-w` on it")
+            }
             Self::OthersNotSticky => format!(
                 "is writable by others without the sticky bit (mode {mode:o}); run `chmod o-w` on it (or `chmod +t` for a shared directory like /tmp)"
             ),

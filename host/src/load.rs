@@ -1,7 +1,9 @@
 //! Loading one checked plugin library: abi_stable's header, version and layout checks, then its
 //! manifest.
 
-use abi_stable::library::lib_header_from_path;
+use std::path::Path;
+
+use abi_stable::library::{LibraryError, lib_header_from_path};
 use verl_plugin_api::{ABI_VERSION, PluginManifest, PluginModule_Ref, check_abi_compatible};
 
 use crate::LoadError;
@@ -20,17 +22,22 @@ pub fn load_manifest(library: CheckedLibrary) -> Result<PluginManifest, LoadErro
     library.keep_open();
     // The loader's messages name `/proc/self/fd/N`; the user knows the file by its path.
     let in_terms_of_path = |text: &str| {
-        first_lines(&text.replace(
-            &*loader_path.to_string_lossy(),
-            &path.display().to_string(),
-        ))
+        first_lines(&text.replace(&*loader_path.to_string_lossy(), &path.display().to_string()))
     };
     let header = header.map_err(|e| LoadError::Open {
         path: path.clone(),
-        reason: if std::path::Path::new("/proc/self/fd").is_dir() {
-            in_terms_of_path(&e.to_string())
-        } else {
-            "/proc is not mounted: plugins are loaded through /proc/self/fd".to_owned()
+        reason: match e {
+            _ if !Path::new("/proc/self/fd").is_dir() => {
+                "/proc is not mounted: plugins are loaded through /proc/self/fd".to_owned()
+            }
+            // dlopen's own one-line message (`<file>: invalid ELF header`, a missing dependency),
+            // without the file's name that the error already starts with.
+            LibraryError::OpenError { err, .. } => {
+                let text = in_terms_of_path(&err.to_string());
+                let lead = format!("{}: ", path.display());
+                text.strip_prefix(&lead).map_or(text.clone(), str::to_owned)
+            }
+            other => in_terms_of_path(&other.to_string()),
         },
     })?;
     let plugin_abi = header.version_strings().version.to_string();

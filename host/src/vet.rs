@@ -509,9 +509,21 @@ mod tests {
             // Group-writable ancestors: fine for root's group and the user's own group.
             (user, 0o775, 0, false, None),
             (user, 0o775, 1000, false, None),
-            (user, 0o775, 100, false, Some(ForeignGroupNotSticky { gid: 100 })),
+            (
+                user,
+                0o775,
+                100,
+                false,
+                Some(ForeignGroupNotSticky { gid: 100 }),
+            ),
             (user, 0o1775, 100, false, None),
-            (root, 0o775, 1000, false, Some(ForeignGroupNotSticky { gid: 1000 })),
+            (
+                root,
+                0o775,
+                1000,
+                false,
+                Some(ForeignGroupNotSticky { gid: 1000 }),
+            ),
             (root, 0o775, 0, false, None),
         ];
         for (trust, mode, gid, holds_entry, want) in cases {
@@ -534,7 +546,9 @@ mod tests {
         set_mode(&ok, 0o666);
         let err = refusal(&ok);
         assert!(
-            err.contains("file") && err.contains("writable by group or others") && err.contains("666"),
+            err.contains("file")
+                && err.contains("writable by group or others")
+                && err.contains("666"),
             "{err}"
         );
         set_mode(&ok, 0o644);
@@ -568,13 +582,17 @@ mod tests {
         // A relative path with `..` is resolved from the working directory, as the kernel does.
         set_mode(&open, 0o777);
         let err = refusal(&relative_to_cwd(&file));
-        assert!(err.contains(&format!("directory {} ", open.display())), "{err}");
+        assert!(
+            err.contains(&format!("directory {} ", open.display())),
+            "{err}"
+        );
     }
 
     /// `file` relative to the working directory (`..` up to `/`, then down).
     fn relative_to_cwd(file: &Path) -> PathBuf {
         let cwd = std::env::current_dir().unwrap();
-        let mut relative: PathBuf = std::iter::repeat_n("..", cwd.components().count() - 1).collect();
+        let mut relative: PathBuf =
+            std::iter::repeat_n("..", cwd.components().count() - 1).collect();
         relative.push(file.strip_prefix("/").unwrap());
         relative
     }
@@ -655,14 +673,20 @@ mod tests {
                 ..me
             };
             let err = open_with(&file, None, &stranger).unwrap_err().to_string();
-            assert!(err.contains(&format!("is owned by uid {}", me.uid)), "{err}");
+            assert!(
+                err.contains(&format!("is owned by uid {}", me.uid)),
+                "{err}"
+            );
             eprintln!("not root: layouts owned by another uid were not built");
             return;
         }
         chown(&file, Some(STRANGER), None);
         let err = refusal(&file);
         assert!(
-            err.contains(&format!("file {} is owned by uid {STRANGER}", file.display())),
+            err.contains(&format!(
+                "file {} is owned by uid {STRANGER}",
+                file.display()
+            )),
             "{err}"
         );
         chown(&file, Some(0), None);
@@ -683,7 +707,10 @@ mod tests {
         chown(&link, Some(STRANGER), None);
         let err = refusal(&link);
         assert!(
-            err.contains(&format!("symbolic link {} is owned by uid {STRANGER}", link.display())),
+            err.contains(&format!(
+                "symbolic link {} is owned by uid {STRANGER}",
+                link.display()
+            )),
             "{err}"
         );
         // A group-writable ancestor of a group that is neither root's nor ours.
@@ -695,7 +722,10 @@ mod tests {
         vet(&inner, None).unwrap();
         chown(&shared, None, Some(STRANGER));
         let err = refusal(&inner);
-        assert!(err.contains(&format!("writable by group {STRANGER}")), "{err}");
+        assert!(
+            err.contains(&format!("writable by group {STRANGER}")),
+            "{err}"
+        );
         set_mode(&shared, 0o1775);
         vet(&inner, None).unwrap();
     }
@@ -713,8 +743,12 @@ mod tests {
         open_with(&file, None, &insecure).unwrap();
         let list = dir.path().join("allow.sha256");
         fs::write(&list, format!("{}  other.so\n", "0".repeat(64))).unwrap();
-        let err = open_with(&file, Some(&AllowList::from_file(&list).unwrap()), &insecure)
-            .unwrap_err();
+        let err = open_with(
+            &file,
+            Some(&AllowList::from_file(&list).unwrap()),
+            &insecure,
+        )
+        .unwrap_err();
         assert!(matches!(err, LoadError::NotAllowListed { .. }), "{err}");
     }
 

@@ -435,7 +435,10 @@ fn files_and_directories_of_another_uid_are_refused() {
         &list,
         ASCEND,
         &[
-            &format!("directory {} is owned by uid 12345", theirs.path().display()),
+            &format!(
+                "directory {} is owned by uid 12345",
+                theirs.path().display()
+            ),
             "neither root nor you (uid 0)",
         ],
     );
@@ -581,7 +584,10 @@ fn a_run_that_needs_a_refused_plugin_says_why_it_was_refused() {
             "libverl_plugin_native.so",
             &bundled_plugin("verl_plugin_native"),
         ),
-        ("libverl_plugin_fsdp.so", &bundled_plugin("verl_plugin_fsdp")),
+        (
+            "libverl_plugin_fsdp.so",
+            &bundled_plugin("verl_plugin_fsdp"),
+        ),
     ]);
     let native = dir.path().join("libverl_plugin_native.so");
     set_mode(&native, 0o664);

@@ -5,9 +5,9 @@
 //! them as it would under torchrun. Rank 0 keeps this process's terminal; every other rank's
 //! lines are prefixed with `[rank R]`. SIGINT and SIGTERM are forwarded to every rank (each runs
 //! in its own process group, so a terminal's Ctrl-C reaches a rank once, through here). When a
-//! rank fails, the others are sent SIGTERM, then SIGKILL after a bound, and the launch fails
-//! naming the rank and its exit status. A rank outlives the launcher by no more than a SIGTERM:
-//! children are told to receive one when it dies.
+//! rank fails, the others get a 2 s grace to end on their own, then SIGTERM, then SIGKILL after
+//! a bound, and the launch fails naming the rank and its exit status. A rank outlives the
+//! launcher by no more than a SIGTERM: children are told to receive one when it dies.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -26,6 +26,9 @@ pub const LAUNCHABLE: [&str; 5] = ["run", "sft", "score", "generate", "platform"
 
 /// How often the supervisor looks at its children and at received signals.
 const POLL: Duration = Duration::from_millis(20);
+/// After a rank fails, how long the others get to end on their own before SIGTERM: ranks that
+/// fail together (a config error, a lost peer) all get to say why.
+const FAILURE_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
@@ -43,7 +46,7 @@ pub enum LaunchError {
     RankFailed {
         rank: u32,
         status: String,
-        /// What became of the other ranks.
+        /// How the other ranks ended.
         others: String,
     },
     #[error("interrupted by {signal}, forwarded to every rank; {outcome}")]
@@ -171,7 +174,7 @@ extern "C" fn on_signal(signal: libc::c_int) {
     RECEIVED.store(signal, Ordering::SeqCst);
 }
 
-/// Routes SIGINT and SIGTERM to [`RECEIVED`] instead of ending this process.
+/// Makes SIGINT and SIGTERM wait for [`take_received_signal`] instead of ending this process.
 pub fn install_signal_forwarding() -> Result<(), LaunchError> {
     for signal in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: a zeroed sigaction with an empty mask and a handler that only stores to an
@@ -275,7 +278,7 @@ pub fn launch(
             }
         }
     }
-    let mut failed: Option<(u32, ExitStatus)> = None;
+    let mut failed: Option<(u32, ExitStatus, Instant)> = None;
     let mut interrupted: Option<i32> = None;
     let mut kill_at: Option<Instant> = None;
     while ranks.iter().any(|r| r.status.is_none()) {
@@ -292,10 +295,11 @@ pub fn launch(
             };
             rank.status = Some(status);
             if !status.success() && failed.is_none() && interrupted.is_none() {
-                failed = Some((rank.rank, status));
+                failed = Some((rank.rank, status, Instant::now()));
             }
         }
-        if failed.is_some() && kill_at.is_none() {
+        let grace_over = failed.is_some_and(|(_, _, at)| at.elapsed() >= FAILURE_GRACE);
+        if grace_over && kill_at.is_none() {
             for rank in &ranks {
                 rank.signal(libc::SIGTERM);
             }
@@ -317,13 +321,15 @@ pub fn launch(
         let list: Vec<String> = ranks
             .iter()
             .filter(|r| Some(r.rank) != except)
-            .map(|r| format!("rank {}: {}", r.rank, status_text(r.status.expect("reaped"))))
+            .map(|r| {
+                format!(
+                    "rank {}: {}",
+                    r.rank,
+                    status_text(r.status.expect("reaped"))
+                )
+            })
             .collect();
-        if list.is_empty() {
-            "no other rank on this node".to_owned()
-        } else {
-            list.join(", ")
-        }
+        list.join(", ")
     };
     if let Some(signal) = interrupted {
         return Err(LaunchError::Interrupted {
@@ -332,11 +338,16 @@ pub fn launch(
             outcome: others(None),
         });
     }
-    if let Some((rank, status)) = failed {
+    if let Some((rank, status, _)) = failed {
+        let others = others(Some(rank));
         return Err(LaunchError::RankFailed {
             rank,
             status: status_text(status),
-            others: format!("the others were stopped ({})", others(Some(rank))),
+            others: if others.is_empty() {
+                "no other rank on this node".to_owned()
+            } else {
+                format!("other ranks: {others}")
+            },
         });
     }
     Ok(())
@@ -509,8 +520,14 @@ mod tests {
             &mut || None,
         );
         result.unwrap();
-        assert!(text.contains("[rank 2] rank=2 world=4 local=0 master=10.1.2.3:29500"), "{text}");
-        assert!(text.contains("[rank 3] rank=3 world=4 local=1 master=10.1.2.3:29500"), "{text}");
+        assert!(
+            text.contains("[rank 2] rank=2 world=4 local=0 master=10.1.2.3:29500"),
+            "{text}"
+        );
+        assert!(
+            text.contains("[rank 3] rank=3 world=4 local=1 master=10.1.2.3:29500"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -518,7 +535,10 @@ mod tests {
         let mut s = spec(2);
         s.nnodes = 2;
         let err = s.rendezvous().unwrap_err().to_string();
-        assert!(err.starts_with("--master-addr: required with --nnodes 2"), "{err}");
+        assert!(
+            err.starts_with("--master-addr: required with --nnodes 2"),
+            "{err}"
+        );
         s.node_rank = 2;
         s.master_addr = Some("h".into());
         assert_eq!(
@@ -549,11 +569,33 @@ mod tests {
         );
         let message = err.to_string();
         assert!(
-            message.starts_with("rank 1 failed (exit status 3); the others were stopped (rank 0: killed by SIGTERM (15), rank 2: killed by SIGTERM (15))"),
+            message
+                == "rank 1 failed (exit status 3); other ranks: rank 0: killed by SIGTERM (15), rank 2: killed by SIGTERM (15)",
             "{message}"
         );
         assert!(text.contains("[rank 1] rank 1 fails"), "{text}");
-        assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+        assert!(
+            elapsed >= FAILURE_GRACE && elapsed < Duration::from_secs(10),
+            "{elapsed:?}"
+        );
+    }
+
+    #[test]
+    fn ranks_failing_together_all_report_before_any_is_stopped() {
+        // Rank 0 fails a moment after rank 1, within the grace: it is not killed.
+        let (result, text, _) = sh(
+            &spec(2),
+            r#"if [ "$RANK" = 0 ]; then sleep 0.5; fi; echo "rank $RANK: cannot run"; exit 1"#,
+            &mut || None,
+        );
+        assert_eq!(
+            result.unwrap_err().to_string(),
+            "rank 1 failed (exit status 1); other ranks: rank 0: exit status 1"
+        );
+        assert!(
+            text.contains("rank 0: cannot run") && text.contains("[rank 1] rank 1: cannot run"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -567,7 +609,7 @@ mod tests {
         );
         let message = result.unwrap_err().to_string();
         assert!(
-            message.starts_with("rank 1 failed (exit status 4); the others were stopped (rank 0: killed by SIGKILL (9))"),
+            message == "rank 1 failed (exit status 4); other ranks: rank 0: killed by SIGKILL (9)",
             "{message}"
         );
         assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
@@ -593,7 +635,13 @@ mod tests {
         );
         let err = result.unwrap_err();
         assert!(
-            matches!(err, LaunchError::Interrupted { signal_number: libc::SIGINT, .. }),
+            matches!(
+                err,
+                LaunchError::Interrupted {
+                    signal_number: libc::SIGINT,
+                    ..
+                }
+            ),
             "{err}"
         );
         assert_eq!(

@@ -417,12 +417,20 @@ mod tests {
         let run = p.run();
         assert_eq!(p.source(), RankSource::Slurm);
         assert_eq!(
-            (run.rank, run.world_size, run.local_rank, run.local_world_size),
+            (
+                run.rank,
+                run.world_size,
+                run.local_rank,
+                run.local_world_size
+            ),
             (5, 8, 1, 4)
         );
         assert_eq!((run.device.as_str(), run.device_index), ("cuda:1", Some(1)));
         // MASTER_PORT defaults to torchrun's.
-        assert_eq!((run.master_addr.as_str(), run.master_port), ("node-a", 29500));
+        assert_eq!(
+            (run.master_addr.as_str(), run.master_port),
+            ("node-a", 29500)
+        );
         let mut vars = SLURM_STEP.to_vec();
         vars.push(("MASTER_PORT", "1234"));
         let p = Placement::with_env(&device("cuda"), 0, env(&vars)).unwrap();
@@ -464,7 +472,8 @@ mod tests {
             .collect();
         let err = Placement::with_env(&device("cpu"), 0, env(&vars)).unwrap_err();
         assert!(
-            err.to_string().starts_with("environment variable MASTER_ADDR=: must name the first node")
+            err.to_string()
+                .starts_with("environment variable MASTER_ADDR=: must name the first node")
                 && err.to_string().contains("scontrol show hostnames"),
             "{err}"
         );
@@ -480,7 +489,12 @@ mod tests {
 
     #[test]
     fn world_size_must_match_the_trainer_keys() {
-        let two = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
+        let two = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ]);
         let p = Placement::with_env(&device("cpu"), 0, two).unwrap();
         assert!(p.check_world_size(1, 2).is_ok());
         assert!(p.check_world_size(2, 1).is_ok());

@@ -74,12 +74,16 @@ fn rank_main(rank: u32) -> Result<(), DistError> {
         let rows = [
             (
                 "all_reduce",
-                time(&mut group, iterations, |g| g.all_reduce(&mut full, ReduceOp::Sum))?,
+                time(&mut group, iterations, |g| {
+                    g.all_reduce(&mut full, ReduceOp::Sum)
+                })?,
                 2.0 * (n as f64 - 1.0) / n as f64,
             ),
             (
                 "all_gather",
-                time(&mut group, iterations, |g| g.all_gather_into(&mut gathered, &part))?,
+                time(&mut group, iterations, |g| {
+                    g.all_gather_into(&mut gathered, &part)
+                })?,
                 (n as f64 - 1.0) / n as f64,
             ),
             (

@@ -151,7 +151,12 @@ impl ProcessGroup {
             world_size,
             group_timeout,
         )
-        .map_err(|e| fail(format!("creating the {} process group: {e}", backend.as_str())))?;
+        .map_err(|e| {
+            fail(format!(
+                "creating the {} process group: {e}",
+                backend.as_str()
+            ))
+        })?;
         Ok(Self {
             group: Some(group),
             store,
@@ -210,7 +215,11 @@ impl ProcessGroup {
 
     /// Every rank's `input` concatenated, in rank order, into `output` (contiguous, with
     /// world size × `input`'s elements; the flat form FSDP-style sharding uses).
-    pub fn all_gather_into(&mut self, output: &mut Tensor, input: &Tensor) -> Result<(), DistError> {
+    pub fn all_gather_into(
+        &mut self,
+        output: &mut Tensor,
+        input: &Tensor,
+    ) -> Result<(), DistError> {
         const OP: &str = "all_gather_into";
         self.check_flat(OP, "output", output, input)?;
         self.collective(OP, |group| group.all_gather_flat(output, input))
@@ -227,7 +236,9 @@ impl ProcessGroup {
         const OP: &str = "reduce_scatter";
         check_avg(OP, input, op)?;
         self.check_flat(OP, "input", input, output)?;
-        self.collective(OP, |group| group.reduce_scatter_flat(output, input, op.code()))?;
+        self.collective(OP, |group| {
+            group.reduce_scatter_flat(output, input, op.code())
+        })?;
         self.finish_avg(output, op);
         Ok(())
     }
@@ -305,14 +316,23 @@ impl ProcessGroup {
         if root >= self.world_size() {
             return Err(invalid(
                 op,
-                format!("root rank {root} is not below the world size {}", self.world_size()),
+                format!(
+                    "root rank {root} is not below the world size {}",
+                    self.world_size()
+                ),
             ));
         }
         Ok(())
     }
 
     /// `flat` must hold world size × `part`'s elements, of `part`'s kind.
-    fn check_flat(&self, op: &str, name: &str, flat: &Tensor, part: &Tensor) -> Result<(), DistError> {
+    fn check_flat(
+        &self,
+        op: &str,
+        name: &str,
+        flat: &Tensor,
+        part: &Tensor,
+    ) -> Result<(), DistError> {
         let expected = part.numel() * self.world_size() as usize;
         if flat.numel() != expected || flat.kind() != part.kind() {
             return Err(invalid(
@@ -460,7 +480,11 @@ impl ProcessGroup {
             how.push_str(&format!(" (seen by rank {reporter})"));
         }
         if let Some(cause) = cause {
-            how.push_str(&format!("; {}: {}", self.backend.as_str(), trim_source(cause)));
+            how.push_str(&format!(
+                "; {}: {}",
+                self.backend.as_str(),
+                trim_source(cause)
+            ));
         }
         DistError::PeerLost {
             op: op.to_owned(),
@@ -481,7 +505,10 @@ impl ProcessGroup {
     }
 
     fn describe(&self, rank: u32) -> String {
-        self.described.get(rank as usize).cloned().unwrap_or_default()
+        self.described
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or_default()
     }
 }
 
@@ -503,14 +530,10 @@ impl Drop for ProcessGroup {
                 std::thread::sleep(self.options.heartbeat.min(Duration::from_millis(50)));
             }
         }
-        if let Some(group) = self.group.take() {
-            if self.stuck {
-                // c10d's destructor would join a worker blocked in the stuck collective; the
-                // process is about to report the failure and exit.
-                std::mem::forget(group);
-            } else {
-                group.close();
-            }
+        // With a stuck collective c10d's destructor would join the worker blocked in it, so the
+        // group is left to the process's exit (which is about to report the failure).
+        if let Some(group) = self.group.take().filter(|_| !self.stuck) {
+            group.close();
         }
     }
 }
@@ -582,7 +605,9 @@ fn join(
         let value = String::from_utf8_lossy(value);
         let fields: Vec<&str> = value.splitn(4, ' ').collect();
         let [their_world, their_backend, pid, host] = fields[..] else {
-            return Err(format!("rank {rank} registered `{value}`, not a verl-distributed rank"));
+            return Err(format!(
+                "rank {rank} registered `{value}`, not a verl-distributed rank"
+            ));
         };
         if their_world != world.to_string() || their_backend != backend.as_str() {
             return Err(format!(

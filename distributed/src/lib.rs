@@ -251,10 +251,16 @@ mod tests {
         run.world_size = 2;
         run.rank = 1;
         let err = Rendezvous::from_run(&run).unwrap_err().to_string();
-        assert!(err.starts_with("rendezvous: MASTER_ADDR is not set (rank 1 of 2)"), "{err}");
+        assert!(
+            err.starts_with("rendezvous: MASTER_ADDR is not set (rank 1 of 2)"),
+            "{err}"
+        );
         run.master_addr = "10.0.0.1".into();
         let err = Rendezvous::from_run(&run).unwrap_err().to_string();
-        assert!(err.starts_with("rendezvous: MASTER_PORT is not set"), "{err}");
+        assert!(
+            err.starts_with("rendezvous: MASTER_PORT is not set"),
+            "{err}"
+        );
         run.master_port = 29500;
         assert_eq!(
             Rendezvous::from_run(&run).unwrap(),

@@ -5,8 +5,8 @@
 //! publishes its verdict, so the others report the same rank at once.
 //!
 //! Store keys: `verl/rank/<r>` (world size, backend, pid and host of rank r, written once),
-//! `verl/hb/<r>` ("<beat> <collectives started>", or "closed <n>"), `verl/lost`
-//! ("<rank>\t<reporter>\t<how>", empty while every rank is fine).
+//! `verl/hb/<r>` (`"<beat> <collectives started>"`, or `"closed <n>"`), `verl/lost`
+//! (`"<rank>\t<reporter>\t<how>"`, empty while every rank is fine).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

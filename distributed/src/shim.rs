@@ -344,7 +344,11 @@ impl Group {
         Work::from_raw(raw, err)
     }
 
-    pub(crate) fn all_gather(&self, outputs: &mut [Tensor], input: &Tensor) -> Result<Work, String> {
+    pub(crate) fn all_gather(
+        &self,
+        outputs: &mut [Tensor],
+        input: &Tensor,
+    ) -> Result<Work, String> {
         let pointers: Vec<*mut RawTensor> = outputs.iter_mut().map(|t| t.as_mut_ptr()).collect();
         let mut err = std::ptr::null_mut();
         // SAFETY: live group; `pointers` holds `outputs.len()` live tensors.
@@ -360,7 +364,11 @@ impl Group {
         Work::from_raw(raw, err)
     }
 
-    pub(crate) fn all_gather_flat(&self, output: &mut Tensor, input: &Tensor) -> Result<Work, String> {
+    pub(crate) fn all_gather_flat(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+    ) -> Result<Work, String> {
         let mut err = std::ptr::null_mut();
         // SAFETY: live group and tensors.
         let raw = unsafe {
@@ -402,11 +410,10 @@ impl Group {
     }
 
     /// Frees the group. Only when no collective is stuck in it: c10d's destructor joins the
-    /// group's worker threads, which would wait for a stuck one.
+    /// group's worker threads, which would wait for a stuck one. (The handle has no `Drop`:
+    /// a group dropped without `close` is left to the process's exit.)
     pub(crate) fn close(self) {
-        let raw = self.0.as_ptr();
-        std::mem::forget(self);
-        // SAFETY: owned handle, freed once.
-        unsafe { vd_group_free(raw) }
+        // SAFETY: owned handle, freed once (`self` is consumed).
+        unsafe { vd_group_free(self.0.as_ptr()) }
     }
 }

@@ -80,7 +80,11 @@ fn play_collectives(group: &mut ProcessGroup) -> Result<(), DistError> {
     // AVG of integers is refused before anything is sent, so the group stays usable.
     let mut t = Tensor::from_slice(&[1i64]);
     let err = group.all_reduce(&mut t, ReduceOp::Avg).unwrap_err();
-    assert!(err.to_string().contains("AVG needs a floating-point tensor"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("AVG needs a floating-point tensor"),
+        "{err}"
+    );
 
     let root = group.world_size() - 1;
     let mut t = Tensor::from_slice(&[r, r, r]);
@@ -91,7 +95,11 @@ fn play_collectives(group: &mut ProcessGroup) -> Result<(), DistError> {
     let all = group.all_gather(&mine)?;
     assert_eq!(all.len(), n as usize);
     for (k, t) in all.iter().enumerate() {
-        assert_eq!(ints(t), [k as i64 * 10, k as i64 * 10 + 1], "all_gather[{k}]");
+        assert_eq!(
+            ints(t),
+            [k as i64 * 10, k as i64 * 10 + 1],
+            "all_gather[{k}]"
+        );
     }
 
     let mut flat = Tensor::zeros([2 * n as i64], (Kind::Float, Device::Cpu));
@@ -153,13 +161,18 @@ fn play_objects(group: &mut ProcessGroup) -> Result<(), DistError> {
         );
     }
     let root = 1;
-    let table: BTreeMap<String, f64> = [("lr".to_owned(), 1e-6), ("rank".to_owned(), f64::from(r))].into();
+    let table: BTreeMap<String, f64> =
+        [("lr".to_owned(), 1e-6), ("rank".to_owned(), f64::from(r))].into();
     let got: BTreeMap<String, f64> = group.broadcast_object(Some(&table), root)?;
     assert_eq!(got["rank"], f64::from(root));
     assert_eq!(got["lr"], 1e-6);
     // A root without a value fails on every rank, and the group stays usable.
     let err = group.broadcast_object::<u32>(None, root).unwrap_err();
-    assert!(err.to_string().contains("rank 1 (the root) passed no value"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("rank 1 (the root) passed no value"),
+        "{err}"
+    );
     group.barrier()
 }
 
@@ -376,7 +389,9 @@ fn missing_rank_times_out() {
     let o = &outcomes[0];
     assert_eq!(o.status.code(), Some(3), "{o}");
     assert!(
-        o.stderr.contains("timed out after") && o.stderr.contains("waiting for 1/2 ranks: rank 1 did not join"),
+        o.stderr.contains("timed out after")
+            && o.stderr
+                .contains("waiting for 1/2 ranks: rank 1 did not join"),
         "{o}"
     );
     assert!(o.elapsed < Duration::from_secs(8), "{o}");
@@ -393,7 +408,8 @@ fn missing_store_host_times_out() {
     let o = &outcomes[0];
     assert_eq!(o.status.code(), Some(3), "{o}");
     assert!(
-        o.stderr.contains("rank 0 (the rendezvous store's host) is not reachable"),
+        o.stderr
+            .contains("rank 0 (the rendezvous store's host) is not reachable"),
         "{o}"
     );
     assert!(o.elapsed < Duration::from_secs(8), "{o}");
@@ -422,7 +438,11 @@ fn killed_peer(world: u32) {
             after_kill < Duration::from_secs(6),
             "took {after_kill:?} after the kill\n{o}"
         );
-        eprintln!("    rank {} failed {:.2} s after the kill", o.rank, after_kill.as_secs_f64());
+        eprintln!(
+            "    rank {} failed {:.2} s after the kill",
+            o.rank,
+            after_kill.as_secs_f64()
+        );
     }
 }
 
@@ -451,7 +471,8 @@ fn silent_peer_times_out() {
                 "rank 1 alive but has not reached this collective (#2 here; rank 1 is at #1)",
             );
         let adopted = o.stderr.contains("all_reduce failed: rank 1 (pid")
-            && o.stderr.contains("is alive but has not reached collective #2 (it is at #1) (seen by rank");
+            && o.stderr
+                .contains("is alive but has not reached collective #2 (it is at #1) (seen by rank");
         assert!(own || adopted, "{o}");
     }
 }
@@ -468,9 +489,9 @@ fn world_size_mismatch() {
         assert_eq!(o.status.code(), Some(3), "{o}");
     }
     assert!(
-        outcomes[0]
-            .stderr
-            .contains("has WORLD_SIZE=3 and backend gloo, rank 0 has WORLD_SIZE=2 and backend gloo"),
+        outcomes[0].stderr.contains(
+            "has WORLD_SIZE=3 and backend gloo, rank 0 has WORLD_SIZE=2 and backend gloo"
+        ),
         "{}",
         outcomes[0]
     );

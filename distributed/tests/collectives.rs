@@ -362,6 +362,11 @@ fn all_pass(case: &str, world: u32) {
     }
 }
 
+/// One rank: the store and group still work (the degenerate job a single process runs).
+fn collectives_1_rank() {
+    all_pass("collectives", 1);
+}
+
 fn collectives_2_ranks() {
     all_pass("collectives", 2);
 }
@@ -503,6 +508,7 @@ fn main() {
         return;
     }
     let tests: &[(&str, fn())] = &[
+        ("collectives_1_rank", collectives_1_rank),
         ("collectives_2_ranks", collectives_2_ranks),
         ("collectives_4_ranks", collectives_4_ranks),
         ("objects_2_ranks", objects_2_ranks),

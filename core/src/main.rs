@@ -386,6 +386,17 @@ fn training_placement(
     Ok(Placement::on_platform(device, config.trainer.seed)?)
 }
 
+/// A training command's ranks against `trainer.nnodes × trainer.n_gpus_per_node`, then (until
+/// the SPMD trainer lands) one rank only: every rank stops here, before anything is written.
+fn check_training_ranks(
+    placement: &Placement,
+    config: &Config,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    placement.check_world_size(config.trainer.nnodes, config.trainer.n_gpus_per_node)?;
+    Ok(placement.require_single_rank(what)?)
+}
+
 /// This process on the selected platform; a selection error stops the command.
 fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<Placement> {
     let (report, selection) = detect_platform(registry, &process_probe(), timeout);
@@ -581,9 +592,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, true, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
-            let trainer_keys = &config.trainer;
-            placement.check_world_size(trainer_keys.nnodes, trainer_keys.n_gpus_per_node)?;
-            placement.require_single_rank("training")?;
+            check_training_ranks(&placement, &config, "training")?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -607,9 +616,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
-            let trainer_keys = &config.trainer;
-            placement.check_world_size(trainer_keys.nnodes, trainer_keys.n_gpus_per_node)?;
-            placement.require_single_rank("supervised fine-tuning")?;
+            check_training_ranks(&placement, &config, "supervised fine-tuning")?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }

@@ -6,9 +6,10 @@
 #                               set-up, no downloads beyond crates
 #   bash scripts/test.sh lint   rustfmt, clippy (-D warnings, all targets), rustdoc (-D warnings),
 #                               cargo-semver-checks on plugin-api against its 2.0.0 release
-#   bash scripts/test.sh full   every test: the workspace's (unit, integration, the tracker
-#                               plugin's against the real tracking tools) and the out-of-tree vendor
-#                               example's own suite, built separately as a vendor would
+#   bash scripts/test.sh full   every test: the workspace's (unit, integration, verl-distributed's
+#                               ranks as processes, the tracker plugin's against the real tracking
+#                               tools) and the out-of-tree vendor example's own suite, built
+#                               separately as a vendor would
 #   bash scripts/test.sh        (CI) lint, then fast, then the rest of full (the fast tier's tests
 #                               are not run twice)
 #

@@ -1,3 +1,4 @@
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -6,6 +7,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use verl_core::config::{Config, ConfigSource, FileFormat, PluginSections, SectionKind};
 use verl_core::data::synthetic::AdditionTask;
+use verl_core::launch::{self, LaunchError, LaunchSpec};
 use verl_core::placement::{self, Placement};
 use verl_core::quickstart::TinyModel;
 use verl_core::{bench, inference, quickstart, report, sft, trainer};
@@ -72,8 +74,36 @@ enum Command {
     /// Measure the plugin system.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Start this node's ranks of a multi-rank job: N children of this binary with torchrun's
+    /// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...).
+    Launch(LaunchArgs),
     #[command(hide = true, name = "__startup-probe")]
     StartupProbe,
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    /// Ranks to start on this node.
+    #[arg(long, value_name = "N")]
+    nproc_per_node: u32,
+    /// Nodes in the job.
+    #[arg(long, value_name = "M", default_value_t = 1)]
+    nnodes: u32,
+    /// This node's index (0 hosts rank 0 and the rendezvous store).
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    node_rank: u32,
+    /// Address of node 0; default 127.0.0.1 on one node, required with several.
+    #[arg(long, value_name = "A")]
+    master_addr: Option<String>,
+    /// Rendezvous port on node 0; default a free port on one node, 29500 with several.
+    #[arg(long, value_name = "P")]
+    master_port: Option<u16>,
+    /// After a rank fails or a signal is forwarded, seconds the others get before SIGKILL.
+    #[arg(long, value_name = "S", default_value_t = 10)]
+    stop_timeout_s: u64,
+    /// What every rank runs: `run`, `sft`, `score`, `generate` or `platform`, with its arguments.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<OsString>,
 }
 
 #[derive(Args)]
@@ -356,6 +386,17 @@ fn training_placement(
     Ok(Placement::on_platform(device, config.trainer.seed)?)
 }
 
+/// A training command's ranks against `trainer.nnodes × trainer.n_gpus_per_node`, then (until
+/// the SPMD trainer lands) one rank only: every rank stops here, before anything is written.
+fn check_training_ranks(
+    placement: &Placement,
+    config: &Config,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    placement.check_world_size(config.trainer.nnodes, config.trainer.n_gpus_per_node)?;
+    Ok(placement.require_single_rank(what)?)
+}
+
 /// This process on the selected platform; a selection error stops the command.
 fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Result<Placement> {
     let (report, selection) = detect_platform(registry, &process_probe(), timeout);
@@ -365,6 +406,55 @@ fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Resul
         .expect("a selected platform has a report");
     placement::apply_env_updates(device);
     Ok(Placement::on_platform(device, seed)?)
+}
+
+/// `verl-core launch`: every rank runs this binary with the global options given to launch.
+fn run_launch(plugins: &PluginArgs, args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    let subcommand = args.command[0].to_string_lossy();
+    anyhow::ensure!(
+        launch::LAUNCHABLE.contains(&subcommand.as_ref()),
+        "launch runs one of {} after `--` (got `{subcommand}`); options such as --plugin-dir go before `--`",
+        launch::LAUNCHABLE.join(", ")
+    );
+    let mut child_args: Vec<OsString> = Vec::new();
+    for dir in &plugins.plugin_dirs {
+        child_args.extend(["--plugin-dir".into(), dir.into()]);
+    }
+    if let Some(list) = &plugins.plugin_allowlist {
+        child_args.extend(["--plugin-allowlist".into(), list.into()]);
+    }
+    child_args.extend([
+        "--detect-timeout-ms".into(),
+        plugins.detect_timeout_ms.to_string().into(),
+    ]);
+    child_args.extend(args.command);
+    let spec = LaunchSpec {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        stop_timeout: Duration::from_secs(args.stop_timeout_s),
+    };
+    let exe = std::env::current_exe().context("locating the verl-core binary")?;
+    launch::install_signal_forwarding()?;
+    match launch::launch(
+        &spec,
+        &exe,
+        &child_args,
+        &launch::Output::Inherit,
+        &mut launch::take_received_signal,
+    ) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        // The shell's convention for a job ended by a signal.
+        Err(e @ LaunchError::Interrupted { signal_number, .. }) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(
+                u8::try_from(128 + signal_number).unwrap_or(u8::MAX),
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
@@ -471,10 +561,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Platform { json } => {
             let registry = load_registry(&cli.plugins)?;
             let (platform, selection) = detect_platform(&registry, &process_probe(), timeout);
+            // Where this process would compute, by rank (what `launch -- platform` shows).
+            let placement = platform
+                .selected_device()
+                .map(|device| Placement::on_platform(device, 0));
             if json {
-                print_json(&platform)?;
+                let mut value = serde_json::to_value(&platform)?;
+                if let Some(placement) = placement {
+                    value["placement"] = match placement {
+                        Ok(p) => p.to_json(),
+                        Err(e) => serde_json::json!({ "error": e.to_string() }),
+                    };
+                }
+                print_json(&value)?;
             } else {
                 print!("{}", report::platform_text(&platform));
+                match placement {
+                    Some(Ok(p)) => println!("{}", p.summary()),
+                    Some(Err(e)) => println!("Rank: error: {e}"),
+                    None => {}
+                }
             }
             Ok(if selection.is_ok() {
                 ExitCode::SUCCESS
@@ -486,6 +592,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, true, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
+            check_training_ranks(&placement, &config, "training")?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -509,6 +616,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
+            check_training_ranks(&placement, &config, "supervised fine-tuning")?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -550,6 +658,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Generate(args) => {
             let registry = load_registry(&cli.plugins)?;
             let placement = placement(&registry, timeout, args.seed)?;
+            placement.require_single_rank("generation")?;
             let tokenizer = if args.prompts.is_empty() && !args.json {
                 None
             } else {
@@ -605,6 +714,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Score(args) => {
             let registry = load_registry(&cli.plugins)?;
             let placement = placement(&registry, timeout, 0)?;
+            placement.require_single_rank("scoring")?;
             let (prompts, responses) = inference::read_score_input(&args.input)?;
             let results = inference::score(
                 &registry,
@@ -661,6 +771,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print!("{}", bench::components(&bench)?);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Launch(args) => run_launch(&cli.plugins, args),
         Command::StartupProbe => {
             let elapsed = bench::startup_once(&cli.plugins.plugin_dirs, timeout)?;
             println!("{}", elapsed.as_nanos());

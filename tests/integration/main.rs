@@ -4,6 +4,7 @@ mod bad_plugins;
 mod certify;
 mod compute;
 mod helpers;
+mod launch;
 mod platform;
 mod train;
 mod vendor;

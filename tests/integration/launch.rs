@@ -1,0 +1,271 @@
+//! `verl-core launch` and rank placement through the release binary: what every rank is told,
+//! commands that cannot run multi-rank yet failing fast in every rank, and a signal reaching the
+//! ranks through the launcher.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::helpers::*;
+
+/// The release binary in `cwd` with only `env` (plus PATH) set, as [`verl_core`] runs it.
+fn verl_core_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(&release().binary);
+    cmd.current_dir(cwd)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("VERL_PLUGIN_DEFAULT_DIR", "")
+        .args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+fn text(output: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn launch_gives_every_rank_torchruns_variables() {
+    let out = verl_core(&["launch", "--nproc-per-node", "3", "--", "platform"], &[]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let rank0 = stdout
+        .lines()
+        .find(|l| l.starts_with("Rank: 0 of 3"))
+        .unwrap_or_else(|| panic!("rank 0's line, without prefix:\n{stdout}"));
+    let rendezvous = rank0
+        .split(", rendezvous ")
+        .nth(1)
+        .expect("a rendezvous address");
+    assert!(rendezvous.starts_with("127.0.0.1:"), "{rank0}");
+    assert_eq!(
+        rank0,
+        format!(
+            "Rank: 0 of 3 (local 0 of 3; RANK/WORLD_SIZE from torchrun or verl-core launch), device cpu, comm gloo, rendezvous {rendezvous}"
+        )
+    );
+    for rank in 1..3 {
+        let expected = format!(
+            "[rank {rank}] Rank: {rank} of 3 (local {rank} of 3; RANK/WORLD_SIZE from torchrun or verl-core launch), device cpu, comm gloo, rendezvous {rendezvous}"
+        );
+        assert!(
+            stdout.lines().any(|l| l == expected),
+            "{expected}\nin\n{stdout}"
+        );
+        // The other ranks' device tables are prefixed too.
+        assert!(
+            stdout.contains(&format!("[rank {rank}] Platform: cpu")),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn torchrun_and_slurm_variables_place_a_process() {
+    let torchrun = [
+        ("RANK", "3"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "10.0.0.1"),
+        ("MASTER_PORT", "29400"),
+    ];
+    let placement = |env: &[(&str, &str)]| {
+        let out = verl_core(&["platform", "--json"], env);
+        assert!(out.status.success(), "{:?}", text(&out));
+        stdout_json(&out)["placement"].clone()
+    };
+    let p = placement(&torchrun);
+    assert_eq!(
+        (
+            &p["rank"],
+            &p["world_size"],
+            &p["local_rank"],
+            &p["source"],
+            &p["master_port"]
+        ),
+        (
+            &3.into(),
+            &4.into(),
+            &1.into(),
+            &"torchrun".into(),
+            &29400.into()
+        ),
+        "{p:#}"
+    );
+    // An srun step: Slurm's variables, MASTER_PORT defaulting to torchrun's.
+    let slurm = [
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_STEP_ID", "0"),
+        ("MASTER_ADDR", "node-a"),
+    ];
+    let p = placement(&slurm);
+    assert_eq!(
+        (
+            &p["rank"],
+            &p["world_size"],
+            &p["source"],
+            &p["master_port"]
+        ),
+        (&2.into(), &4.into(), &"slurm".into(), &29500.into()),
+        "{p:#}"
+    );
+    // Both: torchrun's win.
+    let both: Vec<_> = slurm.iter().chain(&torchrun).copied().collect();
+    assert_eq!(placement(&both)["source"], "torchrun");
+}
+
+/// Until the SPMD trainer lands, `run` with several ranks stops in every rank before it
+/// writes anything, and the launcher names a failed rank.
+#[test]
+fn multi_rank_training_fails_fast_in_every_rank() {
+    let cwd = tempfile::tempdir().unwrap();
+    let plugins = plugin_dir(&[
+        (
+            "libverl_plugin_native.so",
+            &bundled_plugin("verl_plugin_native"),
+        ),
+        (
+            "libverl_plugin_fsdp.so",
+            &bundled_plugin("verl_plugin_fsdp"),
+        ),
+    ]);
+    let plugins = plugins.path().to_str().unwrap();
+    let launch = |overrides: &[&str]| {
+        let mut args = vec![
+            "--plugin-dir",
+            plugins,
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "run",
+        ];
+        args.extend(overrides);
+        let started = Instant::now();
+        let out = verl_core_in(cwd.path(), &args, &[]).output().unwrap();
+        (out, started.elapsed())
+    };
+
+    // The default config sizes the job as 1 × 1.
+    let (out, _) = launch(&[]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "error: trainer.nnodes=1 × trainer.n_gpus_per_node=1 = 1, but this run has 2 ranks (RANK/WORLD_SIZE from torchrun or verl-core launch)"
+        ),
+        "{stderr}"
+    );
+
+    let (out, elapsed) = launch(&["trainer.n_gpus_per_node=2"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    for (prefix, rank) in [("", 0), ("[rank 1] ", 1)] {
+        let line = format!(
+            "{prefix}error: multi-rank training is not supported by this build yet: this is rank {rank} of 2"
+        );
+        assert!(stderr.contains(&line), "{line}\nin\n{stderr}");
+    }
+    // Both ranks end by themselves (within launch's grace), so it names one and the other.
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last == "error: rank 0 failed (exit status 1); other ranks: rank 1: exit status 1"
+            || last == "error: rank 1 failed (exit status 1); other ranks: rank 0: exit status 1",
+        "{stderr}"
+    );
+    assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
+    // Nothing was prepared: the quickstart writes under the working directory.
+    let written: Vec<_> = std::fs::read_dir(cwd.path()).unwrap().collect();
+    assert!(written.is_empty(), "{written:?}");
+}
+
+#[test]
+fn launch_refuses_commands_that_do_not_place_themselves() {
+    let out = verl_core(
+        &["launch", "--nproc-per-node", "2", "--", "data", "gen"],
+        &[],
+    );
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(
+            "launch runs one of run, sft, score, generate, platform after `--` (got `data`)"
+        ),
+        "{stderr}"
+    );
+}
+
+/// SIGINT to the launcher reaches its rank (a quickstart run, interrupted wherever it is),
+/// and the launcher exits with 128 + SIGINT once the rank is gone.
+#[test]
+fn sigint_to_launch_is_forwarded_to_the_ranks() {
+    let cwd = tempfile::tempdir().unwrap();
+    let plugins = plugin_dir(&[
+        (
+            "libverl_plugin_native.so",
+            &bundled_plugin("verl_plugin_native"),
+        ),
+        (
+            "libverl_plugin_fsdp.so",
+            &bundled_plugin("verl_plugin_fsdp"),
+        ),
+    ]);
+    let plugins = plugins.path().to_str().unwrap();
+    let mut child = verl_core_in(
+        cwd.path(),
+        &[
+            "--plugin-dir",
+            plugins,
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--",
+            "run",
+        ],
+        &[],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // The rank is running once the quickstart says it wrote the task (its first line).
+    let mut stderr = child.stderr.take().unwrap();
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !seen.ends_with(b"\n") {
+        assert_eq!(stderr.read(&mut byte).unwrap(), 1, "the rank wrote nothing");
+        seen.push(byte[0]);
+    }
+    let first = String::from_utf8_lossy(&seen);
+    assert!(first.starts_with("quickstart: wrote "), "{first}");
+    let interrupted = Instant::now();
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let elapsed = interrupted.elapsed();
+    assert_eq!(status.code(), Some(130), "{rest}");
+    let last = rest.lines().last().unwrap_or_default();
+    // Killed by it during preparation, or stopped by the trainer's handler.
+    assert!(
+        last == "error: interrupted by SIGINT, forwarded to every rank; rank 0: killed by SIGINT (2)"
+            || (last
+                == "error: interrupted by SIGINT, forwarded to every rank; rank 0: exit status 1"
+                && rest.contains("interrupt: stopping after this step")),
+        "{rest}"
+    );
+    assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
+}

@@ -138,7 +138,7 @@ impl AdamW {
         tch::no_grad(|| {
             for (i, (_, param)) in self.params.iter().enumerate() {
                 if let Some(new) = self.updated(i, param, lr) {
-                    for (mut target, value) in [&param, &self.exp_avg[i], &self.exp_avg_sq[i]]
+                    for (mut target, value) in [param, &self.exp_avg[i], &self.exp_avg_sq[i]]
                         .into_iter()
                         .map(Tensor::shallow_clone)
                         .zip(new)

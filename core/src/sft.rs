@@ -15,7 +15,7 @@ use crate::batch;
 use crate::config::{Config, EngineRole, Slot};
 use crate::data::{ChatTemplate, DataLoader, PromptProcessor, Sample, expand_home};
 use crate::placement::Placement;
-use crate::trainer::{TrainError, plugin_init};
+use crate::trainer::{TrainError, apply_policy, plugin_init};
 
 /// The reference response to train on: verl's `extra_info.answer` when present (GSM8K-style
 /// datasets carry the worked answer there), else `#### <ground_truth>`.
@@ -171,6 +171,13 @@ pub fn run_sft(
         input.insert(keys::OLD_LOG_PROBS, log_probs);
         input.insert(keys::ADVANTAGES, mask_tensor);
         let metrics = engine.update_actor(&input).map_err(plugin("sft update"))?;
+        apply_policy(config.trainer.nan_policy, step, "actor", &metrics).map_err(|what| {
+            TrainError::NonFinite {
+                step,
+                what,
+                kept: format!("{} is not written", output.display()),
+            }
+        })?;
         if step == 1 || step % 25 == 0 || step == sft.steps {
             let grad = metrics
                 .iter()

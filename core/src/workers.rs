@@ -6,7 +6,7 @@
 //! gathering the outputs), so the trainer's loop does not change when it scales out.
 
 use verl_plugin_api::{
-    Batch, GenerateOutput, GenerateRequest, Metric, PluginError, TensorRef, WeightSource,
+    Batch, DType, GenerateOutput, GenerateRequest, Metric, PluginError, TensorRef, WeightSource,
 };
 use verl_plugin_host::{CheckpointHandle, EngineHandle, RolloutHandle};
 
@@ -74,6 +74,40 @@ pub enum SyncError {
     Publish { backend: String, error: PluginError },
     #[error("updating the rollout's weights: {0}")]
     Update(PluginError),
+    /// The actor lent weights holding a NaN or an infinity; nothing was handed over.
+    #[error("the actor's weights hold non-finite values (tensor `{tensor}`)")]
+    NonFinite { tensor: String },
+}
+
+/// The first of `weights` (floating-point dtypes) holding a NaN or an infinity. One read of the
+/// weights, which the sync reads anyway: non-finite weights never reach the rollout.
+pub fn first_non_finite<'a>(weights: &'a [TensorRef<'_>]) -> Option<&'a str> {
+    weights
+        .iter()
+        .find(|t| {
+            let data = t.data.as_slice();
+            // A float is NaN or infinite exactly when its exponent bits are all ones.
+            match t.dtype {
+                DType::F32 => any_exponent_all_ones::<4>(data, 0x7f80_0000),
+                DType::F64 => any_exponent_all_ones::<8>(data, 0x7ff0_0000_0000_0000),
+                DType::F16 => any_exponent_all_ones::<2>(data, 0x7c00),
+                DType::BF16 => any_exponent_all_ones::<2>(data, 0x7f80),
+                _ => false,
+            }
+        })
+        .map(|t| t.name.as_str())
+}
+
+/// Whether any `W`-byte little-endian value of `data` (the ABI's byte order) has all bits of
+/// `exponent` set. Blocks are folded without an early exit, so the compiler vectorises them.
+fn any_exponent_all_ones<const W: usize>(data: &[u8], exponent: u64) -> bool {
+    data.chunks(1 << 16).any(|block| {
+        block.chunks_exact(W).fold(false, |found, value| {
+            let mut bits = [0u8; 8];
+            bits[..W].copy_from_slice(value);
+            found | (u64::from_le_bytes(bits) & exponent == exponent)
+        })
+    })
 }
 
 /// What one sync moved.
@@ -95,6 +129,11 @@ pub fn sync_weights(
     version: u64,
 ) -> Result<SyncStats, SyncError> {
     let views = actor.weights().map_err(SyncError::Export)?;
+    if let Some(tensor) = first_non_finite(&views) {
+        return Err(SyncError::NonFinite {
+            tensor: tensor.to_owned(),
+        });
+    }
     let lent = WeightSource::memory(version, &views);
     let stats = SyncStats {
         bytes: lent.bytes(),
@@ -116,4 +155,78 @@ pub fn sync_weights(
     drop(views);
     weight_sync.finalize().map_err(publish)?;
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view<'a>(name: &'a str, dtype: DType, shape: &'a [i64], data: &'a [u8]) -> TensorRef<'a> {
+        TensorRef::new(name, dtype, shape, data).unwrap()
+    }
+
+    #[test]
+    fn non_finite_weights_are_found_in_every_float_dtype() {
+        // A value past the first block, so the block loop is exercised too.
+        let mut f32s = vec![0.5f32; 40_000];
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let shape = [40_000i64];
+        let clean = f32_bytes(&f32s);
+        assert_eq!(
+            first_non_finite(&[view("a", DType::F32, &shape, &clean)]),
+            None
+        );
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            f32s[33_333] = bad;
+            let data = f32_bytes(&f32s);
+            let views = [
+                view("clean", DType::F32, &shape, &clean),
+                view("bad", DType::F32, &shape, &data),
+            ];
+            assert_eq!(first_non_finite(&views), Some("bad"), "{bad}");
+        }
+        // The largest finite values are finite.
+        let max = f32_bytes(&[f32::MAX, f32::MIN, f32::MIN_POSITIVE]);
+        assert_eq!(first_non_finite(&[view("m", DType::F32, &[3], &max)]), None);
+
+        let f64s: Vec<u8> = [1.0f64, f64::MAX, f64::NAN]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(
+            first_non_finite(&[view("d", DType::F64, &[2], &f64s[..16])]),
+            None
+        );
+        assert_eq!(
+            first_non_finite(&[view("d", DType::F64, &[3], &f64s)]),
+            Some("d")
+        );
+        // Half precision: 0x7bff is f16's largest finite value, 0x7c00 its infinity; bf16's
+        // infinity is 0x7f80, and 0x7c00 is a finite bf16.
+        let halves = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (f16_max, inf_f16) = (halves(&[0x3c00, 0x7bff]), halves(&[0x3c00, 0x7c00]));
+        assert_eq!(
+            first_non_finite(&[view("h", DType::F16, &[2], &f16_max)]),
+            None
+        );
+        assert_eq!(
+            first_non_finite(&[view("h", DType::F16, &[2], &inf_f16)]),
+            Some("h")
+        );
+        assert_eq!(
+            first_non_finite(&[view("b", DType::BF16, &[2], &inf_f16)]),
+            None
+        );
+        let nan_bf16 = halves(&[0x7fc1]);
+        assert_eq!(
+            first_non_finite(&[view("b", DType::BF16, &[1], &nan_bf16)]),
+            Some("b")
+        );
+        // Integers are never checked.
+        let ints = [0xffu8; 8];
+        assert_eq!(
+            first_non_finite(&[view("i", DType::I64, &[1], &ints)]),
+            None
+        );
+    }
 }

@@ -237,7 +237,7 @@ pub fn grown_host(version: &str) -> PathBuf {
     build.join("debug/verl-grown-host")
 }
 
-fn copy_dir(from: &Path, to: &Path) {
+pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();

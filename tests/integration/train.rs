@@ -295,3 +295,146 @@ fn every_example_config_is_valid() {
         "examples/quickstart.yaml, gsm8k_grpo.yaml and ppo_gae.yaml at least"
     );
 }
+
+/// Runs with `extra` overrides appended; returns the output whatever the exit status.
+fn run_with(run_dir: &Path, steps: u64, save_freq: u64, extra: &[&str]) -> Output {
+    let mut args = args(run_dir, steps, save_freq);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    verl_core(&args, &[])
+}
+
+fn assert_no_panic(out: &Output) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+}
+
+fn latest(run_dir: &Path) -> String {
+    std::fs::read_to_string(run_dir.join("latest_checkpointed_iteration.txt"))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// An entropy bonus of 1e300 is infinite in the f32 loss: from step 3 on every gradient is NaN.
+const NON_FINITE_FROM_HERE: &str = "actor_rollout_ref.actor.entropy_coeff=1e300";
+
+#[test]
+fn a_non_finite_step_stops_the_run_and_keeps_the_last_checkpoint() {
+    reference(); // the shared data and model
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    run(&run_dir, 2, 1);
+    let export = final_weights(&run_dir);
+
+    let out = run_with(&run_dir, 4, 1, &[NON_FINITE_FROM_HERE]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_no_panic(&out);
+    let kept = run_dir.join("global_step_2");
+    for part in [
+        "step 3: actor/grad_norm is ",
+        "nothing of step 3 was saved or exported",
+        &format!("{} stays the latest checkpoint", kept.display()),
+        "trainer.nan_policy=skip",
+    ] {
+        assert!(stderr.contains(part), "{part:?} in {stderr}");
+    }
+    assert_eq!(latest(&run_dir), "2");
+    assert!(!run_dir.join("global_step_3").exists());
+    assert!(
+        final_weights(&run_dir) == export,
+        "the export is the one of the good run"
+    );
+    assert!(!metrics(&run_dir).contains_key(&3), "step 3 was logged");
+
+    // trainer.nan_policy=skip: steps 3 and 4 leave the weights as step 2 left them.
+    let out = run_with(
+        &run_dir,
+        4,
+        1,
+        &[NON_FINITE_FROM_HERE, "trainer.nan_policy=skip"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for step in [3, 4] {
+        assert!(
+            stderr.contains(&format!("step {step}: actor/grad_norm is "))
+                && stderr.contains("the actor update was not applied (trainer.nan_policy=skip)"),
+            "{stderr}"
+        );
+    }
+    let by_step = metrics(&run_dir);
+    assert_eq!(by_step[&4]["training/skipped_steps"], 2.0);
+    assert_eq!(
+        by_step[&4]["actor/skipped_updates"], 2.0,
+        "two mini-batches"
+    );
+    assert_eq!(by_step[&2]["actor/skipped_updates"], 0.0);
+    assert!(
+        final_weights(&run_dir) == std::fs::read(kept.join("actor/model.safetensors")).unwrap(),
+        "skipped steps changed the weights"
+    );
+}
+
+/// Flips one bit in the middle of `path`.
+fn flip_byte(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x01;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_refused_by_resume_path_and_passed_over_by_auto() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    copy_dir(reference(), &run_dir);
+    let latest_dir = run_dir.join("global_step_6");
+    flip_byte(&latest_dir.join("actor/model.safetensors"));
+
+    let out = run_with(
+        &run_dir,
+        6,
+        2,
+        &[
+            "trainer.resume_mode=resume_path",
+            &format!("trainer.resume_from_path={}", latest_dir.display()),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_no_panic(&out);
+    assert!(
+        stderr.contains(&format!("checkpoint {} is corrupt", latest_dir.display()))
+            && stderr.contains("actor/model.safetensors: sha256"),
+        "{stderr}"
+    );
+
+    // auto: step 6 is passed over, the run resumes from step 4 and ends where the reference did.
+    let out = run(&run_dir, 6, 2);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("actor/model.safetensors: sha256")
+            && stderr.contains(&format!(
+                "resuming from step 4 ({}), the newest intact checkpoint",
+                run_dir.join("global_step_4").display()
+            )),
+        "{stderr}"
+    );
+    assert_eq!(metrics(&run_dir)[&6], metrics(reference())[&6]);
+    assert!(
+        final_weights(&run_dir) == final_weights(reference()),
+        "final weights differ after falling back"
+    );
+    assert_eq!(latest(&run_dir), "6");
+    let model =
+        |run: &Path| std::fs::read(run.join("global_step_6/actor/model.safetensors")).unwrap();
+    assert!(
+        model(&run_dir) == model(reference()),
+        "the corrupt step 6 is replaced by a good one"
+    );
+}

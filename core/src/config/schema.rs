@@ -690,6 +690,19 @@ pub enum ResumeMode {
     ResumePath,
 }
 
+/// `trainer.nan_policy` (ours): what a step whose loss, gradient norm or weights are not finite does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NanPolicy {
+    /// Stop with an error naming the step and the metric; nothing of the step is saved or
+    /// exported, the last checkpoint stays the latest.
+    #[default]
+    Error,
+    /// Skip the step's update (the engine does not apply it), warn, count it in
+    /// `training/skipped_steps` and go on.
+    Skip,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TrainerConfig {
@@ -729,6 +742,7 @@ pub struct TrainerConfig {
     pub seed: u64,
     /// Ours: bit-identical resumed runs (deterministic kernels, no thread-count dependence).
     pub deterministic: bool,
+    pub nan_policy: NanPolicy,
     /// Logger sections (see [`Config::sections`]).
     #[serde(flatten)]
     pub sections: Sections,
@@ -764,6 +778,7 @@ impl Default for TrainerConfig {
             device: "auto".into(),
             seed: 42,
             deterministic: false,
+            nan_policy: NanPolicy::Error,
             sections: Sections::new(),
         }
     }

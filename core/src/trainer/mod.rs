@@ -3,6 +3,7 @@
 //! (`save_freq`) → log. Every component is taken from the registry by name, so the loop drives
 //! whatever engine, rollout, weight sync and trackers the plugins provide.
 
+mod guard;
 #[cfg(test)]
 mod tests;
 mod trackers;
@@ -26,8 +27,8 @@ use crate::algo::{
     place_scores,
 };
 use crate::batch;
-use crate::checkpoint::{CheckpointError, CheckpointManager};
-use crate::config::{Config, EngineRole, ResumeMode, Slot};
+use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
+use crate::config::{Config, EngineRole, NanPolicy, ResumeMode, Slot};
 use crate::data::{
     ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt,
     expand_home, load_samples,
@@ -36,6 +37,7 @@ use crate::placement::Placement;
 use crate::reward::{self, RewardError};
 use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
 
+pub use guard::{NonFinite, SKIPPED_UPDATES, apply_policy, check_update};
 pub use trackers::Trackers;
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +76,19 @@ pub enum TrainError {
         "interrupted after step {0}; rerun with trainer.resume_mode=auto to continue from the last checkpoint"
     )]
     Interrupted(u64),
+    /// A step's loss, gradient norm or weights were not finite (under `trainer.nan_policy=error`,
+    /// or weights an engine already updated): training stops before anything of the step is kept.
+    #[error(
+        "step {step}: {what}; training stopped: nothing of step {step} was saved or exported, {kept}"
+    )]
+    NonFinite {
+        step: u64,
+        what: NonFinite,
+        /// What is kept, and what else the user can do.
+        kept: String,
+    },
+    #[error("checkpoint {}: the actor's weights hold non-finite values (tensor `{tensor}`)", dir.display())]
+    NonFiniteCheckpoint { dir: PathBuf, tensor: String },
 }
 
 /// Set by the Ctrl-C handler: the loop stops between steps, and trackers are flushed.
@@ -110,6 +125,9 @@ struct TrainerState {
     global_step: u64,
     loader: LoaderState,
     kl_coef: f64,
+    /// Steps skipped by `trainer.nan_policy=skip` so far (absent in older checkpoints).
+    #[serde(default)]
+    skipped_steps: u64,
 }
 
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
@@ -149,6 +167,8 @@ pub struct Trainer {
     run_dir: PathBuf,
     global_step: u64,
     total_steps: u64,
+    /// Steps whose update `trainer.nan_policy=skip` left out.
+    skipped_steps: u64,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -337,6 +357,7 @@ impl Trainer {
             run_dir,
             global_step: 0,
             total_steps,
+            skipped_steps: 0,
         })
     }
 
@@ -708,11 +729,13 @@ impl Trainer {
         batch.insert(keys::RETURNS, batch::tensor(&returns));
         timing.push(("adv", t.elapsed().as_secs_f64()));
 
+        let mut skipped = false;
         if let Some(critic) = &mut self.critic {
             let t = Instant::now();
             let out = critic
                 .update_critic(&batch)
                 .context(|| "updating the critic".to_owned())?;
+            skipped |= self.guard(step, "critic", &out)?;
             metrics.extend(out.iter().cloned());
             timing.push(("update_critic", t.elapsed().as_secs_f64()));
         }
@@ -722,6 +745,7 @@ impl Trainer {
                 .actor
                 .update_actor(&batch)
                 .context(|| "updating the actor".to_owned())?;
+            skipped |= self.guard(step, "actor", &out)?;
             // The engine's own entropy (from the update) supersedes the one measured above.
             if out.iter().any(|m| m.key == "actor/entropy") {
                 metrics.retain(|m| m.key != "actor/entropy");
@@ -729,8 +753,22 @@ impl Trainer {
             metrics.extend(out.iter().cloned());
             timing.push(("update_actor", t.elapsed().as_secs_f64()));
             let t = Instant::now();
-            self.sync_weights(step)?;
+            self.sync_weights(step).map_err(|e| match e {
+                TrainError::Sync(SyncError::NonFinite { tensor }) => {
+                    self.non_finite(step, NonFinite::Weights { tensor })
+                }
+                e => e,
+            })?;
             timing.push(("update_weights", t.elapsed().as_secs_f64()));
+        }
+        if skipped {
+            self.skipped_steps += 1;
+        }
+        if self.config.trainer.nan_policy == NanPolicy::Skip {
+            metrics.push(Metric::new(
+                "training/skipped_steps",
+                self.skipped_steps as f64,
+            ));
         }
 
         let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
@@ -765,6 +803,24 @@ impl Trainer {
             self.loader.state().epoch as f64,
         ));
         Ok(metrics)
+    }
+
+    /// `trainer.nan_policy` on `role`'s update: `Ok(true)` when it was skipped.
+    fn guard(&self, step: u64, role: &str, metrics: &[Metric]) -> Result<bool, TrainError> {
+        apply_policy(self.config.trainer.nan_policy, step, role, metrics)
+            .map_err(|what| self.non_finite(step, what))
+    }
+
+    /// The error that stops training at `step`, saying which checkpoint remains.
+    fn non_finite(&self, step: u64, what: NonFinite) -> TrainError {
+        let mut kept = match self.checkpoints.latest() {
+            Ok(Some((_, dir))) => format!("{} stays the latest checkpoint", dir.display()),
+            _ => "and there is no checkpoint to resume from".to_owned(),
+        };
+        if what.skippable() {
+            kept.push_str("; trainer.nan_policy=skip skips such steps instead");
+        }
+        TrainError::NonFinite { step, what, kept }
     }
 
     /// ReMax: the score of one greedy response per row's prompt.
@@ -881,6 +937,7 @@ impl Trainer {
             global_step: step,
             loader: self.loader.state(),
             kl_coef: self.kl_ctrl.value,
+            skipped_steps: self.skipped_steps,
         };
         let path = pending.dir().join(TRAINER_STATE_FILE);
         std::fs::write(
@@ -893,11 +950,26 @@ impl Trainer {
         Ok(())
     }
 
-    /// Restores the latest checkpoint as `trainer.resume_mode` says; returns its step.
+    /// Restores the latest checkpoint as `trainer.resume_mode` says, after verifying its files
+    /// against its manifest; returns its step. Under `auto` a corrupt checkpoint is passed over
+    /// for the newest intact one; a corrupt `resume_from_path` is an error.
     fn resume(&mut self) -> Result<Option<u64>, TrainError> {
+        let started = Instant::now();
         let found = match self.config.trainer.resume_mode {
             ResumeMode::Disable => None,
-            ResumeMode::Auto => self.checkpoints.latest()?,
+            ResumeMode::Auto => self.checkpoints.latest_intact()?.map(|found| {
+                for corrupt in &found.passed_over {
+                    tracing::warn!("{corrupt}; passing over it");
+                }
+                if !found.passed_over.is_empty() {
+                    tracing::warn!(
+                        "resuming from step {} ({}), the newest intact checkpoint",
+                        found.step,
+                        found.dir.display()
+                    );
+                }
+                (found.step, found.dir, found.integrity)
+            }),
             ResumeMode::ResumePath => {
                 let path = self
                     .config
@@ -910,12 +982,25 @@ impl Trainer {
                                 .to_owned(),
                         )
                     })?;
-                Some(CheckpointManager::resolve_path(&expand_home(path))?)
+                let (step, dir) = CheckpointManager::resolve_path(&expand_home(path))?;
+                let integrity = CheckpointManager::verify(&dir)?;
+                Some((step, dir, integrity))
             }
         };
-        let Some((step, dir)) = found else {
+        let Some((step, dir, integrity)) = found else {
             return Ok(None);
         };
+        match integrity {
+            Integrity::Verified { files, bytes } => tracing::info!(
+                "{}: {files} files ({bytes} bytes) match its manifest ({:.3} s)",
+                dir.display(),
+                started.elapsed().as_secs_f64()
+            ),
+            Integrity::Unverified => tracing::warn!(
+                "{} has no {MANIFEST_FILE} (written before checkpoints carried one): loading it unverified",
+                dir.display()
+            ),
+        }
         self.load_from(&dir)?;
         debug_assert_eq!(self.global_step, step);
         Ok(Some(step))
@@ -942,7 +1027,14 @@ impl Trainer {
         self.loader.restore(state.loader);
         self.kl_ctrl.value = state.kl_coef;
         self.global_step = state.global_step;
-        self.sync_weights(state.global_step)
+        self.skipped_steps = state.skipped_steps;
+        self.sync_weights(state.global_step).map_err(|e| match e {
+            TrainError::Sync(SyncError::NonFinite { tensor }) => TrainError::NonFiniteCheckpoint {
+                dir: dir.to_path_buf(),
+                tensor,
+            },
+            e => e,
+        })
     }
 }
 

@@ -15,9 +15,10 @@ use verl_plugin_api::{
 };
 use verl_plugin_host::{DeviceReport, Registry};
 
-use super::{RunSummary, TrainError, Trainer};
+use super::{NonFinite, RunSummary, TrainError, Trainer};
 use crate::algo::AdvEstimator;
-use crate::config::{Config, ResumeMode};
+use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
+use crate::config::{Config, NanPolicy, ResumeMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
 use crate::placement::Placement;
 
@@ -97,6 +98,17 @@ impl Log {
 struct Faults {
     /// `update_actor` fails at this global step.
     fail_update_at: Option<u64>,
+    /// `update_actor` goes non-finite at this global step.
+    non_finite_at: Option<(u64, Bad)>,
+}
+
+/// How the fake actor's update goes non-finite.
+#[derive(Clone, Copy)]
+enum Bad {
+    /// It reports a NaN gradient norm and leaves its weight alone, as a guarded engine does.
+    GradNorm,
+    /// It reports a finite update, but its weight becomes NaN, as an unguarded engine's would.
+    Weights,
 }
 
 fn batch_keys(batch: &Batch) -> Vec<String> {
@@ -194,6 +206,20 @@ impl Engine for FakeEngine {
             return Err(PluginError::other(format!(
                 "injected failure at step {step}"
             )));
+        }
+        match self.faults.non_finite_at {
+            Some((at, Bad::GradNorm)) if at == step => {
+                return Ok(vec![
+                    Metric::new("actor/pg_loss", 0.5),
+                    Metric::new("actor/grad_norm", f64::NAN),
+                    Metric::new("actor/skipped_updates", 1.0),
+                ]);
+            }
+            Some((at, Bad::Weights)) if at == step => {
+                self.set_value(f32::NAN);
+                return Ok(vec![Metric::new("actor/pg_loss", 0.5)]);
+            }
+            _ => {}
         }
         self.set_value(self.value() + 1.0);
         Ok(vec![Metric::new("actor/pg_loss", 0.5)])
@@ -991,6 +1017,7 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
         &log,
         Faults {
             fail_update_at: Some(4),
+            ..Faults::default()
         },
     )
     .unwrap_err();
@@ -1057,15 +1084,6 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
         train_generations(&whole)[2..],
         "the loader (and the sampling seeds) continue where step 2 left them"
     );
-    let synced = |events: &[Event]| -> Vec<(u64, f32)> {
-        events
-            .iter()
-            .filter_map(|e| match e {
-                Event::UpdateWeights { version, value } => Some((*version, *value)),
-                _ => None,
-            })
-            .collect()
-    };
     assert_eq!(
         synced(&resumed),
         vec![(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
@@ -1402,4 +1420,269 @@ fn bad_batch_sizes_are_named_before_anything_runs() {
         "{err}"
     );
     assert_eq!(log.events(), vec![], "{err}");
+}
+
+/// `(version, value)` of every weight update the rollout received.
+fn synced(events: &[Event]) -> Vec<(u64, f32)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateWeights { version, value } => Some((*version, *value)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn grad_norm_at(step: u64) -> Faults {
+    Faults {
+        non_finite_at: Some((step, Bad::GradNorm)),
+        ..Faults::default()
+    }
+}
+
+#[test]
+fn a_non_finite_update_stops_the_run_and_keeps_the_last_checkpoint() {
+    let s = setup();
+    let mut c = s.config("nan-stop");
+    c.trainer.save_freq = 2;
+    let log = Log::default();
+    let err = fit(c, &log, grad_norm_at(3)).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::NonFinite { step: 3, what: NonFinite::Metric { key, value }, .. }
+            if key == "actor/grad_norm" && value.is_nan()),
+        "{err:?}"
+    );
+    let run_dir = s.run_dir("nan-stop");
+    let message = err.to_string();
+    for part in [
+        "step 3: actor/grad_norm is NaN",
+        "nothing of step 3 was saved or exported",
+        &format!(
+            "{} stays the latest checkpoint",
+            run_dir.join("global_step_2").display()
+        ),
+        "trainer.nan_policy=skip",
+    ] {
+        assert!(message.contains(part), "{part:?} in {message}");
+    }
+    // Step 3 is neither synced, saved, logged nor exported; the run is marked failed.
+    let mut expected = step_labels(1, false, false);
+    let mut step2 = step_labels(2, false, false);
+    step2.insert(step2.len() - 1, "actor.save@2".into());
+    expected.extend(step2);
+    expected.extend(strings(&[
+        "gen@Some(2)",
+        "actor.log_prob",
+        "actor.update_actor",
+        "finish(1)",
+    ]));
+    assert_eq!(labels(&log.events()), expected);
+    assert_eq!(checkpoint_steps(&run_dir), vec![2]);
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join(crate::checkpoint::LATEST_FILE)).unwrap(),
+        "2"
+    );
+    assert!(!run_dir.join("huggingface").exists());
+
+    // Without a checkpoint yet, the message says there is none.
+    let c = s.config("nan-first");
+    let err = fit(c, &Log::default(), grad_norm_at(1)).unwrap_err();
+    assert!(
+        err.to_string().contains("no checkpoint to resume from"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_skip_policy_leaves_the_step_out_and_goes_on() {
+    let s = setup();
+    let configure = |steps: u64| {
+        let mut c = s.config("nan-skip");
+        c.trainer.nan_policy = NanPolicy::Skip;
+        c.trainer.save_freq = 2;
+        c.trainer.total_training_steps = Some(steps);
+        c
+    };
+    let log = Log::default();
+    let summary = fit(configure(5), &log, grad_norm_at(3)).unwrap();
+    assert_eq!(summary.global_step, 5);
+    let events = log.events();
+    // Step 3's update was left out: the rollout sees the same weights after it as before.
+    assert_eq!(
+        synced(&events),
+        vec![(1, 1.0), (2, 2.0), (3, 2.0), (4, 3.0), (5, 4.0)]
+    );
+    let skipped: Vec<(u64, f64)> = logs(&events)
+        .iter()
+        .map(|(step, m)| (*step, m["training/skipped_steps"]))
+        .collect();
+    assert_eq!(
+        skipped,
+        vec![(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 1.0)]
+    );
+    assert!(logs(&events)[2].1["actor/grad_norm"].is_nan());
+    let run_dir = s.run_dir("nan-skip");
+    assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join("huggingface/weight.txt")).unwrap(),
+        "4"
+    );
+
+    // The count is part of the checkpoint: a resumed run continues it.
+    let log = Log::default();
+    fit(configure(6), &log, Faults::default()).unwrap();
+    let events = log.events();
+    assert_eq!(logs(&events)[0].0, 6);
+    assert_eq!(logs(&events)[0].1["training/skipped_steps"], 1.0);
+}
+
+#[test]
+fn non_finite_weights_never_reach_the_rollout_and_cannot_be_skipped() {
+    let s = setup();
+    for policy in [NanPolicy::Error, NanPolicy::Skip] {
+        let name = format!("nan-weights-{policy:?}");
+        let mut c = s.config(&name);
+        c.trainer.nan_policy = policy;
+        c.trainer.save_freq = 1;
+        let log = Log::default();
+        let faults = Faults {
+            non_finite_at: Some((2, Bad::Weights)),
+            ..Faults::default()
+        };
+        let err = fit(c, &log, faults).unwrap_err();
+        assert!(
+            matches!(&err, TrainError::NonFinite { step: 2, what: NonFinite::Weights { tensor }, .. } if tensor == "w"),
+            "{policy:?}: {err:?}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains(
+                "the actor's weights hold non-finite values after its update (tensor `w`)"
+            ),
+            "{message}"
+        );
+        assert!(!message.contains("nan_policy=skip"), "{message}");
+        let events = log.events();
+        assert_eq!(synced(&events), vec![(1, 1.0)], "{policy:?}");
+        assert!(!events.iter().any(|e| matches!(e, Event::Send(2))));
+        let run_dir = s.run_dir(&name);
+        assert_eq!(checkpoint_steps(&run_dir), vec![1]);
+        assert!(!run_dir.join("huggingface").exists());
+    }
+}
+
+/// Flips one bit in the middle of `path`.
+fn flip_byte(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x01;
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn loaded_from(events: &[Event]) -> Vec<PathBuf> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Load { dir, .. } => Some(dir.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_passed_over_by_auto_and_refused_by_resume_path() {
+    let s = setup();
+    let configure = |run: &str, steps: u64| {
+        let mut c = s.config(run);
+        c.trainer.save_freq = 2;
+        c.trainer.total_training_steps = Some(steps);
+        c
+    };
+    fit(configure("corrupt", 5), &Log::default(), Faults::default()).unwrap();
+    let run_dir = s.run_dir("corrupt");
+    let step_dir = |step: u64| run_dir.join(format!("global_step_{step}"));
+    assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
+    for step in [2, 4, 5] {
+        assert!(step_dir(step).join(MANIFEST_FILE).is_file());
+    }
+
+    // A flipped byte in the latest: auto resumes from the newest intact one.
+    flip_byte(&step_dir(5).join("actor").join(ENGINE_STATE));
+    let log = Log::default();
+    let summary = fit(configure("corrupt", 6), &log, Faults::default()).unwrap();
+    assert_eq!(summary.global_step, 6);
+    let events = log.events();
+    assert_eq!(loaded_from(&events), vec![step_dir(4).join("actor")]);
+    assert_eq!(synced(&events), vec![(4, 4.0), (5, 5.0), (6, 6.0)]);
+
+    // resume_path to a corrupt checkpoint is an error naming the file, before anything loads.
+    let from_path = |path: PathBuf| {
+        let mut c = configure("from-corrupt", 6);
+        c.trainer.resume_mode = ResumeMode::ResumePath;
+        c.trainer.resume_from_path = Some(path.to_string_lossy().into_owned());
+        c
+    };
+    let log = Log::default();
+    let err = fit(from_path(step_dir(5)), &log, Faults::default()).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint(CheckpointError::Corrupt { file, .. }) if file == "actor/fake_engine.json"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("sha256"), "{err}");
+    assert!(loaded_from(&log.events()).is_empty());
+
+    // A truncated file, likewise.
+    let state = step_dir(6).join(super::TRAINER_STATE_FILE);
+    let text = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &text[..text.len() / 2]).unwrap();
+    let err = fit(from_path(step_dir(6)), &Log::default(), Faults::default()).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("trainer_state.json") && message.contains("truncated"),
+        "{message}"
+    );
+
+    // All corrupt: auto stops instead of starting over.
+    flip_byte(&step_dir(2).join("actor").join(ENGINE_STATE));
+    std::fs::remove_file(step_dir(4).join(super::TRAINER_STATE_FILE)).unwrap();
+    let log = Log::default();
+    let err = fit(configure("corrupt", 7), &log, Faults::default()).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint(CheckpointError::NoneIntact { corrupt, .. }) if corrupt.len() == 4),
+        "{err:?}"
+    );
+    assert!(loaded_from(&log.events()).is_empty());
+}
+
+#[test]
+fn a_checkpoint_without_a_manifest_loads_and_its_weights_are_still_checked() {
+    let s = setup();
+    let mut c = s.config("legacy");
+    c.trainer.save_freq = 2;
+    c.trainer.total_training_steps = Some(2);
+    fit(c.clone(), &Log::default(), Faults::default()).unwrap();
+    let dir = s.run_dir("legacy").join("global_step_2");
+    std::fs::remove_file(dir.join(MANIFEST_FILE)).unwrap();
+
+    c.trainer.total_training_steps = Some(3);
+    let log = Log::default();
+    fit(c.clone(), &log, Faults::default()).unwrap();
+    assert_eq!(loaded_from(&log.events()), vec![dir.join("actor")]);
+
+    // Written before manifests, with NaN weights: loaded, but never handed to the rollout.
+    let legacy = s.run_dir("legacy").join("global_step_3");
+    std::fs::remove_file(legacy.join(MANIFEST_FILE)).unwrap();
+    std::fs::write(
+        legacy.join("actor").join(ENGINE_STATE),
+        r#"{"value": null, "step": 3}"#,
+    )
+    .unwrap();
+    c.trainer.total_training_steps = Some(4);
+    let log = Log::default();
+    let err = fit(c, &log, Faults::default()).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::NonFiniteCheckpoint { dir, tensor } if dir == &legacy && tensor == "w"),
+        "{err:?}"
+    );
+    assert!(synced(&log.events()).is_empty());
 }

@@ -154,8 +154,8 @@ impl Strategy for LocalModel {
         self.optimizer().clip_grad_norm(max_norm)
     }
 
-    fn step(&mut self, lr: f64) {
-        self.optimizer().step(lr);
+    fn step(&mut self, lr: f64) -> bool {
+        self.optimizer().step(lr)
     }
 
     /// verl-torch-runtime's training state: weights, optimizer moments, schedule and generator.

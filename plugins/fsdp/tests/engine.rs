@@ -81,7 +81,7 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
     }
 }
 
-const ACTOR_METRICS: [&str; 9] = [
+const ACTOR_METRICS: [&str; 10] = [
     "actor/pg_loss",
     "actor/pg_clipfrac",
     "actor/ppo_kl",
@@ -91,6 +91,7 @@ const ACTOR_METRICS: [&str; 9] = [
     "actor/kl_coef",
     "actor/grad_norm",
     "actor/lr",
+    "actor/skipped_updates",
 ];
 
 #[test]
@@ -112,6 +113,7 @@ fn update_actor_moves_weights_and_reports_verl_metrics() {
         assert_eq!(names, want);
         assert!(metrics.iter().all(|m| m.value.is_finite()), "{metrics:?}");
         assert_eq!(metric(&metrics, "actor/lr"), 1e-3);
+        assert_eq!(metric(&metrics, "actor/skipped_updates"), 0.0);
         assert!(metric(&metrics, "actor/grad_norm") > 0.0);
         // Epoch 2 sees a moved policy: the ratio is no longer 1 everywhere.
         assert!(metric(&metrics, "actor/ppo_kl") != 0.0);
@@ -119,6 +121,36 @@ fn update_actor_moves_weights_and_reports_verl_metrics() {
             weights_diff(&before, &weights(&mut engine)) > 1e-5,
             "{model}: weights did not move"
         );
+    }
+}
+
+/// An update with a non-finite gradient (an entropy bonus of 1e300 is infinite in the f32 loss),
+/// or one whose result would overflow the weights (lr 1e39 is a finite f64 beyond f32's range),
+/// is not applied, and every one left out is counted.
+#[test]
+fn non_finite_updates_are_left_out_and_counted() {
+    for (extra, finite_norm) in [
+        (json!({"entropy_coeff": 1e300}), false),
+        (json!({"optim": {"lr": 1e39}}), true),
+    ] {
+        let mut config = actor_config("tiny-llama", json!({"ppo_mini_batch_size": 2}));
+        merge(&mut config, extra.clone());
+        let mut engine = engine(&config);
+        let batch = ppo_batch(&mut engine, "tiny-llama");
+        let rows = batch.require(keys::RESPONSES).unwrap().shape[0] as f64;
+        let before = weights(&mut engine);
+        let metrics = update(&mut engine, &batch);
+        assert_eq!(
+            metric(&metrics, "actor/skipped_updates"),
+            (rows / 2.0).ceil(),
+            "{extra}: every mini-batch's update is left out"
+        );
+        assert_eq!(
+            metric(&metrics, "actor/grad_norm").is_finite(),
+            finite_norm,
+            "{extra}"
+        );
+        assert_eq!(weights_diff(&before, &weights(&mut engine)), 0.0, "{extra}");
     }
 }
 
@@ -348,6 +380,7 @@ fn critic_computes_and_updates_values() {
         [
             "critic/grad_norm",
             "critic/lr",
+            "critic/skipped_updates",
             "critic/vf_clipfrac",
             "critic/vf_loss",
             "critic/vpred_mean"

@@ -114,37 +114,62 @@ impl AdamW {
         total
     }
 
-    /// One AdamW update with learning rate `lr`, from the gradients now in the parameters.
-    /// Parameters without a gradient are left alone.
-    pub fn step(&mut self, lr: f64) {
-        self.steps += 1;
-        let (beta1, beta2) = self.config.betas;
-        let bias_correction1 = 1.0 - beta1.powi(self.steps as i32);
-        let bias_correction2_sqrt = (1.0 - beta2.powi(self.steps as i32)).sqrt();
-        let step_size = lr / bias_correction1;
+    /// One AdamW update with learning rate `lr`, from the gradients now in the parameters, unless
+    /// it would leave a parameter or a moment non-finite: then nothing changes and `false` is
+    /// returned. Parameters without a gradient are left alone.
+    ///
+    /// The update is computed twice, once to check it (one parameter at a time, so the check
+    /// costs no more than the largest parameter's memory) and once to apply it; both passes run
+    /// the same operations, so what is applied is exactly what was checked.
+    #[must_use = "a refused update must be reported"]
+    pub fn step(&mut self, lr: f64) -> bool {
+        let finite = tch::no_grad(|| {
+            self.params.iter().enumerate().all(|(i, (_, param))| {
+                self.updated(i, param, lr).is_none_or(|[p, m, v]| {
+                    [p, m, v]
+                        .iter()
+                        .all(|t| t.isfinite().all().int64_value(&[]) != 0)
+                })
+            })
+        });
+        if !finite {
+            return false;
+        }
         tch::no_grad(|| {
-            for (((_, param), exp_avg), exp_avg_sq) in
-                self.params.iter().zip(&self.exp_avg).zip(&self.exp_avg_sq)
-            {
-                let grad = param.grad();
-                if !grad.defined() {
-                    continue;
+            for (i, (_, param)) in self.params.iter().enumerate() {
+                if let Some(new) = self.updated(i, param, lr) {
+                    for (mut target, value) in [param, &self.exp_avg[i], &self.exp_avg_sq[i]]
+                        .into_iter()
+                        .map(Tensor::shallow_clone)
+                        .zip(new)
+                    {
+                        target.copy_(&value);
+                    }
                 }
-                let (mut param, mut exp_avg, mut exp_avg_sq) = (
-                    param.shallow_clone(),
-                    exp_avg.shallow_clone(),
-                    exp_avg_sq.shallow_clone(),
-                );
-                // torch's update rule: decoupled decay, moment updates, bias-corrected step.
-                let _ = param.g_mul_scalar_(1.0 - lr * self.config.weight_decay);
-                let _ = exp_avg.lerp_(&grad, 1.0 - beta1);
-                let _ = exp_avg_sq
-                    .g_mul_scalar_(beta2)
-                    .g_add_(&(grad.square() * (1.0 - beta2)));
-                let denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + self.config.eps;
-                let _ = param.addcdiv_(&(&exp_avg * -step_size), &denom);
             }
         });
+        self.steps += 1;
+        true
+    }
+
+    /// Parameter `i` and its moments after the next update (torch's rule: decoupled decay,
+    /// moment updates, bias-corrected step), computed aside; `None` without a gradient.
+    fn updated(&self, i: usize, param: &Tensor, lr: f64) -> Option<[Tensor; 3]> {
+        let grad = param.grad();
+        if !grad.defined() {
+            return None;
+        }
+        let steps = self.steps as i32 + 1;
+        let (beta1, beta2) = self.config.betas;
+        let bias_correction1 = 1.0 - beta1.powi(steps);
+        let bias_correction2_sqrt = (1.0 - beta2.powi(steps)).sqrt();
+        let step_size = lr / bias_correction1;
+        let mut new_param = param.g_mul_scalar(1.0 - lr * self.config.weight_decay);
+        let exp_avg = self.exp_avg[i].lerp(&grad, 1.0 - beta1);
+        let exp_avg_sq = self.exp_avg_sq[i].g_mul_scalar(beta2) + grad.square() * (1.0 - beta2);
+        let denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + self.config.eps;
+        let _ = new_param.addcdiv_(&(&exp_avg * -step_size), &denom);
+        Some([new_param, exp_avg, exp_avg_sq])
     }
 
     /// The moments as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`).
@@ -302,7 +327,7 @@ mod tests {
             AdamWConfig::default(),
         );
         (&p * 0.5).sum(Kind::Double).backward();
-        opt.step(0.1);
+        assert!(opt.step(0.1));
         assert!(
             (p.double_value(&[0]) - 0.899).abs() < 1e-8,
             "{}",
@@ -313,6 +338,37 @@ mod tests {
         assert!((p.grad().double_value(&[0]) - 0.25).abs() < 1e-6);
         opt.zero_grad();
         assert_eq!(p.grad().double_value(&[0]), 0.0);
+    }
+
+    #[test]
+    fn an_update_that_would_be_non_finite_changes_nothing() {
+        // f32 parameters: lr 1e39 is a finite f64 whose update overflows f32.
+        let p = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
+        let mut opt = AdamW::new(
+            vec![("p".into(), p.shallow_clone())],
+            AdamWConfig::default(),
+        );
+        (&p * 0.5).sum(Kind::Float).backward();
+        assert!(opt.step(0.1));
+        let before: Vec<Tensor> = [&p, &opt.exp_avg[0], &opt.exp_avg_sq[0]]
+            .iter()
+            .map(|t| t.copy())
+            .collect();
+        assert!(!opt.step(1e39), "the update overflows, so it is refused");
+        let after = [&p, &opt.exp_avg[0], &opt.exp_avg_sq[0]];
+        for (b, a) in before.iter().zip(after) {
+            assert!(b.equal(a), "refused updates change nothing");
+        }
+        assert_eq!(opt.steps(), 1);
+        // A NaN gradient would make the moments NaN: refused too.
+        let mut grad = p.grad();
+        let _ = grad.fill_(f64::NAN);
+        assert!(!opt.step(0.1));
+        assert!(before[0].equal(&p) && opt.steps() == 1);
+        // And a finite one is applied as before.
+        let _ = grad.fill_(0.5);
+        assert!(opt.step(0.1));
+        assert!(!before[0].equal(&p) && opt.steps() == 2);
     }
 
     #[test]

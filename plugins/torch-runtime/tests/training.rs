@@ -90,7 +90,10 @@ fn update(model: &CausalLM, opt: &mut AdamW, schedule: &LrSchedule, b: &Batch) -
     let loss = pg.pg_loss + kl_loss * 0.001 - entropy * 0.001;
     loss.backward();
     let grad_norm = opt.clip_grad_norm(1.0);
-    opt.step(schedule.lr_at(opt.steps()));
+    assert!(
+        opt.step(schedule.lr_at(opt.steps())),
+        "a finite update is applied"
+    );
     grad_norm
 }
 

@@ -69,7 +69,9 @@ pub trait Strategy {
     fn zero_grad(&mut self);
     /// Clips the global gradient norm to `max_norm`; returns the norm before clipping.
     fn clip_grad_norm(&mut self, max_norm: f64) -> f64;
-    fn step(&mut self, lr: f64);
+    /// Applies one optimizer update, unless it would leave a weight (or optimizer state)
+    /// non-finite: then nothing changes and `false` is returned.
+    fn step(&mut self, lr: f64) -> bool;
     /// Writes weights and optimizer state under `dir`, with the worker's schedule and generator.
     fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> crate::Result<()>;
     /// Restores what [`Strategy::save`] wrote; returns the schedule and generator.
@@ -97,6 +99,11 @@ struct EngineState {
 }
 
 const ENGINE_STATE_FILE: &str = "engine_state.json";
+
+/// The metric (`actor/…`, `critic/…`) counting the optimizer updates of one `update_*` call that
+/// were not applied because the loss, the gradient norm or the updated weights were not finite;
+/// verl-core's trainer stops on it or skips the step (`trainer.nan_policy`).
+pub const SKIPPED_UPDATES: &str = "skipped_updates";
 
 /// Collected metric values, averaged at the end.
 #[derive(Default)]
@@ -290,6 +297,7 @@ impl<S: Strategy> ActorWorker<S> {
             .expect("trainable roles have training state");
         let lr = training.schedule.lr_at(training.updates);
         let mut metrics = Metrics::default();
+        let mut skipped = 0u32;
         for _ in 0..s.epochs {
             let order = if s.shuffle {
                 rows.select(&permutation(
@@ -322,11 +330,14 @@ impl<S: Strategy> ActorWorker<S> {
                         *losses.entry(key).or_default() += value;
                     }
                 }
+                let finite_loss = losses.values().all(|v| v.is_finite());
                 losses.into_iter().for_each(|(k, v)| metrics.push(k, v));
                 let grad_norm = self.strategy.clip_grad_norm(s.clip_grad);
-                // As verl: a non-finite gradient skips the step instead of corrupting the weights.
-                if grad_norm.is_finite() {
-                    self.strategy.step(lr);
+                // As verl, a non-finite gradient skips the update instead of corrupting the
+                // weights; so do a non-finite loss and an update the strategy refuses because
+                // its result would be non-finite. The trainer reads the count.
+                if !(finite_loss && grad_norm.is_finite() && self.strategy.step(lr)) {
+                    skipped += 1;
                 }
                 self.strategy.zero_grad();
                 metrics.push(
@@ -342,6 +353,10 @@ impl<S: Strategy> ActorWorker<S> {
         training.updates += 1;
         let mut out = metrics.into_means();
         out.push(Metric::new(format!("{prefix}/lr"), lr));
+        out.push(Metric::new(
+            format!("{prefix}/{SKIPPED_UPDATES}"),
+            f64::from(skipped),
+        ));
         Ok(out)
     }
 

@@ -14,7 +14,12 @@ use std::fs;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use verl_plugin_host::vet::sha256_file;
+use verl_plugin_host::vet::sha256;
+
+/// The sha256 of a file's content, as lowercase hex.
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    sha256(std::fs::File::open(path)?)
+}
 
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
 /// The per-file digests of a checkpoint, at the root of its `global_step_N` directory.

@@ -264,9 +264,18 @@ fn unknown_keys_name_source_and_suggest() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("is a value, not a section"), "{err}");
+    // `+`/`++` name an unknown key the same way.
+    assert_eq!(
+        load(None, &[], &["+trainer.total_epoch=3"]),
+        Err(ConfigError::UnknownKey {
+            key: "trainer.total_epoch".into(),
+            origin: "command-line override `+trainer.total_epoch=3`".into(),
+            suggestion: Some("trainer.total_epochs".into()),
+        })
+    );
     assert!(matches!(
-        load(None, &[], &["+trainer.x=1"]),
-        Err(ConfigError::Syntax { .. })
+        load(None, &[], &["++reward_model.reward_kwargs.max_resp_len=3"]),
+        Err(ConfigError::UnknownKey { key, .. }) if key == "reward_model.reward_kwargs"
     ));
 }
 
@@ -637,5 +646,191 @@ fn algorithm_helpers() {
             .unwrap()
             .value,
         0.001
+    );
+}
+
+/// Hydra's `+key=value` (add) and `++key=value` (add or override) set a key like `key=value`:
+/// every key verl-core knows exists with its default. In plugin sections too.
+#[test]
+fn hydra_add_and_force_add() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_epochs: 5\nactor_rollout_ref:\n  actor:\n    fsdp_config:\n      fsdp_size: 2\n",
+    );
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "+data.seed=7",
+            "++trainer.total_epochs=9",
+            "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "++actor_rollout_ref.actor.fsdp_config.fsdp_size=4",
+            "+trainer.wandb.entity=me",
+        ],
+    )
+    .unwrap();
+    assert_eq!((c.data.seed, c.trainer.total_epochs), (Some(7), 9));
+    assert_eq!(
+        c.origin("trainer.total_epochs"),
+        Some("command-line override `++trainer.total_epochs=9`")
+    );
+    let fsdp = c.plugin_section(Slot::Engine(EngineRole::Actor), "fsdp_config");
+    assert_eq!(fsdp.value, json!({"fsdp_size": 4, "param_offload": true}));
+    assert_eq!(
+        fsdp.origins["actor_rollout_ref.actor.fsdp_config.param_offload"],
+        "command-line override `+actor_rollout_ref.actor.fsdp_config.param_offload=true`"
+    );
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"entity": "me"})
+    );
+}
+
+/// `~key`: a key of core's schema goes back to its built-in default (an optional one is unset),
+/// whatever layer set it; a plugin section or a key inside one is removed. Overrides apply in
+/// order, so a later set wins over an earlier deletion and the other way round.
+#[test]
+fn hydra_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_epochs: 5\n  total_training_steps: 40\n  wandb:\n    entity: me\n    project: p\nactor_rollout_ref:\n  actor:\n    optim: {lr: 0.1, weight_decay: 0.5}\n    fsdp_config:\n      param_offload: true\ndata:\n  apply_chat_template_kwargs: {enable_thinking: false}\n",
+    );
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "~trainer.total_epochs",
+            "~trainer.total_training_steps",
+            "~trainer.wandb.entity",
+            "~actor_rollout_ref.actor.fsdp_config",
+            "~data.apply_chat_template_kwargs",
+        ],
+    )
+    .unwrap();
+    let defaults = Config::default();
+    assert_eq!(c.trainer.total_epochs, defaults.trainer.total_epochs);
+    assert_eq!(c.trainer.total_training_steps, None);
+    assert_eq!(c.data.apply_chat_template_kwargs, json!({}));
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"project": "p"})
+    );
+    let fsdp = c.plugin_section(Slot::Engine(EngineRole::Actor), "fsdp_config");
+    assert_eq!((fsdp.value, fsdp.origins.len()), (json!({}), 0));
+
+    // A whole section, then one key set again inside it; and a set undone by a later deletion.
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "~actor_rollout_ref.actor.optim",
+            "actor_rollout_ref.actor.optim.weight_decay=0.2",
+            "trainer.total_epochs=3",
+            "~trainer.total_epochs",
+            "~trainer.wandb",
+            "+trainer.wandb.dir=/d",
+        ],
+    )
+    .unwrap();
+    let optim = &c.actor_rollout_ref.actor.optim;
+    assert_eq!(
+        (optim.lr, optim.weight_decay),
+        (defaults.actor_rollout_ref.actor.optim.lr, 0.2)
+    );
+    assert_eq!(c.trainer.total_epochs, defaults.trainer.total_epochs);
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"dir": "/d"})
+    );
+
+    // Unknown keys are the usual error; deleting what is not set says so.
+    assert!(matches!(
+        load(None, &[], &["~trainer.total_epoch"]),
+        Err(ConfigError::UnknownKey { key, origin, .. })
+            if key == "trainer.total_epoch" && origin == "command-line override `~trainer.total_epoch`"
+    ));
+    assert_eq!(
+        load(None, &[], &["~trainer.wandb.entity"]),
+        Err(ConfigError::Invalid {
+            key: "trainer.wandb.entity".into(),
+            origin: "command-line override `~trainer.wandb.entity`".into(),
+            message: "is not set, so there is nothing to delete".into(),
+        })
+    );
+}
+
+/// `key=null`: unset where the key is optional, the default where it is a free-form section or a
+/// plugin slot, null for the plugin where it is inside a plugin section, and an error naming the
+/// key where null means nothing — from the command line, the environment or a file alike.
+#[test]
+fn hydra_null() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_training_steps: 40\ndata:\n  val_batch_size: 8\n  apply_chat_template_kwargs: {a: 1}\n",
+    );
+    let c = load(
+        Some(&file),
+        &[("VERL_DATA__VAL_BATCH_SIZE", "null")],
+        &[
+            "trainer.total_training_steps=null",
+            "data.apply_chat_template_kwargs=null",
+            "actor_rollout_ref.rollout.engine_kwargs=~",
+            "trainer.wandb.entity=null",
+            "actor_rollout_ref.ref.strategy=null",
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.trainer.total_training_steps, None);
+    assert_eq!(c.data.val_batch_size, None);
+    assert_eq!(c.data.apply_chat_template_kwargs, json!({}));
+    assert_eq!(c.actor_rollout_ref.rollout.engine_kwargs, json!({}));
+    assert_eq!(c.actor_rollout_ref.reference.strategy, None);
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"entity": null})
+    );
+
+    assert_eq!(
+        load(None, &[], &["trainer.total_epochs=null"]),
+        Err(ConfigError::Invalid {
+            key: "trainer.total_epochs".into(),
+            origin: "command-line override `trainer.total_epochs=null`".into(),
+            message: "cannot be null: it has no unset value (its default is 30)".into(),
+        })
+    );
+    let err = load(None, &[], &["actor_rollout_ref.actor.optim=null"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`actor_rollout_ref.actor.optim`") && err.contains("is a section"),
+        "{err}"
+    );
+    let err = load(None, &[], &["trainer={total_epochs: null}"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`trainer.total_epochs`") && err.contains("cannot be null"),
+        "{err}"
+    );
+    let err = load(None, &[("VERL_DATA__TRAIN_BATCH_SIZE", "~")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "`data.train_batch_size` (from environment variable VERL_DATA__TRAIN_BATCH_SIZE)"
+        ),
+        "{err}"
+    );
+    let bad = write(&dir, "null.yaml", "trainer:\n  logger:\n");
+    let err = load(Some(&bad), &[], &[]).unwrap_err().to_string();
+    assert!(
+        err.contains("`trainer.logger` (from config file") && err.contains("null.yaml"),
+        "{err}"
     );
 }

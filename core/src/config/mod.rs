@@ -18,6 +18,7 @@
 //! accepted only under the names the caller declares in [`PluginSections`]; their contents pass
 //! through to the plugin ([`Config::plugin_section`]), which checks them.
 
+mod audit;
 mod interp;
 mod jobs;
 mod overrides;
@@ -34,6 +35,7 @@ use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde_json::Value;
 
+pub use audit::{AuditContext, Finding, RULES, Rule, Severity, Treatment, audit, rule_for};
 pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
 pub use plugin::EngineRole;
 pub use schema::*;

@@ -834,3 +834,331 @@ fn hydra_null() {
         "{err}"
     );
 }
+
+/// Every key of the schema is classified (acted on, error when set, warning when set), and every
+/// rule names a key of the schema: a new key cannot be added without saying what it does.
+#[test]
+fn every_schema_key_is_classified() {
+    let defaults = Config::default().to_json();
+    let mut unclassified = Vec::new();
+    audit::for_each_leaf(&defaults, &mut Vec::new(), &mut |path, _| {
+        let key = path.join(".");
+        if rule_for(&key).is_none() {
+            unclassified.push(key);
+        }
+    });
+    for key in FREE_FORM {
+        if rule_for(&format!("{key}.anything")).is_none() {
+            unclassified.push(format!("{key}.*"));
+        }
+    }
+    assert!(unclassified.is_empty(), "no rule for {unclassified:?}");
+    let in_schema = |key: &str| {
+        key.split('.')
+            .try_fold(&defaults, |v, k| v.get(k))
+            .is_some()
+    };
+    let stray: Vec<&str> = RULES
+        .iter()
+        .map(|r| r.key)
+        .filter(|k| !in_schema(k) && !FREE_FORM.iter().any(|f| k.starts_with(&format!("{f}."))))
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "rules for keys the schema lacks: {stray:?}"
+    );
+    let mut keys: Vec<&str> = RULES.iter().map(|r| r.key).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), RULES.len(), "a key has two rules");
+}
+
+/// What a representative verl override does: acted on, an error, a warning, or an unknown key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Outcome {
+    Acted,
+    Error,
+    Warning,
+    Unknown,
+}
+
+fn outcome(args: &[&str], ctx: &AuditContext) -> Outcome {
+    let config = match load(None, &[], args) {
+        Ok(config) => config,
+        Err(ConfigError::UnknownKey { .. }) => return Outcome::Unknown,
+        Err(e) => panic!("{args:?}: {e}"),
+    };
+    let findings = audit(&config, ctx);
+    if findings.iter().any(|f| f.severity == Severity::Error) {
+        Outcome::Error
+    } else if findings.is_empty() {
+        Outcome::Acted
+    } else {
+        Outcome::Warning
+    }
+}
+
+/// Overrides as verl's launch scripts write them (written for this test, after their style),
+/// each alone on the defaults with a GRPO run that uses a reference policy.
+#[test]
+fn verl_style_overrides_are_acted_on_or_reported() {
+    use Outcome::*;
+    let base = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+    ];
+    let cases = [
+        (
+            "data.train_files=/home/user/data/gsm8k/train.parquet",
+            Acted,
+        ),
+        ("data.max_response_length=1024", Acted),
+        ("data.filter_overlong_prompts=True", Acted),
+        ("data.truncation='error'", Acted),
+        (
+            "+data.apply_chat_template_kwargs.enable_thinking=False",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+            Acted,
+        ),
+        ("actor_rollout_ref.model.use_remove_padding=True", Acted),
+        (
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            Acted,
+        ),
+        ("actor_rollout_ref.actor.optim.lr=1e-6", Acted),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            Acted,
+        ),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size=64", Acted),
+        ("actor_rollout_ref.actor.kl_loss_type=low_var_kl", Acted),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=False", Acted),
+        (
+            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            Acted,
+        ),
+        ("actor_rollout_ref.rollout.n=5", Acted),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+            Acted,
+        ),
+        ("algorithm.use_kl_in_reward=False", Acted),
+        ("trainer.logger=['console','wandb']", Acted),
+        ("trainer.n_gpus_per_node=1", Acted),
+        ("trainer.save_freq=20", Acted),
+        ("trainer.nnodes=1", Acted),
+        ("trainer.n_gpus_per_node=8", Error),
+        ("trainer.nnodes=2", Error),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            Error,
+        ),
+        (
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            Error,
+        ),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=True", Error),
+        ("actor_rollout_ref.model.lora_rank=32", Error),
+        (
+            "actor_rollout_ref.model.enable_activation_offload=True",
+            Error,
+        ),
+        (
+            "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
+            Error,
+        ),
+        ("reward_model.enable=True", Error),
+        ("reward_model.reward_manager=dapo", Error),
+        ("custom_reward_function.path=/nonexistent/reward.py", Error),
+        ("algorithm.filter_groups.metric=seq_final_reward", Error),
+        (
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+            Warning,
+        ),
+        ("actor_rollout_ref.rollout.enforce_eager=True", Warning),
+        ("actor_rollout_ref.rollout.mode=sync", Acted),
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+            Warning,
+        ),
+        ("actor_rollout_ref.model.use_liger=True", Warning),
+        ("actor_rollout_ref.nccl_timeout=1200", Warning),
+        ("+ray_kwargs.ray_init.num_cpus=16", Warning),
+        ("global_profiler.tool=nsys", Warning),
+        ("actor_rollout_ref.actor.profiler.enable=True", Warning),
+        ("trainer.balance_batch=False", Warning),
+        ("trainer.default_hdfs_dir=hdfs://x", Warning),
+        ("critic.optim.lr=3e-5", Warning),
+        ("critic.model.fsdp_config.param_offload=True", Warning),
+        ("reward_model.model.path=/m", Warning),
+        (
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            Unknown,
+        ),
+        ("actor_rollout_ref.rollout.multi_turn.enable=True", Unknown),
+        ("+reward_model.reward_kwargs.max_resp_len=4096", Unknown),
+    ];
+    let ctx = AuditContext::default();
+    for (arg, expected) in cases {
+        let args: Vec<&str> = base.iter().copied().chain([arg]).collect();
+        assert_eq!(outcome(&args, &ctx), expected, "{arg}");
+    }
+    // The critic's own keys are acted on when a critic is trained, and its offload is an error.
+    for (arg, expected) in [
+        ("critic.optim.lr=3e-5", Acted),
+        ("critic.model.fsdp_config.param_offload=True", Error),
+        ("critic.use_dynamic_bsz=True", Error),
+    ] {
+        assert_eq!(
+            outcome(&["algorithm.adv_estimator=gae", arg], &ctx),
+            expected,
+            "{arg}"
+        );
+    }
+}
+
+/// A finding names the key, its value and where it came from; `trainer.strict_config=false` turns
+/// the errors into warnings; a key a component declares it acts on is not reported; a component's
+/// notes on its own section are.
+#[test]
+fn findings_name_key_value_origin_and_follow_components() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 2\n    gpu_memory_utilization: 0.6\n",
+    );
+    let args = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    ];
+    let config = load(Some(&file), &[], &args).unwrap();
+    let findings = audit(&config, &AuditContext::default());
+    let shown: Vec<String> = findings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown[0],
+        "config key `actor_rollout_ref.actor.use_dynamic_bsz`=true (from command-line override \
+         `actor_rollout_ref.actor.use_dynamic_bsz=true`) is not supported yet: micro-batches have a \
+         fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching \
+         by a token budget is not implemented (trainer.strict_config=false runs without it)"
+    );
+    let summary: Vec<(&str, &str, Severity)> = findings
+        .iter()
+        .map(|f| (f.key.as_str(), f.origin.as_str(), f.severity))
+        .collect();
+    let from_file = format!("config file {}", file.display());
+    assert_eq!(
+        summary,
+        [
+            (
+                "actor_rollout_ref.actor.use_dynamic_bsz",
+                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.rollout.gpu_memory_utilization",
+                from_file.as_str(),
+                Severity::Warning
+            ),
+            (
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                from_file.as_str(),
+                Severity::Error
+            ),
+        ]
+    );
+
+    // Not strict: the same keys, all warnings, saying they are ignored.
+    let lenient = load(
+        Some(&file),
+        &[],
+        &[&args[..], &["trainer.strict_config=false"]].concat(),
+    )
+    .unwrap();
+    let findings = audit(&lenient, &AuditContext::default());
+    assert_eq!(findings.len(), 3);
+    assert!(findings.iter().all(|f| f.severity == Severity::Warning));
+    assert!(
+        findings[0]
+            .to_string()
+            .contains("is not supported yet and is ignored"),
+        "{}",
+        findings[0]
+    );
+
+    // A rollout that acts on the server keys, and an engine that declares its section's offload.
+    let ctx = AuditContext {
+        world_size: 1,
+        components: vec![
+            (
+                "actor_rollout_ref.rollout".into(),
+                verl_plugin_api::ConfigKeys::default()
+                    .acts_on(["tensor_model_parallel_size", "gpu_memory_utilization"]),
+            ),
+            (
+                "actor_rollout_ref.actor".into(),
+                verl_plugin_api::ConfigKeys::default()
+                    .unsupported("fsdp_config.param_offload", false, "no offload")
+                    .no_effect("fsdp_config.fsdp_size", -1, "one rank"),
+            ),
+        ],
+    };
+    let findings = audit(&config, &ctx);
+    let summary: Vec<(&str, &str, Severity)> = findings
+        .iter()
+        .map(|f| (f.key.as_str(), f.origin.as_str(), f.severity))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (
+                "actor_rollout_ref.actor.fsdp_config.param_offload",
+                "command-line override `+actor_rollout_ref.actor.fsdp_config.param_offload=true`",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.actor.use_dynamic_bsz",
+                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                Severity::Error
+            ),
+        ]
+    );
+    assert_eq!(findings[0].why, "no offload");
+
+    // The world size: 2 × 4 on 8 ranks is acted on; 8 GPUs on one process is not.
+    let c = load(
+        None,
+        &[],
+        &["trainer.nnodes=2", "trainer.n_gpus_per_node=4"],
+    )
+    .unwrap();
+    let eight = AuditContext {
+        world_size: 8,
+        ..AuditContext::default()
+    };
+    assert_eq!(audit(&c, &eight), []);
+    let findings = audit(&c, &AuditContext::default());
+    assert_eq!(findings.len(), 1);
+    assert_eq!(
+        (findings[0].key.as_str(), findings[0].severity),
+        ("trainer.n_gpus_per_node", Severity::Error)
+    );
+    assert!(
+        findings[0]
+            .why
+            .contains("2 × 4 must equal the world size, 1"),
+        "{}",
+        findings[0]
+    );
+}

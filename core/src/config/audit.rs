@@ -472,6 +472,15 @@ pub enum Severity {
     Warning,
 }
 
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warning => "warning",
+        }
+    }
+}
+
 /// A key that is set but not acted on.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Finding {
@@ -609,7 +618,7 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
             {
                 let key = format!("{section}.{key}");
                 if let Some(value) = config.get(&key)
-                    && value != *default
+                    && differs(&value, default)
                 {
                     findings.push(finding(&key, &value, unsupported, why.clone()));
                 }
@@ -618,6 +627,17 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
     }
     findings.sort_by(|a, b| a.key.cmp(&b.key));
     findings
+}
+
+/// Whether `value` sets anything `default` does not: mappings are compared key by key, so
+/// setting part of a section to its defaults is no change.
+fn differs(value: &Value, default: &Value) -> bool {
+    match (value, default) {
+        (Value::Object(map), Value::Object(_) | Value::Null) => map
+            .iter()
+            .any(|(k, v)| differs(v, default.get(k).unwrap_or(&Value::Null))),
+        _ => value != default,
+    }
 }
 
 /// Calls `f` with every leaf of `tree` (a value that is not a non-empty mapping) and its path.

@@ -30,21 +30,23 @@ pub fn context(config: &Config, registry: &Registry, world_size: u32) -> AuditCo
     let declared = |kind: ComponentKind, name: &str| {
         let component = registry.resolve(kind, name).ok()?;
         Some(match kind {
-            ComponentKind::ENGINE => component
-                .capabilities::<EngineCapabilities>()
-                .config_keys,
-            ComponentKind::ROLLOUT => component
-                .capabilities::<RolloutCapabilities>()
-                .config_keys,
-            _ => component
-                .capabilities::<CheckpointCapabilities>()
-                .config_keys,
+            ComponentKind::ENGINE => component.capabilities::<EngineCapabilities>().config_keys,
+            ComponentKind::ROLLOUT => component.capabilities::<RolloutCapabilities>().config_keys,
+            _ => {
+                component
+                    .capabilities::<CheckpointCapabilities>()
+                    .config_keys
+            }
         })
     };
     let rollout = &config.actor_rollout_ref.rollout;
     let roles = [
         (EngineRole::Actor, "actor_rollout_ref.actor", true),
-        (EngineRole::Ref, "actor_rollout_ref.ref", config.ref_enabled()),
+        (
+            EngineRole::Ref,
+            "actor_rollout_ref.ref",
+            config.ref_enabled(),
+        ),
         (EngineRole::Critic, "critic", config.critic_enabled()),
     ];
     let engines = roles
@@ -64,7 +66,10 @@ pub fn context(config: &Config, registry: &Registry, world_size: u32) -> AuditCo
             ),
             (
                 "actor_rollout_ref.rollout.checkpoint_engine",
-                declared(ComponentKind::CHECKPOINT, &rollout.checkpoint_engine.backend),
+                declared(
+                    ComponentKind::CHECKPOINT,
+                    &rollout.checkpoint_engine.backend,
+                ),
             ),
         ])
         .filter_map(|(section, keys)| Some((section.to_owned(), keys?)))
@@ -83,9 +88,8 @@ pub fn check(
     world_size: u32,
 ) -> Result<Vec<Finding>, Unsupported> {
     let findings = audit(config, &context(config, registry, world_size));
-    let (errors, warnings): (Vec<&Finding>, Vec<&Finding>) = findings
-        .iter()
-        .partition(|f| f.severity == Severity::Error);
+    let (errors, warnings): (Vec<&Finding>, Vec<&Finding>) =
+        findings.iter().partition(|f| f.severity == Severity::Error);
     for finding in warnings {
         tracing::warn!("{finding}");
     }

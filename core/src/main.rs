@@ -534,7 +534,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config(ConfigCommand::Check { run, json }) => {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&run, true, &registry)?;
-            let placement = training_placement(&config, &registry, timeout)?;
+            // The world size as `run` would see it; the device `trainer.device` names need not be
+            // on this machine to check a config.
+            let placement = placement(&registry, timeout, config.trainer.seed)?;
             let context = config_audit::context(&config, &registry, placement.run().world_size);
             let findings = verl_core::config::audit(&config, &context);
             let errors = findings

@@ -178,7 +178,9 @@ fn create_new(
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
     }
-    let name = path.file_name().map_or_else(Default::default, |n| n.to_string_lossy());
+    let name = path
+        .file_name()
+        .map_or_else(Default::default, |n| n.to_string_lossy());
     let partial = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
     let written = write(&partial).and_then(|()| match std::fs::hard_link(&partial, path) {
         // Made meanwhile by someone else: theirs stays.
@@ -266,7 +268,12 @@ mod tests {
     fn plans_only_inside_its_directory() {
         let cwd = tempfile::tempdir().unwrap();
         let cwd = cwd.path();
-        let c = config("q", "q/data/train.parquet", "q/data/test.parquet", "q/model-sft");
+        let c = config(
+            "q",
+            "q/data/train.parquet",
+            "q/data/test.parquet",
+            "q/model-sft",
+        );
         assert_eq!(
             plan(&c, cwd).unwrap(),
             Plan {
@@ -281,15 +288,29 @@ mod tests {
         let train = format!("{}/data/gsm8k/train.parquet", home.display());
         let val = format!("{}/data/gsm8k/test.parquet", home.display());
         for (c, key) in [
-            (config("q", &train, "q/t.parquet", "q/m"), "data.train_files"),
+            (
+                config("q", &train, "q/t.parquet", "q/m"),
+                "data.train_files",
+            ),
             (config("q", "q/t.parquet", &val, "q/m"), "data.val_files"),
             (
-                config("q", "q/t.parquet", "q/v.parquet", "Qwen/Qwen2.5-0.5B-Instruct"),
+                config(
+                    "q",
+                    "q/t.parquet",
+                    "q/v.parquet",
+                    "Qwen/Qwen2.5-0.5B-Instruct",
+                ),
                 "actor_rollout_ref.model.path",
             ),
             // `..` leads out of the directory; the directory itself is not inside it.
-            (config("q", "q/../t.parquet", "q/v.parquet", "q/m"), "data.train_files"),
-            (config("q", "q/t.parquet", "q/v.parquet", "q"), "actor_rollout_ref.model.path"),
+            (
+                config("q", "q/../t.parquet", "q/v.parquet", "q/m"),
+                "data.train_files",
+            ),
+            (
+                config("q", "q/t.parquet", "q/v.parquet", "q"),
+                "actor_rollout_ref.model.path",
+            ),
         ] {
             let err = plan(&c, cwd).unwrap_err().to_string();
             assert!(
@@ -305,7 +326,12 @@ mod tests {
         std::fs::write(cwd.join("q/data/test.parquet"), "x").unwrap();
         let user_model = cwd.join("models/qwen");
         std::fs::create_dir_all(&user_model).unwrap();
-        let c = config("q", &train, "q/data/test.parquet", user_model.to_str().unwrap());
+        let c = config(
+            "q",
+            &train,
+            "q/data/test.parquet",
+            user_model.to_str().unwrap(),
+        );
         assert!(plan(&c, cwd).unwrap().is_empty());
 
         // A model directory of its own without weights is left alone, with a message.
@@ -319,9 +345,7 @@ mod tests {
     fn create_new_never_replaces_a_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/f.txt");
-        let write = |text: &'static str| {
-            move |p: &Path| std::fs::write(p, text).map_err(io(p))
-        };
+        let write = |text: &'static str| move |p: &Path| std::fs::write(p, text).map_err(io(p));
         create_new(&path, write("first")).unwrap();
         create_new(&path, write("second")).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "first");

@@ -67,7 +67,12 @@ fn config_check_lists_what_is_not_acted_on() {
         verl_core(&args, &[])
     };
     let out = check(&[]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report = stdout_json(&out);
     let by_key = |key: &str| -> Value {
         report["findings"]
@@ -78,7 +83,10 @@ fn config_check_lists_what_is_not_acted_on() {
             .cloned()
             .unwrap_or_else(|| panic!("no finding for {key} in {report:#}"))
     };
-    assert_eq!((report["errors"].as_u64(), report["warnings"].as_u64()), (Some(3), Some(2)));
+    assert_eq!(
+        (report["errors"].as_u64(), report["warnings"].as_u64()),
+        (Some(3), Some(2))
+    );
     let offload = by_key("actor_rollout_ref.actor.fsdp_config.param_offload");
     assert_eq!(offload["severity"], "error");
     assert_eq!(offload["value"], true);
@@ -87,14 +95,30 @@ fn config_check_lists_what_is_not_acted_on() {
         "command-line override `++actor_rollout_ref.actor.fsdp_config.param_offload=True`"
     );
     assert_eq!(by_key("trainer.n_gpus_per_node")["severity"], "error");
-    assert_eq!(by_key("actor_rollout_ref.actor.use_dynamic_bsz")["severity"], "error");
-    assert_eq!(by_key("ray_kwargs.ray_init.num_cpus")["severity"], "warning");
-    assert_eq!(by_key("actor_rollout_ref.rollout.gpu_memory_utilization")["severity"], "warning");
+    assert_eq!(
+        by_key("actor_rollout_ref.actor.use_dynamic_bsz")["severity"],
+        "error"
+    );
+    assert_eq!(
+        by_key("ray_kwargs.ray_init.num_cpus")["severity"],
+        "warning"
+    );
+    assert_eq!(
+        by_key("actor_rollout_ref.rollout.gpu_memory_utilization")["severity"],
+        "warning"
+    );
 
     let out = check(&["trainer.strict_config=false"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report = stdout_json(&out);
-    assert_eq!((report["errors"].as_u64(), report["warnings"].as_u64()), (Some(0), Some(5)));
+    assert_eq!(
+        (report["errors"].as_u64(), report["warnings"].as_u64()),
+        (Some(0), Some(5))
+    );
 
     // Text: one line per finding, naming key, value and origin.
     let out = verl_core(&["config", "check", "reward_model.enable=True"], &[]);
@@ -131,7 +155,10 @@ fn run_stops_on_an_unsupported_key_before_anything_is_made() {
         "config key `custom_reward_function.path`=\"/nonexistent/reward.py\"",
         "trainer.strict_config=false",
     ] {
-        assert!(stderr.contains(wanted), "`{wanted}` missing from:\n{stderr}");
+        assert!(
+            stderr.contains(wanted),
+            "`{wanted}` missing from:\n{stderr}"
+        );
     }
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(tree(cwd.path()), Vec::<String>::new());
@@ -175,7 +202,9 @@ fn the_quickstart_never_writes_into_user_paths() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("actor_rollout_ref.model.path: Qwen/Qwen2.5-0.5B-Instruct is not a directory here"),
+        stderr.contains(
+            "actor_rollout_ref.model.path: Qwen/Qwen2.5-0.5B-Instruct is not a directory here"
+        ),
         "{stderr}"
     );
     assert_eq!(tree(home.path()), before);

@@ -271,7 +271,11 @@ fn sigkill_during_training_then_auto_resume_completes_identically() {
 fn the_quickstart_uses_existing_paths_elsewhere_as_given() {
     reference();
     let (_, work) = shared();
-    let files = ["data/train.parquet", "data/test.parquet", "model-sft/model.safetensors"];
+    let files = [
+        "data/train.parquet",
+        "data/test.parquet",
+        "model-sft/model.safetensors",
+    ];
     let snapshot = || {
         files.map(|f| {
             let path = work.path().join(f);

@@ -218,8 +218,14 @@ mod tests {
         // verl's older global sizes stand in for unset per-GPU ones.
         let mut old_style = c.clone();
         old_style.actor_rollout_ref.actor.ppo_micro_batch_size = Some(4);
-        old_style.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = None;
-        old_style.actor_rollout_ref.rollout.log_prob_micro_batch_size = Some(8);
+        old_style
+            .actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size_per_gpu = None;
+        old_style
+            .actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size = Some(8);
         old_style.critic.forward_micro_batch_size = Some(16);
         let actor = old_style.engine_json(EngineRole::Actor);
         assert_eq!(

@@ -1377,8 +1377,10 @@ fn bad_batch_sizes_are_named_before_anything_runs() {
             "actor_rollout_ref.rollout.log_prob_micro_batch_size and actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu are both set",
             |c| {
                 let rollout = &mut c.actor_rollout_ref.rollout;
-                (rollout.log_prob_micro_batch_size, rollout.log_prob_micro_batch_size_per_gpu) =
-                    (Some(4), Some(2));
+                (
+                    rollout.log_prob_micro_batch_size,
+                    rollout.log_prob_micro_batch_size_per_gpu,
+                ) = (Some(4), Some(2));
             },
         ),
     ];

@@ -72,9 +72,11 @@ impl Default for FsdpConfig {
 }
 
 const PARALLEL: &str = "one rank holds the whole model; sharding and sequence parallelism come with the distributed engine (issue 11)";
-const OFFLOAD: &str = "CPU offloading is not implemented: parameters and optimizer state stay on the device";
+const OFFLOAD: &str =
+    "CPU offloading is not implemented: parameters and optimizer state stay on the device";
 const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
-const ONE_RANK: &str = "one rank holds the whole model: there is nothing to shard, wrap or prefetch";
+const ONE_RANK: &str =
+    "one rank holds the whole model: there is nothing to shard, wrap or prefetch";
 const KERNELS: &str = "an option of verl's kernels; it changes speed or memory, not results";
 
 impl FsdpConfig {
@@ -100,7 +102,10 @@ impl FsdpConfig {
             ("use_orig_params", ONE_RANK),
             ("strategy", "fsdp and fsdp2 are the same on one rank"),
             ("seed", "the engine is seeded from trainer.seed"),
-            ("full_determinism", "trainer.deterministic makes runs bit-identical"),
+            (
+                "full_determinism",
+                "trainer.deterministic makes runs bit-identical",
+            ),
             ("entropy_from_logits_with_chunking", KERNELS),
             ("entropy_checkpointing", KERNELS),
             ("use_torch_compile", KERNELS),
@@ -162,10 +167,19 @@ mod tests {
             .collect();
         declared.sort();
         let defaults = serde_json::to_value(FsdpConfig::default()).unwrap();
-        let mut all: Vec<&str> = defaults.as_object().unwrap().keys().map(String::as_str).collect();
+        let mut all: Vec<&str> = defaults
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
         all.sort();
         assert_eq!(declared, all);
-        let offload = keys.unsupported.iter().find(|n| n.key == "fsdp_config.param_offload").unwrap();
+        let offload = keys
+            .unsupported
+            .iter()
+            .find(|n| n.key == "fsdp_config.param_offload")
+            .unwrap();
         assert_eq!(offload.default, serde_json::json!(false));
     }
 

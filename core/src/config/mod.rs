@@ -528,18 +528,16 @@ impl Config {
         interp::resolve_all(&mut tree, &env)
             .map_err(|(key, message)| ConfigError::Interpolation { key, message })?;
         let provenance = origins(&tree, &schema, &layers)?;
-        let mut config: Config =
-            serde_json::from_value(tree).map_err(|e| ConfigError::Invalid {
-                key: String::new(),
-                origin: "the merged config".to_owned(),
-                message: e.to_string(),
-            })?;
+        let mut config: Config = serde_json::from_value(tree).map_err(|e| ConfigError::Syntax {
+            origin: "the merged config".to_owned(),
+            message: e.to_string(),
+        })?;
         config.provenance = provenance;
         Ok(config)
     }
 
-    /// Where `key` (a dotted path) got its value: a config file, an environment variable or a
-    /// command-line override; None for a built-in default.
+    /// Where `key` (a dotted path) was last set: a config file, an environment variable or a
+    /// command-line override; None when only the built-in defaults set it.
     pub fn origin(&self, key: &str) -> Option<&str> {
         self.provenance.0.get(key).map(String::as_str)
     }
@@ -595,12 +593,11 @@ fn origins(
             });
         }
         // A section's origin is its keys' (a layer that only sets `a.b` does not set `a`).
-        if !matches!(value, Some(Value::Object(m)) if !m.is_empty())
-            || !schema_has(&schema.root, path)
+        if (!matches!(value, Some(Value::Object(m)) if !m.is_empty())
+            || !schema_has(&schema.root, path))
+            && let Some(origin) = origin(path)
         {
-            if let Some(origin) = origin(path) {
-                origins.insert(path.join("."), origin);
-            }
+            origins.insert(path.join("."), origin);
         }
     });
     match not_a_mapping {

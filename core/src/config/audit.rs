@@ -616,12 +616,13 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
                 key, default, why, ..
             } in notes
             {
-                let key = format!("{section}.{key}");
-                if let Some(value) = config.get(&key)
-                    && differs(&value, default)
-                {
-                    findings.push(finding(&key, &value, unsupported, why.clone()));
-                }
+                let Some(value) = config.get(&format!("{section}.{key}")) else {
+                    continue;
+                };
+                let mut path = vec![section.clone(), key.clone()];
+                for_each_change(&value, default, &mut path, &mut |key, value| {
+                    findings.push(finding(key, value, unsupported, why.clone()));
+                });
             }
         }
     }
@@ -629,14 +630,24 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
     findings
 }
 
-/// Whether `value` sets anything `default` does not: mappings are compared key by key, so
-/// setting part of a section to its defaults is no change.
-fn differs(value: &Value, default: &Value) -> bool {
+/// Calls `f` with each key (dotted, `path` and below) where `value` differs from `default`:
+/// mappings are compared key by key, so setting part of a section to its defaults is no change.
+fn for_each_change(
+    value: &Value,
+    default: &Value,
+    path: &mut Vec<String>,
+    f: &mut impl FnMut(&str, &Value),
+) {
     match (value, default) {
-        (Value::Object(map), Value::Object(_) | Value::Null) => map
-            .iter()
-            .any(|(k, v)| differs(v, default.get(k).unwrap_or(&Value::Null))),
-        _ => value != default,
+        (Value::Object(map), Value::Object(_) | Value::Null) => {
+            for (k, v) in map {
+                path.push(k.clone());
+                for_each_change(v, default.get(k).unwrap_or(&Value::Null), path, f);
+                path.pop();
+            }
+        }
+        _ if value != default => f(&path.join("."), value),
+        _ => {}
     }
 }
 

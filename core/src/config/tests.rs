@@ -1042,6 +1042,8 @@ fn findings_name_key_value_origin_and_follow_components() {
     let args = [
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
     ];
     let config = load(Some(&file), &[], &args).unwrap();
     let findings = audit(&config, &AuditContext::default());
@@ -1110,6 +1112,12 @@ fn findings_name_key_value_origin_and_follow_components() {
                 "actor_rollout_ref.actor".into(),
                 verl_plugin_api::ConfigKeys::default()
                     .unsupported("fsdp_config.param_offload", false, "no offload")
+                    .unsupported("fsdp_config.mixed_precision", Value::Null, "one dtype")
+                    .no_effect(
+                        "fsdp_config.wrap_policy",
+                        json!({"min_num_params": 0}),
+                        "one rank",
+                    )
                     .no_effect("fsdp_config.fsdp_size", -1, "one rank"),
             ),
         ],
@@ -1122,6 +1130,12 @@ fn findings_name_key_value_origin_and_follow_components() {
     assert_eq!(
         summary,
         [
+            // A key inside a declared section is reported on its own, with its origin.
+            (
+                "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+                "command-line override `+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16`",
+                Severity::Error
+            ),
             (
                 "actor_rollout_ref.actor.fsdp_config.param_offload",
                 "command-line override `+actor_rollout_ref.actor.fsdp_config.param_offload=true`",
@@ -1134,7 +1148,10 @@ fn findings_name_key_value_origin_and_follow_components() {
             ),
         ]
     );
-    assert_eq!(findings[0].why, "no offload");
+    assert_eq!(
+        (findings[0].why.as_str(), findings[1].why.as_str()),
+        ("one dtype", "no offload")
+    );
 
     // The world size: 2 × 4 on 8 ranks is acted on; 8 GPUs on one process is not.
     let c = load(

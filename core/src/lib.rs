@@ -6,6 +6,7 @@ pub mod bench;
 pub mod builtin;
 pub mod checkpoint;
 pub mod config;
+pub mod config_audit;
 pub mod data;
 pub mod inference;
 pub mod launch;

@@ -10,7 +10,7 @@ use verl_core::data::synthetic::AdditionTask;
 use verl_core::launch::{self, LaunchError, LaunchSpec};
 use verl_core::placement::{self, Placement};
 use verl_core::quickstart::TinyModel;
-use verl_core::{bench, inference, quickstart, report, sft, trainer};
+use verl_core::{bench, config_audit, inference, quickstart, report, sft, trainer};
 use verl_plugin_api::{ComponentKind, SamplingParams};
 use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
 use verl_testkit::conformance::{self, Options};
@@ -119,6 +119,14 @@ struct RunArgs {
 enum ConfigCommand {
     /// Print the config after defaults, file, VERL_* variables and overrides.
     Show {
+        #[command(flatten)]
+        run: RunArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the keys set that nothing acts on: errors (not supported yet) and warnings (no
+    /// effect), as `run` would report them; exits non-zero on an error.
+    Check {
         #[command(flatten)]
         run: RunArgs,
         #[arg(long)]
@@ -593,6 +601,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let config = load_config(&args, true, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config, "training")?;
+            config_audit::check(&config, &registry, placement.run().world_size)?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -617,6 +626,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let config = load_config(&args, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config, "supervised fine-tuning")?;
+            config_audit::check(&config, &registry, placement.run().world_size)?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -628,6 +638,37 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 print!("{}", config.to_yaml());
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Config(ConfigCommand::Check { run, json }) => {
+            let registry = load_registry(&cli.plugins)?;
+            let config = load_config(&run, true, &registry)?;
+            // The world size as `run` would see it; the device `trainer.device` names need not be
+            // on this machine to check a config.
+            let placement = placement(&registry, timeout, config.trainer.seed)?;
+            let context = config_audit::context(&config, &registry, placement.run().world_size);
+            let findings = verl_core::config::audit(&config, &context);
+            let errors = findings
+                .iter()
+                .filter(|f| f.severity == verl_core::config::Severity::Error)
+                .count();
+            if json {
+                print_json(&serde_json::json!({
+                    "findings": findings,
+                    "errors": errors,
+                    "warnings": findings.len() - errors,
+                }))?;
+            } else if findings.is_empty() {
+                println!("every key set is acted on");
+            } else {
+                for finding in &findings {
+                    println!("{}: {finding}", finding.severity.as_str());
+                }
+            }
+            Ok(if errors == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Command::Data(DataCommand::Gen {
             output,

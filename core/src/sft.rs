@@ -54,13 +54,16 @@ pub fn run_sft(
         .iter()
         .find_map(|t| tokenizer.token_to_id(t));
     let data = &config.data;
-    let processor = PromptProcessor::new(
+    let mut processor = PromptProcessor::new(
         ChatTemplate::from_model_dir(&base)?,
         &tokenizer_json,
         data.max_prompt_length,
         true,
         data.truncation,
     )?;
+    processor.template_kwargs = config
+        .chat_template_kwargs()
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
     let examples: Vec<(Vec<u32>, Vec<u32>)> = processor
         .prepare(crate::data::load_samples(
             &data.train_files,

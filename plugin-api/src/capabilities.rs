@@ -45,6 +45,9 @@ pub struct EngineCapabilities {
     pub sharded_checkpoints: bool,
     /// Torch device types it computes on ("cpu", "cuda", "npu"); empty means any.
     pub devices: Vec<String>,
+    /// What it does with the keys of its role's section (`actor_rollout_ref.actor`, `…ref`,
+    /// `critic`) beyond those verl-core acts on.
+    pub config_keys: ConfigKeys,
 }
 
 impl Default for EngineCapabilities {
@@ -54,6 +57,7 @@ impl Default for EngineCapabilities {
             max_world_size: 1,
             sharded_checkpoints: false,
             devices: Vec::new(),
+            config_keys: ConfigKeys::default(),
         }
     }
 }
@@ -75,6 +79,10 @@ impl EngineCapabilities {
         self.devices = devices.into_iter().map(Into::into).collect();
         self
     }
+    pub fn config_keys(mut self, keys: ConfigKeys) -> Self {
+        self.config_keys = keys;
+        self
+    }
     pub fn supports_role(&self, role: &str) -> bool {
         self.roles.iter().any(|r| r == role)
     }
@@ -93,6 +101,8 @@ pub struct RolloutCapabilities {
     pub sleep_wake: bool,
     /// Whether completions carry per-token log-probs.
     pub logprobs: bool,
+    /// What it does with the keys of `actor_rollout_ref.rollout` beyond those verl-core acts on.
+    pub config_keys: ConfigKeys,
 }
 
 impl RolloutCapabilities {
@@ -108,6 +118,10 @@ impl RolloutCapabilities {
         self.logprobs = yes;
         self
     }
+    pub fn config_keys(mut self, keys: ConfigKeys) -> Self {
+        self.config_keys = keys;
+        self
+    }
     pub fn accepts(&self, kind: WeightSourceKind) -> bool {
         self.weight_sources.contains(&kind)
     }
@@ -119,12 +133,87 @@ impl RolloutCapabilities {
 pub struct CheckpointCapabilities {
     /// What the weight sync hands the rollout.
     pub handover: WeightSourceKind,
+    /// What it does with the keys of `actor_rollout_ref.rollout.checkpoint_engine` beyond those
+    /// verl-core acts on.
+    pub config_keys: ConfigKeys,
 }
 
 impl CheckpointCapabilities {
     pub fn handover(mut self, kind: WeightSourceKind) -> Self {
         self.handover = kind;
         self
+    }
+    pub fn config_keys(mut self, keys: ConfigKeys) -> Self {
+        self.config_keys = keys;
+        self
+    }
+}
+
+/// What a component does with the verl keys it is handed, beyond those verl-core acts on itself.
+/// verl-core reports every key it accepts that nothing acts on (an error for a key that would
+/// change what is trained, a warning for one that would not); a component declares here which of
+/// its section's keys it does act on, and which keys of its own plugin section it accepts without
+/// honouring them. Keys are relative to the component's verl section: `use_dynamic_bsz`,
+/// `tensor_model_parallel_size`, `fsdp_config.param_offload`.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
+pub struct ConfigKeys {
+    /// Keys verl-core would report as unused that this component acts on (a vLLM rollout's
+    /// `gpu_memory_utilization`).
+    pub acts_on: Vec<String>,
+    /// Keys it accepts but cannot honour yet: set to anything but their default, the run stops
+    /// before anything is created (a warning with `trainer.strict_config=false`).
+    pub unsupported: Vec<KeyNote>,
+    /// Keys it accepts that change nothing here: set to anything but their default, the run
+    /// warns.
+    pub no_effect: Vec<KeyNote>,
+}
+
+/// A key a component accepts without acting on it: its default and why it is not acted on.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
+pub struct KeyNote {
+    pub key: String,
+    pub default: serde_json::Value,
+    pub why: String,
+}
+
+impl ConfigKeys {
+    pub fn acts_on<S: Into<String>>(mut self, keys: impl IntoIterator<Item = S>) -> Self {
+        self.acts_on.extend(keys.into_iter().map(Into::into));
+        self
+    }
+    /// `key` (with its `default`) cannot be honoured yet: `why` says what would provide it.
+    pub fn unsupported(
+        mut self,
+        key: &str,
+        default: impl Into<serde_json::Value>,
+        why: &str,
+    ) -> Self {
+        self.unsupported.push(KeyNote::new(key, default, why));
+        self
+    }
+    /// `key` (with its `default`) changes nothing here: `why` says why.
+    pub fn no_effect(
+        mut self,
+        key: &str,
+        default: impl Into<serde_json::Value>,
+        why: &str,
+    ) -> Self {
+        self.no_effect.push(KeyNote::new(key, default, why));
+        self
+    }
+}
+
+impl KeyNote {
+    pub fn new(key: &str, default: impl Into<serde_json::Value>, why: &str) -> Self {
+        Self {
+            key: key.to_owned(),
+            default: default.into(),
+            why: why.to_owned(),
+        }
     }
 }
 

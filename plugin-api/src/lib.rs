@@ -67,8 +67,8 @@ pub use abi::{
     TrackerBox,
 };
 pub use capabilities::{
-    CheckpointCapabilities, EngineCapabilities, RolloutCapabilities, TrackerCapabilities,
-    WeightSourceKind,
+    CheckpointCapabilities, ConfigKeys, EngineCapabilities, KeyNote, RolloutCapabilities,
+    TrackerCapabilities, WeightSourceKind,
 };
 pub use components::{
     CheckpointEngine, Completion, ComponentInit, Engine, FinishReason, GenerateOutput,

@@ -3,6 +3,7 @@
 mod bad_plugins;
 mod certify;
 mod compute;
+mod config;
 mod helpers;
 mod launch;
 mod platform;

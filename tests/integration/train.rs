@@ -66,6 +66,8 @@ fn args(run_dir: &Path, steps: u64, save_freq: u64) -> Vec<String> {
         ]
         .map(String::from),
     );
+    // The quickstart makes the shared data and model in its own directory, the shared one.
+    args.push(format!("quickstart.dir={work}"));
     args.push(format!("data.train_files=[{work}/data/train.parquet]"));
     args.push(format!("data.val_files=[{work}/data/test.parquet]"));
     args.push(format!("actor_rollout_ref.model.path={work}/model-sft"));
@@ -261,6 +263,41 @@ fn sigkill_during_training_then_auto_resume_completes_identically() {
         final_weights(&run_dir) == final_weights(reference()),
         "final weights differ after kill + resume"
     );
+}
+
+/// Data and a model that exist outside the quickstart's directory are used as given: nothing is
+/// generated, written over or warmed up, and the quickstart's own directory stays unmade.
+#[test]
+fn the_quickstart_uses_existing_paths_elsewhere_as_given() {
+    reference();
+    let (_, work) = shared();
+    let files = [
+        "data/train.parquet",
+        "data/test.parquet",
+        "model-sft/model.safetensors",
+    ];
+    let snapshot = || {
+        files.map(|f| {
+            let path = work.path().join(f);
+            let meta = std::fs::metadata(&path).unwrap();
+            (std::fs::read(&path).unwrap(), meta.modified().unwrap())
+        })
+    };
+    let before = snapshot();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let own = elsewhere.path().join("quickstart");
+    let mut args = args(&elsewhere.path().join("run"), 1, 1);
+    args.push(format!("quickstart.dir={}", own.display()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = verl_core(&args, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("quickstart: wrote") && !stderr.contains("sft:"),
+        "{stderr}"
+    );
+    assert!(snapshot() == before, "the data or model changed");
+    assert!(!own.exists());
 }
 
 #[test]

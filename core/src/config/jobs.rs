@@ -31,13 +31,27 @@ impl Default for TinyModel {
 }
 
 /// `quickstart.*`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct QuickstartConfig {
     /// Make the synthetic data, the tiny model and its warm-up when they are missing.
     pub enable: bool,
+    /// The only directory the quickstart writes into: data and model paths inside it are made
+    /// when missing; paths elsewhere must exist and are used as given.
+    pub dir: String,
     pub task: AdditionTask,
     pub model: TinyModel,
+}
+
+impl Default for QuickstartConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            dir: "checkpoints/verl-core-quickstart".into(),
+            task: AdditionTask::default(),
+            model: TinyModel::default(),
+        }
+    }
 }
 
 /// `sft.*`: supervised fine-tuning on the data's reference answers (`extra_info.answer`, else

@@ -18,6 +18,7 @@
 //! accepted only under the names the caller declares in [`PluginSections`]; their contents pass
 //! through to the plugin ([`Config::plugin_section`]), which checks them.
 
+mod audit;
 mod interp;
 mod jobs;
 mod overrides;
@@ -34,6 +35,7 @@ use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde_json::Value;
 
+pub use audit::{AuditContext, Finding, RULES, Rule, Severity, Treatment, audit, rule_for};
 pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
 pub use plugin::EngineRole;
 pub use schema::*;
@@ -102,6 +104,9 @@ struct Schema<'a> {
     root: Value,
     sections: &'a PluginSections,
 }
+
+/// An env/CLI layer's operation: the key path, the value set (None: `~key`), its origin.
+type Op = (Vec<String>, Option<Value>, String);
 
 /// Where a key path ends in the schema.
 enum Lookup<'a> {
@@ -197,24 +202,87 @@ impl<'a> Schema<'a> {
         found.into_iter().next()
     }
 
-    /// Checks every key of a file's tree.
-    fn check_tree(
+    /// Parses an env/CLI `text` for `path` and records it in the layer's `tree` and in `ops`.
+    /// Null on a free-form section or a plugin slot resets it, so it is a deletion: merged into
+    /// the layers below, an empty mapping would keep their keys.
+    fn set(
         &self,
-        tree: &Value,
-        path: &mut Vec<String>,
-        origin: &str,
+        tree: &mut Value,
+        ops: &mut Vec<Op>,
+        path: Vec<String>,
+        text: &str,
+        origin: String,
     ) -> Result<(), ConfigError> {
-        if let Value::Object(map) = tree {
-            for (k, v) in map {
-                path.push(k.clone());
-                if let Lookup::Value(Value::Object(_)) = self.lookup(path, origin)? {
-                    self.check_tree(v, path, origin)?;
-                }
-                path.pop();
-            }
+        let mut value = parse_for(self, &path, text, &origin)?;
+        let null = value.is_null();
+        self.check_layer(&mut value, &mut path.clone(), &origin)?;
+        if null && value.is_object() {
+            ops.push((path, None, origin));
+        } else {
+            insert(tree, &path, value.clone());
+            ops.push((path, Some(value), origin));
         }
         Ok(())
     }
+
+    /// Checks every key of a layer's `tree` (the value at `path`; empty for a whole file) and
+    /// resolves its nulls: an optional key keeps null (unset); a free-form section or a plugin
+    /// slot goes back to its default (empty); inside a plugin or free-form section null stays, for
+    /// its owner to read; on any other key null is an error naming it.
+    fn check_layer(
+        &self,
+        tree: &mut Value,
+        path: &mut Vec<String>,
+        origin: &str,
+    ) -> Result<(), ConfigError> {
+        let found = if path.is_empty() {
+            Lookup::Value(&self.root)
+        } else {
+            self.lookup(path, origin)?
+        };
+        match (tree, found) {
+            (tree @ Value::Null, found) if !path.is_empty() => {
+                let key = path.join(".");
+                let message = match found {
+                    Lookup::Value(Value::Null) => return Ok(()),
+                    Lookup::FreeForm if !FREE_FORM.contains(&key.as_str()) => return Ok(()),
+                    Lookup::FreeForm => {
+                        *tree = empty_object();
+                        return Ok(());
+                    }
+                    Lookup::Value(Value::Object(m)) if m.is_empty() => {
+                        *tree = empty_object();
+                        return Ok(());
+                    }
+                    Lookup::Value(Value::Object(_)) => {
+                        "is a section and cannot be null (`~key` resets a key to its default)"
+                            .to_owned()
+                    }
+                    Lookup::Value(default) => {
+                        format!("cannot be null: it has no unset value (its default is {default})")
+                    }
+                };
+                Err(ConfigError::Invalid {
+                    key,
+                    origin: origin.to_owned(),
+                    message,
+                })
+            }
+            (Value::Object(map), Lookup::Value(Value::Object(_))) => {
+                for (k, v) in map.iter_mut() {
+                    path.push(k.clone());
+                    self.check_layer(v, path, origin)?;
+                    path.pop();
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+fn empty_object() -> Value {
+    Value::Object(Default::default())
 }
 
 fn collect_paths(v: &Value, path: &mut Vec<String>, f: &mut impl FnMut(&[String])) {
@@ -384,15 +452,18 @@ impl Config {
         };
 
         if let Some(source) = source {
-            let tree = source.read()?;
+            let mut tree = source.read()?;
             let origin = source.origin();
-            schema.check_tree(&tree, &mut Vec::new(), &origin)?;
+            schema.check_layer(&mut tree, &mut Vec::new(), &origin)?;
             figment = merge(
                 figment,
                 Layer::new(tree, "config file", move |_| origin.clone()),
             );
         }
 
+        // Every env/CLI set and deletion in order (path, value or None for a deletion, origin):
+        // deletions are applied after the merge, and what follows one is applied again on top.
+        let mut ops: Vec<Op> = Vec::new();
         let mut env_tree = Value::Object(Default::default());
         let mut vars: Vec<(&String, &String)> = env
             .iter()
@@ -405,8 +476,7 @@ impl Config {
                 .split(ENV_SEPARATOR)
                 .map(str::to_ascii_lowercase)
                 .collect();
-            let value = parse_for(&schema, &path, text, &origin)?;
-            insert(&mut env_tree, &path, value);
+            schema.set(&mut env_tree, &mut ops, path, text, origin)?;
         }
         figment = merge(
             figment,
@@ -422,14 +492,20 @@ impl Config {
         let mut cli_args: HashMap<String, String> = HashMap::new();
         for arg in overrides {
             let origin = format!("command-line override `{arg}`");
-            let (path, text) =
-                overrides::split_override(arg).map_err(|message| ConfigError::Syntax {
-                    origin: origin.clone(),
-                    message,
-                })?;
-            let value = parse_for(&schema, &path, text, &origin)?;
-            cli_args.insert(path.join("."), arg.clone());
-            insert(&mut cli_tree, &path, value);
+            let syntax = |message| ConfigError::Syntax {
+                origin: origin.clone(),
+                message,
+            };
+            match overrides::parse_override(arg).map_err(syntax)? {
+                overrides::Override::Set(path, text) => {
+                    cli_args.insert(path.join("."), arg.clone());
+                    schema.set(&mut cli_tree, &mut ops, path, text, origin)?;
+                }
+                overrides::Override::Delete(path) => {
+                    schema.lookup(&path, &origin)?;
+                    ops.push((path, None, origin));
+                }
+            }
         }
         let cli_args = Arc::new(cli_args);
         figment = merge(
@@ -448,13 +524,22 @@ impl Config {
 
         let config: Config = figment.extract().map_err(from_figment)?;
         let mut tree = serde_json::to_value(&config).expect("config serialises");
+        apply_deletions(&mut tree, &schema, &ops)?;
         interp::resolve_all(&mut tree, &env)
             .map_err(|(key, message)| ConfigError::Interpolation { key, message })?;
-        let provenance = plugin_origins(&tree, &schema, &layers)?;
-        let mut config: Config =
-            serde_json::from_value(tree).expect("interpolation only rewrites strings");
+        let provenance = origins(&tree, &schema, &layers)?;
+        let mut config: Config = serde_json::from_value(tree).map_err(|e| ConfigError::Syntax {
+            origin: "the merged config".to_owned(),
+            message: e.to_string(),
+        })?;
         config.provenance = provenance;
         Ok(config)
+    }
+
+    /// Where `key` (a dotted path) was last set: a config file, an environment variable or a
+    /// command-line override; None when only the built-in defaults set it.
+    pub fn origin(&self, key: &str) -> Option<&str> {
+        self.provenance.0.get(key).map(String::as_str)
     }
 
     /// The config as YAML (`verl-core config show`).
@@ -475,9 +560,10 @@ impl Config {
     }
 }
 
-/// The origin of every key inside the plugin sections of the merged `tree`: the highest layer
-/// that sets it (or a section above it). A section must be a mapping.
-fn plugin_origins(
+/// The origin of every key of the merged `tree` that a layer sets (a config file, an environment
+/// variable, an override): the highest such layer, or the one that sets a section above the key.
+/// Keys left at their built-in default have none. A plugin section must be a mapping.
+fn origins(
     tree: &Value,
     schema: &Schema,
     layers: &[(Value, Metadata)],
@@ -488,46 +574,101 @@ fn plugin_origins(
             .iter()
             .rev()
             .find(|(layer, _)| keys.iter().try_fold(layer, |v, k| v.get(k)).is_some())
-            .map_or_else(
-                || "built-in defaults".to_owned(),
-                |(_, metadata)| metadata.interpolate(&Profile::default(), &keys),
-            )
+            .map(|(_, metadata)| metadata.interpolate(&Profile::default(), &keys))
     };
     let mut origins = std::collections::BTreeMap::new();
-    let mut path = Vec::new();
-    collect_paths(tree, &mut path, &mut |path| {
+    let mut not_a_mapping = None;
+    collect_paths(tree, &mut Vec::new(), &mut |path| {
         let (name, parent) = path.split_last().expect("paths are not empty");
-        if !schema.is_plugin_section(parent, name) || schema_has(&schema.root, path) {
-            return;
+        let value = path.iter().try_fold(tree, |v, k| v.get(k));
+        if not_a_mapping.is_none()
+            && schema.is_plugin_section(parent, name)
+            && !schema_has(&schema.root, path)
+            && !matches!(value, Some(Value::Object(_) | Value::Null))
+        {
+            not_a_mapping = Some(ConfigError::Invalid {
+                key: path.join("."),
+                origin: origin(path).unwrap_or_else(|| "built-in defaults".to_owned()),
+                message: "a plugin section is a mapping of keys, not a single value".into(),
+            });
         }
-        let section = path
-            .iter()
-            .try_fold(tree, |v, k| v.get(k))
-            .expect("a path of the tree");
-        match section {
-            Value::Object(_) => {}
-            Value::Null => return,
-            _ => {
-                origins.insert(path.join("."), Err(origin(path)));
-                return;
+        // A section's origin is its keys' (a layer that only sets `a.b` does not set `a`).
+        if (!matches!(value, Some(Value::Object(m)) if !m.is_empty())
+            || !schema_has(&schema.root, path))
+            && let Some(origin) = origin(path)
+        {
+            origins.insert(path.join("."), origin);
+        }
+    });
+    match not_a_mapping {
+        Some(error) => Err(error),
+        None => Ok(sections::Provenance(origins)),
+    }
+}
+
+/// Applies the `~key` deletions among `ops` (path, value set or None for a deletion, origin) to
+/// the merged `tree`, in order: a key of core's schema goes back to its default, anything else (a
+/// plugin section, a key inside one or inside a free-form section) is removed. Sets that follow a
+/// deletion and touch the same keys are applied again on top of it, as Hydra would.
+fn apply_deletions(tree: &mut Value, schema: &Schema, ops: &[Op]) -> Result<(), ConfigError> {
+    for (i, (path, value, origin)) in ops.iter().enumerate() {
+        if value.is_some() {
+            continue;
+        }
+        let (last, parent) = path.split_last().expect("key paths are not empty");
+        let default = path.iter().try_fold(&schema.root, |v, k| v.get(k));
+        let Some(Value::Object(siblings)) = parent.iter().try_fold(&mut *tree, |v, k| v.get_mut(k))
+        else {
+            return Err(not_set(path, origin));
+        };
+        match default {
+            Some(default) => {
+                siblings.insert(last.clone(), default.clone());
+            }
+            None => {
+                siblings.remove(last).ok_or_else(|| not_set(path, origin))?;
             }
         }
-        collect_paths(section, &mut path.to_vec(), &mut |key| {
-            origins.insert(key.join("."), Ok(origin(key)));
-        });
-    });
-    origins
-        .into_iter()
-        .map(|(key, origin)| match origin {
-            Ok(origin) => Ok((key, origin)),
-            Err(origin) => Err(ConfigError::Invalid {
-                key,
-                origin,
-                message: "a plugin section is a mapping of keys, not a single value".into(),
-            }),
-        })
-        .collect::<Result<_, _>>()
-        .map(sections::Provenance)
+        let overlaps = |p: &[String]| p.starts_with(path) || path.starts_with(p);
+        for (later, value, _) in &ops[i + 1..] {
+            if let Some(value) = value.as_ref().filter(|_| overlaps(later)) {
+                merge_at(tree, later, value.clone());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn not_set(path: &[String], origin: &str) -> ConfigError {
+    ConfigError::Invalid {
+        key: path.join("."),
+        origin: origin.to_owned(),
+        message: "is not set, so there is nothing to delete".into(),
+    }
+}
+
+/// Sets `path` in `tree` as a layer merge does: mappings are merged key by key, anything else
+/// replaces what was there.
+fn merge_at(tree: &mut Value, path: &[String], value: Value) {
+    let mut node = tree;
+    for segment in path {
+        if !node.is_object() {
+            *node = Value::Object(Default::default());
+        }
+        node = &mut node[segment.as_str()];
+    }
+    merge_value(node, value);
+}
+
+fn merge_value(base: &mut Value, overlay: Value) {
+    match (base, overlay) {
+        (Value::Object(base), Value::Object(overlay)) => {
+            for (key, value) in overlay {
+                merge_value(base.entry(key).or_insert(Value::Null), value);
+            }
+        }
+        (base, overlay) => *base = overlay,
+    }
 }
 
 /// Whether `path` is one of core's own keys.

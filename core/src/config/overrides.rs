@@ -1,15 +1,45 @@
-//! Hydra's override grammar, the part verl users type: `key.path=value` where value is a number,
-//! `true`/`false`, `null`, a quoted or bare string, a list `[a,b]` or a dict `{k: v}`, nested.
-//! Environment variables use the same value syntax.
+//! Hydra's override grammar, the part verl users type: `key.path=value`, `+key.path=value`,
+//! `++key.path=value` and `~key.path`, where value is a number, `true`/`false`, `null`, a quoted or
+//! bare string, a list `[a,b]` or a dict `{k: v}`, nested. Environment variables use the same value
+//! syntax.
 
 use serde_json::{Map, Number, Value};
 
-/// `a.b.c=value` → (`["a","b","c"]`, raw value text).
-pub fn split_override(arg: &str) -> Result<(Vec<String>, &str), String> {
-    if arg.starts_with(['+', '~']) {
-        return Err("adding (`+key=`) and deleting (`~key`) keys is not supported: every key already exists with its default".into());
+/// One override as Hydra writes it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Override<'a> {
+    /// `key=value`, `+key=value` (add a key) or `++key=value` (add or override). Every key
+    /// verl-core accepts already exists with its default, so all three set it; an unknown key is
+    /// the same error whichever form names it.
+    Set(Vec<String>, &'a str),
+    /// `~key`: back to the built-in default (an optional key: unset); a plugin section, or a key
+    /// inside one or inside a free-form section, is removed.
+    Delete(Vec<String>),
+}
+
+/// Parses `key.path=value`, `+key.path=value`, `++key.path=value` or `~key.path`.
+pub fn parse_override(arg: &str) -> Result<Override<'_>, String> {
+    if let Some(key) = arg.strip_prefix('~') {
+        if key.contains('=') {
+            return Err(
+                "`~key=value` (delete only if the value matches) is not supported; delete with `~key`"
+                    .into(),
+            );
+        }
+        return key_path(key).map(Override::Delete);
     }
-    let (key, value) = arg.split_once('=').ok_or("expected `key.path=value`")?;
+    let body = arg
+        .strip_prefix("++")
+        .or_else(|| arg.strip_prefix('+'))
+        .unwrap_or(arg);
+    let (key, value) = body.split_once('=').ok_or(
+        "expected `key.path=value` (or `+key.path=value`, `++key.path=value`, `~key.path`)",
+    )?;
+    Ok(Override::Set(key_path(key)?, value))
+}
+
+/// `a.b.c` → `["a","b","c"]`.
+fn key_path(key: &str) -> Result<Vec<String>, String> {
     let key = key.trim();
     let path: Vec<String> = key.split('.').map(str::to_owned).collect();
     if path.iter().any(|p| {
@@ -20,7 +50,7 @@ pub fn split_override(arg: &str) -> Result<(Vec<String>, &str), String> {
     }) {
         return Err(format!("`{key}` is not a dotted key path"));
     }
-    Ok((path, value))
+    Ok(path)
 }
 
 /// Parses a value; `as_string` keeps a bare value as text (for keys whose type is a string, so
@@ -257,17 +287,25 @@ mod tests {
 
     #[test]
     fn keys() {
+        let set = |arg| match parse_override(arg).unwrap() {
+            Override::Set(path, value) => (path.join("."), value.to_owned()),
+            other => panic!("{arg}: {other:?}"),
+        };
+        assert_eq!(set("a.b_c=1"), ("a.b_c".into(), "1".into()));
+        assert_eq!(set("a=x=y").1, "x=y");
+        assert_eq!(set("+a.b=1"), ("a.b".into(), "1".into()));
+        assert_eq!(set("++a.b=[x]"), ("a.b".into(), "[x]".into()));
         assert_eq!(
-            split_override("a.b_c=1").unwrap(),
-            (vec!["a".to_owned(), "b_c".to_owned()], "1")
+            parse_override("~a.b").unwrap(),
+            Override::Delete(vec!["a".into(), "b".into()])
         );
-        assert_eq!(split_override("a=x=y").unwrap().1, "x=y");
         assert!(
-            split_override("+a.b=1")
+            parse_override("~a.b=1")
                 .unwrap_err()
-                .contains("not supported")
+                .contains("delete with `~key`")
         );
-        assert!(split_override("a..b=1").is_err());
-        assert!(split_override("novalue").is_err());
+        for bad in ["a..b=1", "novalue", "+++a=1", "~", "~a.", "+=1"] {
+            assert!(parse_override(bad).is_err(), "{bad}");
+        }
     }
 }

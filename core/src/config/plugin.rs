@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use super::Config;
+use super::{Config, ConfigError};
 use crate::data::expand_home;
 
 /// Which model an engine instance holds.
@@ -22,6 +22,12 @@ impl EngineRole {
             Self::Critic => "critic",
         }
     }
+}
+
+/// A per-rank micro-batch size, else verl's older global one (divided by the world size in verl;
+/// one rank here, where the two are the same). Setting both is rejected at start.
+fn per_gpu(per_gpu: Option<usize>, global: Option<usize>) -> Option<usize> {
+    per_gpu.or(global)
 }
 
 fn section<T: serde::Serialize>(value: &T) -> Value {
@@ -55,6 +61,29 @@ impl Config {
         }
     }
 
+    /// The longest response generated: `actor_rollout_ref.rollout.response_length`, else
+    /// `data.max_response_length` (verl's interpolation).
+    pub fn response_length(&self) -> usize {
+        self.actor_rollout_ref
+            .rollout
+            .response_length
+            .unwrap_or(self.data.max_response_length)
+    }
+
+    /// `data.apply_chat_template_kwargs`: extra variables of the chat template; a mapping.
+    pub fn chat_template_kwargs(&self) -> Result<serde_json::Map<String, Value>, ConfigError> {
+        let key = "data.apply_chat_template_kwargs";
+        match &self.data.apply_chat_template_kwargs {
+            Value::Object(map) => Ok(map.clone()),
+            Value::Null => Ok(serde_json::Map::new()),
+            other => Err(ConfigError::Invalid {
+                key: key.to_owned(),
+                origin: self.origin(key).unwrap_or("built-in defaults").to_owned(),
+                message: format!("must be a mapping of template variables, not {other}"),
+            }),
+        }
+    }
+
     /// `{"path", "random_init", "enable_gradient_checkpointing", "dtype"}` of the policy model
     /// (`~/` expanded).
     pub fn model_json(&self) -> Value {
@@ -78,9 +107,15 @@ impl Config {
             EngineRole::Actor => {
                 let mut v = section(&arr.actor);
                 v["ppo_mini_batch_size"] = json!(arr.actor.ppo_mini_batch_size * n);
+                v["ppo_micro_batch_size_per_gpu"] = json!(per_gpu(
+                    arr.actor.ppo_micro_batch_size_per_gpu,
+                    arr.actor.ppo_micro_batch_size
+                ));
                 // Old log-probs are computed with the rollout's micro-batch size in verl.
-                v["log_prob_micro_batch_size_per_gpu"] =
-                    json!(arr.rollout.log_prob_micro_batch_size_per_gpu);
+                v["log_prob_micro_batch_size_per_gpu"] = json!(per_gpu(
+                    arr.rollout.log_prob_micro_batch_size_per_gpu,
+                    arr.rollout.log_prob_micro_batch_size
+                ));
                 v["model"] = self.model_json();
                 v
             }
@@ -96,6 +131,10 @@ impl Config {
                     base.extend(overlay);
                 }
                 v["strategy"] = json!(self.engine_strategy(role));
+                v["log_prob_micro_batch_size_per_gpu"] = json!(per_gpu(
+                    arr.reference.log_prob_micro_batch_size_per_gpu,
+                    arr.reference.log_prob_micro_batch_size
+                ));
                 // Never used to update, but kept consistent with the micro-batch sizes it shares.
                 v["ppo_mini_batch_size"] = json!(arr.actor.ppo_mini_batch_size * n);
                 v["model"] = self.model_json();
@@ -109,6 +148,14 @@ impl Config {
                         .unwrap_or(arr.actor.ppo_mini_batch_size)
                         * n
                 );
+                v["ppo_micro_batch_size_per_gpu"] = json!(per_gpu(
+                    c.ppo_micro_batch_size_per_gpu,
+                    c.ppo_micro_batch_size
+                ));
+                v["forward_micro_batch_size_per_gpu"] = json!(per_gpu(
+                    c.forward_micro_batch_size_per_gpu,
+                    c.forward_micro_batch_size
+                ));
                 v["ppo_epochs"] = json!(c.ppo_epochs.unwrap_or(arr.actor.ppo_epochs));
                 v["loss_agg_mode"] = json!(
                     c.loss_agg_mode
@@ -136,11 +183,7 @@ impl Config {
         let rollout = &self.actor_rollout_ref.rollout;
         let mut v = section(rollout);
         v["prompt_length"] = json!(rollout.prompt_length.unwrap_or(self.data.max_prompt_length));
-        v["response_length"] = json!(
-            rollout
-                .response_length
-                .unwrap_or(self.data.max_response_length)
-        );
+        v["response_length"] = json!(self.response_length());
         v["model"] = self.model_json();
         v
     }
@@ -172,6 +215,29 @@ mod tests {
         assert_eq!(actor["ppo_mini_batch_size"], 32);
         assert_eq!(actor["log_prob_micro_batch_size_per_gpu"], 2);
         assert_eq!(actor["optim"]["lr"], 1e-6);
+        // verl's older global sizes stand in for unset per-GPU ones.
+        let mut old_style = c.clone();
+        old_style.actor_rollout_ref.actor.ppo_micro_batch_size = Some(4);
+        old_style
+            .actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size_per_gpu = None;
+        old_style
+            .actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size = Some(8);
+        old_style.critic.forward_micro_batch_size = Some(16);
+        let actor = old_style.engine_json(EngineRole::Actor);
+        assert_eq!(
+            (
+                actor["ppo_micro_batch_size_per_gpu"].as_u64(),
+                actor["log_prob_micro_batch_size_per_gpu"].as_u64()
+            ),
+            (Some(4), Some(8))
+        );
+        let critic = old_style.engine_json(EngineRole::Critic);
+        assert_eq!(critic["forward_micro_batch_size_per_gpu"], 16);
+        assert_eq!(critic["ppo_micro_batch_size_per_gpu"], Value::Null);
         let reference = c.engine_json(EngineRole::Ref);
         assert_eq!(
             (

@@ -44,7 +44,7 @@ fn empty_object() -> Value {
 pub type Sections = BTreeMap<String, Value>;
 
 /// The whole config.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Config {
     pub data: DataConfig,
@@ -59,6 +59,10 @@ pub struct Config {
     pub quickstart: super::QuickstartConfig,
     /// Supervised fine-tuning (`verl-core sft`, and the quickstart's warm-up).
     pub sft: super::SftConfig,
+    /// verl's Ray settings: accepted so verl's scripts run; nothing here uses Ray.
+    pub ray_kwargs: Value,
+    /// verl's profiler settings: accepted so verl's scripts run; no profiler is wired.
+    pub global_profiler: Value,
     /// Logger sections (also accepted under `trainer.<name>`).
     #[serde(flatten)]
     pub sections: Sections,
@@ -66,13 +70,38 @@ pub struct Config {
     pub(super) provenance: super::sections::Provenance,
 }
 
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            data: DataConfig::default(),
+            actor_rollout_ref: ActorRolloutRefConfig::default(),
+            critic: CriticConfig::default(),
+            reward_model: RewardModelConfig::default(),
+            custom_reward_function: CustomRewardFunctionConfig::default(),
+            algorithm: AlgorithmConfig::default(),
+            trainer: TrainerConfig::default(),
+            quickstart: super::QuickstartConfig::default(),
+            sft: super::SftConfig::default(),
+            ray_kwargs: empty_object(),
+            global_profiler: empty_object(),
+            sections: Sections::new(),
+            provenance: super::sections::Provenance::default(),
+        }
+    }
+}
+
 /// verl's pass-through dicts, whose contents are not checked (plugin sections are declared
 /// separately, see [`PluginSections`](super::PluginSections)).
-pub const FREE_FORM: [&str; 4] = [
+pub const FREE_FORM: [&str; 9] = [
     "data.apply_chat_template_kwargs",
     "actor_rollout_ref.model.override_config",
+    "actor_rollout_ref.actor.profiler",
+    "actor_rollout_ref.ref.profiler",
     "critic.model",
+    "critic.profiler",
     "reward_model.model",
+    "ray_kwargs",
+    "global_profiler",
 ];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -144,6 +173,8 @@ impl Default for DataConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ActorRolloutRefConfig {
     pub hybrid_engine: bool,
+    /// Seconds verl's collectives wait.
+    pub nccl_timeout: u64,
     pub model: ModelConfig,
     pub actor: ActorConfig,
     #[serde(rename = "ref")]
@@ -155,6 +186,7 @@ impl Default for ActorRolloutRefConfig {
     fn default() -> Self {
         Self {
             hybrid_engine: true,
+            nccl_timeout: 600,
             model: ModelConfig::default(),
             actor: ActorConfig::default(),
             reference: RefConfig::default(),
@@ -303,6 +335,7 @@ pub struct ActorConfig {
     pub ulysses_sequence_parallel_size: usize,
     pub use_torch_compile: bool,
     pub optim: OptimConfig,
+    pub profiler: Value,
     /// The engine's section (`fsdp_config`, `megatron`, …).
     #[serde(flatten)]
     pub sections: Sections,
@@ -334,6 +367,7 @@ impl Default for ActorConfig {
             ulysses_sequence_parallel_size: 1,
             use_torch_compile: true,
             optim: OptimConfig::default(),
+            profiler: empty_object(),
             sections: Sections::new(),
         }
     }
@@ -349,6 +383,7 @@ pub struct RefConfig {
     pub log_prob_use_dynamic_bsz: bool,
     pub log_prob_max_token_len_per_gpu: usize,
     pub ulysses_sequence_parallel_size: usize,
+    pub profiler: Value,
     /// The engine's section, not inherited from the actor's (verl's ref has its own).
     #[serde(flatten)]
     pub sections: Sections,
@@ -363,6 +398,7 @@ impl Default for RefConfig {
             log_prob_use_dynamic_bsz: false,
             log_prob_max_token_len_per_gpu: 16384,
             ulysses_sequence_parallel_size: 1,
+            profiler: empty_object(),
             sections: Sections::new(),
         }
     }
@@ -522,6 +558,7 @@ pub struct CriticConfig {
     pub loss_agg_mode: Option<String>,
     pub grad_clip: Option<f64>,
     pub ulysses_sequence_parallel_size: usize,
+    pub profiler: Value,
     /// The engine's section.
     #[serde(flatten)]
     pub sections: Sections,
@@ -549,6 +586,7 @@ impl Default for CriticConfig {
             loss_agg_mode: None,
             grad_clip: None,
             ulysses_sequence_parallel_size: 1,
+            profiler: empty_object(),
             sections: Sections::new(),
         }
     }
@@ -743,6 +781,11 @@ pub struct TrainerConfig {
     /// Ours: bit-identical resumed runs (deterministic kernels, no thread-count dependence).
     pub deterministic: bool,
     pub nan_policy: NanPolicy,
+    /// Ours: a key that is set but not supported (it would change what is trained) stops the
+    /// run; false turns those errors into warnings.
+    pub strict_config: bool,
+    /// verl's choice of worker implementation; there are no verl workers here.
+    pub use_legacy_worker_impl: String,
     /// Logger sections (see [`Config::sections`]).
     #[serde(flatten)]
     pub sections: Sections,
@@ -779,6 +822,8 @@ impl Default for TrainerConfig {
             seed: 42,
             deterministic: false,
             nan_policy: NanPolicy::Error,
+            strict_config: true,
+            use_legacy_worker_impl: "auto".into(),
             sections: Sections::new(),
         }
     }

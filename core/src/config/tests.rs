@@ -264,9 +264,18 @@ fn unknown_keys_name_source_and_suggest() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("is a value, not a section"), "{err}");
+    // `+`/`++` name an unknown key the same way.
+    assert_eq!(
+        load(None, &[], &["+trainer.total_epoch=3"]),
+        Err(ConfigError::UnknownKey {
+            key: "trainer.total_epoch".into(),
+            origin: "command-line override `+trainer.total_epoch=3`".into(),
+            suggestion: Some("trainer.total_epochs".into()),
+        })
+    );
     assert!(matches!(
-        load(None, &[], &["+trainer.x=1"]),
-        Err(ConfigError::Syntax { .. })
+        load(None, &[], &["++reward_model.reward_kwargs.max_resp_len=3"]),
+        Err(ConfigError::UnknownKey { key, .. }) if key == "reward_model.reward_kwargs"
     ));
 }
 
@@ -637,5 +646,536 @@ fn algorithm_helpers() {
             .unwrap()
             .value,
         0.001
+    );
+}
+
+/// Hydra's `+key=value` (add) and `++key=value` (add or override) set a key like `key=value`:
+/// every key verl-core knows exists with its default. In plugin sections too.
+#[test]
+fn hydra_add_and_force_add() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_epochs: 5\nactor_rollout_ref:\n  actor:\n    fsdp_config:\n      fsdp_size: 2\n",
+    );
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "+data.seed=7",
+            "++trainer.total_epochs=9",
+            "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "++actor_rollout_ref.actor.fsdp_config.fsdp_size=4",
+            "+trainer.wandb.entity=me",
+        ],
+    )
+    .unwrap();
+    assert_eq!((c.data.seed, c.trainer.total_epochs), (Some(7), 9));
+    assert_eq!(
+        c.origin("trainer.total_epochs"),
+        Some("command-line override `++trainer.total_epochs=9`")
+    );
+    let fsdp = c.plugin_section(Slot::Engine(EngineRole::Actor), "fsdp_config");
+    assert_eq!(fsdp.value, json!({"fsdp_size": 4, "param_offload": true}));
+    assert_eq!(
+        fsdp.origins["actor_rollout_ref.actor.fsdp_config.param_offload"],
+        "command-line override `+actor_rollout_ref.actor.fsdp_config.param_offload=true`"
+    );
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"entity": "me"})
+    );
+}
+
+/// `~key`: a key of core's schema goes back to its built-in default (an optional one is unset),
+/// whatever layer set it; a plugin section or a key inside one is removed. Overrides apply in
+/// order, so a later set wins over an earlier deletion and the other way round.
+#[test]
+fn hydra_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_epochs: 5\n  total_training_steps: 40\n  wandb:\n    entity: me\n    project: p\nactor_rollout_ref:\n  actor:\n    optim: {lr: 0.1, weight_decay: 0.5}\n    fsdp_config:\n      param_offload: true\ndata:\n  apply_chat_template_kwargs: {enable_thinking: false}\n",
+    );
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "~trainer.total_epochs",
+            "~trainer.total_training_steps",
+            "~trainer.wandb.entity",
+            "~actor_rollout_ref.actor.fsdp_config",
+            "~data.apply_chat_template_kwargs",
+        ],
+    )
+    .unwrap();
+    let defaults = Config::default();
+    assert_eq!(c.trainer.total_epochs, defaults.trainer.total_epochs);
+    assert_eq!(c.trainer.total_training_steps, None);
+    assert_eq!(c.data.apply_chat_template_kwargs, json!({}));
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"project": "p"})
+    );
+    let fsdp = c.plugin_section(Slot::Engine(EngineRole::Actor), "fsdp_config");
+    assert_eq!((fsdp.value, fsdp.origins.len()), (json!({}), 0));
+
+    // A whole section, then one key set again inside it; and a set undone by a later deletion.
+    let c = load(
+        Some(&file),
+        &[],
+        &[
+            "~actor_rollout_ref.actor.optim",
+            "actor_rollout_ref.actor.optim.weight_decay=0.2",
+            "trainer.total_epochs=3",
+            "~trainer.total_epochs",
+            "~trainer.wandb",
+            "+trainer.wandb.dir=/d",
+        ],
+    )
+    .unwrap();
+    let optim = &c.actor_rollout_ref.actor.optim;
+    assert_eq!(
+        (optim.lr, optim.weight_decay),
+        (defaults.actor_rollout_ref.actor.optim.lr, 0.2)
+    );
+    assert_eq!(c.trainer.total_epochs, defaults.trainer.total_epochs);
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"dir": "/d"})
+    );
+
+    // Unknown keys are the usual error; deleting what is not set says so.
+    assert!(matches!(
+        load(None, &[], &["~trainer.total_epoch"]),
+        Err(ConfigError::UnknownKey { key, origin, .. })
+            if key == "trainer.total_epoch" && origin == "command-line override `~trainer.total_epoch`"
+    ));
+    assert_eq!(
+        load(None, &[], &["~trainer.wandb.entity"]),
+        Err(ConfigError::Invalid {
+            key: "trainer.wandb.entity".into(),
+            origin: "command-line override `~trainer.wandb.entity`".into(),
+            message: "is not set, so there is nothing to delete".into(),
+        })
+    );
+}
+
+/// `key=null`: unset where the key is optional, the default where it is a free-form section or a
+/// plugin slot, null for the plugin where it is inside a plugin section, and an error naming the
+/// key where null means nothing — from the command line, the environment or a file alike.
+#[test]
+fn hydra_null() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "trainer:\n  total_training_steps: 40\ndata:\n  val_batch_size: 8\n  apply_chat_template_kwargs: {a: 1}\n",
+    );
+    let c = load(
+        Some(&file),
+        &[("VERL_DATA__VAL_BATCH_SIZE", "null")],
+        &[
+            "trainer.total_training_steps=null",
+            "data.apply_chat_template_kwargs=null",
+            "actor_rollout_ref.rollout.engine_kwargs=~",
+            "trainer.wandb.entity=null",
+            "actor_rollout_ref.ref.strategy=null",
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.trainer.total_training_steps, None);
+    assert_eq!(c.data.val_batch_size, None);
+    assert_eq!(c.data.apply_chat_template_kwargs, json!({}));
+    assert_eq!(c.actor_rollout_ref.rollout.engine_kwargs, json!({}));
+    assert_eq!(c.actor_rollout_ref.reference.strategy, None);
+    assert_eq!(
+        c.plugin_section(Slot::Tracker, "wandb").value,
+        json!({"entity": null})
+    );
+
+    assert_eq!(
+        load(None, &[], &["trainer.total_epochs=null"]),
+        Err(ConfigError::Invalid {
+            key: "trainer.total_epochs".into(),
+            origin: "command-line override `trainer.total_epochs=null`".into(),
+            message: "cannot be null: it has no unset value (its default is 30)".into(),
+        })
+    );
+    let err = load(None, &[], &["actor_rollout_ref.actor.optim=null"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`actor_rollout_ref.actor.optim`") && err.contains("is a section"),
+        "{err}"
+    );
+    let err = load(None, &[], &["trainer={total_epochs: null}"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`trainer.total_epochs`") && err.contains("cannot be null"),
+        "{err}"
+    );
+    let err = load(None, &[("VERL_DATA__TRAIN_BATCH_SIZE", "~")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "`data.train_batch_size` (from environment variable VERL_DATA__TRAIN_BATCH_SIZE)"
+        ),
+        "{err}"
+    );
+    let bad = write(&dir, "null.yaml", "trainer:\n  logger:\n");
+    let err = load(Some(&bad), &[], &[]).unwrap_err().to_string();
+    assert!(
+        err.contains("`trainer.logger` (from config file") && err.contains("null.yaml"),
+        "{err}"
+    );
+}
+
+/// Every key of the schema is classified (acted on, error when set, warning when set), and every
+/// rule names a key of the schema: a new key cannot be added without saying what it does.
+#[test]
+fn every_schema_key_is_classified() {
+    let defaults = Config::default().to_json();
+    let mut unclassified = Vec::new();
+    audit::for_each_leaf(&defaults, &mut Vec::new(), &mut |path, _| {
+        let key = path.join(".");
+        if rule_for(&key).is_none() {
+            unclassified.push(key);
+        }
+    });
+    for key in FREE_FORM {
+        if rule_for(&format!("{key}.anything")).is_none() {
+            unclassified.push(format!("{key}.*"));
+        }
+    }
+    assert!(unclassified.is_empty(), "no rule for {unclassified:?}");
+    let in_schema = |key: &str| {
+        key.split('.')
+            .try_fold(&defaults, |v, k| v.get(k))
+            .is_some()
+    };
+    let stray: Vec<&str> = RULES
+        .iter()
+        .map(|r| r.key)
+        .filter(|k| !in_schema(k) && !FREE_FORM.iter().any(|f| k.starts_with(&format!("{f}."))))
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "rules for keys the schema lacks: {stray:?}"
+    );
+    let mut keys: Vec<&str> = RULES.iter().map(|r| r.key).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), RULES.len(), "a key has two rules");
+}
+
+/// What a representative verl override does: acted on, an error, a warning, or an unknown key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Outcome {
+    Acted,
+    Error,
+    Warning,
+    Unknown,
+}
+
+fn outcome(args: &[&str], ctx: &AuditContext) -> Outcome {
+    let config = match load(None, &[], args) {
+        Ok(config) => config,
+        Err(ConfigError::UnknownKey { .. }) => return Outcome::Unknown,
+        Err(e) => panic!("{args:?}: {e}"),
+    };
+    let findings = audit(&config, ctx);
+    if findings.iter().any(|f| f.severity == Severity::Error) {
+        Outcome::Error
+    } else if findings.is_empty() {
+        Outcome::Acted
+    } else {
+        Outcome::Warning
+    }
+}
+
+/// Overrides as verl's launch scripts write them (written for this test, after their style),
+/// each alone on the defaults with a GRPO run that uses a reference policy.
+#[test]
+fn verl_style_overrides_are_acted_on_or_reported() {
+    use Outcome::*;
+    let base = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+    ];
+    let cases = [
+        (
+            "data.train_files=/home/user/data/gsm8k/train.parquet",
+            Acted,
+        ),
+        ("data.max_response_length=1024", Acted),
+        ("data.filter_overlong_prompts=True", Acted),
+        ("data.truncation='error'", Acted),
+        (
+            "+data.apply_chat_template_kwargs.enable_thinking=False",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+            Acted,
+        ),
+        ("actor_rollout_ref.model.use_remove_padding=True", Acted),
+        (
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            Acted,
+        ),
+        ("actor_rollout_ref.actor.optim.lr=1e-6", Acted),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            Acted,
+        ),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size=64", Acted),
+        ("actor_rollout_ref.actor.kl_loss_type=low_var_kl", Acted),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=False", Acted),
+        (
+            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            Acted,
+        ),
+        ("actor_rollout_ref.rollout.n=5", Acted),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+            Acted,
+        ),
+        ("algorithm.use_kl_in_reward=False", Acted),
+        ("trainer.logger=['console','wandb']", Acted),
+        ("trainer.n_gpus_per_node=1", Acted),
+        ("trainer.save_freq=20", Acted),
+        ("trainer.nnodes=1", Acted),
+        ("trainer.n_gpus_per_node=8", Error),
+        ("trainer.nnodes=2", Error),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            Error,
+        ),
+        (
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            Error,
+        ),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=True", Error),
+        ("actor_rollout_ref.model.lora_rank=32", Error),
+        (
+            "actor_rollout_ref.model.enable_activation_offload=True",
+            Error,
+        ),
+        (
+            "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
+            Error,
+        ),
+        ("reward_model.enable=True", Error),
+        ("reward_model.reward_manager=dapo", Error),
+        ("custom_reward_function.path=/nonexistent/reward.py", Error),
+        ("algorithm.filter_groups.metric=seq_final_reward", Error),
+        (
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+            Warning,
+        ),
+        ("actor_rollout_ref.rollout.enforce_eager=True", Warning),
+        ("actor_rollout_ref.rollout.mode=sync", Acted),
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+            Warning,
+        ),
+        ("actor_rollout_ref.model.use_liger=True", Warning),
+        ("actor_rollout_ref.nccl_timeout=1200", Warning),
+        ("+ray_kwargs.ray_init.num_cpus=16", Warning),
+        ("global_profiler.tool=nsys", Warning),
+        ("actor_rollout_ref.actor.profiler.enable=True", Warning),
+        ("trainer.balance_batch=False", Warning),
+        ("trainer.default_hdfs_dir=hdfs://x", Warning),
+        ("critic.optim.lr=3e-5", Warning),
+        ("critic.model.fsdp_config.param_offload=True", Warning),
+        ("reward_model.model.path=/m", Warning),
+        (
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            Unknown,
+        ),
+        ("actor_rollout_ref.rollout.multi_turn.enable=True", Unknown),
+        ("+reward_model.reward_kwargs.max_resp_len=4096", Unknown),
+    ];
+    let ctx = AuditContext::default();
+    for (arg, expected) in cases {
+        let args: Vec<&str> = base.iter().copied().chain([arg]).collect();
+        assert_eq!(outcome(&args, &ctx), expected, "{arg}");
+    }
+    // The critic's own keys are acted on when a critic is trained, and its offload is an error.
+    for (arg, expected) in [
+        ("critic.optim.lr=3e-5", Acted),
+        ("critic.model.fsdp_config.param_offload=True", Error),
+        ("critic.use_dynamic_bsz=True", Error),
+    ] {
+        assert_eq!(
+            outcome(&["algorithm.adv_estimator=gae", arg], &ctx),
+            expected,
+            "{arg}"
+        );
+    }
+}
+
+/// A finding names the key, its value and where it came from; `trainer.strict_config=false` turns
+/// the errors into warnings; a key a component declares it acts on is not reported; a component's
+/// notes on its own section are.
+#[test]
+fn findings_name_key_value_origin_and_follow_components() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        &dir,
+        "run.yaml",
+        "actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 2\n    gpu_memory_utilization: 0.6\n",
+    );
+    let args = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
+    ];
+    let config = load(Some(&file), &[], &args).unwrap();
+    let findings = audit(&config, &AuditContext::default());
+    let shown: Vec<String> = findings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown[0],
+        "config key `actor_rollout_ref.actor.use_dynamic_bsz`=true (from command-line override \
+         `actor_rollout_ref.actor.use_dynamic_bsz=true`) is not supported yet: micro-batches have a \
+         fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching \
+         by a token budget is not implemented (trainer.strict_config=false runs without it)"
+    );
+    let summary: Vec<(&str, &str, Severity)> = findings
+        .iter()
+        .map(|f| (f.key.as_str(), f.origin.as_str(), f.severity))
+        .collect();
+    let from_file = format!("config file {}", file.display());
+    assert_eq!(
+        summary,
+        [
+            (
+                "actor_rollout_ref.actor.use_dynamic_bsz",
+                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.rollout.gpu_memory_utilization",
+                from_file.as_str(),
+                Severity::Warning
+            ),
+            (
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                from_file.as_str(),
+                Severity::Error
+            ),
+        ]
+    );
+
+    // Not strict: the same keys, all warnings, saying they are ignored.
+    let lenient = load(
+        Some(&file),
+        &[],
+        &[&args[..], &["trainer.strict_config=false"]].concat(),
+    )
+    .unwrap();
+    let findings = audit(&lenient, &AuditContext::default());
+    assert_eq!(findings.len(), 3);
+    assert!(findings.iter().all(|f| f.severity == Severity::Warning));
+    assert!(
+        findings[0]
+            .to_string()
+            .contains("is not supported yet and is ignored"),
+        "{}",
+        findings[0]
+    );
+
+    // A rollout that acts on the server keys, and an engine that declares its section's offload.
+    let ctx = AuditContext {
+        world_size: 1,
+        components: vec![
+            (
+                "actor_rollout_ref.rollout".into(),
+                verl_plugin_api::ConfigKeys::default()
+                    .acts_on(["tensor_model_parallel_size", "gpu_memory_utilization"]),
+            ),
+            (
+                "actor_rollout_ref.actor".into(),
+                verl_plugin_api::ConfigKeys::default()
+                    .unsupported("fsdp_config.param_offload", false, "no offload")
+                    .unsupported("fsdp_config.mixed_precision", Value::Null, "one dtype")
+                    .no_effect(
+                        "fsdp_config.wrap_policy",
+                        json!({"min_num_params": 0}),
+                        "one rank",
+                    )
+                    .no_effect("fsdp_config.fsdp_size", -1, "one rank"),
+            ),
+        ],
+    };
+    let findings = audit(&config, &ctx);
+    let summary: Vec<(&str, &str, Severity)> = findings
+        .iter()
+        .map(|f| (f.key.as_str(), f.origin.as_str(), f.severity))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            // A key inside a declared section is reported on its own, with its origin.
+            (
+                "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+                "command-line override `+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16`",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.actor.fsdp_config.param_offload",
+                "command-line override `+actor_rollout_ref.actor.fsdp_config.param_offload=true`",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.actor.use_dynamic_bsz",
+                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                Severity::Error
+            ),
+        ]
+    );
+    assert_eq!(
+        (findings[0].why.as_str(), findings[1].why.as_str()),
+        ("one dtype", "no offload")
+    );
+
+    // The world size: 2 × 4 on 8 ranks is acted on; 8 GPUs on one process is not.
+    let c = load(
+        None,
+        &[],
+        &["trainer.nnodes=2", "trainer.n_gpus_per_node=4"],
+    )
+    .unwrap();
+    let eight = AuditContext {
+        world_size: 8,
+        ..AuditContext::default()
+    };
+    assert_eq!(audit(&c, &eight), []);
+    let findings = audit(&c, &AuditContext::default());
+    assert_eq!(findings.len(), 1);
+    assert_eq!(
+        (findings[0].key.as_str(), findings[0].severity),
+        ("trainer.n_gpus_per_node", Severity::Error)
+    );
+    assert!(
+        findings[0]
+            .why
+            .contains("2 × 4 must equal the world size, 1"),
+        "{}",
+        findings[0]
     );
 }

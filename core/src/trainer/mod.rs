@@ -220,13 +220,16 @@ impl Trainer {
             None => ChatTemplate::from_model_dir(&tokenizer_dir)?,
         };
         let data = &config.data;
-        let processor = PromptProcessor::new(
+        let mut processor = PromptProcessor::new(
             template,
             &tokenizer_json,
             data.max_prompt_length,
             data.filter_overlong_prompts,
             data.truncation,
         )?;
+        processor.template_kwargs = config
+            .chat_template_kwargs()
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
         let train = load_split(
             &processor,
             &data.train_files,
@@ -489,7 +492,7 @@ impl Trainer {
         params.temperature = temperature as f32;
         params.top_p = top_p as f32;
         params.top_k = top_k as i32;
-        params.max_new_tokens = self.config.data.max_response_length as u32;
+        params.max_new_tokens = self.config.response_length() as u32;
         // A seed per step (not a running generator) keeps a resumed run identical to an
         // uninterrupted one.
         params.seed = Some(
@@ -781,7 +784,7 @@ impl Trainer {
             values: values.as_ref(),
             prompt_lengths: &prompt_lengths,
             max_prompt_length: self.config.data.max_prompt_length,
-            max_response_length: self.config.data.max_response_length,
+            max_response_length: self.config.response_length(),
         })?;
         metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
 
@@ -1099,6 +1102,41 @@ fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
         return invalid(
             "actor_rollout_ref.rollout.n (responses per prompt) must be at least 1".to_owned(),
         );
+    }
+    // As verl: the older global micro-batch sizes and the per-GPU ones exclude each other.
+    let micro_batches = [
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size",
+            arr.actor.ppo_micro_batch_size,
+            arr.actor.ppo_micro_batch_size_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+            arr.rollout.log_prob_micro_batch_size,
+            arr.rollout.log_prob_micro_batch_size_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size",
+            arr.reference.log_prob_micro_batch_size,
+            arr.reference.log_prob_micro_batch_size_per_gpu,
+        ),
+        (
+            "critic.ppo_micro_batch_size",
+            config.critic.ppo_micro_batch_size,
+            config.critic.ppo_micro_batch_size_per_gpu,
+        ),
+        (
+            "critic.forward_micro_batch_size",
+            config.critic.forward_micro_batch_size,
+            config.critic.forward_micro_batch_size_per_gpu,
+        ),
+    ];
+    for (key, global, per_gpu) in micro_batches {
+        if global.is_some() && per_gpu.is_some() {
+            return invalid(format!(
+                "{key} and {key}_per_gpu are both set; set one (the per-GPU size is preferred)"
+            ));
+        }
     }
     let mini_batches = [
         (

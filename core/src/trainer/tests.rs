@@ -1369,7 +1369,7 @@ fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
 fn bad_batch_sizes_are_named_before_anything_runs() {
     let s = setup();
     type Change = fn(&mut Config);
-    let cases: [(&str, Change); 5] = [
+    let cases: [(&str, Change); 6] = [
         ("data.train_batch_size must be at least 1", |c| {
             c.data.train_batch_size = 0
         }),
@@ -1389,6 +1389,16 @@ fn bad_batch_sizes_are_named_before_anything_runs() {
             |c| {
                 c.algorithm.adv_estimator = AdvEstimator::Gae;
                 c.critic.ppo_mini_batch_size = Some(6);
+            },
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size and actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu are both set",
+            |c| {
+                let rollout = &mut c.actor_rollout_ref.rollout;
+                (
+                    rollout.log_prob_micro_batch_size,
+                    rollout.log_prob_micro_batch_size_per_gpu,
+                ) = (Some(4), Some(2));
             },
         ),
     ];

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use verl_plugin_api::{ComponentInit, PluginError};
+use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
 use verl_torch_runtime::actor::Role;
 
 /// verl's `FSDPEngineConfig.wrap_policy`.
@@ -16,7 +16,8 @@ pub struct WrapPolicy {
 
 /// The engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`): verl's keys and defaults,
 /// any other key is an error. One rank holds the whole model, so nothing here changes the
-/// computation yet; the keys are accepted so verl's configs run unchanged.
+/// computation yet; the keys are accepted so verl's configs run unchanged, and
+/// [`FsdpConfig::declared_keys`] tells verl-core which of them to report when they are set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct FsdpConfig {
@@ -70,7 +71,58 @@ impl Default for FsdpConfig {
     }
 }
 
+const PARALLEL: &str = "one rank holds the whole model; sharding and sequence parallelism come with the distributed engine (issue 11)";
+const OFFLOAD: &str =
+    "CPU offloading is not implemented: parameters and optimizer state stay on the device";
+const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
+const ONE_RANK: &str =
+    "one rank holds the whole model: there is nothing to shard, wrap or prefetch";
+const KERNELS: &str = "an option of verl's kernels; it changes speed or memory, not results";
+
 impl FsdpConfig {
+    /// What the engine does with its section's keys, for verl-core's audit: every key, with its
+    /// default, is either unsupported (it would change what is trained) or without effect.
+    pub fn declared_keys() -> ConfigKeys {
+        let defaults = serde_json::to_value(Self::default()).expect("the section serialises");
+        let key = |name: &str| (format!("fsdp_config.{name}"), defaults[name].clone());
+        let unsupported = [
+            ("param_offload", OFFLOAD),
+            ("optimizer_offload", OFFLOAD),
+            ("offload_policy", OFFLOAD),
+            ("model_dtype", DTYPE),
+            ("dtype", DTYPE),
+            ("mixed_precision", DTYPE),
+            ("ulysses_sequence_parallel_size", PARALLEL),
+        ];
+        let no_effect = [
+            ("wrap_policy", ONE_RANK),
+            ("reshard_after_forward", ONE_RANK),
+            ("fsdp_size", ONE_RANK),
+            ("forward_prefetch", ONE_RANK),
+            ("use_orig_params", ONE_RANK),
+            ("strategy", "fsdp and fsdp2 are the same on one rank"),
+            ("seed", "the engine is seeded from trainer.seed"),
+            (
+                "full_determinism",
+                "trainer.deterministic makes runs bit-identical",
+            ),
+            ("entropy_from_logits_with_chunking", KERNELS),
+            ("entropy_checkpointing", KERNELS),
+            ("use_torch_compile", KERNELS),
+            ("forward_only", "the role decides whether the engine trains"),
+        ];
+        let keys = unsupported
+            .into_iter()
+            .fold(ConfigKeys::default(), |keys, (name, why)| {
+                let (path, default) = key(name);
+                keys.unsupported(&path, default, why)
+            });
+        no_effect.into_iter().fold(keys, |keys, (name, why)| {
+            let (path, default) = key(name);
+            keys.no_effect(&path, default, why)
+        })
+    }
+
     /// Parses the section at `section_path` strictly: an unknown key is an error naming its full
     /// path, where it came from (`origins_json`: full key path → origin, may be empty) and the
     /// nearest valid key.
@@ -102,6 +154,34 @@ impl FsdpConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every key of the section is declared, once, with the section's own default.
+    #[test]
+    fn every_key_is_declared() {
+        let keys = FsdpConfig::declared_keys();
+        let mut declared: Vec<&str> = keys
+            .unsupported
+            .iter()
+            .chain(&keys.no_effect)
+            .map(|note| note.key.strip_prefix("fsdp_config.").unwrap())
+            .collect();
+        declared.sort();
+        let defaults = serde_json::to_value(FsdpConfig::default()).unwrap();
+        let mut all: Vec<&str> = defaults
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        all.sort();
+        assert_eq!(declared, all);
+        let offload = keys
+            .unsupported
+            .iter()
+            .find(|n| n.key == "fsdp_config.param_offload")
+            .unwrap();
+        assert_eq!(offload.default, serde_json::json!(false));
+    }
 
     fn section(json: &str) -> Result<FsdpConfig, PluginError> {
         let init = ComponentInit::new(serde_json::from_str(json).unwrap(), Default::default());

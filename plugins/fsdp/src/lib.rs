@@ -49,6 +49,7 @@ impl Engine for FsdpEngine {
         EngineCapabilities::default()
             .roles(["actor", "ref", "critic"])
             .max_world_size(1)
+            .config_keys(config::FsdpConfig::declared_keys())
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.worker = Some(new_worker(init)?);

@@ -1,0 +1,671 @@
+//! Nothing accepted is ignored: every key the config accepts is either acted on or reported.
+//! [`RULES`] classifies every key of the schema — acted on (read by verl-core or handed to the
+//! component that reads it), unsupported (it would change what is trained or how, and nothing
+//! here does that yet: an error when set), or without effect (infrastructure: a warning when set).
+//! "Set" means a value other than the built-in default. `trainer.strict_config=false` turns the
+//! errors into warnings.
+//!
+//! Components add to this through their capabilities ([`ConfigKeys`]): the keys of their section
+//! they act on (a vLLM rollout's `gpu_memory_utilization`), and the keys of their own plugin
+//! section (an engine's `fsdp_config`) that they accept without honouring, which core cannot know.
+
+use std::fmt;
+
+use serde_json::Value;
+use verl_plugin_api::{ConfigKeys, KeyNote};
+
+use super::Config;
+
+/// What verl-core does with a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Treatment {
+    /// Read by verl-core, or handed to the component that reads it.
+    Acted,
+    /// The contents belong to a plugin, which checks them and declares what it ignores.
+    Plugin,
+    /// Would change what is trained or how, and nothing here does it yet: an error when set.
+    /// The text says what would provide it.
+    Unsupported(&'static str),
+    /// Changes nothing here: a warning when set. The text says why.
+    NoEffect(&'static str),
+    /// `trainer.nnodes` × `trainer.n_gpus_per_node` must equal the world size.
+    WorldSize,
+}
+
+/// The treatment of a key, or of every key below a section not listed on its own.
+#[derive(Debug, Clone, Copy)]
+pub struct Rule {
+    pub key: &'static str,
+    pub treatment: Treatment,
+    /// Values other than the default that are fine as well (acted on as the default is).
+    pub also_fine: &'static [&'static str],
+}
+
+const fn acted(key: &'static str) -> Rule {
+    rule(key, Treatment::Acted)
+}
+const fn plugin(key: &'static str) -> Rule {
+    rule(key, Treatment::Plugin)
+}
+const fn unsupported(key: &'static str, why: &'static str) -> Rule {
+    rule(key, Treatment::Unsupported(why))
+}
+const fn no_effect(key: &'static str, why: &'static str) -> Rule {
+    rule(key, Treatment::NoEffect(why))
+}
+const fn rule(key: &'static str, treatment: Treatment) -> Rule {
+    Rule {
+        key,
+        treatment,
+        also_fine: &[],
+    }
+}
+
+const PARALLEL: &str = "one rank holds the whole model; multi-rank training and model parallelism come with the distributed engine (issue 11)";
+const DYNAMIC_BSZ: &str = "micro-batches have a fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching by a token budget is not implemented";
+const TOKEN_BUDGET: &str =
+    "a token budget only applies with use_dynamic_bsz, which is not implemented";
+const OFFLOAD: &str =
+    "CPU offloading is not implemented: parameters, gradients and activations stay on the device";
+const LORA: &str = "LoRA adapters are not implemented: every parameter is trained";
+const NO_PYTHON: &str = "no Python code runs here: models load from config.json and safetensors";
+const KERNELS: &str =
+    "the engine has one implementation of each op; verl's kernel options change speed, not results";
+const INFERENCE_SERVER: &str = "inference-server tuning: the `native` rollout generates in process (a rollout plugin that acts on it declares so)";
+const MODEL_CONFIG: &str =
+    "overrides of the model's config.json are not applied; edit config.json instead";
+const SHM: &str = "files are read directly; there is no shared-memory copy";
+const SEED_FROM_RUN: &str = "mini-batch shuffling is seeded from trainer.seed";
+const FILLED_IN: &str = "filled in from the run's total steps, as verl does";
+const NO_REWARD_MODEL: &str =
+    "only rule-based rewards by data_source are built in (reward_model.enable)";
+const NO_RAY: &str =
+    "there is no Ray or worker group: the trainer and its components run in this process";
+const NO_PROFILER: &str = "profilers are not wired; the timing_s/* metrics time each stage";
+
+/// Every key of the schema, by path; a section's rule covers the keys below it that have none.
+pub const RULES: &[Rule] = &[
+    // data
+    acted("data.tokenizer"),
+    no_effect("data.use_shm", SHM),
+    acted("data.train_files"),
+    acted("data.val_files"),
+    acted("data.train_max_samples"),
+    acted("data.val_max_samples"),
+    acted("data.prompt_key"),
+    unsupported(
+        "data.reward_fn_key",
+        "rewards are chosen by the `data_source` column; another column needs a reward manager that reads it",
+    ),
+    acted("data.max_prompt_length"),
+    acted("data.max_response_length"),
+    acted("data.train_batch_size"),
+    acted("data.val_batch_size"),
+    no_effect(
+        "data.return_raw_chat",
+        "prompts are rendered with the chat template and tokenized here; no raw chat is passed on",
+    ),
+    no_effect(
+        "data.return_full_prompt",
+        "the rendered prompt is not carried in the batch",
+    ),
+    acted("data.shuffle"),
+    acted("data.seed"),
+    no_effect(
+        "data.dataloader_num_workers",
+        "the data is loaded once, in this process",
+    ),
+    no_effect(
+        "data.validation_shuffle",
+        "validation always covers the whole set; its order changes no metric",
+    ),
+    acted("data.filter_overlong_prompts"),
+    no_effect(
+        "data.filter_overlong_prompts_workers",
+        "prompts are filtered in this process",
+    ),
+    acted("data.truncation"),
+    no_effect("data.trust_remote_code", NO_PYTHON),
+    acted("data.apply_chat_template_kwargs"),
+    // actor_rollout_ref
+    Rule {
+        also_fine: &["true"],
+        ..unsupported(
+            "actor_rollout_ref.hybrid_engine",
+            "only the hybrid engine (actor and rollout share the process) exists, as in verl",
+        )
+    },
+    no_effect(
+        "actor_rollout_ref.nccl_timeout",
+        "no collective runs on one rank",
+    ),
+    acted("actor_rollout_ref.model.path"),
+    acted("actor_rollout_ref.model.tokenizer_path"),
+    acted("actor_rollout_ref.model.custom_chat_template"),
+    no_effect("actor_rollout_ref.model.external_lib", NO_PYTHON),
+    unsupported("actor_rollout_ref.model.override_config", MODEL_CONFIG),
+    acted("actor_rollout_ref.model.enable_gradient_checkpointing"),
+    unsupported("actor_rollout_ref.model.enable_activation_offload", OFFLOAD),
+    no_effect(
+        "actor_rollout_ref.model.use_remove_padding",
+        "padding is masked, not removed; the results are the same",
+    ),
+    no_effect("actor_rollout_ref.model.use_shm", SHM),
+    no_effect("actor_rollout_ref.model.trust_remote_code", NO_PYTHON),
+    unsupported("actor_rollout_ref.model.lora_rank", LORA),
+    no_effect(
+        "actor_rollout_ref.model.lora_alpha",
+        "only used with lora_rank > 0",
+    ),
+    no_effect("actor_rollout_ref.model.use_liger", KERNELS),
+    no_effect("actor_rollout_ref.model.use_fused_kernels", KERNELS),
+    acted("actor_rollout_ref.model.random_init"),
+    acted("actor_rollout_ref.model.dtype"),
+    // actor
+    acted("actor_rollout_ref.actor.strategy"),
+    acted("actor_rollout_ref.actor.ppo_mini_batch_size"),
+    acted("actor_rollout_ref.actor.ppo_micro_batch_size"),
+    acted("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    unsupported("actor_rollout_ref.actor.use_dynamic_bsz", DYNAMIC_BSZ),
+    no_effect(
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        TOKEN_BUDGET,
+    ),
+    acted("actor_rollout_ref.actor.clip_ratio"),
+    acted("actor_rollout_ref.actor.clip_ratio_low"),
+    acted("actor_rollout_ref.actor.clip_ratio_high"),
+    acted("actor_rollout_ref.actor.clip_ratio_c"),
+    acted("actor_rollout_ref.actor.policy_loss.loss_mode"),
+    acted("actor_rollout_ref.actor.loss_agg_mode"),
+    acted("actor_rollout_ref.actor.entropy_coeff"),
+    acted("actor_rollout_ref.actor.use_kl_loss"),
+    acted("actor_rollout_ref.actor.kl_loss_coef"),
+    acted("actor_rollout_ref.actor.kl_loss_type"),
+    acted("actor_rollout_ref.actor.ppo_epochs"),
+    acted("actor_rollout_ref.actor.shuffle"),
+    no_effect("actor_rollout_ref.actor.data_loader_seed", SEED_FROM_RUN),
+    acted("actor_rollout_ref.actor.grad_clip"),
+    unsupported(
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        PARALLEL,
+    ),
+    no_effect("actor_rollout_ref.actor.use_torch_compile", KERNELS),
+    no_effect("actor_rollout_ref.actor.profiler", NO_PROFILER),
+    unsupported(
+        "actor_rollout_ref.actor.optim.optimizer",
+        "the engines train with AdamW",
+    ),
+    acted("actor_rollout_ref.actor.optim"),
+    no_effect(
+        "actor_rollout_ref.actor.optim.total_training_steps",
+        FILLED_IN,
+    ),
+    // ref
+    acted("actor_rollout_ref.ref.strategy"),
+    acted("actor_rollout_ref.ref.log_prob_micro_batch_size"),
+    acted("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+    unsupported(
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        DYNAMIC_BSZ,
+    ),
+    no_effect(
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        TOKEN_BUDGET,
+    ),
+    unsupported(
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+        PARALLEL,
+    ),
+    no_effect("actor_rollout_ref.ref.profiler", NO_PROFILER),
+    // rollout
+    acted("actor_rollout_ref.rollout.name"),
+    Rule {
+        also_fine: &["sync"],
+        ..no_effect(
+            "actor_rollout_ref.rollout.mode",
+            "the trainer calls the rollout directly, one batch at a time",
+        )
+    },
+    acted("actor_rollout_ref.rollout.temperature"),
+    acted("actor_rollout_ref.rollout.top_k"),
+    acted("actor_rollout_ref.rollout.top_p"),
+    acted("actor_rollout_ref.rollout.do_sample"),
+    acted("actor_rollout_ref.rollout.n"),
+    no_effect(
+        "actor_rollout_ref.rollout.prompt_length",
+        "prompts are bounded by data.max_prompt_length",
+    ),
+    acted("actor_rollout_ref.rollout.response_length"),
+    no_effect(
+        "actor_rollout_ref.rollout.dtype",
+        "the `native` rollout computes in actor_rollout_ref.model.dtype (a rollout plugin that acts on it declares so)",
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        INFERENCE_SERVER,
+    ),
+    acted("actor_rollout_ref.rollout.ignore_eos"),
+    no_effect("actor_rollout_ref.rollout.enforce_eager", INFERENCE_SERVER),
+    no_effect(
+        "actor_rollout_ref.rollout.free_cache_engine",
+        INFERENCE_SERVER,
+    ),
+    unsupported(
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        PARALLEL,
+    ),
+    unsupported("actor_rollout_ref.rollout.data_parallel_size", PARALLEL),
+    unsupported(
+        "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+        PARALLEL,
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.max_num_batched_tokens",
+        INFERENCE_SERVER,
+    ),
+    no_effect("actor_rollout_ref.rollout.max_model_len", INFERENCE_SERVER),
+    no_effect("actor_rollout_ref.rollout.max_num_seqs", INFERENCE_SERVER),
+    no_effect(
+        "actor_rollout_ref.rollout.enable_chunked_prefill",
+        INFERENCE_SERVER,
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.enable_prefix_caching",
+        INFERENCE_SERVER,
+    ),
+    no_effect("actor_rollout_ref.rollout.load_format", INFERENCE_SERVER),
+    acted("actor_rollout_ref.rollout.log_prob_micro_batch_size"),
+    acted("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+    unsupported(
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        DYNAMIC_BSZ,
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        TOKEN_BUDGET,
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.disable_log_stats",
+        INFERENCE_SERVER,
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.calculate_log_probs",
+        "the rollout's log-probs are not compared with the actor's (verl's training/rollout_probs_diff_* metrics)",
+    ),
+    no_effect(
+        "actor_rollout_ref.rollout.skip_tokenizer_init",
+        INFERENCE_SERVER,
+    ),
+    plugin("actor_rollout_ref.rollout.engine_kwargs"),
+    acted("actor_rollout_ref.rollout.val_kwargs"),
+    acted("actor_rollout_ref.rollout.checkpoint_engine.backend"),
+    no_effect(
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+        "weights are handed over whole, by reference or in one file per sync",
+    ),
+    plugin("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"),
+    // critic
+    acted("critic.enable"),
+    acted("critic.strategy"),
+    acted("critic.optim"),
+    unsupported("critic.optim.optimizer", "the engines train with AdamW"),
+    no_effect("critic.optim.total_training_steps", FILLED_IN),
+    no_effect(
+        "critic.model",
+        "the critic's engine reads model.path, model.random_init, model.dtype and model.enable_gradient_checkpointing; its engine section is critic.<section> (e.g. critic.fsdp_config)",
+    ),
+    acted("critic.model.path"),
+    acted("critic.model.random_init"),
+    acted("critic.model.dtype"),
+    acted("critic.model.enable_gradient_checkpointing"),
+    unsupported("critic.model.override_config", MODEL_CONFIG),
+    unsupported("critic.model.enable_activation_offload", OFFLOAD),
+    unsupported("critic.model.lora_rank", LORA),
+    unsupported("critic.model.fsdp_config.param_offload", OFFLOAD),
+    unsupported("critic.model.fsdp_config.optimizer_offload", OFFLOAD),
+    acted("critic.ppo_mini_batch_size"),
+    acted("critic.ppo_micro_batch_size"),
+    acted("critic.ppo_micro_batch_size_per_gpu"),
+    acted("critic.forward_micro_batch_size"),
+    acted("critic.forward_micro_batch_size_per_gpu"),
+    unsupported("critic.use_dynamic_bsz", DYNAMIC_BSZ),
+    no_effect("critic.ppo_max_token_len_per_gpu", TOKEN_BUDGET),
+    no_effect("critic.forward_max_token_len_per_gpu", TOKEN_BUDGET),
+    acted("critic.ppo_epochs"),
+    acted("critic.shuffle"),
+    no_effect("critic.data_loader_seed", SEED_FROM_RUN),
+    acted("critic.cliprange_value"),
+    acted("critic.loss_agg_mode"),
+    acted("critic.grad_clip"),
+    unsupported("critic.ulysses_sequence_parallel_size", PARALLEL),
+    no_effect("critic.profiler", NO_PROFILER),
+    // reward
+    unsupported("reward_model.enable", NO_REWARD_MODEL),
+    no_effect("reward_model", "only used with reward_model.enable"),
+    unsupported(
+        "reward_model.reward_manager",
+        "rewards are computed per response by the built-in rule scorers (verl's `naive` manager)",
+    ),
+    no_effect(
+        "reward_model.launch_reward_fn_async",
+        "rule rewards are computed in line, in milliseconds",
+    ),
+    unsupported(
+        "custom_reward_function.path",
+        "custom reward functions are Python; rewards come from the built-in scorers chosen by data_source (gsm8k, math, addition)",
+    ),
+    no_effect(
+        "custom_reward_function.name",
+        "only used with custom_reward_function.path",
+    ),
+    // algorithm
+    acted("algorithm.gamma"),
+    acted("algorithm.lam"),
+    acted("algorithm.adv_estimator"),
+    acted("algorithm.norm_adv_by_std_in_grpo"),
+    acted("algorithm.use_kl_in_reward"),
+    acted("algorithm.kl_penalty"),
+    acted("algorithm.kl_ctrl"),
+    acted("algorithm.filter_groups.enable"),
+    acted("algorithm.filter_groups.max_num_gen_batches"),
+    Rule {
+        also_fine: &["acc", "score", "seq_reward"],
+        ..unsupported(
+            "algorithm.filter_groups.metric",
+            "groups are filtered on the rule score (equal to acc and seq_reward here); seq_final_reward is not implemented",
+        )
+    },
+    // trainer
+    no_effect(
+        "trainer.balance_batch",
+        "balancing reorders sequences across data-parallel ranks; one rank has nothing to balance",
+    ),
+    acted("trainer.total_epochs"),
+    acted("trainer.total_training_steps"),
+    acted("trainer.project_name"),
+    acted("trainer.experiment_name"),
+    acted("trainer.logger"),
+    acted("trainer.log_val_generations"),
+    no_effect(
+        "trainer.rollout_data_dir",
+        "generations are not dumped to files; log_val_generations shows validation samples",
+    ),
+    no_effect(
+        "trainer.validation_data_dir",
+        "generations are not dumped to files; log_val_generations shows validation samples",
+    ),
+    rule("trainer.nnodes", Treatment::WorldSize),
+    rule("trainer.n_gpus_per_node", Treatment::WorldSize),
+    acted("trainer.save_freq"),
+    acted("trainer.resume_mode"),
+    acted("trainer.resume_from_path"),
+    acted("trainer.val_before_train"),
+    acted("trainer.val_only"),
+    acted("trainer.test_freq"),
+    acted("trainer.critic_warmup"),
+    no_effect(
+        "trainer.default_hdfs_dir",
+        "checkpoints stay in trainer.default_local_dir; nothing is copied to HDFS",
+    ),
+    no_effect(
+        "trainer.del_local_ckpt_after_load",
+        "local checkpoints are kept (trainer.max_actor_ckpt_to_keep bounds them)",
+    ),
+    acted("trainer.default_local_dir"),
+    acted("trainer.max_actor_ckpt_to_keep"),
+    no_effect(
+        "trainer.max_critic_ckpt_to_keep",
+        "a checkpoint holds actor and critic together; trainer.max_actor_ckpt_to_keep bounds both",
+    ),
+    acted("trainer.device"),
+    acted("trainer.seed"),
+    acted("trainer.deterministic"),
+    acted("trainer.strict_config"),
+    acted("trainer.nan_policy"),
+    no_effect("trainer.use_legacy_worker_impl", NO_RAY),
+    // Ours: the jobs built on the trainer.
+    acted("quickstart"),
+    acted("sft"),
+    // verl's infrastructure sections.
+    no_effect("ray_kwargs", NO_RAY),
+    no_effect("global_profiler", NO_PROFILER),
+];
+
+/// The rule for `key`: its own, else the one of the nearest section above it.
+pub fn rule_for(key: &str) -> Option<&'static Rule> {
+    RULES
+        .iter()
+        .filter(|r| {
+            key == r.key
+                || key
+                    .strip_prefix(r.key)
+                    .is_some_and(|rest| rest.starts_with('.'))
+        })
+        .max_by_key(|r| r.key.len())
+}
+
+/// What the audit needs besides the config: the world size and what the run's components
+/// declare about their sections.
+#[derive(Debug, Clone)]
+pub struct AuditContext {
+    /// Ranks in this run (WORLD_SIZE; 1 without a launcher).
+    pub world_size: u32,
+    /// Each component the run uses: its verl section (`actor_rollout_ref.actor`,
+    /// `actor_rollout_ref.rollout`, …) and what it declares about the keys there.
+    pub components: Vec<(String, ConfigKeys)>,
+}
+
+impl Default for AuditContext {
+    /// One process, no component declarations.
+    fn default() -> Self {
+        Self {
+            world_size: 1,
+            components: Vec::new(),
+        }
+    }
+}
+
+/// Error (the run stops) or warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warning => "warning",
+        }
+    }
+}
+
+/// A key that is set but not acted on.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Finding {
+    pub key: String,
+    pub value: Value,
+    pub origin: String,
+    pub severity: Severity,
+    /// Whether the key is unsupported (else it has no effect).
+    pub unsupported: bool,
+    pub why: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            key, value, origin, ..
+        } = self;
+        write!(f, "config key `{key}`={value} (from {origin}) ")?;
+        match (self.unsupported, self.severity) {
+            (false, _) => write!(f, "has no effect: {}", self.why),
+            (true, Severity::Error) => write!(
+                f,
+                "is not supported yet: {} (trainer.strict_config=false runs without it)",
+                self.why
+            ),
+            (true, Severity::Warning) => write!(
+                f,
+                "is not supported yet and is ignored (trainer.strict_config=false): {}",
+                self.why
+            ),
+        }
+    }
+}
+
+/// Every set key of `config` that is not acted on, in key order.
+pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
+    let tree = config.to_json();
+    let defaults = Config::default().to_json();
+    let strict = config.trainer.strict_config;
+    let origin = |key: &str| config.origin(key).unwrap_or("built-in defaults").to_owned();
+    let finding = |key: &str, value: &Value, unsupported: bool, why: String| Finding {
+        key: key.to_owned(),
+        value: value.clone(),
+        origin: origin(key),
+        severity: if unsupported && strict {
+            Severity::Error
+        } else {
+            Severity::Warning
+        },
+        unsupported,
+        why,
+    };
+    let acted_on_by_component = |key: &str| {
+        ctx.components.iter().any(|(section, keys)| {
+            keys.acts_on.iter().any(|k| {
+                let declared = format!("{section}.{k}");
+                key == declared || key.starts_with(&format!("{declared}."))
+            })
+        })
+    };
+    let unused_role = |key: &str| {
+        let under = |section: &str| key.starts_with(&format!("{section}."));
+        if under("critic") && !config.critic_enabled() {
+            Some("no critic is trained in this run (critic.enable, algorithm.adv_estimator)")
+        } else if under("actor_rollout_ref.ref") && !config.ref_enabled() {
+            Some(
+                "no reference policy is used in this run (actor.use_kl_loss, algorithm.use_kl_in_reward)",
+            )
+        } else {
+            None
+        }
+    };
+
+    let mut findings = Vec::new();
+    for_each_leaf(&tree, &mut Vec::new(), &mut |path, value| {
+        let key = path.join(".");
+        let default = path
+            .iter()
+            .try_fold(&defaults, |v, k| v.get(k))
+            .unwrap_or(&Value::Null);
+        // A key without a rule is in a plugin section (`actor_rollout_ref.actor.fsdp_config`,
+        // `trainer.wandb`): its component reports it (declared notes, below) when it is used.
+        let rule = rule_for(&key);
+        let is_set = value != default
+            && !rule.is_some_and(|rule| {
+                rule.also_fine
+                    .iter()
+                    .any(|fine| value.as_str().map_or(value.to_string(), str::to_owned) == *fine)
+            });
+        if !is_set {
+            return;
+        }
+        if let Some(why) = unused_role(&key) {
+            findings.push(finding(&key, value, false, why.to_owned()));
+            return;
+        }
+        let Some(rule) = rule else { return };
+        match rule.treatment {
+            Treatment::Acted | Treatment::Plugin | Treatment::WorldSize => {}
+            _ if acted_on_by_component(&key) => {}
+            Treatment::Unsupported(why) => {
+                findings.push(finding(&key, value, true, why.to_owned()))
+            }
+            Treatment::NoEffect(why) => findings.push(finding(&key, value, false, why.to_owned())),
+        }
+    });
+    let (nnodes, per_node) = (config.trainer.nnodes, config.trainer.n_gpus_per_node);
+    if nnodes * per_node != ctx.world_size as usize {
+        // Name the key that was set (n_gpus_per_node when both or neither were).
+        let key = if config.origin("trainer.nnodes").is_some()
+            && config.origin("trainer.n_gpus_per_node").is_none()
+        {
+            "trainer.nnodes"
+        } else {
+            "trainer.n_gpus_per_node"
+        };
+        let value = config.get(key).unwrap_or(Value::Null);
+        findings.push(finding(
+            key,
+            &value,
+            true,
+            format!(
+                "trainer.nnodes × trainer.n_gpus_per_node = {nnodes} × {per_node} must equal the world size, {} \
+                 (WORLD_SIZE, 1 without a launcher); {PARALLEL}",
+                ctx.world_size
+            ),
+        ));
+    }
+
+    for (section, keys) in &ctx.components {
+        for (notes, unsupported) in [(&keys.unsupported, true), (&keys.no_effect, false)] {
+            for KeyNote {
+                key, default, why, ..
+            } in notes
+            {
+                let Some(value) = config.get(&format!("{section}.{key}")) else {
+                    continue;
+                };
+                let mut path = vec![section.clone(), key.clone()];
+                for_each_change(&value, default, &mut path, &mut |key, value| {
+                    findings.push(finding(key, value, unsupported, why.clone()));
+                });
+            }
+        }
+    }
+    findings.sort_by(|a, b| a.key.cmp(&b.key));
+    findings
+}
+
+/// Calls `f` with each key (dotted, `path` and below) where `value` differs from `default`:
+/// mappings are compared key by key, so setting part of a section to its defaults is no change.
+fn for_each_change(
+    value: &Value,
+    default: &Value,
+    path: &mut Vec<String>,
+    f: &mut impl FnMut(&str, &Value),
+) {
+    match (value, default) {
+        (Value::Object(map), Value::Object(_) | Value::Null) => {
+            for (k, v) in map {
+                path.push(k.clone());
+                for_each_change(v, default.get(k).unwrap_or(&Value::Null), path, f);
+                path.pop();
+            }
+        }
+        _ if value != default => f(&path.join("."), value),
+        _ => {}
+    }
+}
+
+/// Calls `f` with every leaf of `tree` (a value that is not a non-empty mapping) and its path.
+pub(super) fn for_each_leaf(
+    tree: &Value,
+    path: &mut Vec<String>,
+    f: &mut impl FnMut(&[String], &Value),
+) {
+    match tree {
+        Value::Object(map) if !map.is_empty() => {
+            for (k, v) in map {
+                path.push(k.clone());
+                for_each_leaf(v, path, f);
+                path.pop();
+            }
+        }
+        leaf => f(path, leaf),
+    }
+}

@@ -263,6 +263,17 @@ impl ModelConfig {
         config
     }
 
+    /// Positions the model is made for: `max_position_embeddings`, times the factor of linear
+    /// RoPE scaling (Llama 3's scaling is already counted in `max_position_embeddings`).
+    pub fn context_length(&self) -> i64 {
+        match self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) => {
+                (self.max_position_embeddings as f64 * factor) as i64
+            }
+            _ => self.max_position_embeddings,
+        }
+    }
+
     /// Number of query heads sharing one key/value head.
     pub fn kv_groups(&self) -> i64 {
         self.num_attention_heads / self.num_key_value_heads

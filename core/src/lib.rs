@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod inference;
+pub mod limits;
 pub mod placement;
 pub mod quickstart;
 pub mod report;

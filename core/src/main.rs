@@ -178,6 +178,12 @@ fn token_ids(text: &str) -> Result<TokenIds, String> {
         .map(TokenIds)
 }
 
+/// A plugin file as an absolute path: the dynamic loader looks a bare file name up in the
+/// library search path, not in the current directory.
+fn absolute(text: &str) -> Result<PathBuf, String> {
+    std::path::absolute(text).map_err(|e| e.to_string())
+}
+
 /// A float that is a number (NaN and infinities cannot cross the plugin boundary as JSON).
 fn finite(text: &str) -> Result<f32, String> {
     match text.parse::<f32>() {
@@ -210,6 +216,7 @@ enum PluginsCommand {
     },
     /// Load one plugin file and show what it registers; exits non-zero when it is rejected.
     Check {
+        #[arg(value_parser = absolute)]
         file: PathBuf,
         #[arg(long)]
         json: bool,
@@ -218,7 +225,11 @@ enum PluginsCommand {
     /// `--builtin`, of the components built into verl-core) and print a pass/fail table per
     /// check; exits non-zero on any failure.
     Certify {
-        #[arg(required_unless_present = "builtin", conflicts_with = "builtin")]
+        #[arg(
+            required_unless_present = "builtin",
+            conflicts_with = "builtin",
+            value_parser = absolute
+        )]
         file: Option<PathBuf>,
         /// Certify the built-in components (cpu, cuda, console, file, naive, disk).
         #[arg(long)]

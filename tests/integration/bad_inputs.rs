@@ -258,7 +258,8 @@ impl Case {
     fn check(&self, shared: &Shared) -> (Option<String>, Duration) {
         let dir = tempfile::tempdir().unwrap();
         self.prepare(shared, dir.path());
-        let mut env: Vec<(String, String)> = vec![("HOME".into(), dir.path().display().to_string())];
+        let mut env: Vec<(String, String)> =
+            vec![("HOME".into(), dir.path().display().to_string())];
         if self.plugins {
             env.push((
                 "VERL_PLUGIN_PATH".into(),
@@ -275,10 +276,7 @@ impl Case {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let log = dir.path().join(".output");
         let started = Instant::now();
-        let status = run_with_timeout(
-            verl_core_command(&args, &env).current_dir(dir.path()),
-            &log,
-        );
+        let status = run_with_timeout(verl_core_command(&args, &env).current_dir(dir.path()), &log);
         let took = started.elapsed();
         let output = std::fs::read_to_string(&log).unwrap_or_default();
         let problem = match status {
@@ -304,7 +302,11 @@ impl Case {
         };
         let problem = problem.map(|p| {
             let tail: String = output.chars().take(1500).collect();
-            format!("{}: {p}\n  $ verl-core {}\n{tail}", self.name, args.join(" "))
+            format!(
+                "{}: {p}\n  $ verl-core {}\n{tail}",
+                self.name,
+                args.join(" ")
+            )
         });
         (problem, took)
     }
@@ -375,7 +377,10 @@ fn every_bad_input_gets_a_clean_error() {
             scope.spawn(|| {
                 while let Some(case) = cases.get(next.fetch_add(1, Ordering::Relaxed)) {
                     let (problem, took) = case.check(&shared);
-                    results.lock().unwrap().push((case.name.as_str(), problem, took));
+                    results
+                        .lock()
+                        .unwrap()
+                        .push((case.name.as_str(), problem, took));
                 }
             });
         }

@@ -54,6 +54,14 @@ pub enum ModelError {
     #[error("invalid input {tensor:?}: {reason}")]
     InvalidInput { tensor: String, reason: String },
 
+    /// More than the memory available would be needed (checked before allocating).
+    #[error("{what} needs about {needed}, more than the {available} of memory available")]
+    OutOfMemory {
+        what: String,
+        needed: String,
+        available: String,
+    },
+
     /// A named tensor handed to the model (weight sync) that it does not have or cannot take.
     #[error("tensor {tensor:?}: {reason}")]
     Tensor { tensor: String, reason: String },

@@ -182,19 +182,16 @@ impl CausalLM {
             } else {
                 0
             };
-        match crate::memory::available_bytes() {
-            Some(available) if needed > u128::from(available) => Err(ModelError::invalid_input(
-                "n",
+        crate::memory::check(
+            || {
                 format!(
-                    "{} prompts × n {} samples × {positions} positions need about {} (KV cache, logits, responses), more than the {} of memory available",
+                    "generating {} prompts × n {} samples × {positions} positions (KV cache, logits, responses)",
                     prompts.len(),
-                    params.n,
-                    crate::memory::gib(needed),
-                    crate::memory::gib(u128::from(available))
-                ),
-            )),
-            _ => Ok(()),
-        }
+                    params.n
+                )
+            },
+            needed,
+        )
     }
 
     fn decode(
@@ -433,9 +430,38 @@ mod tests {
         );
 
         let many = error(&params(1_000_000_000, 8));
-        assert!(many.contains("\"n\""), "{many}");
-        assert!(many.contains("n 1000000000 samples"), "{many}");
+        assert!(
+            many.contains("2 prompts × n 1000000000 samples × 11 positions"),
+            "{many}"
+        );
         assert!(many.contains("of memory available"), "{many}");
+    }
+
+    /// The parameter count the memory check uses is exact, and a model too large for memory is
+    /// refused before its parameters are allocated.
+    #[test]
+    fn oversized_models_are_refused_before_allocating() {
+        for name in ["tiny-llama", "tiny-qwen2"] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures")
+                .join(name);
+            let model = CausalLM::from_pretrained(&dir, &ModelOptions::default()).unwrap();
+            let numel: i64 = model
+                .named_tensors()
+                .iter()
+                .map(|(_, t)| t.numel() as i64)
+                .sum();
+            assert_eq!(model.config().parameter_count(), numel as u128, "{name}");
+        }
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama");
+        let mut config = ModelConfig::from_dir(&dir).unwrap();
+        config.hidden_size = 1 << 30;
+        config.intermediate_size = 1 << 30;
+        let error = CausalLM::random(config, &ModelOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("hidden_size 1073741824"), "{error}");
+        assert!(error.contains("of memory available"), "{error}");
     }
 
     /// Empirical token frequencies of `pick` over many rows sharing one distribution. `in_place`

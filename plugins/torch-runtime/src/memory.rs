@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use crate::error::{ModelError, Result};
+
 /// Bytes this process can still allocate: `MemAvailable` of `/proc/meminfo`, lowered to what
 /// the cgroup (v2) the process runs in has left. None where neither can be read.
 pub fn available_bytes() -> Option<u64> {
@@ -30,6 +32,19 @@ fn cgroup_headroom(dir: &Path) -> Option<u64> {
     let max: u64 = read("memory.max")?.trim().parse().ok()?;
     let current: u64 = read("memory.current")?.trim().parse().ok()?;
     Some(max.saturating_sub(current))
+}
+
+/// Fails with [`ModelError::OutOfMemory`] when `needed` bytes (for `what`) exceed what is
+/// available; passes where that is unknown.
+pub fn check(what: impl FnOnce() -> String, needed: u128) -> Result<()> {
+    match available_bytes() {
+        Some(available) if needed > u128::from(available) => Err(ModelError::OutOfMemory {
+            what: what(),
+            needed: gib(needed),
+            available: gib(u128::from(available)),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// `bytes` in GiB for messages.

@@ -10,6 +10,7 @@ use verl_plugin_api::{ComponentKind, GenerateRequest, SamplingParams, keys};
 use verl_plugin_host::Registry;
 
 use crate::batch;
+use crate::limits::ContextWindow;
 use crate::placement::Placement;
 
 #[derive(Debug, Serialize)]
@@ -35,7 +36,9 @@ pub fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> anyhow::Result<V
         .to_vec())
 }
 
-/// Generates with the rollout component `rollout` loaded from `model`.
+/// Generates with the rollout component `rollout` loaded from `model`. The longest prompt and
+/// `--max-new-tokens` must fit the model's context; the rollout checks the rest of the request's
+/// size (`--n` included) against the memory available.
 pub fn generate(
     registry: &Registry,
     rollout: &str,
@@ -45,6 +48,16 @@ pub fn generate(
     placement: &Placement,
     tokenizer: Option<&tokenizers::Tokenizer>,
 ) -> anyhow::Result<Vec<GeneratedText>> {
+    if let Some(window) = ContextWindow::of_model(model) {
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        window.check(
+            format!(
+                "the longest prompt ({longest} tokens) + --max-new-tokens={}",
+                sampling.max_new_tokens
+            ),
+            longest as u128 + u128::from(sampling.max_new_tokens),
+        )?;
+    }
     let mut generator = registry
         .resolve(ComponentKind::ROLLOUT, rollout)?
         .create_rollout()?;
@@ -93,8 +106,10 @@ pub struct ScoredResponse {
 /// The token ids of `verl-core score`'s input: `(prompts, responses)`, one of each per line.
 pub type ScoreInput = (Vec<Vec<u32>>, Vec<Vec<u32>>);
 
-/// Reads `{"prompt_ids": […], "response_ids": […]}` lines; errors name the file and line.
-pub fn read_score_input(path: &PathBuf) -> anyhow::Result<ScoreInput> {
+/// Reads `{"prompt_ids": […], "response_ids": […]}` lines, each of which must fit the context of
+/// `model`; errors name the file and line.
+pub fn read_score_input(path: &PathBuf, model: &Path) -> anyhow::Result<ScoreInput> {
+    let window = ContextWindow::of_model(model);
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let (mut prompts, mut responses) = (Vec::new(), Vec::new());
     for (number, line) in std::io::BufReader::new(file).lines().enumerate() {
@@ -106,6 +121,15 @@ pub fn read_score_input(path: &PathBuf) -> anyhow::Result<ScoreInput> {
             .with_context(|| format!("{}:{}", path.display(), number + 1))?;
         if parsed.prompt_ids.is_empty() {
             bail!("{}:{}: prompt_ids is empty", path.display(), number + 1);
+        }
+        if let Some(window) = &window {
+            let (prompt, response) = (parsed.prompt_ids.len(), parsed.response_ids.len());
+            window
+                .check(
+                    format!("{prompt} prompt_ids + {response} response_ids"),
+                    (prompt + response) as u128,
+                )
+                .with_context(|| format!("{}:{}", path.display(), number + 1))?;
         }
         prompts.push(parsed.prompt_ids);
         responses.push(parsed.response_ids);

@@ -10,6 +10,7 @@ pub mod config_audit;
 pub mod data;
 pub mod inference;
 pub mod launch;
+pub mod limits;
 pub mod placement;
 pub mod quickstart;
 pub mod report;

@@ -166,19 +166,25 @@ struct GenerateArgs {
     /// A text prompt (tokenized with the model's tokenizer.json); repeatable.
     #[arg(long = "prompt")]
     prompts: Vec<String>,
-    /// A prompt as comma-separated token ids; repeatable.
-    #[arg(long = "prompt-ids", value_delimiter = ',', num_args = 1, action = clap::ArgAction::Append)]
-    prompt_ids: Vec<u32>,
+    /// A prompt as comma-separated token ids; repeatable, one prompt per flag.
+    #[arg(
+        long = "prompt-ids",
+        value_name = "ID,ID,...",
+        value_parser = token_ids,
+        allow_negative_numbers = true
+    )]
+    prompt_ids: Vec<TokenIds>,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: u32,
     /// Greedy decoding (the default unless --temperature is given).
     #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
     greedy: bool,
-    #[arg(long)]
+    #[arg(long, value_parser = finite, allow_negative_numbers = true)]
     temperature: Option<f32>,
-    #[arg(long)]
+    #[arg(long, value_parser = finite, allow_negative_numbers = true)]
     top_p: Option<f32>,
-    #[arg(long)]
+    /// Keep the k most likely tokens; -1 (or any k ≤ 0) keeps all.
+    #[arg(long, allow_negative_numbers = true)]
     top_k: Option<i32>,
     /// Samples per prompt.
     #[arg(long, default_value_t = 1)]
@@ -190,6 +196,39 @@ struct GenerateArgs {
     rollout: String,
     #[arg(long)]
     json: bool,
+}
+
+/// One `--prompt-ids` value: a prompt's token ids.
+#[derive(Clone, Debug)]
+struct TokenIds(Vec<u32>);
+
+fn token_ids(text: &str) -> Result<TokenIds, String> {
+    text.split(',')
+        .map(|id| {
+            id.trim().parse().map_err(|_| {
+                format!(
+                    "`{id}` is not a token id (a whole number from 0 to {})",
+                    u32::MAX
+                )
+            })
+        })
+        .collect::<Result<_, _>>()
+        .map(TokenIds)
+}
+
+/// A plugin file as an absolute path: the dynamic loader looks a bare file name up in the
+/// library search path, not in the current directory.
+fn absolute(text: &str) -> Result<PathBuf, String> {
+    std::path::absolute(text).map_err(|e| e.to_string())
+}
+
+/// A float that is a number (NaN and infinities cannot cross the plugin boundary as JSON).
+fn finite(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Args)]
@@ -215,6 +254,7 @@ enum PluginsCommand {
     },
     /// Load one plugin file and show what it registers; exits non-zero when it is rejected.
     Check {
+        #[arg(value_parser = absolute)]
         file: PathBuf,
         #[arg(long)]
         json: bool,
@@ -223,7 +263,11 @@ enum PluginsCommand {
     /// `--builtin`, of the components built into verl-core) and print a pass/fail table per
     /// check; exits non-zero on any failure.
     Certify {
-        #[arg(required_unless_present = "builtin", conflicts_with = "builtin")]
+        #[arg(
+            required_unless_present = "builtin",
+            conflicts_with = "builtin",
+            value_parser = absolute
+        )]
         file: Option<PathBuf>,
         /// Certify the built-in components (cpu, cuda, console, file, naive, disk).
         #[arg(long)]
@@ -268,6 +312,9 @@ enum BenchCommand {
     },
 }
 
+/// The exit status of a panic (a bug): Rust's own, so scripts see what they always saw.
+const PANIC_EXIT: u8 = 101;
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -275,13 +322,66 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse()) {
-        Ok(code) => code,
-        Err(e) => {
+    // With RUST_BACKTRACE set, the standard hook stays, for developers.
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        quiet_panics();
+    }
+    let cli = Cli::parse();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli))) {
+        Ok(Ok(code)) => code,
+        Ok(Err(e)) => {
             eprintln!("error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
+        Err(_) => {
+            let panic = LAST_PANIC
+                .lock()
+                .ok()
+                .and_then(|mut last| last.take())
+                .unwrap_or_else(|| "unknown panic".to_owned());
+            eprintln!("error: internal error, a bug in verl-core (please report it): {panic}");
+            ExitCode::from(PANIC_EXIT)
+        }
     }
+}
+
+/// The last panic's reason and place, for `main` to print as one line.
+static LAST_PANIC: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Replaces the panic hook, whose `thread … panicked at …` text (and backtrace hint) is no message
+/// for a user: a panic is recorded for `main`, which reports it in one line and exits with
+/// [`PANIC_EXIT`]; one on another thread is a debug log, its error reaching `main` through the
+/// thread's owner.
+fn quiet_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let reason = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".to_owned());
+        let place = info
+            .location()
+            .map(|l| format!(" ({}:{})", l.file(), l.line()))
+            .unwrap_or_default();
+        let text = format!("{}{place}", without_cpp_trace(&reason));
+        tracing::debug!("panic: {text}");
+        if let Ok(mut last) = LAST_PANIC.lock() {
+            *last = Some(text);
+        }
+    }));
+}
+
+/// `text` without a C++ stack trace: libtorch appends one (`frame #0: …`, `Exception raised from
+/// …`) to its errors, raw or escaped inside a quoted error. Plugins built with this release cut
+/// it themselves; this keeps any other plugin's from reaching the user.
+fn without_cpp_trace(text: &str) -> &str {
+    let cut = ["\nframe #", "\\nframe #", "Exception raised from"]
+        .iter()
+        .filter_map(|marker| text.find(marker))
+        .min()
+        .unwrap_or(text.len());
+    text[..cut].trim_end()
 }
 
 /// The error and its causes joined with ": ", leaving out a cause whose text an outer message
@@ -289,7 +389,7 @@ fn main() -> ExitCode {
 fn error_chain(error: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in error.chain() {
-        let text = cause.to_string();
+        let text = without_cpp_trace(&cause.to_string()).to_owned();
         if out.contains(&text) {
             continue;
         }
@@ -712,9 +812,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 })?;
                 prompts.push(inference::encode(tokenizer, text)?);
             }
-            if !args.prompt_ids.is_empty() {
-                prompts.push(args.prompt_ids.clone());
-            }
+            prompts.extend(args.prompt_ids.iter().map(|ids| ids.0.clone()));
             anyhow::ensure!(
                 !prompts.is_empty(),
                 "give at least one --prompt or --prompt-ids"
@@ -756,7 +854,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let placement = placement(&registry, timeout, 0)?;
             placement.require_single_rank("scoring")?;
-            let (prompts, responses) = inference::read_score_input(&args.input)?;
+            let (prompts, responses) = inference::read_score_input(&args.input, &args.model)?;
             let results = inference::score(
                 &registry,
                 &args.engine,
@@ -818,5 +916,86 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", elapsed.as_nanos());
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpp_stack_traces_are_cut() {
+        let raw = "libtorch: not enough memory: you tried to allocate 8 bytes\nframe #0: c10::alloc_cpu(unsigned long) + 0x3a4";
+        assert_eq!(
+            without_cpp_trace(raw),
+            "libtorch: not enough memory: you tried to allocate 8 bytes"
+        );
+        let escaped = r#"panicked in generate: Torch("oom\nframe #0: c10::Error")"#;
+        assert_eq!(
+            without_cpp_trace(escaped),
+            r#"panicked in generate: Torch("oom"#
+        );
+        let raised = "bad shape\nException raised from view at aten/src/ATen/native/View.cpp:12";
+        assert_eq!(without_cpp_trace(raised), "bad shape");
+        let toml = "TOML parse error at line 1, column 6\n  |\n1 | [data\n";
+        assert_eq!(without_cpp_trace(toml), toml.trim_end(), "other lines stay");
+    }
+
+    #[test]
+    fn each_prompt_ids_flag_is_one_prompt() {
+        let cli = Cli::try_parse_from([
+            "verl-core",
+            "generate",
+            "--model",
+            "m",
+            "--prompt-ids",
+            "4,5,6",
+            "--prompt-ids",
+            "7, 8",
+            "--top-k",
+            "-1",
+        ])
+        .unwrap();
+        let Command::Generate(args) = cli.command else {
+            panic!("parsed as another command")
+        };
+        let prompts: Vec<Vec<u32>> = args.prompt_ids.into_iter().map(|p| p.0).collect();
+        assert_eq!(prompts, vec![vec![4, 5, 6], vec![7, 8]]);
+        assert_eq!(args.top_k, Some(-1));
+        for bad in ["4,,5", "", "-1", "4294967296", "x"] {
+            let error =
+                Cli::try_parse_from(["verl-core", "generate", "--model", "m", "--prompt-ids", bad])
+                    .err()
+                    .unwrap_or_else(|| panic!("{bad:?} parsed"));
+            assert!(error.to_string().contains("--prompt-ids"), "{error}");
+        }
+        let nan = Cli::try_parse_from([
+            "verl-core",
+            "generate",
+            "--model",
+            "m",
+            "--temperature",
+            "NaN",
+        ]);
+        assert!(
+            nan.err()
+                .unwrap()
+                .to_string()
+                .contains("not a finite number")
+        );
+    }
+
+    /// A panic is recorded for `main`'s one line, message and place, without the C++ trace.
+    #[test]
+    fn the_panic_hook_records_one_line() {
+        quiet_panics();
+        let outcome = std::panic::catch_unwind(|| {
+            panic!("Torch(\"oom\\nframe #0: c10::Error\")");
+        });
+        assert!(outcome.is_err());
+        let recorded = LAST_PANIC.lock().unwrap().take().unwrap();
+        assert!(recorded.starts_with("Torch(\"oom ("), "{recorded}");
+        assert!(recorded.contains("main.rs:"), "{recorded}");
+        let _ = std::panic::take_hook();
     }
 }

@@ -47,6 +47,12 @@ pub fn run_sft(
             .as_deref()
             .unwrap_or(&format!("{}/sft", config.trainer.default_local_dir)),
     );
+    if sft.batch_size == 0 {
+        return Err(TrainError::Invalid(
+            "sft.batch_size must be at least 1".to_owned(),
+        ));
+    }
+    crate::limits::check_sft(config, &base).map_err(|e| TrainError::Invalid(e.to_string()))?;
     let tokenizer_json = base.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json)
         .map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_json.display())))?;

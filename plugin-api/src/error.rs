@@ -1,7 +1,9 @@
 //! The error type that crosses the ABI, and the panic guard that keeps unwinding on its side.
 
+use std::cell::Cell;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Once;
 
 use abi_stable::StableAbi;
 use abi_stable::std_types::{RResult, RString};
@@ -97,13 +99,50 @@ impl From<&str> for PluginError {
     }
 }
 
+thread_local! {
+    /// How many [`guard`]s this thread is inside.
+    static GUARDED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Wraps the panic hook once so that it stays silent for panics [`guard`] turns into errors: they
+/// reach the user as those errors, and the hook's `thread … panicked at …` text (with, for a
+/// libtorch error, a C++ stack trace) would only repeat them badly. A plugin links its own copy of
+/// std, so the host's hook never sees them. Panics elsewhere still reach the previous hook.
+fn silence_guarded_panics() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if GUARDED.with(Cell::get) == 0 {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// A panic's reason up to its first line break, raw or escaped (`\n` inside a quoted error):
+/// what follows in a libtorch error is its C++ stack trace.
+fn first_line(reason: &str) -> &str {
+    let end = [reason.find('\n'), reason.find("\\n")]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(reason.len());
+    reason[..end].trim_end()
+}
+
 /// Runs `f`, turning a panic into a `PluginError` of kind `PANIC` so it never unwinds across the ABI
-/// (unwinding out of an `extern "C"` function aborts the whole process).
+/// (unwinding out of an `extern "C"` function aborts the whole process). The panic prints nothing
+/// and its reason is cut to its first line.
 pub fn guard<T>(
     operation: &str,
     f: impl FnOnce() -> Result<T, PluginError>,
 ) -> RResult<T, PluginError> {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    silence_guarded_panics();
+    GUARDED.with(|g| g.set(g.get() + 1));
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(g.get() - 1));
+    match outcome {
         Ok(result) => result.into(),
         Err(payload) => {
             let reason = payload
@@ -113,7 +152,7 @@ pub fn guard<T>(
                 .unwrap_or_else(|| "non-string panic payload".to_owned());
             RResult::RErr(PluginError::new(
                 ErrorKind::PANIC,
-                format!("panicked in {operation}: {reason}"),
+                format!("panicked in {operation}: {}", first_line(&reason)),
             ))
         }
     }

@@ -210,6 +210,41 @@ mod tests {
         assert_eq!(e.message(), "panicked in detect: boom 7");
     }
 
+    /// A guarded panic prints nothing (checked in a child process, whose stderr is the hook's
+    /// output) and its reason keeps its first line only.
+    #[test]
+    fn guarded_panics_are_silent_and_one_line() {
+        const CHILD: &str = "VERL_PLUGIN_API_PANIC_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let e = guard("generate", || -> Result<(), PluginError> {
+                panic!("Torch(\"out of memory\\nframe #0: c10::Error\")\nException raised from")
+            })
+            .into_result()
+            .unwrap_err();
+            println!("message=[{}]", e.message());
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tests::guarded_panics_are_silent_and_one_line",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(
+            stdout.contains("message=[panicked in generate: Torch(\"out of memory]"),
+            "{stdout}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+
     #[test]
     fn builder_creates_guarded_components() {
         struct Boom;

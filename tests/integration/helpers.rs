@@ -270,9 +270,9 @@ pub fn set_mode(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-/// Runs the release binary with only `env` set (plus PATH), so the machine's own variables never
-/// leak into a test.
-pub fn verl_core(args: &[&str], env: &[(&str, &str)]) -> Output {
+/// The release binary with only `env` set (plus PATH), so the machine's own variables never leak
+/// into a test.
+pub fn verl_core_command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new(&release().binary);
     // No default plugin directory: an installed target/release/plugins must not leak into tests.
     cmd.env_clear()
@@ -282,7 +282,14 @@ pub fn verl_core(args: &[&str], env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().expect("running verl-core")
+    cmd
+}
+
+/// Runs [`verl_core_command`].
+pub fn verl_core(args: &[&str], env: &[(&str, &str)]) -> Output {
+    verl_core_command(args, env)
+        .output()
+        .expect("running verl-core")
 }
 
 pub fn stdout_json(output: &Output) -> Value {

@@ -1,5 +1,6 @@
 //! Integration tests: the real release binary, the real plugin libraries, fake machines.
 
+mod bad_inputs;
 mod bad_plugins;
 mod certify;
 mod compute;

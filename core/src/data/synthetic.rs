@@ -20,6 +20,9 @@ pub const SPECIAL_TOKENS: [&str; 4] = ["<pad>", "<s>", "</s>", "<unk>"];
 /// The task's characters, after the special tokens.
 pub const ALPHABET: &str = "0123456789+= #";
 
+/// The most problems one task makes (train and validation together): about 2 GB while generating.
+const MAX_PROBLEMS: usize = 10_000_000;
+
 /// Difficulty and size knobs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -64,7 +67,22 @@ impl AdditionTask {
                 self.operands
             )));
         }
-        let wanted = self.train_size + self.val_size;
+        if self.train_size == 0 {
+            return Err(DataError::Synthetic(
+                "train_size must be at least 1".to_owned(),
+            ));
+        }
+        // Every problem is held in memory (and in a set of those seen) before writing.
+        let wanted = self
+            .train_size
+            .checked_add(self.val_size)
+            .filter(|&n| n <= MAX_PROBLEMS)
+            .ok_or_else(|| {
+                DataError::Synthetic(format!(
+                    "train_size {} + val_size {} is more than the {MAX_PROBLEMS} problems this task makes",
+                    self.train_size, self.val_size
+                ))
+            })?;
         let per_operand: u64 = (self.min_digits..=self.max_digits)
             .map(|d| numbers_with_digits(d).1 - numbers_with_digits(d).0 + 1)
             .sum();
@@ -270,6 +288,22 @@ mod tests {
             .generate()
             .is_err()
         );
+        // Sizes are bounded before anything is allocated (and their sum cannot wrap around).
+        let sized = |train_size, val_size| {
+            AdditionTask {
+                max_digits: 9,
+                operands: 8,
+                train_size,
+                val_size,
+                ..Default::default()
+            }
+            .generate()
+            .unwrap_err()
+            .to_string()
+        };
+        assert!(sized(0, 5).contains("train_size must be at least 1"));
+        assert!(sized(1_000_000_000_000, 128).contains("train_size 1000000000000 + val_size 128"));
+        assert!(sized(usize::MAX, 128).contains("more than the 10000000 problems"));
         // Three 3-digit operands.
         let (train, _) = AdditionTask {
             min_digits: 3,

@@ -208,6 +208,7 @@ impl Trainer {
         placement: &Placement,
     ) -> Result<Self, TrainError> {
         check_batch_sizes(&config)?;
+        crate::limits::check_rl(&config).map_err(|e| TrainError::Invalid(e.to_string()))?;
         let run_dir = expand_home(&config.trainer.default_local_dir);
         check_outputs(&config, &run_dir)?;
 

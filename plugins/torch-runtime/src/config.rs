@@ -263,6 +263,34 @@ impl ModelConfig {
         config
     }
 
+    /// Positions the model is made for: `max_position_embeddings`, times the factor of linear
+    /// RoPE scaling (Llama 3's scaling is already counted in `max_position_embeddings`).
+    pub fn context_length(&self) -> i64 {
+        match self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) => {
+                (self.max_position_embeddings as f64 * factor) as i64
+            }
+            _ => self.max_position_embeddings,
+        }
+    }
+
+    /// Parameters of the language model with its LM head.
+    pub fn parameter_count(&self) -> u128 {
+        let int = |v: i64| v as u128;
+        let bias = |present: bool, n: u128| if present { n } else { 0 };
+        let (hidden, inter) = (int(self.hidden_size), int(self.intermediate_size));
+        let q = int(self.num_attention_heads) * int(self.head_dim);
+        let kv = int(self.num_key_value_heads) * int(self.head_dim);
+        let attention = 2 * hidden * q
+            + 2 * hidden * kv
+            + bias(self.qkv_bias, q + 2 * kv)
+            + bias(self.o_bias, hidden);
+        let mlp = 3 * hidden * inter + bias(self.mlp_bias, 2 * inter + hidden);
+        let embeddings = int(self.vocab_size) * hidden;
+        let head = bias(!self.tie_word_embeddings, embeddings);
+        embeddings + int(self.num_hidden_layers) * (attention + mlp + 2 * hidden) + hidden + head
+    }
+
     /// Number of query heads sharing one key/value head.
     pub fn kv_groups(&self) -> i64 {
         self.num_attention_heads / self.num_key_value_heads

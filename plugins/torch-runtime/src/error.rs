@@ -54,12 +54,40 @@ pub enum ModelError {
     #[error("invalid input {tensor:?}: {reason}")]
     InvalidInput { tensor: String, reason: String },
 
+    /// More than the memory available would be needed (checked before allocating).
+    #[error("{what} needs about {needed}, more than the {available} of memory available")]
+    OutOfMemory {
+        what: String,
+        needed: String,
+        available: String,
+    },
+
     /// A named tensor handed to the model (weight sync) that it does not have or cannot take.
     #[error("tensor {tensor:?}: {reason}")]
     Tensor { tensor: String, reason: String },
 
-    #[error(transparent)]
-    Torch(#[from] tch::TchError),
+    /// A libtorch failure, cut to its first line: libtorch appends a C++ stack trace (`frame #0:
+    /// …`, `Exception raised from …`) that means nothing to a user.
+    #[error("libtorch: {0}")]
+    Torch(String),
+}
+
+impl From<tch::TchError> for ModelError {
+    fn from(e: tch::TchError) -> Self {
+        let text = match e {
+            tch::TchError::Torch(message) => message,
+            other => other.to_string(),
+        };
+        Self::Torch(first_line(&text).to_owned())
+    }
+}
+
+/// The first non-empty line of `text`, trimmed.
+fn first_line(text: &str) -> &str {
+    text.lines()
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+        .unwrap_or("(no message)")
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
@@ -96,4 +124,29 @@ pub(crate) fn write_json<T: serde::Serialize>(path: &std::path::Path, value: &T)
         source,
     })?;
     std::fs::write(path, text).map_err(|e| ModelError::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtorch_errors_keep_their_first_line_only() {
+        let raw = tch::Tensor::zeros([2, 3], (tch::Kind::Float, tch::Device::Cpu))
+            .f_view([7])
+            .unwrap_err();
+        assert!(
+            raw.to_string().lines().count() > 1,
+            "libtorch's own text carries a stack trace: {raw}"
+        );
+        let error = ModelError::from(raw).to_string();
+        assert!(error.starts_with("libtorch: "), "{error}");
+        assert!(error.contains("shape '[7]' is invalid"), "{error}");
+        assert!(
+            !error.contains('\n')
+                && !error.contains("frame #")
+                && !error.contains("Exception raised"),
+            "{error}"
+        );
+    }
 }

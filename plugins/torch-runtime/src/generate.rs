@@ -125,6 +125,7 @@ impl CausalLM {
                 ));
             }
         }
+        self.check_size(prompts, params)?;
         if prompts.is_empty() || params.max_new_tokens == 0 {
             return Ok(prompts
                 .iter()
@@ -137,6 +138,60 @@ impl CausalLM {
             stops.extend_from_slice(eos_token_ids);
         }
         tch::no_grad(|| self.decode(prompts, params, &stops, DecodePath::Kernels))
+    }
+
+    /// Refuses a request before anything is allocated for it when prompt and new tokens exceed
+    /// the model's context, or when its KV cache and working set (an estimate) exceed the memory
+    /// available: on CPU all of it, on an accelerator the host-side part (the device's own
+    /// allocator reports the rest).
+    fn check_size(&self, prompts: &[Vec<i64>], params: &SamplingParams) -> Result<()> {
+        let c = self.config();
+        let width = prompts.iter().map(Vec::len).max().unwrap_or(0) as u128;
+        let new_tokens = params.max_new_tokens as u128;
+        let positions = width + new_tokens;
+        let context = c.context_length();
+        if positions > context as u128 {
+            return Err(ModelError::invalid_input(
+                "max_new_tokens",
+                format!(
+                    "the longest prompt ({width} tokens) + max_new_tokens {new_tokens} = {positions} positions, more than the model's context of {context} (max_position_embeddings)"
+                ),
+            ));
+        }
+        let rows = prompts.len() as u128 * params.n as u128;
+        let f32_bytes = 4u128;
+        let elt = self.kind().elt_size_in_bytes() as u128;
+        let int = |v: i64| v as u128;
+        // Per row: the response and its log-probs, the row's RNG and bookkeeping.
+        let host = rows * (new_tokens * 12 + 64);
+        let kv = 2 * int(c.num_hidden_layers) * int(c.num_key_value_heads) * int(c.head_dim);
+        let step_width = 3 * int(c.hidden_size)
+            + int(c.num_attention_heads + 2 * c.num_key_value_heads) * int(c.head_dim)
+            + int(c.num_attention_heads) * int(c.head_dim)
+            + 3 * int(c.intermediate_size);
+        let per_row = positions * (kv + 1) * elt + (2 * int(c.vocab_size) + step_width) * f32_bytes;
+        // The prefill's activations and attention scores, for the prompts before the samples
+        // share them.
+        let prefill = prompts.len() as u128
+            * width
+            * ((4 * int(c.hidden_size) + 2 * int(c.intermediate_size)) * elt
+                + int(c.num_attention_heads) * width * f32_bytes);
+        let needed = host
+            + if self.device() == tch::Device::Cpu {
+                rows * per_row + prefill
+            } else {
+                0
+            };
+        crate::memory::check(
+            || {
+                format!(
+                    "generating {} prompts × n {} samples × {positions} positions (KV cache, logits, responses)",
+                    prompts.len(),
+                    params.n
+                )
+            },
+            needed,
+        )
     }
 
     fn decode(
@@ -343,6 +398,70 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Oversized requests are refused before anything is allocated, naming the parameter, the
+    /// size and the limit.
+    #[test]
+    fn oversized_requests_are_refused_before_allocating() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama");
+        let model = CausalLM::from_pretrained(&dir, &ModelOptions::default()).unwrap();
+        let context = model.config().context_length();
+        let prompts = vec![vec![5, 9, 14], vec![11]];
+        let params = |n, max_new_tokens| SamplingParams {
+            n,
+            max_new_tokens,
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let error = |p: &SamplingParams| model.generate(&prompts, p, &[]).unwrap_err().to_string();
+
+        let long = error(&params(1, 1_000_000_000));
+        assert!(long.contains("\"max_new_tokens\""), "{long}");
+        assert!(long.contains("1000000003 positions"), "{long}");
+        assert!(long.contains(&format!("context of {context}")), "{long}");
+        // Exactly the context fits.
+        let fits = params(1, context as usize - 3);
+        assert_eq!(
+            model.generate(&prompts, &fits, &[]).unwrap()[0]
+                .response_ids
+                .len(),
+            fits.max_new_tokens
+        );
+
+        let many = error(&params(1_000_000_000, 8));
+        assert!(
+            many.contains("2 prompts × n 1000000000 samples × 11 positions"),
+            "{many}"
+        );
+        assert!(many.contains("of memory available"), "{many}");
+    }
+
+    /// The parameter count the memory check uses is exact, and a model too large for memory is
+    /// refused before its parameters are allocated.
+    #[test]
+    fn oversized_models_are_refused_before_allocating() {
+        for name in ["tiny-llama", "tiny-qwen2"] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures")
+                .join(name);
+            let model = CausalLM::from_pretrained(&dir, &ModelOptions::default()).unwrap();
+            let numel: i64 = model
+                .named_tensors()
+                .iter()
+                .map(|(_, t)| t.numel() as i64)
+                .sum();
+            assert_eq!(model.config().parameter_count(), numel as u128, "{name}");
+        }
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama");
+        let mut config = ModelConfig::from_dir(&dir).unwrap();
+        config.hidden_size = 1 << 30;
+        config.intermediate_size = 1 << 30;
+        let error = CausalLM::random(config, &ModelOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("hidden_size 1073741824"), "{error}");
+        assert!(error.contains("of memory available"), "{error}");
     }
 
     /// Empirical token frequencies of `pick` over many rows sharing one distribution. `in_place`

@@ -13,6 +13,7 @@ pub mod interop;
 mod kernels;
 mod logprobs;
 pub mod losses;
+mod memory;
 mod model;
 mod optim;
 mod rng;

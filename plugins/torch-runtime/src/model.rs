@@ -614,7 +614,24 @@ impl std::fmt::Debug for CausalLM {
 
 impl CausalLM {
     /// The model with all parameters zero (norms one) in the requested dtype; callers fill them.
-    fn build(config: ModelConfig, options: &ModelOptions) -> Self {
+    /// Refused before allocating when the parameters (created in fp32) exceed host memory.
+    fn build(config: ModelConfig, options: &ModelOptions) -> Result<Self> {
+        if options.device == Device::Cpu {
+            let c = &config;
+            crate::memory::check(
+                || {
+                    format!(
+                        "a model of {} parameters (hidden_size {}, intermediate_size {}, {} layers, vocab_size {})",
+                        c.parameter_count(),
+                        c.hidden_size,
+                        c.intermediate_size,
+                        c.num_hidden_layers,
+                        c.vocab_size
+                    )
+                },
+                c.parameter_count() * 4,
+            )?;
+        }
         let mut vs = nn::VarStore::new(options.device);
         let root = vs.root();
         let model = &root / "model";
@@ -637,7 +654,7 @@ impl CausalLM {
         let inv_freq = inv_freq(c, options.device);
         // Before loading, so that a bf16 model never holds an fp32 copy of its weights.
         vs.set_kind(options.kind);
-        Self {
+        Ok(Self {
             config,
             vs,
             embed_tokens,
@@ -646,13 +663,13 @@ impl CausalLM {
             head,
             inv_freq,
             decode_weights: Mutex::new(None),
-        }
+        })
     }
 
     /// Random initialisation as transformers does it: weights `N(0, initializer_range)`, biases
     /// zero, norms one. Same config + seed → same weights, on any thread.
     pub fn random(config: ModelConfig, options: &ModelOptions) -> Result<Self> {
-        let model = Self::build(config, options);
+        let model = Self::build(config, options)?;
         model.init_matching(&mut Rng::new(options.seed), |_| true)?;
         Ok(model)
     }
@@ -662,7 +679,7 @@ impl CausalLM {
     /// takes `score.*` from the checkpoint when present and initialises it randomly otherwise.
     pub fn from_pretrained(dir: &Path, options: &ModelOptions) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let model = Self::build(config, options);
+        let model = Self::build(config, options)?;
         let absent = weights::load_into(dir, &model.named_tensors(), is_value_head)?;
         model.init_matching(&mut Rng::new(options.seed), |name| {
             absent.iter().any(|a| a == name)

@@ -32,7 +32,8 @@ pub struct Delivery {
     /// First retry delay; doubles per retry, and is also the first rest after a request failed
     /// all its retries (doubling up to 30 s, reset by a success).
     pub backoff_ms: u64,
-    /// Time `finish` gives the server to take what is still queued; the rest is spilled.
+    /// Time `finish` gives the server to take what is still queued and close the run; it returns
+    /// by then, having spilled the rest.
     pub finish_timeout_s: f64,
     /// Limit of one HTTP request.
     pub request_timeout_s: f64,
@@ -47,7 +48,7 @@ impl Default for Delivery {
             enqueue_timeout_ms: 50,
             retries: 4,
             backoff_ms: 250,
-            finish_timeout_s: 30.0,
+            finish_timeout_s: 10.0,
             request_timeout_s: 10.0,
             spill_path: None,
         }
@@ -59,7 +60,7 @@ impl Delivery {
         Duration::from_millis(self.backoff_ms.max(1))
     }
     pub fn finish_timeout(&self) -> Duration {
-        Duration::try_from_secs_f64(self.finish_timeout_s).unwrap_or(Duration::from_secs(30))
+        Duration::try_from_secs_f64(self.finish_timeout_s).unwrap_or(Duration::from_secs(10))
     }
     pub fn request_timeout(&self) -> Duration {
         Duration::try_from_secs_f64(self.request_timeout_s).unwrap_or(Duration::from_secs(10))

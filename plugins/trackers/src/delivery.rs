@@ -9,11 +9,13 @@
 //! - A request failing with a transient error (network, 5xx, 429) is retried `retries` times with
 //!   doubling delays; when it still fails its metrics are spilled and the backend rests (no
 //!   requests, spill directly) for a doubling period before the next try, so a dead server does
-//!   not stall the queue. A 4xx is not retried. The first failure is warned about once, with its
-//!   reason and the spill file's path; later ones are debug logs.
+//!   not stall the queue. A 4xx is not retried. The first failed request is warned about at once
+//!   (not after its retries), with its reason and the spill file's path; later ones are debug logs.
 //! - `finish` (and `Drop`, for paths that never reach it, like Ctrl-C unwinding) gives the sender
 //!   `finish_timeout_s` to deliver what is queued (with one fresh try even while resting) and to
-//!   close the run; anything left after that is spilled. It reports what was spilled, and where.
+//!   close the run, and returns by then whatever the server does: when time is up it takes over
+//!   the request in flight and the queue and spills them, leaving the sender to its request. It
+//!   reports what was spilled, and where.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -81,6 +83,24 @@ enum Msg {
     Row(Row),
     Table(u64, f64, Table),
     Finish(i32, Sender<()>),
+}
+
+/// What the sender thread is delivering, where `finish` can take it over when its time is up.
+#[derive(Debug)]
+enum Pending {
+    Rows(Vec<Row>),
+    Table(u64, f64, Table),
+    Close(i32),
+}
+
+/// The request in flight, and whether `finish` gave up on the sender thread.
+#[derive(Debug, Default)]
+struct Handover {
+    pending: Option<Pending>,
+    /// Set by `finish` when time was up: it spilled what the sender held and reported the run's end.
+    abandoned: bool,
+    /// The run was closed (or closing it failed and was recorded).
+    closed: bool,
 }
 
 /// The JSONL file of whatever could not be delivered, opened on first use. One line per step or
@@ -154,6 +174,22 @@ impl Spill {
             self.tables += 1;
         }
     }
+
+    /// The run could not be closed.
+    fn finish(&mut self, exit_code: i32, reason: &str) {
+        self.write(
+            into_map(json!({"finish": {"exit_code": exit_code}})),
+            reason,
+        );
+    }
+
+    fn pending(&mut self, pending: Pending, reason: &str) {
+        match pending {
+            Pending::Rows(rows) => self.rows(&rows, reason),
+            Pending::Table(step, wall_time, table) => self.table(step, wall_time, &table, reason),
+            Pending::Close(exit_code) => self.finish(exit_code, reason),
+        }
+    }
 }
 
 fn into_map(value: Value) -> Map<String, Value> {
@@ -181,6 +217,7 @@ struct Shared {
     warned: AtomicBool,
     /// Set by `finish`: past it, the sender spills instead of sending.
     deadline: Mutex<Option<Instant>>,
+    handover: Mutex<Handover>,
 }
 
 impl Shared {
@@ -202,9 +239,62 @@ impl Shared {
         } else {
             let path = self.spill().path.display().to_string();
             warn(&format!(
-                "{}: {reason}; the run goes on, and what {} cannot take is written to {path}",
+                "{}: {reason}; the run goes on (failed requests are retried), and what {} cannot take is written to {path}",
                 self.name, self.name
             ));
+        }
+    }
+
+    /// The sender starts delivering `pending`; false (and `pending` comes back) when `finish` gave
+    /// up on the sender, which then spills instead.
+    fn begin(&self, pending: Pending) -> Result<(), Pending> {
+        let mut handover = lock(&self.handover);
+        if handover.abandoned {
+            return Err(pending);
+        }
+        handover.pending = Some(pending);
+        Ok(())
+    }
+
+    /// The sender is done with what it began; false when `finish` took it over (and spilled it).
+    fn end(&self) -> bool {
+        let mut handover = lock(&self.handover);
+        match handover.pending.take() {
+            Some(Pending::Close(_)) => {
+                handover.closed = true;
+                true
+            }
+            Some(_) => true,
+            None => false,
+        }
+    }
+
+    /// `finish`'s time is up: spills what the sender holds and what is queued, and records the run
+    /// as not closed unless it was.
+    fn take_over(&self, queue: &Receiver<Msg>, exit_code: i32) {
+        let (pending, closed) = {
+            let mut handover = lock(&self.handover);
+            handover.abandoned = true;
+            (handover.pending.take(), handover.closed)
+        };
+        let reason = "finish_timeout_s passed before the server took it";
+        let mut spill = self.spill();
+        let closing = matches!(pending, Some(Pending::Close(_)));
+        if let Some(pending) = pending {
+            spill.pending(pending, reason);
+        }
+        if !closed && !closing {
+            spill.finish(exit_code, reason);
+        }
+        drop(spill);
+        for msg in queue.try_iter() {
+            match msg {
+                Msg::Row(row) => self.spill().rows(&[row], reason),
+                Msg::Table(step, wall_time, table) => {
+                    self.spill().table(step, wall_time, &table, reason)
+                }
+                Msg::Finish(..) => {}
+            }
         }
     }
 }
@@ -218,6 +308,8 @@ pub struct Managed<B: Backend> {
 
 struct Running {
     tx: Sender<Msg>,
+    /// The queue's other end, for `finish` to empty when the sender does not in time.
+    rx: Receiver<Msg>,
     shared: Arc<Shared>,
     worker: JoinHandle<()>,
     delivery: Delivery,
@@ -278,25 +370,26 @@ impl<B: Backend> Managed<B> {
             return;
         };
         let finish = running.delivery.finish_timeout();
-        *lock(&running.shared.deadline) = Some(Instant::now() + finish);
-        // Past the deadline the sender only spills, but a request already in flight may run to its
-        // own timeout: wait for that too.
-        let patience = finish + 2 * running.delivery.request_timeout() + Duration::from_secs(5);
+        let deadline = Instant::now() + finish;
+        *lock(&running.shared.deadline) = Some(deadline);
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
         let finished = running
             .tx
-            .send_timeout(Msg::Finish(exit_code, done_tx), patience)
+            .send_deadline(Msg::Finish(exit_code, done_tx), deadline)
             .is_ok()
-            && done_rx.recv_timeout(patience).is_ok();
+            && done_rx.recv_deadline(deadline).is_ok();
+        let name = B::NAME;
         if finished {
             let _ = running.worker.join();
         } else {
+            // A request in flight may run to its own timeout: the sender is left to it (the
+            // process may end first), and what it held is spilled here.
+            running.shared.take_over(&running.rx, exit_code);
             warn(&format!(
-                "{}: the sender thread did not finish within {patience:?}; what it still holds may be lost",
-                B::NAME
+                "{name}: the server did not take the rest of the run within finish_timeout_s={}; the run is not marked finished",
+                running.delivery.finish_timeout_s
             ));
         }
-        let name = B::NAME;
         let spill = running.shared.spill();
         let tables = running.shared.tables();
         if tables.tables > 0 {
@@ -352,8 +445,10 @@ impl<B: Backend> Tracker for Managed<B> {
             tables: spill(tables_path),
             warned: AtomicBool::new(false),
             deadline: Mutex::new(None),
+            handover: Mutex::default(),
         });
         let (tx, rx) = crossbeam_channel::bounded(delivery.queue_capacity.max(1));
+        let rx_for_finish = rx.clone();
         let courier = Courier {
             backend,
             opened: false,
@@ -375,6 +470,7 @@ impl<B: Backend> Tracker for Managed<B> {
             })?;
         self.running = Some(Running {
             tx,
+            rx: rx_for_finish,
             shared,
             worker,
             delivery,
@@ -462,23 +558,46 @@ impl<B: Backend> Courier<B> {
         }
     }
 
+    /// Runs `request` for `pending` (a copy of what it sends), which `finish` may take over
+    /// meanwhile. None: `finish` has it (and spilled it); else what the request gave, or why it
+    /// was not sent.
+    fn tracked<T>(
+        &mut self,
+        pending: Pending,
+        force: bool,
+        request: impl FnMut(&mut B) -> Result<T, TrackerError>,
+    ) -> Option<Result<T, TrackerError>> {
+        if let Err(pending) = self.shared.begin(pending) {
+            if !matches!(pending, Pending::Close(_)) {
+                self.shared
+                    .spill()
+                    .pending(pending, "finish_timeout_s passed");
+            }
+            return None;
+        }
+        let outcome = self.attempt(force, request);
+        self.shared.end().then_some(outcome)
+    }
+
     fn deliver(&mut self, rows: Vec<Row>) {
         for chunk in chunks(rows, self.backend.max_metrics()) {
-            if let Err(e) = self.attempt(false, |b| b.send(&chunk)) {
+            let pending = Pending::Rows(chunk.clone());
+            if let Some(Err(e)) = self.tracked(pending, false, |b| b.send(&chunk)) {
                 self.shared.spill().rows(&chunk, &e.to_string());
             }
         }
     }
 
     fn table(&mut self, step: u64, wall_time: f64, table: &Table) {
-        match self.attempt(false, |b| b.send_table(step, table)) {
-            Ok(()) => {}
-            Err(TrackerError::NoTables) => {
+        let pending = Pending::Table(step, wall_time, table.clone());
+        match self.tracked(pending, false, |b| b.send_table(step, table)) {
+            None | Some(Ok(())) => {}
+            Some(Err(TrackerError::NoTables)) => {
                 self.shared
                     .tables()
                     .table(step, wall_time, table, "this tool has no tables");
             }
-            Err(e) => self
+            Some(Err(e)) => self
                 .shared
                 .spill()
                 .table(step, wall_time, table, &e.to_string()),
@@ -486,15 +605,13 @@ impl<B: Backend> Courier<B> {
     }
 
     fn close(&mut self, exit_code: i32) {
-        if let Err(e) = self.attempt(true, |b| b.close(exit_code)) {
+        let outcome = self.tracked(Pending::Close(exit_code), true, |b| b.close(exit_code));
+        if let Some(Err(e)) = outcome {
             warn(&format!(
                 "{}: could not close the run (exit code {exit_code}): {e}",
                 B::NAME
             ));
-            self.shared.spill().write(
-                into_map(json!({"finish": {"exit_code": exit_code}})),
-                &e.to_string(),
-            );
+            self.shared.spill().finish(exit_code, &e.to_string());
         }
     }
 
@@ -559,6 +676,11 @@ impl<B: Backend> Courier<B> {
                 }
                 Err(e) => e,
             };
+            // Warned at the first failure, not after the retries: against a server that accepts
+            // connections and never answers, those take minutes.
+            if !matches!(error, TrackerError::NoTables) {
+                self.shared.warn_once(&error);
+            }
             let in_time = deadline.is_none_or(|d| Instant::now() + delay < d);
             if error.is_transient() && retries < self.delivery.retries && in_time {
                 tracing::debug!("{}: {error}; retrying in {delay:?}", B::NAME);
@@ -573,9 +695,6 @@ impl<B: Backend> Courier<B> {
             if error.is_transient() {
                 self.resting_until = Some(Instant::now() + self.rest);
                 self.rest = (self.rest * 2).min(MAX_REST);
-            }
-            if !matches!(error, TrackerError::NoTables) {
-                self.shared.warn_once(&error);
             }
             return Err(error);
         }
@@ -799,6 +918,71 @@ mod tests {
             e.sort();
             e
         });
+    }
+
+    /// MLflow at a server that accepts connections and never answers: the first failed request
+    /// is warned about while training goes on, `finish` returns within `finish_timeout_s`, and
+    /// every step is in the spill file, with the run recorded as not closed.
+    #[test]
+    fn a_server_that_never_answers_is_warned_about_early_and_bounds_finish() {
+        assert!(
+            Delivery::default().finish_timeout_s <= 10.0,
+            "the documented bound"
+        );
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            // Holds every connection open, reading and answering nothing.
+            let held: Vec<_> = listener.incoming().collect();
+            drop(held);
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let mut run = verl_plugin_api::RunContext::default();
+        run.project = "silent".into();
+        run.experiment = "e".into();
+        run.run_dir = dir.path().to_string_lossy().into_owned();
+        let settings = json!({"mlflow": {"tracking_uri": url, "request_timeout_s": 0.5,
+            "finish_timeout_s": 1.5, "backoff_ms": 50}});
+        let mut tracker = crate::MlflowTracker::new();
+        tracker.init(&ComponentInit::new(settings, run)).unwrap();
+        let warned = |t: &crate::MlflowTracker| {
+            t.running
+                .as_ref()
+                .unwrap()
+                .shared
+                .warned
+                .load(Ordering::Relaxed)
+        };
+        let start = Instant::now();
+        let mut warned_at = None;
+        for step in 0..30 {
+            tracker.log(step, &[Metric::new("m", step as f64)]).unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            if warned_at.is_none() && warned(&tracker) {
+                warned_at = Some(start.elapsed());
+            }
+        }
+        let warned_at = warned_at.expect("warned while training");
+        // The first request times out after 0.5 s; its 4 retries would take 2.2 s more.
+        assert!(warned_at < Duration::from_millis(1200), "{warned_at:?}");
+        let finishing = Instant::now();
+        tracker.finish(0).unwrap();
+        let took = finishing.elapsed();
+        assert!(
+            took >= Duration::from_millis(1400) && took < Duration::from_millis(1800),
+            "finish took {took:?}"
+        );
+        let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("mlflow-spill.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let mut steps: Vec<u64> = lines.iter().filter_map(|l| l["step"].as_u64()).collect();
+        steps.sort_unstable();
+        assert_eq!(steps, (0..30).collect::<Vec<_>>(), "each step spilled once");
+        let finish: Vec<&Value> = lines.iter().filter(|l| l.get("finish").is_some()).collect();
+        assert_eq!(finish.len(), 1, "{finish:?}");
+        assert_eq!(finish[0]["finish"]["exit_code"], 0);
     }
 
     #[test]

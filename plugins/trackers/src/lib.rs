@@ -26,7 +26,7 @@
 //! | `enqueue_timeout_ms` | 50                             | wait for room in a full queue, then spill     |
 //! | `retries`            | 4                              | retries of a failed request (transient errors)|
 //! | `backoff_ms`         | 250                            | first retry delay, doubling; also first rest  |
-//! | `finish_timeout_s`   | 30                             | time `finish` gives the server                |
+//! | `finish_timeout_s`   | 10                             | the most `finish` takes; the rest is spilled  |
 //! | `request_timeout_s`  | 10                             | limit of one HTTP request                     |
 //! | `spill_path`         | `<run_dir>/<name>-spill.jsonl` | what could not be delivered                   |
 //!

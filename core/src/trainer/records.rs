@@ -34,41 +34,24 @@ impl StepRecord {
     }
 }
 
-/// A metric value in JSON, which has no NaN or infinities: those are written as the strings
-/// `NaN`, `inf` and `-inf`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(try_from = "NumberOrText", into = "NumberOrText")]
+/// A metric value, in JSON as the text Rust's `{:?}` writes (`0.25`, `1e-7`, `NaN`, `inf`):
+/// JSON numbers have no NaN or infinities, and serde_json parses them back only to within one
+/// unit in the last place, while a replayed record must be the logged one bit for bit.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct MetricValue(f64);
 
-#[derive(Serialize, Deserialize)]
-#[serde(untagged)]
-enum NumberOrText {
-    Number(f64),
-    Text(String),
-}
-
-impl From<MetricValue> for NumberOrText {
-    fn from(value: MetricValue) -> Self {
-        if value.0.is_finite() {
-            Self::Number(value.0)
-        } else {
-            Self::Text(value.0.to_string())
-        }
+impl Serialize for MetricValue {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(&format_args!("{:?}", self.0))
     }
 }
 
-impl TryFrom<NumberOrText> for MetricValue {
-    type Error = String;
-    fn try_from(value: NumberOrText) -> Result<Self, String> {
-        match value {
-            NumberOrText::Number(n) => Ok(Self(n)),
-            NumberOrText::Text(text) => match text.parse::<f64>() {
-                Ok(n) if !n.is_finite() => Ok(Self(n)),
-                _ => Err(format!(
-                    "metric value `{text}` is neither a number nor NaN/inf/-inf"
-                )),
-            },
-        }
+impl<'de> Deserialize<'de> for MetricValue {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse()
+            .map(Self)
+            .map_err(|_| serde::de::Error::custom(format!("metric value `{text}` is not a number")))
     }
 }
 
@@ -101,25 +84,28 @@ mod tests {
             Metric::new("c", f64::INFINITY),
             Metric::new("d", f64::NEG_INFINITY),
             Metric::new("e", -3.0),
+            // serde_json parses this JSON number one unit in the last place off.
+            Metric::new("f", 0.24999999995689653),
+            Metric::new("g", 1e-300),
         ];
         let record = StepRecord::new(7, &metrics);
         let text = serde_json::to_string(&record).unwrap();
         assert_eq!(
             text,
-            r#"{"step":7,"metrics":[["b",0.1],["a","NaN"],["c","inf"],["d","-inf"],["e",-3.0]]}"#
+            r#"{"step":7,"metrics":[["b","0.1"],["a","NaN"],["c","inf"],["d","-inf"],["e","-3.0"],["f","0.24999999995689653"],["g","1e-300"]]}"#
         );
         let back: StepRecord = serde_json::from_str(&text).unwrap();
         let back = back.to_metrics();
         // Order and keys as logged; values bit for bit (NaN compares unequal, so by bits).
         assert_eq!(
             back.iter().map(|m| m.key.as_str()).collect::<Vec<_>>(),
-            ["b", "a", "c", "d", "e"]
+            ["b", "a", "c", "d", "e", "f", "g"]
         );
         for (a, b) in back.iter().zip(&metrics) {
             assert_eq!(a.value.to_bits(), b.value.to_bits(), "{}", a.key);
         }
-        let err =
-            serde_json::from_str::<StepRecord>(r#"{"step":1,"metrics":[["x","7"]]}"#).unwrap_err();
-        assert!(err.to_string().contains("metric value `7`"), "{err}");
+        let err = serde_json::from_str::<StepRecord>(r#"{"step":1,"metrics":[["x","seven"]]}"#)
+            .unwrap_err();
+        assert!(err.to_string().contains("metric value `seven`"), "{err}");
     }
 }

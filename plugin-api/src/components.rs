@@ -79,6 +79,13 @@ pub struct ComponentInit {
     /// x.yaml", "command-line override `…`", …).
     pub config_origins: BTreeMap<String, String>,
     pub run: RunContext,
+    /// Trackers only (they are initialised after the checkpoint is restored): the step the run
+    /// resumes after, `None` for a run that starts from scratch. Records a tracker keeps for later
+    /// steps were left by an interrupted attempt and are about to be trained again, so a tracker
+    /// drops them where its backend allows; the trainer then logs again, from the checkpoint,
+    /// the steps since the previous checkpoint, and a tracker that already holds one of them
+    /// drops that call. The outcome: every step recorded exactly once.
+    pub resume_step: Option<u64>,
 }
 
 impl ComponentInit {

@@ -89,8 +89,8 @@ fn run(run_dir: &Path, steps: u64, save_freq: u64) -> Output {
     out
 }
 
-/// The metrics of each step, the last record of a step winning (a resumed run re-logs its
-/// validation at the resume step). Timing and throughput vary from run to run and are left out.
+/// The metrics of each step, which the file must hold exactly once and in order. Timing and
+/// throughput vary from run to run and are left out.
 fn metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     let mut by_step: BTreeMap<u64, BTreeMap<String, Value>> = BTreeMap::new();
@@ -99,12 +99,21 @@ fn metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
         let Some(data) = record["data"].as_object() else {
             continue;
         };
-        let entry = by_step.entry(record["step"].as_u64().unwrap()).or_default();
-        for (k, v) in data {
-            if !k.starts_with("timing_s/") && !k.starts_with("perf/") {
-                entry.insert(k.clone(), v.clone());
-            }
-        }
+        let step = record["step"].as_u64().unwrap();
+        assert!(
+            by_step
+                .last_key_value()
+                .is_none_or(|(last, _)| *last < step),
+            "step {step} after step {:?} in {}:\n{text}",
+            by_step.last_key_value().map(|(s, _)| s),
+            run_dir.display()
+        );
+        let kept = data
+            .iter()
+            .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        by_step.insert(step, kept);
     }
     by_step
 }
@@ -199,10 +208,17 @@ fn a_resumed_run_matches_the_uninterrupted_one() {
     let run_dir = dir.path().join("run");
     run(&run_dir, 2, 2);
     run(&run_dir, 6, 2);
+    // Every step once (the resumed run's validation before training is not a second record of
+    // step 2), and the same as without the interruption.
     let (ours, theirs) = (metrics(&run_dir), metrics(reference()));
-    for step in 3..=6 {
+    assert_eq!(
+        ours.keys().collect::<Vec<_>>(),
+        theirs.keys().collect::<Vec<_>>()
+    );
+    for step in 0..=6 {
         let differing: Vec<&String> = ours[&step]
             .keys()
+            .chain(theirs[&step].keys())
             .filter(|k| ours[&step].get(*k) != theirs[&step].get(*k))
             .collect();
         assert!(
@@ -218,50 +234,201 @@ fn a_resumed_run_matches_the_uninterrupted_one() {
     );
 }
 
+/// One `verl-core run` of the kill harness; its stderr is read on a thread.
+struct Attempt {
+    child: std::process::Child,
+    stderr: std::sync::mpsc::Receiver<String>,
+}
+
+impl Attempt {
+    /// Starts the run; `pause_at` sets the test-only `VERL_TEST_PAUSE_AT`, which stops the run at
+    /// that point until it is killed.
+    fn start(args: &[String], pause_at: Option<&str>) -> Self {
+        use std::io::BufRead;
+        let mut cmd = std::process::Command::new(&release().binary);
+        cmd.args(args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("VERL_PLUGIN_DEFAULT_DIR", "")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        if let Some(point) = pause_at {
+            cmd.env("VERL_TEST_PAUSE_AT", point);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, stderr: rx }
+    }
+
+    /// Waits until the run says it paused at `point`.
+    fn wait_for_pause(&mut self, point: &str) {
+        let marker = format!("VERL_TEST_PAUSE_AT: paused at {point}");
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stderr.recv_timeout(left) {
+                Ok(line) if line == marker => return,
+                Ok(line) => seen.push(line),
+                Err(e) => panic!(
+                    "the run never paused at {point} ({e}; {:?}):\n{}",
+                    self.child.try_wait(),
+                    seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// SIGKILL; whether it landed (false: the run had already finished, successfully).
+    fn kill(mut self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        let _ = self.child.kill();
+        let status = self.child.wait().unwrap();
+        if status.signal() == Some(9) {
+            return true;
+        }
+        let stderr: Vec<String> = self.stderr.try_iter().collect();
+        assert!(
+            status.success(),
+            "the run failed ({status}):\n{}",
+            stderr.join("\n")
+        );
+        false
+    }
+
+    fn finish(self) {
+        let status = self.child.wait_with_output().unwrap().status;
+        let stderr: Vec<String> = self.stderr.try_iter().collect();
+        assert!(
+            status.success(),
+            "the run failed ({status}):\n{}",
+            stderr.join("\n")
+        );
+    }
+}
+
+/// A small deterministic generator (xorshift64*): the kill delays are reproducible from the seed.
+struct Rng(u64);
+
+impl Rng {
+    /// Uniform in [0, 1).
+    fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn latest_checkpoint(run_dir: &Path) -> u64 {
+    std::fs::read_to_string(run_dir.join("latest_checkpointed_iteration.txt"))
+        .map_or(0, |s| s.trim().parse().unwrap())
+}
+
+/// The run equals the uninterrupted one (every step's record once, in order, the same values;
+/// the final weights bit for bit), and nothing is left over from the killed attempts.
+fn assert_like_the_reference(run_dir: &Path) {
+    assert_eq!(metrics(run_dir), metrics(reference()));
+    assert!(
+        final_weights(run_dir) == final_weights(reference()),
+        "final weights differ"
+    );
+    let hidden: Vec<String> = std::fs::read_dir(run_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with('.'))
+        .collect();
+    assert!(hidden.is_empty(), "left over: {hidden:?}");
+}
+
+/// The kill harness: runs of 6 steps with a checkpoint per step, SIGKILLed at seeded random
+/// moments and at the exact points where a record or the export could be lost or doubled, each
+/// time resumed with `resume_mode=auto`. Every step's record ends up in the metrics file exactly
+/// once and equal to an uninterrupted run's, the final weights bit-identical, nothing left over.
+/// `VERL_KILL_HARNESS_SEED` picks another seed.
 #[test]
-fn sigkill_during_training_then_auto_resume_completes_identically() {
+fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
+    reference(); // first: it also makes the shared data and model
+    let started = Instant::now();
+    // Placed kills: between a checkpoint's commit and its record's log (twice), after the final
+    // export was written aside, and, on a finished run exporting again, while the previous export
+    // is set aside. Returns how long the run took to get there.
+    let kill_at = |args: &[String], point: &str| -> Duration {
+        let t = Instant::now();
+        let mut attempt = Attempt::start(args, Some(point));
+        attempt.wait_for_pause(point);
+        let elapsed = t.elapsed();
+        assert!(attempt.kill(), "{point}");
+        elapsed
+    };
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    reference(); // the shared data and model exist before timing the kill
-    let args = args(&run_dir, 6, 1);
-    let mut child = std::process::Command::new(&release().binary)
-        .args(&args)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("VERL_PLUGIN_DEFAULT_DIR", "")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let metrics_file = run_dir.join("metrics.jsonl");
-    loop {
-        let logged = std::fs::read_to_string(&metrics_file).unwrap_or_default();
-        if logged.contains("\"training/global_step\":2") {
+    let placed_args = args(&run_dir, 6, 1);
+    // From scratch to step 2, then from step 2 to step 5: about one whole run, start-ups included.
+    let full = kill_at(&placed_args, "committed:2") + kill_at(&placed_args, "committed:5");
+    // Step 5's record is in its checkpoint only.
+    let logged = metrics(&run_dir);
+    assert!(
+        logged.contains_key(&4) && !logged.contains_key(&5),
+        "{logged:?}"
+    );
+    kill_at(&placed_args, "exported");
+    assert!(run_dir.join(".huggingface.partial").exists() && !run_dir.join("huggingface").exists());
+    Attempt::start(&placed_args, None).finish();
+    assert_like_the_reference(&run_dir);
+    kill_at(&placed_args, "swapping");
+    assert!(!run_dir.join("huggingface").exists() && run_dir.join(".huggingface.old").exists());
+    Attempt::start(&placed_args, None).finish();
+    assert_like_the_reference(&run_dir);
+
+    // Random kills, each at a delay drawn over about one uninterrupted run's duration. A round
+    // resumes its run after every kill until an attempt finishes first; the run is then checked
+    // and the next round starts from scratch, until 10 kills have landed.
+    let seed = std::env::var("VERL_KILL_HARNESS_SEED").map_or(0x5eed_0fc0_ffee, |s| {
+        s.parse().expect("VERL_KILL_HARNESS_SEED: a u64")
+    });
+    let mut rng = Rng(seed.max(1));
+    // (round, delay, latest checkpoint when killed)
+    let mut kills = Vec::new();
+    for round in 0.. {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = dir.path().join("run");
+        let round_args = args(&run_dir, 6, 1);
+        loop {
+            let delay = full.mul_f64(rng.next_f64());
+            let attempt = Attempt::start(&round_args, None);
+            std::thread::sleep(delay);
+            if !attempt.kill() {
+                break;
+            }
+            kills.push((round, delay, latest_checkpoint(&run_dir)));
+        }
+        assert_like_the_reference(&run_dir);
+        if kills.len() >= 10 {
             break;
         }
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before it could be killed"
-        );
-        assert!(Instant::now() < deadline, "step 2 never logged");
-        std::thread::sleep(Duration::from_millis(20));
     }
-    child.kill().unwrap(); // SIGKILL
-    let status = child.wait().unwrap();
-    use std::os::unix::process::ExitStatusExt;
-    assert_eq!(
-        status.signal(),
-        Some(9),
-        "the run finished before the kill landed ({status}); the test proves nothing"
-    );
-    assert!(!run_dir.join("huggingface").exists());
-    run(&run_dir, 6, 1);
-    let (ours, theirs) = (metrics(&run_dir), metrics(reference()));
-    assert_eq!(ours[&6], theirs[&6]);
+    eprintln!("seed {seed:#x}: kills (round, delay, latest checkpoint): {kills:?}");
+    let progress: std::collections::BTreeSet<u64> = kills.iter().map(|k| k.2).collect();
     assert!(
-        final_weights(&run_dir) == final_weights(reference()),
-        "final weights differ after kill + resume"
+        progress.len() >= 3,
+        "the kills landed at too few points of training to prove anything: {kills:?}"
+    );
+    eprintln!(
+        "kill harness: {} kills in {:.1} s",
+        kills.len() + 4,
+        started.elapsed().as_secs_f64()
     );
 }
 

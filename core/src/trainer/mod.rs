@@ -4,6 +4,7 @@
 //! whatever engine, rollout, weight sync and trackers the plugins provide.
 
 mod guard;
+mod records;
 #[cfg(test)]
 mod tests;
 mod trackers;
@@ -36,6 +37,7 @@ use crate::data::{
 use crate::placement::Placement;
 use crate::reward::{self, RewardError};
 use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
+use records::{StepRecord, test_pause_point};
 
 pub use guard::{NonFinite, SKIPPED_UPDATES, apply_policy, check_update};
 pub use trackers::Trackers;
@@ -128,6 +130,11 @@ struct TrainerState {
     /// Steps skipped by `trainer.nan_policy=skip` so far (absent in older checkpoints).
     #[serde(default)]
     skipped_steps: u64,
+    /// The records of the steps since the previous checkpoint, this one's included (without its
+    /// `timing_s/save_checkpoint`, unknown until the commit), logged again on resume; absent from
+    /// checkpoints of earlier versions.
+    #[serde(default)]
+    records: Vec<StepRecord>,
 }
 
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
@@ -169,6 +176,9 @@ pub struct Trainer {
     total_steps: u64,
     /// Steps whose update `trainer.nan_policy=skip` left out.
     skipped_steps: u64,
+    /// The records logged since the last checkpoint (after a resume: that checkpoint's, until
+    /// they are logged again).
+    records: Vec<StepRecord>,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -324,7 +334,7 @@ impl Trainer {
 
         let mut tracker_config = config.to_json();
         tracker_config["trainer"]["total_training_steps"] = json!(total_steps);
-        let trackers = Trackers::start(registry, &config.trainer.logger, |tracker| {
+        let trackers = Trackers::create(registry, &config.trainer.logger, |tracker| {
             plugin_init(
                 &config,
                 Slot::Tracker,
@@ -362,6 +372,7 @@ impl Trainer {
             global_step: 0,
             total_steps,
             skipped_steps: 0,
+            records: Vec::new(),
         })
     }
 
@@ -379,12 +390,18 @@ impl Trainer {
 
     fn fit_inner(&mut self) -> Result<RunSummary, TrainError> {
         let mut summary = RunSummary::default();
-        if let Some(step) = self.resume()? {
+        // Trackers start once the checkpoint is restored: they are told the step it holds.
+        let resumed = self.resume()?;
+        self.trackers.start(resumed);
+        if let Some(step) = resumed {
             tracing::info!("resumed from step {step}");
+            for record in std::mem::take(&mut self.records) {
+                self.trackers.log(record.step, &record.to_metrics());
+            }
         }
         let trainer = &self.config.trainer;
         if trainer.val_before_train && !self.val.is_empty() {
-            let metrics = self.validate()?;
+            let (metrics, table) = self.validate()?;
             summary.validations.push((
                 self.global_step,
                 metrics
@@ -392,7 +409,26 @@ impl Trainer {
                     .map(|m| (m.key.to_string(), m.value))
                     .collect(),
             ));
-            self.trackers.log(self.global_step, &metrics);
+            // After a resume, the step's record came from its checkpoint: as a resumed W&B run
+            // (verl's main tracker) refuses a step below its current one, this validation is not
+            // logged as a second record of the step. It is in the summary.
+            match resumed {
+                None => {
+                    if let Some(table) = &table {
+                        self.trackers.log_table(self.global_step, table);
+                    }
+                    self.keep_record(self.global_step, &metrics);
+                    self.trackers.log(self.global_step, &metrics);
+                }
+                Some(step) => tracing::info!(
+                    "validation at the resumed step {step} (not logged again): {}",
+                    metrics
+                        .iter()
+                        .map(|m| format!("{}={}", m.key, m.value))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
         }
         if self.config.trainer.val_only {
             summary.global_step = self.global_step;
@@ -414,7 +450,10 @@ impl Trainer {
                 && (is_last || step.is_multiple_of(test_freq as u64))
             {
                 let t = Instant::now();
-                let val = self.validate()?;
+                let (val, table) = self.validate()?;
+                if let Some(table) = &table {
+                    self.trackers.log_table(step, table);
+                }
                 summary.validations.push((
                     step,
                     val.iter().map(|m| (m.key.to_string(), m.value)).collect(),
@@ -422,9 +461,14 @@ impl Trainer {
                 metrics.extend(val);
                 metrics.push(Metric::new("timing_s/testing", t.elapsed().as_secs_f64()));
             }
+            // Kept for the next checkpoint before it is logged: a crash between that checkpoint's
+            // commit and the log loses no step (see `records`).
+            self.keep_record(step, &metrics);
             if save_freq > 0 && (is_last || step.is_multiple_of(save_freq as u64)) {
                 let t = Instant::now();
                 self.save_checkpoint()?;
+                self.records.clear();
+                test_pause_point(&format!("committed:{step}"));
                 metrics.push(Metric::new(
                     "timing_s/save_checkpoint",
                     t.elapsed().as_secs_f64(),
@@ -437,6 +481,13 @@ impl Trainer {
         summary.global_step = self.global_step;
         summary.final_model = Some(final_dir);
         Ok(summary)
+    }
+
+    /// Keeps a step's record for the next checkpoint (none are kept without checkpoints).
+    fn keep_record(&mut self, step: u64, metrics: &[Metric]) {
+        if self.config.trainer.save_freq > 0 {
+            self.records.push(StepRecord::new(step, metrics));
+        }
     }
 
     /// Exports the policy into `<run_dir>/.huggingface.partial`, then swaps it in for
@@ -454,8 +505,10 @@ impl Trainer {
         self.actor
             .export_hf(&partial.to_string_lossy())
             .context(|| format!("exporting {}", partial.display()))?;
+        test_pause_point("exported");
         if final_dir.exists() {
             std::fs::rename(&final_dir, &old).map_err(io(&old))?;
+            test_pause_point("swapping");
         }
         std::fs::rename(&partial, &final_dir).map_err(io(&final_dir))?;
         if old.exists() {
@@ -863,8 +916,8 @@ impl Trainer {
     }
 
     /// Mean reward per data source over the validation set (`val-core/<source>/reward/mean@N`),
-    /// plus a table of the first `log_val_generations` samples.
-    fn validate(&mut self) -> Result<Vec<Metric>, TrainError> {
+    /// plus a table of the first `log_val_generations` samples, for the caller to log.
+    fn validate(&mut self) -> Result<(Vec<Metric>, Option<Table>), TrainError> {
         let sampling = self.sampling(0, true);
         let n = sampling.n;
         let chunk = self
@@ -898,7 +951,7 @@ impl Trainer {
             })
             .collect();
         let shown = self.config.trainer.log_val_generations.min(rows.len());
-        if shown > 0 {
+        let table = (shown > 0).then(|| {
             let table_rows = rows[..shown]
                 .iter()
                 .zip(&scores)
@@ -914,14 +967,13 @@ impl Trainer {
                     ]
                 })
                 .collect();
-            let table = Table::new(
+            Table::new(
                 "val/generations",
                 vec!["input".into(), "output".into(), "score".into()],
                 table_rows,
-            );
-            self.trackers.log_table(self.global_step, &table);
-        }
-        Ok(metrics)
+            )
+        });
+        Ok((metrics, table))
     }
 
     fn save_checkpoint(&mut self) -> Result<(), TrainError> {
@@ -942,6 +994,7 @@ impl Trainer {
             loader: self.loader.state(),
             kl_coef: self.kl_ctrl.value,
             skipped_steps: self.skipped_steps,
+            records: self.records.clone(),
         };
         let path = pending.dir().join(TRAINER_STATE_FILE);
         std::fs::write(
@@ -1031,6 +1084,7 @@ impl Trainer {
         self.loader.restore(state.loader);
         self.kl_ctrl.value = state.kl_coef;
         self.global_step = state.global_step;
+        self.records = state.records;
         self.skipped_steps = state.skipped_steps;
         self.sync_weights(state.global_step).map_err(|e| match e {
             TrainError::Sync(SyncError::NonFinite { tensor }) => TrainError::NonFiniteCheckpoint {

@@ -432,7 +432,8 @@ impl Tracker for FakeTracker {
     }
 }
 
-/// A fresh registry holding only the fakes (all named `fake`, plus `no-critic` and `file-only`).
+/// A fresh registry holding only the fakes (all named `fake`, plus `no-critic` and `file-only`)
+/// and the real `file` tracker.
 fn registry(log: &Log, faults: Faults) -> Registry {
     let (l1, l2, l3, l4, l5, l6) = (
         log.clone(),
@@ -471,7 +472,13 @@ fn registry(log: &Log, faults: Faults) -> Registry {
             .tracker("fake", 0, "records logs", move || {
                 l6.push(Event::Created("tracker"));
                 FakeTracker { log: l6.clone() }
-            }),
+            })
+            .tracker(
+                "file",
+                0,
+                "the built-in file logger",
+                crate::builtin::FileTracker::default,
+            ),
     );
     registry
 }
@@ -1032,7 +1039,8 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
     let first_logs = comparable_logs(&first);
     assert_eq!(first_logs[..], whole_logs[..3]);
 
-    // Resumed: state and weights from step 2, then steps 3..=5 exactly as the whole run did them.
+    // Resumed: state and weights from step 2, the records of steps 1 and 2 logged again from the
+    // checkpoint (for trackers that lost them), then steps 3..=5 exactly as the whole run did them.
     let log = Log::default();
     let summary = fit(configure("resumed"), &log, Faults::default()).unwrap();
     assert_eq!(summary.global_step, 5);
@@ -1040,7 +1048,7 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
     let checkpoint = run_dir.join("global_step_2");
     let calls: Vec<&Event> = resumed
         .iter()
-        .filter(|e| label(e).is_some())
+        .filter(|e| label(e).is_some() && !matches!(e, Event::Log { .. }))
         .take(7)
         .collect();
     assert_eq!(
@@ -1076,9 +1084,19 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
         "{:?}",
         calls[6]
     );
-    // No step logged twice or skipped, and every step the same as without the interruption.
+    // The checkpoint's records first, then no step skipped, every one the same as without the
+    // interruption.
     let resumed_logs = comparable_logs(&resumed);
-    assert_eq!(resumed_logs[..], whole_logs[2..]);
+    assert_eq!(resumed_logs[..], whole_logs[..]);
+    assert!(
+        resumed
+            .iter()
+            .position(|e| matches!(e, Event::Log { step: 2, .. }))
+            < resumed
+                .iter()
+                .position(|e| matches!(e, Event::Generate { .. })),
+        "the checkpoint's records come before training goes on"
+    );
     assert_eq!(
         train_generations(&resumed)[..],
         train_generations(&whole)[2..],
@@ -1091,7 +1109,8 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
     assert_eq!(checkpoint_steps(&run_dir), vec![2, 4, 5]);
 
     // Resuming a finished run trains no further; validation before training (verl: at the
-    // resumed step) sees the resumed weights.
+    // resumed step) sees the resumed weights, and is not logged as a second record of step 5,
+    // whose record comes from its checkpoint.
     let mut c = configure("resumed");
     c.trainer.val_before_train = true;
     let log = Log::default();
@@ -1107,18 +1126,14 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
             "sync.send@5",
             "rollout.update_weights@5",
             "sync.finalize",
-            "gen(val)@Some(5)",
             "log@5",
+            "gen(val)@Some(5)",
             "actor.export",
             "finish(0)",
         ])
     );
-    assert!(
-        logs(&events)[0]
-            .1
-            .keys()
-            .all(|k| k.starts_with("val-core/"))
-    );
+    assert_eq!(comparable_logs(&events)[..], whole_logs[4..]);
+    assert_eq!(summary.validations[0].0, 5);
 
     // resume_mode=resume_path: from the named checkpoint, into a new directory.
     let mut c = configure("from-path");
@@ -1135,7 +1150,7 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
             dir: checkpoint.join("actor"),
         })
     );
-    assert_eq!(comparable_logs(&events)[..], whole_logs[2..3]);
+    assert_eq!(comparable_logs(&events)[..], whole_logs[..3]);
     assert_eq!(checkpoint_steps(&s.run_dir("from-path")), vec![3]);
     let mut c = configure("from-path");
     c.trainer.resume_mode = ResumeMode::ResumePath;
@@ -1163,6 +1178,113 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
             .collect::<Vec<_>>(),
         vec![1]
     );
+}
+
+/// The lines of `<run>/metrics.jsonl`: `(step, data without timings)` or `(step, "table …")`.
+fn file_records(run_dir: &Path) -> Vec<(u64, String)> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let step = record["step"].as_u64().unwrap();
+            let Some(data) = record["data"].as_object() else {
+                return (step, format!("table {}", record["table"]));
+            };
+            let kept: BTreeMap<&String, &serde_json::Value> = data
+                .iter()
+                .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+                .collect();
+            (step, serde_json::to_string(&kept).unwrap())
+        })
+        .collect()
+}
+
+/// With the `file` logger, every step's record (and validation table) is in the file exactly
+/// once and equal to an uninterrupted run's, wherever the crash came: between a checkpoint's
+/// commit and its log (that step's record then lives only in the checkpoint), mid-write (a torn
+/// line), or after a step that no checkpoint holds yet; and a resumed run's validation before
+/// training adds no second record of the resumed step.
+#[test]
+fn every_step_is_recorded_once_whatever_the_crash() {
+    let s = setup();
+    let configure = |run: &str, save_freq: i64| {
+        let mut c = s.config(run);
+        c.trainer.logger = vec!["file".into()];
+        c.trainer.save_freq = save_freq;
+        c.trainer.test_freq = 2;
+        c.trainer.val_before_train = true;
+        c.trainer.log_val_generations = 1;
+        c
+    };
+    fit(configure("whole", 1), &Log::default(), Faults::default()).unwrap();
+    let whole = file_records(&s.run_dir("whole"));
+    let steps: Vec<u64> = whole.iter().map(|(s, _)| *s).collect();
+    // Validation (a table, then the record) before training and at steps 2, 4 and the last.
+    assert_eq!(steps, [0, 0, 1, 2, 2, 3, 4, 4, 5, 5]);
+    assert!(whole[0].1.starts_with("table") && !whole[1].1.starts_with("table"));
+
+    let failing = Faults {
+        fail_update_at: Some(4),
+        ..Faults::default()
+    };
+    // Killed between checkpoint 3's commit and its log, in the middle of writing that line.
+    let run_dir = s.run_dir("between-commit-and-log");
+    fit(
+        configure("between-commit-and-log", 1),
+        &Log::default(),
+        failing,
+    )
+    .unwrap_err();
+    let file = run_dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let last = text.trim_end().rfind('\n').unwrap() + 1;
+    assert!(text[last..].starts_with("{\"data\""), "{}", &text[last..]);
+    std::fs::write(&file, format!("{}{{\"data\":{{\"actor", &text[..last])).unwrap();
+    assert_eq!(checkpoint_steps(&run_dir), [1, 2, 3]);
+    fit(
+        configure("between-commit-and-log", 1),
+        &Log::default(),
+        Faults::default(),
+    )
+    .unwrap();
+    assert_eq!(file_records(&run_dir), whole);
+
+    // Step 3 logged, but checkpoint 2 the latest: step 3 is trained and logged again, once.
+    let run_dir = s.run_dir("after-an-unsaved-step");
+    fit(
+        configure("after-an-unsaved-step", 2),
+        &Log::default(),
+        failing,
+    )
+    .unwrap_err();
+    assert_eq!(checkpoint_steps(&run_dir), [2]);
+    assert_eq!(file_records(&run_dir).last().unwrap().0, 3);
+    fit(
+        configure("after-an-unsaved-step", 2),
+        &Log::default(),
+        Faults::default(),
+    )
+    .unwrap();
+    assert_eq!(file_records(&run_dir), whole);
+
+    // Killed before the first checkpoint: the next run starts from scratch, and so does the file.
+    let run_dir = s.run_dir("before-any-checkpoint");
+    // (Four steps, so that the only checkpoint is the last step's.)
+    let mut c = configure("before-any-checkpoint", 5);
+    c.trainer.total_training_steps = Some(4);
+    fit(
+        c.clone(),
+        &Log::default(),
+        Faults {
+            fail_update_at: Some(3),
+            ..Faults::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(checkpoint_steps(&run_dir), Vec::<u64>::new());
+    fit(c, &Log::default(), Faults::default()).unwrap();
+    assert_eq!(file_records(&run_dir), whole[..8]);
 }
 
 #[test]

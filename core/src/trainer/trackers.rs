@@ -2,32 +2,61 @@
 //! is reported once, with the reason, and left out from then on.
 
 use verl_plugin_api::{ComponentInit, ComponentKind, Metric, Table, TrackerCapabilities};
-use verl_plugin_host::{Component, Registry, TrackerHandle};
+use verl_plugin_host::{Registry, TrackerHandle};
+
+struct Active {
+    name: String,
+    tracker: TrackerHandle,
+    /// Whether it records tables.
+    tables: bool,
+    /// Its init record, sent by [`Trackers::start`].
+    init: ComponentInit,
+}
 
 pub struct Trackers {
-    /// Name, handle, whether it records tables.
-    active: Vec<(String, TrackerHandle, bool)>,
+    active: Vec<Active>,
+    /// Set by [`Trackers::start`]: a run that fails before it has nothing to finish.
+    started: bool,
 }
 
 impl Trackers {
-    /// Creates and initialises every tracker; unknown names are an error (a typo in
-    /// `trainer.logger` should not silently drop the metrics), failing initialisation is a warning.
-    pub fn start(
+    /// Creates every tracker; unknown names are an error (a typo in `trainer.logger` should not
+    /// silently drop the metrics). `init` makes each one's init record, sent by [`Self::start`].
+    pub fn create(
         registry: &Registry,
         names: &[String],
-        init: impl Fn(&Component) -> ComponentInit,
+        init: impl Fn(&verl_plugin_host::Component) -> ComponentInit,
     ) -> Result<Self, verl_plugin_host::LookupError> {
         let mut active = Vec::new();
         for name in names {
             let component = registry.resolve(ComponentKind::TRACKER, name)?;
-            let tables = component.capabilities::<TrackerCapabilities>().tables;
-            let mut tracker = component.create_tracker()?;
-            match tracker.init(&init(&component)) {
-                Ok(()) => active.push((name.clone(), tracker, tables)),
-                Err(e) => tracing::warn!("tracker `{name}` is disabled for this run: {e}"),
-            }
+            active.push(Active {
+                name: name.clone(),
+                tracker: component.create_tracker()?,
+                tables: component.capabilities::<TrackerCapabilities>().tables,
+                init: init(&component),
+            });
         }
-        Ok(Self { active })
+        Ok(Self {
+            active,
+            started: false,
+        })
+    }
+
+    /// Initialises every tracker, telling it the step the run resumes after (see
+    /// [`ComponentInit::resume_step`]); failing initialisation is a warning.
+    pub fn start(&mut self, resume_step: Option<u64>) {
+        self.started = true;
+        self.active.retain_mut(|a| {
+            a.init.resume_step = resume_step;
+            match a.tracker.init(&a.init) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!("tracker `{}` is disabled for this run: {e}", a.name);
+                    false
+                }
+            }
+        });
     }
 
     /// Calls every active tracker (only those that record tables when `tables` is set).
@@ -37,15 +66,18 @@ impl Trackers {
         tables: bool,
         mut call: impl FnMut(&mut TrackerHandle) -> Result<(), verl_plugin_api::PluginError>,
     ) {
-        self.active.retain_mut(|(name, tracker, records_tables)| {
-            if tables && !*records_tables {
+        self.active.retain_mut(|a| {
+            if tables && !a.tables {
                 return true;
             }
-            match call(tracker) {
+            match call(&mut a.tracker) {
                 Ok(()) => true,
                 Err(e) if e.kind == verl_plugin_api::ErrorKind::UNSUPPORTED => true,
                 Err(e) => {
-                    tracing::warn!("tracker `{name}` failed to {what} and is disabled for the rest of the run: {e}");
+                    tracing::warn!(
+                        "tracker `{}` failed to {what} and is disabled for the rest of the run: {e}",
+                        a.name
+                    );
                     false
                 }
             }
@@ -61,6 +93,9 @@ impl Trackers {
     }
 
     pub fn finish(&mut self, exit_code: i32) {
+        if !self.started {
+            return;
+        }
         self.each("finish", false, |t| t.finish(exit_code));
     }
 }

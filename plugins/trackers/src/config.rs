@@ -84,6 +84,9 @@ pub struct Context {
     /// the host sent none.
     pub origins: String,
     pub delivery: Delivery,
+    /// The step the run resumes after; `None` for a run that starts from scratch (see
+    /// `ComponentInit::resume_step`).
+    pub resume_step: Option<u64>,
 }
 
 impl Context {
@@ -128,6 +131,7 @@ impl Context {
             section_path,
             origins: init.origins_json(),
             delivery,
+            resume_step: init.resume_step,
         })
     }
 

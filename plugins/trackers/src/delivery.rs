@@ -16,9 +16,13 @@
 //!   close the run, and returns by then whatever the server does: when time is up it takes over
 //!   the request in flight and the queue and spills them, leaving the sender to its request. It
 //!   reports what was spilled, and where.
+//! - A resumed run (`ComponentInit::resume_step`) cuts the spill and tables files back to the lines
+//!   of steps up to the resume step: later ones were left by the interrupted attempt, whose steps
+//!   are trained again. A run from scratch starts the tables file over (it is the run's record of
+//!   tables) and keeps the spill file (what an earlier run could not deliver is still its data).
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -190,6 +194,38 @@ impl Spill {
             Pending::Close(exit_code) => self.finish(exit_code, reason),
         }
     }
+}
+
+/// Cuts a JSONL file of `{"step", …}` lines back to its lines of steps up to `last` (to nothing
+/// when `None`): from the first later step, torn line (a kill during a write) or unreadable line
+/// on, the rest goes. Lines without a step (a failed close) stay. A missing file stays missing.
+fn cut_after(path: &Path, last: Option<u64>) -> std::io::Result<()> {
+    let file = match OpenOptions::new().read(true).write(true).open(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        opened => opened?,
+    };
+    let mut keep = 0u64;
+    if let Some(last) = last {
+        let mut reader = BufReader::new(&file);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            let read = reader.read_until(b'\n', &mut line)?;
+            let kept = line.ends_with(b"\n")
+                && serde_json::from_slice::<Value>(&line).is_ok_and(|v| {
+                    v.get("step")
+                        .is_none_or(|s| s.as_u64().is_some_and(|s| s <= last))
+                });
+            if !kept {
+                break;
+            }
+            keep += read as u64;
+        }
+    }
+    if keep < file.metadata()?.len() {
+        file.set_len(keep)?;
+    }
+    Ok(())
 }
 
 fn into_map(value: Value) -> Map<String, Value> {
@@ -430,6 +466,15 @@ impl<B: Backend> Tracker for Managed<B> {
             .clone()
             .unwrap_or_else(|| ctx.run_dir.join(format!("{}-spill.jsonl", B::NAME)));
         let tables_path = spill_path.with_file_name(format!("{}-tables.jsonl", B::NAME));
+        let cut = |path: &Path, after: Option<u64>| {
+            cut_after(path, after).map_err(|e| {
+                PluginError::other(format!("tracker `{}`: {}: {e}", B::NAME, path.display()))
+            })
+        };
+        if ctx.resume_step.is_some() {
+            cut(&spill_path, ctx.resume_step)?;
+        }
+        cut(&tables_path, ctx.resume_step)?;
         let spill = |path| {
             Mutex::new(Spill {
                 tracker: B::NAME,
@@ -890,6 +935,32 @@ mod tests {
         (0..steps)
             .flat_map(|s| (0..5).map(move |i| (s, format!("k{i}"))))
             .collect()
+    }
+
+    #[test]
+    fn side_files_are_cut_back_to_the_resume_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x-spill.jsonl");
+        let lines = [
+            r#"{"step":1,"metrics":{}}"#,
+            r#"{"finish":{"exit_code":1}}"#,
+            r#"{"step":2,"metrics":{}}"#,
+            r#"{"step":3,"metrics":{}}"#,
+        ];
+        let kept = format!("{}\n", lines[..3].join("\n"));
+        // A torn last line (a kill during a write) goes,
+        std::fs::write(&path, format!("{kept}{{\"step\":3,")).unwrap();
+        cut_after(&path, Some(5)).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), kept);
+        // and so do the steps after the resume step.
+        std::fs::write(&path, format!("{}\n", lines.join("\n"))).unwrap();
+        cut_after(&path, Some(2)).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), kept);
+        cut_after(&path, None).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+        let missing = dir.path().join("missing.jsonl");
+        cut_after(&missing, Some(1)).unwrap();
+        assert!(!missing.exists());
     }
 
     #[test]

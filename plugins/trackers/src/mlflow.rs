@@ -13,8 +13,16 @@
 //! keep their first value. Validation tables are uploaded as `tables/<name>_step<N>.json` artifacts
 //! in `mlflow.log_table`'s format (pandas "split") and listed in the `mlflow.loggedArtifacts` tag,
 //! where the server proxies artifacts (`mlflow-artifacts:` URIs, `mlflow server`'s default).
+//!
+//! A resumed run (`ComponentInit::resume_step`) continues the MLflow run it started, whose id is
+//! kept in `<run_dir>/mlflow-run-id` (a new one is created when that run is gone), and skips what
+//! the run already holds: per metric, the steps up to the latest one stored (MLflow delivers in
+//! order; it cannot delete values, so steps the interrupted attempt delivered after its checkpoint
+//! keep their first values, the same as the new ones when training is deterministic), and params
+//! already set (MLflow refuses to change one; a changed value keeps the first, with a warning).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -22,7 +30,7 @@ use verl_plugin_api::{PluginError, Table};
 
 use crate::TrackerError;
 use crate::config::{Context, env, flatten, json_number, unix_seconds};
-use crate::delivery::{Backend, Row};
+use crate::delivery::{Backend, Row, warn};
 use crate::http::Http;
 
 const API: &str = "/api/2.0/mlflow";
@@ -31,6 +39,8 @@ const MAX_PARAMS_PER_BATCH: usize = 100;
 const MAX_KEY_LENGTH: usize = 250;
 const MAX_PARAM_VALUE_LENGTH: usize = 6000;
 const MAX_TAG_VALUE_LENGTH: usize = 8000;
+/// In the run directory: the id of the MLflow run, for a resumed run to continue it.
+const RUN_ID_FILE: &str = "mlflow-run-id";
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -53,6 +63,10 @@ pub struct Mlflow {
     params_logged: usize,
     /// Entries of the `mlflow.loggedArtifacts` tag.
     logged_tables: Vec<Value>,
+    resume_step: Option<u64>,
+    id_file: PathBuf,
+    /// Of a continued run: per (cleaned) metric key, the latest step it holds.
+    held: HashMap<String, u64>,
 }
 
 #[derive(Debug)]
@@ -114,6 +128,9 @@ impl Backend for Mlflow {
             run: None,
             params_logged: 0,
             logged_tables: Vec::new(),
+            resume_step: ctx.resume_step,
+            id_file: ctx.run_dir.join(RUN_ID_FILE),
+            held: HashMap::new(),
         })
     }
 
@@ -123,6 +140,11 @@ impl Backend for Mlflow {
 
     /// Idempotent across retries: each stage (run, params) is done once.
     fn open(&mut self) -> Result<(), TrackerError> {
+        if self.run.is_none()
+            && let Some(step) = self.resume_step
+        {
+            self.continue_run(step)?;
+        }
         let http = self
             .http
             .as_ref()
@@ -152,6 +174,12 @@ impl Backend for Mlflow {
                 self.experiment,
                 http.base()
             );
+            if let Err(e) = std::fs::write(&self.id_file, &run_id) {
+                warn(&format!(
+                    "mlflow: cannot keep the run id in {} ({e}); a resumed run will start a new MLflow run",
+                    self.id_file.display()
+                ));
+            }
             self.run = Some(RunIds {
                 run_id,
                 artifact_path,
@@ -176,15 +204,21 @@ impl Backend for Mlflow {
 
     fn send(&mut self, rows: &[Row]) -> Result<(), TrackerError> {
         let (http, run_id) = self.ready()?;
+        let held = &self.held;
         let metrics: Vec<Value> = rows
             .iter()
             .flat_map(|row| {
                 let timestamp = (row.wall_time * 1000.0) as i64;
-                row.metrics
-                    .iter()
-                    .map(move |(k, v)| json!({"key": clean_key(k), "value": json_number(*v), "timestamp": timestamp, "step": row.step}))
+                row.metrics.iter().filter_map(move |(k, v)| {
+                    let key = clean_key(k);
+                    let stored = held.get(&key).is_some_and(|&last| row.step <= last);
+                    (!stored).then(|| json!({"key": key, "value": json_number(*v), "timestamp": timestamp, "step": row.step}))
+                })
             })
             .collect();
+        if metrics.is_empty() {
+            return Ok(());
+        }
         http.post(
             &format!("{API}/runs/log-batch"),
             &json!({"run_id": run_id, "metrics": metrics}),
@@ -209,7 +243,9 @@ impl Backend for Mlflow {
         )?;
         let entry = json!({"path": file, "type": "table"});
         let mut listed = self.logged_tables.clone();
-        listed.push(entry);
+        if !listed.contains(&entry) {
+            listed.push(entry);
+        }
         let tag = json!({"run_id": run_id, "key": "mlflow.loggedArtifacts", "value": Value::from(listed.clone()).to_string()});
         http.post(&format!("{API}/runs/set-tag"), &tag)?;
         self.logged_tables = listed;
@@ -228,6 +264,81 @@ impl Backend for Mlflow {
 }
 
 impl Mlflow {
+    /// Takes up the run named in the id file, if it is still there and active: what it holds is
+    /// not sent again, and it is marked running again.
+    fn continue_run(&mut self, resume_step: u64) -> Result<(), TrackerError> {
+        let http = self
+            .http
+            .as_ref()
+            .map_err(|e| TrackerError::Config(e.clone()))?;
+        let run_id = match std::fs::read_to_string(&self.id_file) {
+            Ok(id) => id.trim().to_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => {
+                warn(&format!(
+                    "mlflow: cannot read {} ({e}); starting a new MLflow run",
+                    self.id_file.display()
+                ));
+                return Ok(());
+            }
+        };
+        let answer = match http.get(&format!("{API}/runs/get"), &[("run_id", &run_id)]) {
+            Ok(answer) => answer,
+            Err(TrackerError::Http { status: 404, .. }) => Value::Null,
+            Err(e) => return Err(e),
+        };
+        let run = &answer["run"];
+        if run["info"]["lifecycle_stage"] != "active" {
+            warn(&format!(
+                "mlflow: the run {run_id} of {} is gone or deleted; the resumed run starts a new MLflow run",
+                self.id_file.display()
+            ));
+            return Ok(());
+        }
+        let list = |key: &str| run["data"][key].as_array().cloned().unwrap_or_default();
+        self.held = list("metrics")
+            .iter()
+            .filter_map(|m| Some((m["key"].as_str()?.to_owned(), json_u64(&m["step"])?)))
+            .collect();
+        let params: HashMap<String, String> = list("params")
+            .iter()
+            .filter_map(|p| {
+                Some((
+                    p["key"].as_str()?.to_owned(),
+                    p["value"].as_str()?.to_owned(),
+                ))
+            })
+            .collect();
+        self.params.retain(|(key, value)| match params.get(key) {
+            None => true,
+            Some(first) => {
+                if first != value {
+                    warn(&format!(
+                        "mlflow: param `{key}` keeps its first value `{first}` (MLflow refuses to change a param; this run has `{value}`)"
+                    ));
+                }
+                false
+            }
+        });
+        self.logged_tables = list("tags")
+            .iter()
+            .find(|t| t["key"] == "mlflow.loggedArtifacts")
+            .and_then(|t| serde_json::from_str(t["value"].as_str()?).ok())
+            .unwrap_or_default();
+        http.post(
+            &format!("{API}/runs/update"),
+            &json!({"run_id": run_id, "status": "RUNNING"}),
+        )?;
+        tracing::info!("mlflow: continuing run {run_id} after step {resume_step}");
+        self.run = Some(RunIds {
+            artifact_path: run["info"]["artifact_uri"]
+                .as_str()
+                .and_then(proxied_artifact_path),
+            run_id,
+        });
+        Ok(())
+    }
+
     fn ready(&self) -> Result<(&Http, String), TrackerError> {
         match (&self.http, &self.run) {
             (Ok(http), Some(run)) => Ok((http, run.run_id.clone())),
@@ -270,6 +381,13 @@ fn experiment_id(http: &Http, name: &str) -> Result<String, TrackerError> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// MLflow's REST API writes int64 fields as JSON strings (protobuf's JSON mapping), or numbers.
+fn json_u64(value: &Value) -> Option<u64> {
+    value
+        .as_u64()
+        .or_else(|| value.as_str().and_then(|s| s.parse().ok()))
 }
 
 fn protocol(http: &Http, endpoint: &str, answer: &Value) -> TrackerError {

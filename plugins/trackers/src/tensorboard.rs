@@ -7,6 +7,14 @@
 //!
 //! Format: records of `u64le len | u32le masked_crc32c(len) | data | u32le masked_crc32c(data)`
 //! holding `tensorflow.Event` protobufs, the first one `file_version: "brain.Event:2"`.
+//!
+//! Each step once across crashes and resumes: every process writes a new event file, and before
+//! its first scalar a `SessionLog.START` event at that scalar's step. TensorBoard then drops what
+//! earlier files of the directory hold from that step on (the first START of a directory only
+//! marks its start): after a resume the trainer first logs again the steps since the previous
+//! checkpoint, so the interrupted attempt's records of those and later steps are replaced, the way
+//! PyTorch's `SummaryWriter(purge_step=…)` does it. TensorBoard's Rust data server reaches the
+//! same view by its own rule (a step preempts the records of that step and later ones, per tag).
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -32,7 +40,19 @@ struct Event {
     file_version: Option<String>,
     #[prost(message, optional, tag = "5")]
     summary: Option<Summary>,
+    #[prost(message, optional, tag = "6")]
+    session_log: Option<SessionLog>,
 }
+
+/// `tensorflow.SessionLog`, its status alone.
+#[derive(Clone, PartialEq, Message)]
+struct SessionLog {
+    /// `SessionStatus`: 1 = START.
+    #[prost(int32, tag = "1")]
+    status: i32,
+}
+
+const SESSION_START: i32 = 1;
 
 #[derive(Clone, PartialEq, Message)]
 struct Summary {
@@ -59,6 +79,8 @@ struct Settings {
 pub struct Tensorboard {
     dir: PathBuf,
     file: Option<BufWriter<File>>,
+    /// Whether this process's `SessionLog.START` is written (before its first scalar).
+    started: bool,
 }
 
 impl Tensorboard {
@@ -84,6 +106,7 @@ impl Backend for Tensorboard {
         Ok(Self {
             dir: root.join(&ctx.project).join(&ctx.experiment),
             file: None,
+            started: false,
         })
     }
 
@@ -114,12 +137,25 @@ impl Backend for Tensorboard {
             step: 0,
             file_version: Some("brain.Event:2".into()),
             summary: None,
+            session_log: None,
         })?;
         self.file.as_mut().expect("opened above").flush()?;
         Ok(())
     }
 
     fn send(&mut self, rows: &[Row]) -> Result<(), TrackerError> {
+        if let Some(first) = rows.first().filter(|_| !self.started) {
+            self.write_event(&Event {
+                wall_time: first.wall_time,
+                step: first.step as i64,
+                file_version: None,
+                summary: None,
+                session_log: Some(SessionLog {
+                    status: SESSION_START,
+                }),
+            })?;
+            self.started = true;
+        }
         for row in rows {
             let value = row
                 .metrics
@@ -134,6 +170,7 @@ impl Backend for Tensorboard {
                 step: row.step as i64,
                 file_version: None,
                 summary: Some(Summary { value }),
+                session_log: None,
             };
             self.write_event(&event)?;
         }

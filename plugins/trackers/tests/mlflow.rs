@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use common::{Server, free_port, get_json, metrics, post_json, spill_lines, started, tool};
+use common::{
+    Server, free_port, get_json, metrics, post_json, resumed, spill_lines, started, tool,
+};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use verl_plugin_api::{Metric, Table, Tracker};
@@ -328,4 +330,67 @@ fn server_restart_loses_nothing() {
         the_run(&server.url, "restart")["info"]["status"],
         "FINISHED"
     );
+}
+
+/// A run killed after step 5 was delivered, whose latest checkpoint is step 3, resumes: the
+/// tracker continues the same MLflow run, and of what the trainer logs (steps 2 and 3 again from
+/// the checkpoint, 4 and 5 trained again, then 6 and 7) nothing the run holds is stored twice. A
+/// param whose value changed (a longer run) keeps its first value instead of failing the run.
+#[test]
+fn a_resumed_run_continues_its_mlflow_run_and_stores_each_step_once() {
+    let url = shared_server();
+    let dir = TempDir::new().unwrap();
+    let config = |total: u64| json!({"mlflow": {"tracking_uri": url}, "trainer": {"total_training_steps": total}});
+    let table = Table::new("val/generations", vec!["p".into()], vec![vec!["q".into()]]);
+    let mut first: MlflowTracker = started(config(6), "resume", "r", dir.path());
+    for step in 0..=5u64 {
+        first.log(step, &[Metric::new("m", step as f64)]).unwrap();
+    }
+    first.log_table(4, &table).unwrap();
+    first.finish(1).unwrap();
+    let run_id = the_run(url, "resume")["info"]["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("mlflow-run-id")).unwrap(),
+        run_id
+    );
+
+    let mut again: MlflowTracker = resumed(config(8), "resume", "r", dir.path(), Some(3));
+    for step in 2..=7u64 {
+        let mut logged = vec![Metric::new("m", step as f64 + 100.0)];
+        // A key the run has only from step 6 on.
+        if step >= 6 {
+            logged.push(Metric::new("late", 1.0));
+        }
+        again.log(step, &logged).unwrap();
+    }
+    again.log_table(4, &table).unwrap();
+    again.finish(0).unwrap();
+
+    let run = the_run(url, "resume");
+    assert_eq!(run["info"]["run_id"], run_id.as_str());
+    assert_eq!(run["info"]["status"], "FINISHED");
+    let expected: Vec<(u64, Value)> = (0..=7u64)
+        .map(|s| (s, json!(if s <= 5 { s as f64 } else { s as f64 + 100.0 })))
+        .collect();
+    assert_eq!(history(url, &run_id, "m"), expected);
+    assert_eq!(
+        history(url, &run_id, "late"),
+        vec![(6, json!(1.0)), (7, json!(1.0))]
+    );
+    assert_eq!(
+        pairs(&run["data"]["params"])["trainer.total_training_steps"],
+        "6"
+    );
+    let tags = pairs(&run["data"]["tags"]);
+    assert_eq!(
+        tags["mlflow.loggedArtifacts"]
+            .matches("tables/val_generations_step4.json")
+            .count(),
+        1,
+        "{tags:?}"
+    );
+    assert!(spill_lines(&dir.path().join("mlflow-spill.jsonl")).is_empty());
 }

@@ -147,6 +147,21 @@ pub fn started<T: Tracker + Default>(
     tracker
 }
 
+/// Like [`started`], for a run that resumes after `resume_step` (`None`: a new run).
+pub fn resumed<T: Tracker + Default>(
+    config: Value,
+    project: &str,
+    experiment: &str,
+    run_dir: &Path,
+    resume_step: Option<u64>,
+) -> T {
+    let mut tracker = T::default();
+    let mut init = init(config, project, experiment, run_dir);
+    init.resume_step = resume_step;
+    tracker.init(&init).unwrap();
+    tracker
+}
+
 pub fn metrics(pairs: &[(&str, f64)]) -> Vec<Metric> {
     pairs.iter().map(|(k, v)| Metric::new(*k, *v)).collect()
 }

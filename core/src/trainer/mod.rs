@@ -211,7 +211,8 @@ fn load_split(
 
 impl Trainer {
     /// Loads the data, checks the config against the components' declared capabilities, then
-    /// creates and initialises every component where `placement` says.
+    /// creates and initialises every component where `placement` says (trackers are initialised
+    /// by `fit`, once it knows the step a resumed run continues after).
     pub fn new(
         config: Config,
         registry: &Registry,

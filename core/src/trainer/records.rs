@@ -70,7 +70,7 @@ pub(super) fn test_pause_point(point: &str) {
     }
 }
 
-pub(super) const PAUSE_ENV: &str = "VERL_TEST_PAUSE_AT";
+const PAUSE_ENV: &str = "VERL_TEST_PAUSE_AT";
 
 #[cfg(test)]
 mod tests {

@@ -40,7 +40,7 @@ struct Event {
     file_version: Option<String>,
     #[prost(message, optional, tag = "5")]
     summary: Option<Summary>,
-    #[prost(message, optional, tag = "6")]
+    #[prost(message, optional, tag = "7")]
     session_log: Option<SessionLog>,
 }
 

@@ -112,19 +112,10 @@ struct Shared {
 
 impl Shared {
     fn new() -> Self {
-        let plugins = plugin_dir(&[
-            (
-                "libverl_plugin_native.so",
-                &bundled_plugin("verl_plugin_native"),
-            ),
-            (
-                "libverl_plugin_fsdp.so",
-                &bundled_plugin("verl_plugin_fsdp"),
-            ),
-            (
-                "libverl_plugin_trackers.so",
-                &bundled_plugin("verl_plugin_trackers"),
-            ),
+        let plugins = bundled_plugins(&[
+            "verl_plugin_native",
+            "verl_plugin_fsdp",
+            "verl_plugin_trackers",
         ]);
         let data = tempfile::tempdir().unwrap();
         let out = verl_core(
@@ -415,10 +406,7 @@ fn every_bad_input_gets_a_clean_error() {
 /// Each `--prompt-ids` flag is one prompt (it once joined them all into one).
 #[test]
 fn each_prompt_ids_flag_is_one_prompt() {
-    let plugins = plugin_dir(&[(
-        "libverl_plugin_native.so",
-        &bundled_plugin("verl_plugin_native"),
-    )]);
+    let plugins = bundled_plugins(&["verl_plugin_native"]);
     let model = Shared::fixtures().join("tiny-llama");
     let out = verl_core(
         &[

@@ -579,16 +579,7 @@ fn a_path_replaced_after_the_check_still_loads_the_checked_file() {
 
 #[test]
 fn a_run_that_needs_a_refused_plugin_says_why_it_was_refused() {
-    let dir = plugin_dir(&[
-        (
-            "libverl_plugin_native.so",
-            &bundled_plugin("verl_plugin_native"),
-        ),
-        (
-            "libverl_plugin_fsdp.so",
-            &bundled_plugin("verl_plugin_fsdp"),
-        ),
-    ]);
+    let dir = bundled_plugins(&["verl_plugin_native", "verl_plugin_fsdp"]);
     let native = dir.path().join("libverl_plugin_native.so");
     set_mode(&native, 0o664);
     let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");

@@ -6,16 +6,7 @@ use serde_json::Value;
 use crate::helpers::*;
 
 fn compute_plugins() -> tempfile::TempDir {
-    plugin_dir(&[
-        (
-            "libverl_plugin_native.so",
-            &bundled_plugin("verl_plugin_native"),
-        ),
-        (
-            "libverl_plugin_fsdp.so",
-            &bundled_plugin("verl_plugin_fsdp"),
-        ),
-    ])
+    bundled_plugins(&["verl_plugin_native", "verl_plugin_fsdp"])
 }
 
 fn expected(model: &str) -> Value {

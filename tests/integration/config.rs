@@ -39,10 +39,7 @@ fn tree(dir: &Path) -> Vec<String> {
 }
 
 fn fsdp_plugins() -> tempfile::TempDir {
-    plugin_dir(&[(
-        "libverl_plugin_fsdp.so",
-        &bundled_plugin("verl_plugin_fsdp"),
-    )])
+    bundled_plugins(&["verl_plugin_fsdp"])
 }
 
 /// `config check` lists each key set that nothing acts on, with its value and origin: errors for

@@ -251,6 +251,19 @@ pub fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// A fresh plugin directory (mode 755) holding copies of `plugins` (mode 644), named as given.
+/// A plugin directory holding copies of these bundled plugins (crate library names).
+pub fn bundled_plugins(libs: &[&str]) -> TempDir {
+    let sources: Vec<(String, PathBuf)> = libs
+        .iter()
+        .map(|lib| (dylib_name(lib), bundled_plugin(lib)))
+        .collect();
+    let plugins: Vec<(&str, &Path)> = sources
+        .iter()
+        .map(|(name, path)| (name.as_str(), path.as_path()))
+        .collect();
+    plugin_dir(&plugins)
+}
+
 pub fn plugin_dir(plugins: &[(&str, &Path)]) -> TempDir {
     let dir = tempfile::Builder::new()
         .prefix("verl-plugins-")

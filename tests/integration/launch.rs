@@ -9,17 +9,10 @@ use std::time::{Duration, Instant};
 
 use crate::helpers::*;
 
-/// The release binary in `cwd` with only `env` (plus PATH) set, as [`verl_core`] runs it.
+/// The release binary in `cwd`, set up as [`verl_core_command`] sets it up.
 fn verl_core_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(&release().binary);
-    cmd.current_dir(cwd)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("VERL_PLUGIN_DEFAULT_DIR", "")
-        .args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
+    let mut cmd = verl_core_command(args, env);
+    cmd.current_dir(cwd);
     cmd
 }
 
@@ -128,16 +121,7 @@ fn torchrun_and_slurm_variables_place_a_process() {
 #[test]
 fn multi_rank_training_fails_fast_in_every_rank() {
     let cwd = tempfile::tempdir().unwrap();
-    let plugins = plugin_dir(&[
-        (
-            "libverl_plugin_native.so",
-            &bundled_plugin("verl_plugin_native"),
-        ),
-        (
-            "libverl_plugin_fsdp.so",
-            &bundled_plugin("verl_plugin_fsdp"),
-        ),
-    ]);
+    let plugins = bundled_plugins(&["verl_plugin_native", "verl_plugin_fsdp"]);
     let plugins = plugins.path().to_str().unwrap();
     let launch = |overrides: &[&str]| {
         let mut args = vec![
@@ -209,16 +193,7 @@ fn launch_refuses_commands_that_do_not_place_themselves() {
 #[test]
 fn sigint_to_launch_is_forwarded_to_the_ranks() {
     let cwd = tempfile::tempdir().unwrap();
-    let plugins = plugin_dir(&[
-        (
-            "libverl_plugin_native.so",
-            &bundled_plugin("verl_plugin_native"),
-        ),
-        (
-            "libverl_plugin_fsdp.so",
-            &bundled_plugin("verl_plugin_fsdp"),
-        ),
-    ]);
+    let plugins = bundled_plugins(&["verl_plugin_native", "verl_plugin_fsdp"]);
     let plugins = plugins.path().to_str().unwrap();
     let mut child = verl_core_in(
         cwd.path(),

@@ -10,16 +10,7 @@ use crate::helpers::*;
 
 /// `verl-core platform --json` with the bundled plugins on `root`, its fake environment only.
 fn platform(root: &FakeRoot) -> (Output, Value) {
-    let dir = plugin_dir(&[
-        (
-            "libverl_plugin_rocm.so",
-            &bundled_plugin("verl_plugin_rocm"),
-        ),
-        (
-            "libverl_plugin_ascend.so",
-            &bundled_plugin("verl_plugin_ascend"),
-        ),
-    ]);
+    let dir = bundled_plugins(&["verl_plugin_rocm", "verl_plugin_ascend"]);
     let root_path = root.path().to_str().unwrap().to_owned();
     let mut env: Vec<(&str, &str)> = root
         .fake_env()
@@ -239,16 +230,7 @@ fn verl_platform_errors_name_the_valid_choices() {
 #[test]
 fn platform_env_updates_are_applied_before_components_start() {
     let root = machine().rocm_gpus(4).env("HIP_VISIBLE_DEVICES", "1,3");
-    let dir = plugin_dir(&[
-        (
-            "libverl_plugin_rocm.so",
-            &bundled_plugin("verl_plugin_rocm"),
-        ),
-        (
-            "libverl_plugin_native.so",
-            &bundled_plugin("verl_plugin_native"),
-        ),
-    ]);
+    let dir = bundled_plugins(&["verl_plugin_rocm", "verl_plugin_native"]);
     let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
     let root_path = root.path().to_str().unwrap().to_owned();
     let mut env: Vec<(&str, &str)> = root

@@ -15,19 +15,10 @@ use crate::helpers::*;
 fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
     static SHARED: OnceLock<(tempfile::TempDir, tempfile::TempDir)> = OnceLock::new();
     SHARED.get_or_init(|| {
-        let plugins = plugin_dir(&[
-            (
-                "libverl_plugin_native.so",
-                &bundled_plugin("verl_plugin_native"),
-            ),
-            (
-                "libverl_plugin_fsdp.so",
-                &bundled_plugin("verl_plugin_fsdp"),
-            ),
-            (
-                "libverl_plugin_trackers.so",
-                &bundled_plugin("verl_plugin_trackers"),
-            ),
+        let plugins = bundled_plugins(&[
+            "verl_plugin_native",
+            "verl_plugin_fsdp",
+            "verl_plugin_trackers",
         ]);
         let work = tempfile::tempdir().unwrap();
         (plugins, work)

@@ -618,21 +618,22 @@ mod tests {
     #[test]
     fn signals_are_forwarded_to_every_rank() {
         // Each rank reports the SIGINT it receives and exits 5; the launcher "receives" one
-        // once every rank is up.
-        let started = Instant::now();
+        // once every rank has set its trap (a fixed delay raced a slow start under load).
+        let ready = tempfile::tempdir().unwrap();
+        let all_ready = || (0..2).all(|rank| ready.path().join(format!("ready.{rank}")).exists());
         let mut sent = false;
         let mut signals = || {
-            if !sent && started.elapsed() > Duration::from_millis(700) {
+            if !sent && all_ready() {
                 sent = true;
                 return Some(libc::SIGINT);
             }
             None
         };
-        let (result, text, elapsed) = sh(
-            &spec(2),
-            r#"trap 'echo "rank $RANK got SIGINT"; kill $child; exit 5' INT; sleep 60 & child=$!; wait"#,
-            &mut signals,
+        let script = format!(
+            r#"trap 'echo "rank $RANK got SIGINT"; kill $child; exit 5' INT; sleep 60 & child=$!; touch "{}/ready.$RANK"; wait"#,
+            ready.path().display()
         );
+        let (result, text, elapsed) = sh(&spec(2), &script, &mut signals);
         let err = result.unwrap_err();
         assert!(
             matches!(

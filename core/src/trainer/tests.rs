@@ -1665,7 +1665,10 @@ fn the_skip_policy_leaves_the_step_out_and_goes_on() {
     fit(configure(6), &log, Faults::default()).unwrap();
     let events = log.events();
     // (The resume first replays step 5's record from its checkpoint.)
-    let step6 = logs(&events).into_iter().find(|(step, _)| *step == 6).unwrap();
+    let step6 = logs(&events)
+        .into_iter()
+        .find(|(step, _)| *step == 6)
+        .unwrap();
     assert_eq!(step6.1["training/skipped_steps"], 1.0);
 }
 

@@ -52,6 +52,12 @@ pub fn run_sft(
             "sft.batch_size must be at least 1".to_owned(),
         ));
     }
+    if !(sft.lr.is_finite() && sft.lr >= 0.0) {
+        return Err(TrainError::Invalid(format!(
+            "sft.lr must be a finite number ≥ 0, got {}",
+            sft.lr
+        )));
+    }
     crate::limits::check_sft(config, &base).map_err(|e| TrainError::Invalid(e.to_string()))?;
     let tokenizer_json = base.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json)

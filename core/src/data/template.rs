@@ -84,7 +84,13 @@ impl ChatTemplate {
             _ => None,
         };
         match source {
-            Some(source) => Self::from_source(&source, &token("bos_token"), &token("eos_token")),
+            Some(source) => Self::from_source(&source, &token("bos_token"), &token("eos_token"))
+                .map_err(|e| match e {
+                    DataError::Template(reason) => {
+                        DataError::Template(format!("{}: {reason}", path.display()))
+                    }
+                    other => other,
+                }),
             None => Ok(Self::plain()),
         }
     }

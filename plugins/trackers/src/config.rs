@@ -98,9 +98,11 @@ impl Context {
             init.section_path.clone()
         };
         let section = section(&config, name);
-        // Lenient here: the backend's own keys are only known to `settings`, which is strict.
-        let delivery = serde_json::from_value(section.clone())
-            .map_err(|e| PluginError::invalid_config(format!("tracker `{name}`: {e}")))?;
+        let origins = init.origins_json();
+        // Any other key is allowed here: the backend's own keys are only known to `settings`,
+        // which is strict. A delivery key of the wrong type is named with where it came from.
+        let (delivery, _): (Delivery, Map<String, Value>) =
+            parse_settings(&section_path, &section.to_string(), &origins)?;
         // The host fills the run context; verl's own keys stand in when it is blank (direct use).
         let trainer_key = |key: &str, default: &str| {
             config
@@ -129,7 +131,7 @@ impl Context {
             config: redact(config),
             section,
             section_path,
-            origins: init.origins_json(),
+            origins,
             delivery,
             resume_step: init.resume_step,
         })
@@ -339,6 +341,18 @@ mod tests {
         assert!(
             err.message()
                 .starts_with("config key `wandb.dir` (from unknown source): invalid type"),
+            "{err}"
+        );
+        // A tracker's context reads the delivery keys alone, naming a wrong one with its path.
+        let init = ComponentInit::new(
+            json!({"mlflow": {"finish_timeout_s": "soon", "tracking_uri": "http://x"}}),
+            verl_plugin_api::RunContext::default(),
+        );
+        let err = Context::new("mlflow", &init).unwrap_err();
+        assert!(
+            err.message().starts_with(
+                "config key `mlflow.finish_timeout_s` (from unknown source): invalid type"
+            ),
             "{err}"
         );
         assert_eq!(

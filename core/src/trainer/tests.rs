@@ -36,6 +36,7 @@ enum Event {
         version: Option<u64>,
         prompts: Vec<String>,
         seed: Option<u64>,
+        max_new_tokens: u32,
     },
     LogProb {
         role: String,
@@ -327,6 +328,7 @@ impl Rollout for FakeRollout {
             version: self.version,
             prompts: prompts.clone(),
             seed: request.sampling.seed,
+            max_new_tokens: request.sampling.max_new_tokens,
         });
         let mut completions = Vec::new();
         for (i, prompt) in prompts.iter().enumerate() {
@@ -1821,4 +1823,65 @@ fn a_checkpoint_without_a_manifest_loads_and_its_weights_are_still_checked() {
         "{err:?}"
     );
     assert!(synced(&log.events()).is_empty());
+}
+
+/// `data.apply_chat_template_kwargs` reaches the chat template: its variables shape every prompt.
+#[test]
+fn chat_template_kwargs_reach_the_prompts() {
+    let s = setup();
+    let mut c = s.config("template-kwargs");
+    c.trainer.total_training_steps = Some(1);
+    c.actor_rollout_ref.model.custom_chat_template =
+        Some("{{ lead }}{{ messages[0]['content'] }}".into());
+    c.data.apply_chat_template_kwargs = serde_json::json!({"lead": "0+"});
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let prompts: Vec<String> = log
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Generate { prompts, .. } => Some(prompts),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!prompts.is_empty());
+    assert!(prompts.iter().all(|p| p.starts_with("0+")), "{prompts:?}");
+
+    let mut c = s.config("template-kwargs-bad");
+    c.data.apply_chat_template_kwargs = serde_json::json!(3);
+    let err = match fit(c, &Log::default(), Faults::default()) {
+        Ok(_) => panic!("a non-mapping is an error"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("data.apply_chat_template_kwargs") && err.contains("mapping"),
+        "{err}"
+    );
+}
+
+/// Generation is bounded by `actor_rollout_ref.rollout.response_length`, else by
+/// `data.max_response_length` (verl's interpolation).
+#[test]
+fn rollout_response_length_bounds_generation() {
+    let s = setup();
+    let lengths = |response_length: Option<usize>| {
+        let mut c = s.config("response-length");
+        c.trainer.total_training_steps = Some(1);
+        c.actor_rollout_ref.rollout.response_length = response_length;
+        let log = Log::default();
+        fit(c, &log, Faults::default()).unwrap();
+        let mut lengths: Vec<u32> = log
+            .events()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Generate { max_new_tokens, .. } => Some(max_new_tokens),
+                _ => None,
+            })
+            .collect();
+        lengths.dedup();
+        lengths
+    };
+    assert_eq!(lengths(None), [8]);
+    assert_eq!(lengths(Some(5)), [5]);
 }

@@ -596,3 +596,6 @@ verl_plugin_api::export_plugin!(
     )
     .config_section("vllm")
 );
+
+#[cfg(test)]
+mod tests;

@@ -7,3 +7,4 @@ mod helpers;
 mod platform;
 mod train;
 mod vendor;
+mod vllm;

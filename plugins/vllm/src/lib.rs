@@ -26,7 +26,7 @@
 //! plugin last set: a restarted server, or a reload that failed on one replica, stops the run
 //! instead of producing samples from stale weights.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -50,7 +50,7 @@ const SERVER_MODULE: &str = "vllm.entrypoints.openai.api_server";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct VllmSettings {
-    /// `--dtype`; default the rollout's `dtype`, else `auto` (the checkpoint's).
+    /// `--dtype`; default the rollout's `dtype`, else the checkpoint's (`config.json`).
     pub dtype: Option<String>,
     /// `--max-model-len`; default the rollout's `max_model_len`, else prompt + response length.
     pub max_model_len: Option<u64>,
@@ -224,6 +224,7 @@ fn launch(
         .dtype
         .clone()
         .or_else(|| keys.dtype.clone())
+        .or_else(|| checkpoint_dtype(&keys.model.path))
         .unwrap_or_else(|| "auto".into());
     let max_model_len = vllm.max_model_len.or(keys.max_model_len).or(
         match (keys.prompt_length, keys.response_length) {
@@ -282,6 +283,16 @@ fn launch(
         env,
         log: log_dir.join(format!("server-{port}.log")),
     })
+}
+
+/// The dtype `config.json` records (`dtype`, or the older `torch_dtype`). vLLM's `auto` is not
+/// that on a CPU: its CPU build runs a float32 checkpoint in bfloat16.
+fn checkpoint_dtype(model: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(model.join("config.json")).ok()?;
+    let config: Value = serde_json::from_str(&text).ok()?;
+    ["dtype", "torch_dtype"]
+        .iter()
+        .find_map(|k| config[k].as_str().map(str::to_owned))
 }
 
 fn format_gib(gib: f64) -> String {
@@ -436,6 +447,7 @@ impl Active {
                 handover.kind.as_str()
             )));
         }
+        check_weights_dir(Path::new(&handover.path))?;
         let version = source.version.to_string();
         // Until every server has reloaded, none is trusted to hold known weights.
         self.server_version = format!("(reload to {version} incomplete)");
@@ -446,6 +458,32 @@ impl Active {
         self.server_version = version;
         self.weight_version = Some(source.version);
         Ok(())
+    }
+}
+
+/// A reload from a directory without weights would leave a vLLM server half-loaded (it points
+/// its model at the directory before reading it), so such a directory is refused here. The
+/// servers read the directory themselves: it must be on a filesystem they see.
+fn check_weights_dir(dir: &Path) -> Result<(), PluginError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        PluginError::new(
+            verl_plugin_api::ErrorKind::IO,
+            format!("weight handover {}: {e}", dir.display()),
+        )
+    })?;
+    let has_weights = entries
+        .flatten()
+        .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
+    if has_weights {
+        Ok(())
+    } else {
+        Err(PluginError::new(
+            verl_plugin_api::ErrorKind::IO,
+            format!(
+                "weight handover {}: no .safetensors file in it; the servers were not asked to reload",
+                dir.display()
+            ),
+        ))
     }
 }
 

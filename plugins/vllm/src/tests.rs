@@ -79,6 +79,17 @@ fn attached(mock: &MockServer) -> VllmRollout {
     rollout
 }
 
+/// A handover directory as the disk weight sync writes it (contents irrelevant to the mock).
+fn weights_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), b"{}").unwrap();
+    dir
+}
+
+fn file_handover(dir: &std::path::Path) -> String {
+    WeightSource::encode_handover(&Handover::file(dir.to_string_lossy())).to_string()
+}
+
 fn sampling(n: u32) -> SamplingParams {
     let mut s = SamplingParams::default();
     s.n = n;
@@ -192,7 +203,8 @@ fn a_reload_runs_vllms_sequence_and_tags_the_version() {
     let version = Arc::new(Mutex::new("default".to_owned()));
     let mock = vllm_mock(version.clone());
     let mut rollout = attached(&mock);
-    let handover = WeightSource::encode_handover(&Handover::file("/runs/weight_sync/step_4"));
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
     rollout
         .update_weights(&WeightSource::from_handover(4, &[], &handover))
         .unwrap();
@@ -208,7 +220,7 @@ fn a_reload_runs_vllms_sequence_and_tags_the_version() {
             ("/pause?mode=wait".to_owned(), Value::Null),
             (
                 "/collective_rpc".to_owned(),
-                json!({"method": "reload_weights", "kwargs": {"weights_path": "/runs/weight_sync/step_4"}})
+                json!({"method": "reload_weights", "kwargs": {"weights_path": dir.path()}})
             ),
             ("/reset_prefix_cache".to_owned(), Value::Null),
             (
@@ -225,11 +237,31 @@ fn a_reload_runs_vllms_sequence_and_tags_the_version() {
 }
 
 #[test]
+fn a_directory_without_weights_is_refused_before_any_server_is_touched() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = attached(&mock);
+    let empty = tempfile::tempdir().unwrap();
+    for dir in [empty.path().to_path_buf(), empty.path().join("missing")] {
+        let err = rollout
+            .update_weights(&WeightSource::from_handover(5, &[], &file_handover(&dir)))
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::IO);
+        assert!(err.message().contains(&dir.display().to_string()), "{err}");
+    }
+    assert!(mock.requests_to("/pause").is_empty());
+    // The servers still hold what they held: generation goes on.
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap();
+}
+
+#[test]
 fn stale_weights_are_refused() {
     let version = Arc::new(Mutex::new("default".to_owned()));
     let mock = vllm_mock(version.clone());
     let mut rollout = attached(&mock);
-    let handover = WeightSource::encode_handover(&Handover::file("/w/step_2"));
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
     rollout
         .update_weights(&WeightSource::from_handover(2, &[], &handover))
         .unwrap();
@@ -261,7 +293,8 @@ fn a_failed_reload_resumes_the_server_and_blocks_generation() {
         _ => Reply::ok(json!({})),
     });
     let mut rollout = attached(&mock);
-    let handover = WeightSource::encode_handover(&Handover::file("/gone"));
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
     let err = rollout
         .update_weights(&WeightSource::from_handover(3, &[], &handover))
         .unwrap_err();

@@ -209,6 +209,13 @@ impl Pool {
         }
     }
 
+    /// Stops the servers this pool started (also done on drop).
+    pub fn stop(&self) {
+        for process in self.servers.iter().filter_map(|s| s.process.as_ref()) {
+            process.stop();
+        }
+    }
+
     /// An error if a server this pool started has exited.
     pub fn check_alive(&self) -> Result<(), HttpError> {
         match self.servers.iter().find_map(|s| {

@@ -439,3 +439,87 @@ fn a_started_server_follows_verls_rollout_keys() {
     assert_eq!(flag(&l, "--dtype"), Some("auto"));
     assert_eq!(flag(&l, "--max-model-len"), None);
 }
+
+#[test]
+fn a_restart_runs_on_the_original_files_and_the_new_weights() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for (file, text) in [
+        ("config.json", "{}"),
+        ("tokenizer.json", "{}"),
+        ("model.safetensors", "old"),
+    ] {
+        std::fs::write(model.join(file), text).unwrap();
+    }
+    let handover = root.path().join("weight_sync/step_3");
+    std::fs::create_dir_all(&handover).unwrap();
+    std::fs::write(handover.join("model.safetensors"), "new").unwrap();
+    let launch = Launch {
+        name: "vLLM server on 127.0.0.1:1".into(),
+        program: "python".into(),
+        args: vec![
+            "-m".into(),
+            SERVER_MODULE.into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--port".into(),
+            "1".into(),
+        ],
+        env: Vec::new(),
+        log: root.path().join("logs/server-1.log"),
+    };
+    let mut restart = Restart {
+        settings: ServerSettings::default(),
+        launch,
+        url: "http://127.0.0.1:1".into(),
+        model: model.clone(),
+        current: None,
+    };
+    let (next, dir) = restart.prepare(&handover, "3").unwrap();
+    assert_eq!(dir, root.path().join("logs/weights/step_3"));
+    assert_eq!(flag(&next, "--model"), Some(dir.to_str().unwrap()));
+    assert_eq!(flag(&next, "--port"), Some("1"));
+    assert_eq!(next.log, root.path().join("logs/server-1.step_3.log"));
+    assert_eq!(
+        std::fs::read_to_string(dir.join("model.safetensors")).unwrap(),
+        "new"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        "{}"
+    );
+    assert!(
+        std::fs::symlink_metadata(dir.join("config.json"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    // The weight sync removes its directory once the update returns: the server's copy stays.
+    std::fs::remove_dir_all(&handover).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("model.safetensors")).unwrap(),
+        "new"
+    );
+    restart.committed(dir.clone());
+    std::fs::create_dir_all(&handover).unwrap();
+    std::fs::write(handover.join("model.safetensors"), "newer").unwrap();
+    let (_, dir4) = restart.prepare(&handover, "4").unwrap();
+    restart.committed(dir4.clone());
+    assert!(
+        !dir.exists() && dir4.exists(),
+        "the previous step's directory is removed"
+    );
+}
+
+#[test]
+fn restart_needs_a_started_server() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let err = VllmRollout::default()
+        .init(&init(json!({"urls": [mock.url()], "reload": "restart"})))
+        .unwrap_err();
+    assert!(
+        err.message().contains("vllm.reload") && err.message().contains("attached"),
+        "{err}"
+    );
+}

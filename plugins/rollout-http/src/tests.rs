@@ -60,11 +60,12 @@ fn health_or(r: &Recorded, f: impl Fn(&Recorded) -> Reply) -> Reply {
 }
 
 fn settings(urls: &[&MockServer]) -> ServerSettings {
-    let mut s = ServerSettings::default();
-    s.urls = urls.iter().map(|m| m.url().to_owned()).collect();
-    s.startup_timeout_s = 5.0;
-    s.request_timeout_s = 10.0;
-    s
+    ServerSettings {
+        urls: urls.iter().map(|m| m.url().to_owned()).collect(),
+        startup_timeout_s: 5.0,
+        request_timeout_s: 10.0,
+        ..ServerSettings::default()
+    }
 }
 
 fn request(prompts: Vec<Vec<u32>>, n: u32) -> GenerateRequest {

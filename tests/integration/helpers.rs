@@ -54,7 +54,7 @@ pub fn release() -> &'static Release {
         let mut cmd = cargo();
         cmd.current_dir(workspace_root())
             .args(["build", "--release", "-p", "verl-core"]);
-        for plugin in ["rocm", "ascend", "fsdp", "native", "trackers"] {
+        for plugin in ["rocm", "ascend", "fsdp", "native", "trackers", "vllm"] {
             cmd.args(["-p", &format!("verl-plugin-{plugin}")]);
         }
         run_cargo(cmd, "the release binary and plugins");

@@ -10,3 +10,4 @@ mod launch;
 mod platform;
 mod train;
 mod vendor;
+mod vllm;

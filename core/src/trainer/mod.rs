@@ -288,7 +288,6 @@ impl Trainer {
         let components = Components::resolve(&config, registry)?;
         components.check(&config, &run)?;
 
-        let init = |config: Value| ComponentInit::new(config, run.clone());
         let engine = |role: EngineRole,
                       component: &Component|
          -> Result<Box<dyn EngineWorker>, TrainError> {
@@ -319,8 +318,15 @@ impl Trainer {
             .transpose()?;
 
         let mut rollout = components.rollout.create_rollout()?;
+        let rollout_section = config.rollout_json();
         rollout
-            .init(&init(config.rollout_json()))
+            .init(&plugin_init(
+                &config,
+                Slot::Rollout,
+                &components.rollout,
+                rollout_section,
+                &run,
+            ))
             .context(|| format!("initialising the rollout `{}`", components.rollout.name))?;
 
         // verl hands a checkpoint engine its own entry of `engine_kwargs`.

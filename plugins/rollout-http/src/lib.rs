@@ -1,0 +1,35 @@
+//! # verl-rollout-http
+//!
+//! What verl-core's inference-server rollouts (`vllm`, `sglang`) share, so each backend plugin is
+//! its protocol and nothing else:
+//!
+//! - [`ServerSettings`]: the server keys of a rollout's own config section (attach to `urls`, or
+//!   spawn with `python`/`command`, `extra_args`, `env`, `port`, timeouts, requests in flight).
+//! - [`ServerProcess`]: a server this plugin started, in its own process group with a
+//!   parent-death signal, its output in a log file; stopped (the whole group) on drop; its death
+//!   is noticed before and during every request, and reported with the log's last lines.
+//! - [`Pool`]: the replicas, waited for (`/health`, with a progress line), the least busy one
+//!   picked per request, a bound on requests in flight, retries with exponential backoff on
+//!   connection failures and 503, the server's own message carried into an HTTP error.
+//! - [`Pool::generate`] with a backend's [`Protocol`]: one request per prompt, all concurrent,
+//!   every answer checked and put in its prompt's slot (no prompt lost or duplicated).
+//!
+//! Everything blocks the caller (the rollout trait is synchronous) on a single-threaded tokio
+//! runtime owned by the pool: the work is waiting on sockets.
+
+mod error;
+mod generate;
+#[cfg(any(test, feature = "mock"))]
+pub mod mock;
+mod pool;
+mod process;
+mod settings;
+
+pub use error::HttpError;
+pub use generate::{Protocol, Sample, prompt_seed};
+pub use pool::{Method, Pool, Server};
+pub use process::{LOG_TAIL_LINES, Launch, ServerProcess, free_port, log_tail};
+pub use settings::ServerSettings;
+
+#[cfg(test)]
+mod tests;

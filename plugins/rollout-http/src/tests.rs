@@ -1,0 +1,376 @@
+//! The pool against the mock server: matching answers to prompts, the bound on requests in
+//! flight, retries, error messages, load balancing, and started servers that die.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use verl_plugin_api::{FinishReason, GenerateRequest, SamplingParams};
+
+use crate::mock::{MockServer, Recorded, Reply};
+use crate::{HttpError, Launch, Pool, Protocol, Sample, ServerSettings, prompt_seed};
+
+/// A protocol whose server answers `{"samples": [{"index", "ids"}]}`.
+struct Echo;
+
+impl Protocol for Echo {
+    fn path(&self) -> &str {
+        "/gen"
+    }
+    fn body(&self, prompt: &[u32], s: &SamplingParams, seed: Option<u64>) -> Value {
+        json!({"prompt": prompt, "n": s.n, "seed": seed})
+    }
+    fn samples(&self, answer: &Value) -> Result<Vec<Sample>, String> {
+        let list = answer["samples"].as_array().ok_or("no samples")?;
+        Ok(list
+            .iter()
+            .map(|s| Sample {
+                index: s["index"].as_u64().unwrap() as usize,
+                token_ids: serde_json::from_value(s["ids"].clone()).unwrap(),
+                logprobs: vec![-0.5; s["ids"].as_array().unwrap().len()],
+                finish_reason: FinishReason::Length,
+            })
+            .collect())
+    }
+}
+
+/// The echo server's answer: sample `j` of prompt `p` is `p` followed by `j`, samples listed last
+/// first (a server may answer in any order).
+fn echo(r: &Recorded) -> Reply {
+    let n = r.body["n"].as_u64().unwrap();
+    let prompt: Vec<u64> = serde_json::from_value(r.body["prompt"].clone()).unwrap();
+    let samples: Vec<Value> = (0..n)
+        .rev()
+        .map(|j| {
+            let mut ids = prompt.clone();
+            ids.push(j);
+            json!({"index": j, "ids": ids})
+        })
+        .collect();
+    Reply::ok(json!({ "samples": samples }))
+}
+
+fn health_or(r: &Recorded, f: impl Fn(&Recorded) -> Reply) -> Reply {
+    if r.path == "/health" {
+        Reply::ok(Value::Null)
+    } else {
+        f(r)
+    }
+}
+
+fn settings(urls: &[&MockServer]) -> ServerSettings {
+    ServerSettings {
+        urls: urls.iter().map(|m| m.url().to_owned()).collect(),
+        startup_timeout_s: 5.0,
+        request_timeout_s: 10.0,
+        ..ServerSettings::default()
+    }
+}
+
+fn request(prompts: Vec<Vec<u32>>, n: u32) -> GenerateRequest {
+    let mut s = SamplingParams::default();
+    s.n = n;
+    GenerateRequest::new(prompts, s)
+}
+
+#[test]
+fn every_completion_is_matched_to_its_prompt() {
+    // Later prompts answer sooner, so answers arrive out of order.
+    let mock = MockServer::start(|r| {
+        health_or(r, |r| {
+            let first = r.body["prompt"][0].as_u64().unwrap();
+            Reply::After(Duration::from_millis(200 - first * 20), Box::new(echo(r)))
+        })
+    });
+    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| vec![i, 100 + i]).collect();
+    let out = pool
+        .generate(&Echo, &request(prompts.clone(), 3), Some(9))
+        .unwrap();
+    assert_eq!(out.len(), 24);
+    for (k, c) in out.iter().enumerate() {
+        let (p, j) = (k / 3, k % 3);
+        assert_eq!(c.prompt_index as usize, p);
+        let mut want = prompts[p].clone();
+        want.push(j as u32);
+        assert_eq!(c.response_ids, want);
+    }
+    let sent = mock.requests_to("/gen");
+    assert_eq!(sent.len(), 8, "one request per prompt");
+    for r in &sent {
+        let p = r.body["prompt"][0].as_u64().unwrap() as usize;
+        assert_eq!(r.body["seed"], json!(prompt_seed(9, p)));
+    }
+}
+
+#[test]
+fn lost_or_duplicated_samples_are_errors() {
+    for (case, reply) in [
+        (
+            "duplicated",
+            json!({"samples": [{"index": 0, "ids": [1]}, {"index": 0, "ids": [2]}]}),
+        ),
+        ("lost", json!({"samples": [{"index": 1, "ids": [1]}]})),
+    ] {
+        let mock = MockServer::start(move |r| health_or(r, |_| Reply::ok(reply.clone())));
+        let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+        let err = pool
+            .generate(&Echo, &request(vec![vec![5]], 2), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("prompt 0") && err.contains("asked for 2 sample(s)"),
+            "{case}: {err}"
+        );
+        assert!(
+            err.contains(&format!("{}/gen", mock.url())),
+            "{case}: {err}"
+        );
+    }
+}
+
+#[test]
+fn requests_in_flight_stay_within_the_bound() {
+    let (now, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (n2, p2) = (now.clone(), peak.clone());
+    let mock = MockServer::start(move |r| {
+        health_or(r, |r| {
+            let current = n2.fetch_add(1, Ordering::SeqCst) + 1;
+            p2.fetch_max(current, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(100));
+            n2.fetch_sub(1, Ordering::SeqCst);
+            echo(r)
+        })
+    });
+    let mut s = settings(&[&mock]);
+    s.max_inflight = 3;
+    let pool = Pool::attach("test", &s).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..12).map(|i| vec![i]).collect();
+    assert_eq!(
+        pool.generate(&Echo, &request(prompts, 1), None)
+            .unwrap()
+            .len(),
+        12
+    );
+    assert_eq!(
+        peak.load(Ordering::SeqCst),
+        3,
+        "at most 3 in flight, and 3 reached"
+    );
+}
+
+#[test]
+fn dropped_connections_are_retried_without_duplicates() {
+    let drops = Arc::new(AtomicUsize::new(2));
+    let d = drops.clone();
+    let mock = MockServer::start(move |r| {
+        health_or(r, |r| {
+            let left = d.load(Ordering::SeqCst);
+            if left > 0 && r.body["prompt"][0] == 1 {
+                d.store(left - 1, Ordering::SeqCst);
+                Reply::Drop
+            } else {
+                echo(r)
+            }
+        })
+    });
+    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let out = pool
+        .generate(&Echo, &request(vec![vec![0], vec![1], vec![2]], 2), None)
+        .unwrap();
+    let firsts: Vec<u32> = out.iter().map(|c| c.response_ids[0]).collect();
+    assert_eq!(firsts, [0, 0, 1, 1, 2, 2]);
+    assert_eq!(
+        mock.requests_to("/gen").len(),
+        5,
+        "prompt 1 was sent three times"
+    );
+
+    // With fewer attempts than failures, the error says how many were made.
+    drops.store(10, Ordering::SeqCst);
+    let mut s = settings(&[&mock]);
+    s.retries = 2;
+    let pool = Pool::attach("test", &s).unwrap();
+    let err = pool
+        .generate(&Echo, &request(vec![vec![1]], 1), None)
+        .unwrap_err();
+    assert!(
+        matches!(err, HttpError::Unreachable { attempts: 2, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_client_error_carries_the_servers_message_and_is_not_retried() {
+    let mock = MockServer::start(|r| {
+        health_or(r, |_| {
+            Reply::Json(
+                400,
+                json!({"error": {"message": "max_tokens=1000 cannot be greater than max_model_len=256", "type": "BadRequestError", "code": 400}}),
+            )
+        })
+    });
+    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let err = pool
+        .generate(&Echo, &request(vec![vec![1]], 1), None)
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("HTTP 400")
+            && text.contains("max_tokens=1000 cannot be greater than max_model_len=256"),
+        "{text}"
+    );
+    assert_eq!(mock.requests_to("/gen").len(), 1);
+}
+
+#[test]
+fn unavailable_is_retried() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let mock = MockServer::start(move |r| {
+        health_or(r, |r| {
+            if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                Reply::Json(503, json!({"error": {"message": "paused"}}))
+            } else {
+                echo(r)
+            }
+        })
+    });
+    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    assert_eq!(
+        pool.generate(&Echo, &request(vec![vec![1]], 1), None)
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn replicas_share_the_load() {
+    let slow = |r: &Recorded| {
+        health_or(r, |r| {
+            Reply::After(Duration::from_millis(50), Box::new(echo(r)))
+        })
+    };
+    let (a, b) = (MockServer::start(slow), MockServer::start(slow));
+    let pool = Pool::attach("test", &settings(&[&a, &b])).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..10).map(|i| vec![i]).collect();
+    assert_eq!(
+        pool.generate(&Echo, &request(prompts, 1), None)
+            .unwrap()
+            .len(),
+        10
+    );
+    let (na, nb) = (a.requests_to("/gen").len(), b.requests_to("/gen").len());
+    assert_eq!(na + nb, 10);
+    assert!(na >= 3 && nb >= 3, "unbalanced: {na} and {nb}");
+}
+
+#[test]
+fn an_attached_server_that_never_answers_is_named() {
+    let mock = MockServer::start(|_| Reply::Json(503, json!({"error": "starting"})));
+    let mut s = settings(&[&mock]);
+    s.startup_timeout_s = 0.5;
+    let err = Pool::attach("test", &s).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("{}/health", mock.url())) && err.contains("HTTP 503"),
+        "{err}"
+    );
+}
+
+fn sh(dir: &std::path::Path, script: &str) -> Launch {
+    Launch {
+        name: "test server".into(),
+        program: "sh".into(),
+        args: vec!["-c".into(), script.into()],
+        env: Vec::new(),
+        log: dir.join("server.log"),
+    }
+}
+
+#[test]
+fn a_started_server_that_exits_while_starting_reports_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Pool::spawn(
+        "test",
+        &settings(&[]),
+        &sh(
+            dir.path(),
+            "echo 'RuntimeError: Unsupported CPU attention'; exit 1",
+        ),
+        "http://127.0.0.1:9",
+    )
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            HttpError::Died {
+                when: "while starting",
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("exit status: 1")
+            && text.contains("| RuntimeError: Unsupported CPU attention"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_started_server_that_never_gets_ready_times_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = settings(&[]);
+    s.startup_timeout_s = 1.0;
+    let url = format!(
+        "http://127.0.0.1:{}",
+        crate::free_port("127.0.0.1").unwrap()
+    );
+    let err =
+        Pool::spawn("test", &s, &sh(dir.path(), "echo loading; sleep 100"), &url).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, HttpError::StartTimeout { .. }), "{text}");
+    assert!(text.contains("| loading") && text.contains(&url), "{text}");
+}
+
+#[test]
+fn a_started_server_that_dies_is_noticed_before_the_next_request() {
+    let dir = tempfile::tempdir().unwrap();
+    // The mock stands in for the server's HTTP side; the process is the one that dies.
+    let mock = MockServer::start(|r| health_or(r, echo));
+    let pool = Pool::spawn(
+        "test",
+        &settings(&[]),
+        &sh(dir.path(), "echo serving; exec sleep 100"),
+        mock.url(),
+    )
+    .unwrap();
+    assert_eq!(
+        pool.generate(&Echo, &request(vec![vec![1]], 1), None)
+            .unwrap()
+            .len(),
+        1
+    );
+    let pid = pool.servers()[0].process().unwrap().pid();
+    // SAFETY: signals the test's own child process.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    std::thread::sleep(Duration::from_millis(200));
+    let err = pool
+        .generate(&Echo, &request(vec![vec![1]], 1), None)
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, HttpError::Died { .. }), "{text}");
+    assert!(
+        text.contains("signal: 9") && text.contains("| serving"),
+        "{text}"
+    );
+    assert_eq!(
+        mock.requests_to("/gen").len(),
+        1,
+        "nothing was sent to a dead server"
+    );
+}

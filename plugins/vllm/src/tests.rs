@@ -1,0 +1,525 @@
+//! The plugin against a mock of vLLM's HTTP API (answers in vLLM 0.32's shapes, as recorded from
+//! the real server): request bodies, answer parsing, the reload sequence, stale weights, config.
+
+use std::sync::{Arc, Mutex};
+
+use serde_json::{Value, json};
+use verl_plugin_api::{
+    ComponentInit, ErrorKind, FinishReason, GenerateRequest, Handover, Rollout, RunContext,
+    SamplingParams, WeightSource,
+};
+use verl_rollout_http::mock::{MockServer, Recorded, Reply};
+
+use super::*;
+
+/// A vLLM server's answers; `version` is what `/weight_info` reports.
+fn vllm_mock(version: Arc<Mutex<String>>) -> MockServer {
+    MockServer::start(
+        move |r: &Recorded| match r.path.split('?').next().unwrap() {
+            "/health" => Reply::ok(Value::Null),
+            "/v1/models" => Reply::ok(
+                json!({"object": "list", "data": [{"id": "served", "object": "model", "root": "/m"}]}),
+            ),
+            "/weight_info" => Reply::ok(json!({"weight_version": *version.lock().unwrap()})),
+            "/update_weight_version" => {
+                *version.lock().unwrap() = r.body["new_version"].as_str().unwrap().to_owned();
+                Reply::ok(json!({"success": true}))
+            }
+            "/pause" => Reply::ok(json!({"status": "paused"})),
+            "/resume" => Reply::ok(json!({"status": "resumed"})),
+            "/reset_prefix_cache" | "/collective_rpc" => Reply::Text(200, String::new()),
+            "/v1/completions" => Reply::ok(completion(&r.body)),
+            _ => Reply::Json(404, json!({"detail": "Not Found"})),
+        },
+    )
+}
+
+/// vLLM's answer for `body`: sample `j` continues with `first prompt id + j`, then stops with
+/// the last stop id if there is one (`finish_reason` "stop", `stop_reason` the id).
+fn completion(body: &Value) -> Value {
+    let first = body["prompt"][0].as_u64().unwrap();
+    let stop = body["stop_token_ids"]
+        .as_array()
+        .and_then(|s| s.last())
+        .cloned();
+    let choices: Vec<Value> = (0..body["n"].as_u64().unwrap())
+        .map(|j| {
+            let mut ids = vec![json!(first + j)];
+            if let Some(stop) = &stop {
+                ids.push(stop.clone());
+            }
+            let lps: Vec<f64> = (0..ids.len()).map(|t| -0.25 * (t + 1) as f64).collect();
+            json!({
+                "index": j, "text": "xy",
+                "logprobs": {"text_offset": [0, 1], "token_logprobs": lps, "tokens": ["x", "y"], "top_logprobs": [{"x": -0.25}, {"y": -0.5}]},
+                "finish_reason": if stop.is_some() { "stop" } else { "length" },
+                "stop_reason": stop,
+                "token_ids": ids, "prompt_logprobs": null, "prompt_token_ids": body["prompt"], "routed_experts": null,
+            })
+        })
+        .collect();
+    json!({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "served", "choices": choices,
+           "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}})
+}
+
+fn init(section: Value) -> ComponentInit {
+    let mut run = RunContext::default();
+    run.seed = 3;
+    ComponentInit::new(
+        json!({"name": "vllm", "model": {"path": "/m"}, "engine_kwargs": {"vllm": section}, "ignore_eos": false}),
+        run,
+    )
+}
+
+fn attached(mock: &MockServer) -> VllmRollout {
+    let mut rollout = VllmRollout::default();
+    rollout
+        .init(&init(json!({"urls": [mock.url()], "startup_timeout_s": 5})))
+        .unwrap();
+    rollout
+}
+
+/// A handover directory as the disk weight sync writes it (contents irrelevant to the mock).
+fn weights_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), b"{}").unwrap();
+    dir
+}
+
+fn file_handover(dir: &std::path::Path) -> String {
+    WeightSource::encode_handover(&Handover::file(dir.to_string_lossy())).to_string()
+}
+
+fn sampling(n: u32) -> SamplingParams {
+    let mut s = SamplingParams::default();
+    s.n = n;
+    s.temperature = 0.7;
+    s.top_p = 0.9;
+    s.top_k = -1;
+    s.max_new_tokens = 8;
+    s.stop_token_ids = vec![9];
+    s.seed = Some(11);
+    s
+}
+
+#[test]
+fn requests_carry_every_sampling_setting_in_vllms_names() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = attached(&mock);
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![5, 6, 7]], sampling(2)))
+        .unwrap();
+    let sent = mock.requests_to("/v1/completions");
+    assert_eq!(sent.len(), 1);
+    let body = &sent[0].body;
+    let want = json!({
+        "model": "served", "prompt": [5, 6, 7], "n": 2, "max_tokens": 8,
+        "temperature": 0.7f32, "top_p": 0.9f32, "top_k": 0, "min_p": 0.0,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "seed": verl_rollout_http::prompt_seed(11, 0), "stop_token_ids": [9], "ignore_eos": false,
+        "logprobs": 0, "return_token_ids": true,
+    });
+    assert_eq!(body, &want);
+
+    // Greedy: temperature 0 and no filtering, whatever else the request says.
+    let mut greedy = sampling(1);
+    greedy.greedy = true;
+    greedy.top_k = 20;
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![5]], greedy))
+        .unwrap();
+    let body = &mock.requests_to("/v1/completions")[1].body;
+    assert_eq!(
+        (&body["temperature"], &body["top_p"], &body["top_k"]),
+        (&json!(0.0), &json!(1.0), &json!(0))
+    );
+}
+
+#[test]
+fn answers_become_completions_grouped_by_prompt() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = attached(&mock);
+    let out = rollout
+        .generate(&GenerateRequest::new(vec![vec![10], vec![20]], sampling(2)))
+        .unwrap();
+    let got: Vec<(u32, Vec<u32>)> = out
+        .completions
+        .iter()
+        .map(|c| (c.prompt_index, c.response_ids.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (0, vec![10, 9]),
+            (0, vec![11, 9]),
+            (1, vec![20, 9]),
+            (1, vec![21, 9])
+        ]
+    );
+    for c in &out.completions {
+        assert_eq!(c.logprobs, [-0.25, -0.5]);
+        assert_eq!(c.finish_reason, FinishReason::Stop);
+    }
+    assert_eq!(out.weight_version, None);
+    // Each prompt has its own seed: equal prompts in one batch get different samples.
+    let seeds: Vec<Value> = mock
+        .requests_to("/v1/completions")
+        .iter()
+        .map(|r| r.body["seed"].clone())
+        .collect();
+    assert_ne!(seeds[0], seeds[1]);
+}
+
+#[test]
+fn malformed_answers_name_the_prompt_and_the_field() {
+    let p = Completions {
+        model: "m".into(),
+        ignore_eos: false,
+    };
+    let mut answer = completion(&json!({"prompt": [1], "n": 1, "stop_token_ids": []}));
+    answer["choices"][0]["logprobs"]["token_logprobs"] = json!([-1.0, -2.0]);
+    assert!(
+        p.samples(&answer)
+            .unwrap_err()
+            .contains("2 log-probs for 1 tokens")
+    );
+    answer["choices"][0]["logprobs"]["token_logprobs"] = json!([null]);
+    assert!(
+        p.samples(&answer)
+            .unwrap_err()
+            .contains("token 0 has no log-prob")
+    );
+    answer["choices"][0]["token_ids"] = Value::Null;
+    assert!(p.samples(&answer).unwrap_err().contains("`token_ids`"));
+    assert!(
+        p.samples(&json!({"object": "error"}))
+            .unwrap_err()
+            .contains("no `choices`")
+    );
+}
+
+#[test]
+fn a_reload_runs_vllms_sequence_and_tags_the_version() {
+    let version = Arc::new(Mutex::new("default".to_owned()));
+    let mock = vllm_mock(version.clone());
+    let mut rollout = attached(&mock);
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
+    rollout
+        .update_weights(&WeightSource::from_handover(4, &[], &handover))
+        .unwrap();
+    let control: Vec<(String, Value)> = mock
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path != "/v1/completions")
+        .map(|r| (r.path, r.body))
+        .collect();
+    assert_eq!(
+        control,
+        [
+            ("/pause?mode=wait".to_owned(), Value::Null),
+            (
+                "/collective_rpc".to_owned(),
+                json!({"method": "reload_weights", "kwargs": {"weights_path": dir.path()}})
+            ),
+            ("/reset_prefix_cache".to_owned(), Value::Null),
+            (
+                "/update_weight_version".to_owned(),
+                json!({"new_version": "4"})
+            ),
+            ("/resume".to_owned(), Value::Null),
+        ]
+    );
+    let out = rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap();
+    assert_eq!(out.weight_version, Some(4));
+}
+
+#[test]
+fn a_directory_without_weights_is_refused_before_any_server_is_touched() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = attached(&mock);
+    let empty = tempfile::tempdir().unwrap();
+    for dir in [empty.path().to_path_buf(), empty.path().join("missing")] {
+        let err = rollout
+            .update_weights(&WeightSource::from_handover(5, &[], &file_handover(&dir)))
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::IO);
+        assert!(err.message().contains(&dir.display().to_string()), "{err}");
+    }
+    assert!(mock.requests_to("/pause").is_empty());
+    // The servers still hold what they held: generation goes on.
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap();
+}
+
+#[test]
+fn stale_weights_are_refused() {
+    let version = Arc::new(Mutex::new("default".to_owned()));
+    let mock = vllm_mock(version.clone());
+    let mut rollout = attached(&mock);
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
+    rollout
+        .update_weights(&WeightSource::from_handover(2, &[], &handover))
+        .unwrap();
+    // The server restarts (or another client reloads it): it no longer holds step 2.
+    *version.lock().unwrap() = "default".into();
+    let err = rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::UNAVAILABLE);
+    assert!(
+        err.message()
+            .contains("holds weights of version `default`, not `2`")
+            && err.message().contains("global step 2")
+            && err.message().contains(mock.url()),
+        "{err}"
+    );
+    assert!(mock.requests_to("/v1/completions").is_empty());
+}
+
+#[test]
+fn a_failed_reload_resumes_the_server_and_blocks_generation() {
+    let mock = MockServer::start(|r: &Recorded| match r.path.split('?').next().unwrap() {
+        "/collective_rpc" => Reply::Json(
+            500,
+            json!({"error": {"message": "FileNotFoundError: no safetensors in /gone", "type": "InternalServerError", "code": 500}}),
+        ),
+        "/weight_info" => Reply::ok(json!({"weight_version": "default"})),
+        "/v1/models" => Reply::ok(json!({"data": [{"id": "served"}]})),
+        _ => Reply::ok(json!({})),
+    });
+    let mut rollout = attached(&mock);
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
+    let err = rollout
+        .update_weights(&WeightSource::from_handover(3, &[], &handover))
+        .unwrap_err();
+    assert!(err.message().contains("no safetensors in /gone"), "{err}");
+    assert_eq!(
+        mock.requests_to("/resume").len(),
+        1,
+        "the server was left paused"
+    );
+    let err = rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap_err();
+    assert!(err.message().contains("refusing to generate"), "{err}");
+}
+
+#[test]
+fn a_server_without_dev_mode_is_explained() {
+    let mock = MockServer::start(|r: &Recorded| match r.path.as_str() {
+        "/weight_info" => Reply::Json(404, json!({"detail": "Not Found"})),
+        _ => Reply::ok(json!({"data": [{"id": "served"}]})),
+    });
+    let mut rollout = VllmRollout::default();
+    let err = rollout
+        .init(&init(json!({"urls": [mock.url()]})))
+        .unwrap_err();
+    assert!(err.message().contains("VLLM_SERVER_DEV_MODE=1"), "{err}");
+}
+
+#[test]
+fn replicas_must_agree() {
+    let a = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let b = vllm_mock(Arc::new(Mutex::new("17".into())));
+    let err = VllmRollout::default()
+        .init(&init(json!({"urls": [a.url(), b.url()]})))
+        .unwrap_err();
+    assert!(
+        err.message().contains("different weights") && err.message().contains("`17`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn memory_handovers_point_at_the_disk_sync() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = attached(&mock);
+    let err = rollout
+        .update_weights(&WeightSource::memory(1, &[]))
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::UNSUPPORTED);
+    assert!(
+        err.message().contains("checkpoint_engine.backend=disk"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_section_is_parsed_strictly() {
+    let err = VllmRollout::default()
+        .init(&init(
+            json!({"urls": ["http://127.0.0.1:1"], "kv_cache_space": 2}),
+        ))
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
+    assert!(
+        err.message().contains(
+            "unknown config key `actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_space`"
+        ) && err.message().contains(
+            "did you mean `actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_space_gib`"
+        ),
+        "{err}"
+    );
+    let err = VllmRollout::default()
+        .init(&init(json!({"urls": ["localhost:8000"]})))
+        .unwrap_err();
+    assert!(err.message().contains("vllm.urls[0]"), "{err}");
+}
+
+fn launch_of(rollout: Value, section: Value, device: &str) -> Launch {
+    let mut run = RunContext::default();
+    run.device_type = device.into();
+    run.run_dir = "/runs/r1".into();
+    run.seed = 5;
+    let mut config = rollout;
+    config["engine_kwargs"] = json!({"vllm": section.clone()});
+    let init = ComponentInit::new(config, run);
+    let keys: RolloutKeys = init.config("vllm").unwrap();
+    let (server, vllm): (ServerSettings, VllmSettings) =
+        verl_plugin_api::config::parse_section2(SECTION, &section.to_string(), "").unwrap();
+    launch(&init, &keys, &server, &vllm, "verl-rollout", 8123).unwrap()
+}
+
+fn flag<'a>(launch: &'a Launch, name: &str) -> Option<&'a str> {
+    let i = launch.args.iter().position(|a| a == name)?;
+    launch.args.get(i + 1).map(String::as_str)
+}
+
+#[test]
+fn a_started_server_follows_verls_rollout_keys() {
+    let l = launch_of(
+        json!({"model": {"path": "/models/q"}, "dtype": "bfloat16", "prompt_length": 64, "response_length": 32, "enforce_eager": false}),
+        json!({"python": "/venv/bin/python", "kv_cache_space_gib": 2, "extra_args": ["--max-num-seqs", "8"], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}),
+        "cpu",
+    );
+    assert_eq!(l.program, PathBuf::from("/venv/bin/python"));
+    assert_eq!(&l.args[..2], ["-m", SERVER_MODULE]);
+    assert_eq!(flag(&l, "--model"), Some("/models/q"));
+    assert_eq!(flag(&l, "--port"), Some("8123"));
+    assert_eq!(flag(&l, "--dtype"), Some("bfloat16"));
+    assert_eq!(flag(&l, "--max-model-len"), Some("96"));
+    assert_eq!(flag(&l, "--seed"), Some("5"));
+    assert_eq!(flag(&l, "--logprobs-mode"), Some("processed_logprobs"));
+    assert!(
+        l.args.contains(&"--enforce-eager".to_owned()),
+        "always eager on a CPU"
+    );
+    assert_eq!(&l.args[l.args.len() - 2..], ["--max-num-seqs", "8"]);
+    let env: std::collections::HashMap<_, _> = l.env.iter().cloned().collect();
+    assert_eq!(env["VLLM_SERVER_DEV_MODE"], "1");
+    assert_eq!(env["VLLM_CPU_KVCACHE_SPACE"], "2");
+    assert_eq!(env["VLLM_CPU_OMP_THREADS_BIND"], "0");
+    assert_eq!(l.log, PathBuf::from("/runs/r1/vllm/server-8123.log"));
+
+    // The section wins over verl's keys; a GPU run is not forced eager nor given CPU settings.
+    let l = launch_of(
+        json!({"model": {"path": "/m"}, "dtype": "bfloat16", "max_model_len": 300, "enforce_eager": false}),
+        json!({"command": ["vllm", "serve"], "dtype": "float32", "max_model_len": 128}),
+        "cuda",
+    );
+    assert_eq!(l.program, PathBuf::from("vllm"));
+    assert_eq!(l.args[0], "serve");
+    assert_eq!(flag(&l, "--dtype"), Some("float32"));
+    assert_eq!(flag(&l, "--max-model-len"), Some("128"));
+    assert!(!l.args.contains(&"--enforce-eager".to_owned()));
+    assert!(!l.env.iter().any(|(k, _)| k.starts_with("VLLM_CPU")));
+
+    // Nothing known about lengths or dtype: vLLM's own defaults (the checkpoint's).
+    let l = launch_of(
+        json!({"model": {"path": "/m"}}),
+        json!({"python": "/p"}),
+        "cpu",
+    );
+    assert_eq!(flag(&l, "--dtype"), Some("auto"));
+    assert_eq!(flag(&l, "--max-model-len"), None);
+}
+
+#[test]
+fn a_restart_runs_on_the_original_files_and_the_new_weights() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for (file, text) in [
+        ("config.json", "{}"),
+        ("tokenizer.json", "{}"),
+        ("model.safetensors", "old"),
+    ] {
+        std::fs::write(model.join(file), text).unwrap();
+    }
+    let handover = root.path().join("weight_sync/step_3");
+    std::fs::create_dir_all(&handover).unwrap();
+    std::fs::write(handover.join("model.safetensors"), "new").unwrap();
+    let launch = Launch {
+        name: "vLLM server on 127.0.0.1:1".into(),
+        program: "python".into(),
+        args: vec![
+            "-m".into(),
+            SERVER_MODULE.into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--port".into(),
+            "1".into(),
+        ],
+        env: Vec::new(),
+        log: root.path().join("logs/server-1.log"),
+    };
+    let mut restart = Restart {
+        settings: ServerSettings::default(),
+        launch,
+        url: "http://127.0.0.1:1".into(),
+        model: model.clone(),
+        current: None,
+    };
+    let (next, dir) = restart.prepare(&handover, "3").unwrap();
+    assert_eq!(dir, root.path().join("logs/weights/step_3"));
+    assert_eq!(flag(&next, "--model"), Some(dir.to_str().unwrap()));
+    assert_eq!(flag(&next, "--port"), Some("1"));
+    assert_eq!(next.log, root.path().join("logs/server-1.step_3.log"));
+    assert_eq!(
+        std::fs::read_to_string(dir.join("model.safetensors")).unwrap(),
+        "new"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        "{}"
+    );
+    assert!(
+        std::fs::symlink_metadata(dir.join("config.json"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    // The weight sync removes its directory once the update returns: the server's copy stays.
+    std::fs::remove_dir_all(&handover).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("model.safetensors")).unwrap(),
+        "new"
+    );
+    restart.committed(dir.clone());
+    std::fs::create_dir_all(&handover).unwrap();
+    std::fs::write(handover.join("model.safetensors"), "newer").unwrap();
+    let (_, dir4) = restart.prepare(&handover, "4").unwrap();
+    restart.committed(dir4.clone());
+    assert!(
+        !dir.exists() && dir4.exists(),
+        "the previous step's directory is removed"
+    );
+}
+
+#[test]
+fn restart_needs_a_started_server() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let err = VllmRollout::default()
+        .init(&init(json!({"urls": [mock.url()], "reload": "restart"})))
+        .unwrap_err();
+    assert!(
+        err.message().contains("vllm.reload") && err.message().contains("attached"),
+        "{err}"
+    );
+}

@@ -255,7 +255,13 @@ pub fn compute_advantage(
 pub fn masked_mean(values: &Matrix, mask: &Matrix) -> Result<f64, AlgoError> {
     mask.expect_shape("mask", values.shape())?;
     let (sum, count) = masked_sum(values, mask, |v| v);
-    Ok(sum / (count + 1e-8))
+    Ok(sum / count_plus_eps(count))
+}
+
+/// `Σ m + 1e-8` as verl's f32 tensors compute it: from one token on the 1e-8 is rounded away, so
+/// the mean of equal values is that value exactly and whitening them gives 0, not 1e-8/√1e-8.
+fn count_plus_eps(count: f64) -> f64 {
+    f64::from(count as f32 + 1e-8f32)
 }
 
 /// `(v − mean) / sqrt(var + 1e-8)` with the mean and the unbiased variance taken over the mask,
@@ -266,7 +272,7 @@ pub fn masked_whiten(values: &Matrix, mask: &Matrix) -> Result<Matrix, AlgoError
     if count < 2.0 {
         return Err(AlgoError::TooFewMasked(count as usize));
     }
-    let var = squares / (count + 1e-8) * count / (count - 1.0);
+    let var = squares / count_plus_eps(count) * count / (count - 1.0);
     let scale = 1.0 / (var + 1e-8).sqrt();
     let data = values
         .data()

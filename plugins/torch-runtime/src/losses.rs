@@ -429,8 +429,9 @@ pub fn policy_loss_dppo(
         let moved = &prob - &old_prob;
         (moved.le(clip.clip_ratio_high), moved.ge(-clip.clip_ratio_low))
     } else {
+        let old_rest = -&old_prob + 1.0;
         let binary_kl = &old_prob * (old_log_prob - log_prob)
-            + (1.0 - &old_prob) * ((1.0 - &old_prob + 1e-8) / (1.0 - &prob + 1e-8)).log();
+            + &old_rest * ((&old_rest + 1e-8) / (-&prob + 1.0 + 1e-8)).log();
         (
             binary_kl
                 .le(clip.clip_ratio_high)
@@ -443,7 +444,7 @@ pub fn policy_loss_dppo(
     let valid = float(&valid_positive.where_self(&advantages.gt(0.0), &valid_negative)).detach();
 
     let pg_losses = -advantages * &truncated * log_prob * &valid;
-    let pg_clipfrac = masked_mean(&(1.0 - &valid), mask);
+    let pg_clipfrac = masked_mean(&(-&valid + 1.0), mask);
     let pg_clipfrac_lower = masked_mean(&(float(&ratio.gt(clip.clip_ratio_c)) * &valid), mask);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
@@ -506,7 +507,7 @@ pub fn policy_loss_sapo(
     let tau = Tensor::where_scalar(&advantages.gt(0.0), options.tau_pos, options.tau_neg)
         .to_kind(advantages.kind())
         .to_device(advantages.device());
-    let gates = (&tau * (ratio - 1.0)).sigmoid() * (4.0 / &tau);
+    let gates = (&tau * (ratio - 1.0)).sigmoid() * (tau.reciprocal() * 4.0);
     let pg_losses = -gates * advantages;
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
@@ -555,7 +556,7 @@ pub fn policy_loss_clip_cov(
         .logical_and(&cov.gt(options.clip_cov_lb))
         .logical_and(&valid)
         .logical_and(&clipped_by_origin.logical_not())
-        .view(-1)
+        .reshape(-1)
         .nonzero()
         .squeeze_dim(-1);
     let tokens = scalar(&float(mask).sum(Kind::Float));
@@ -571,7 +572,7 @@ pub fn policy_loss_clip_cov(
     );
     let corr = advantages
         .ones_like()
-        .view(-1)
+        .reshape(-1)
         .index_fill(0, &chosen, 0.0)
         .view_as(advantages);
     let pg_clipfrac = masked_mean(&float(&corr.eq(0.0)), mask);
@@ -612,12 +613,12 @@ pub fn policy_loss_kl_cov(
     let losses1 = -advantages * &ratio;
     let losses_kl = &losses1 + &abs_kl * options.ppo_kl_coef;
 
-    let valid = mask.gt(0.0).view(-1).nonzero().squeeze_dim(-1);
+    let valid = mask.gt(0.0).reshape(-1).nonzero().squeeze_dim(-1);
     let n = valid.size()[0];
-    let mut penalised = advantages.zeros_like().view(-1).to_kind(Kind::Bool);
+    let mut penalised = advantages.zeros_like().reshape(-1).to_kind(Kind::Bool);
     if n > 0 {
-        let adv = advantages.detach().view(-1).index_select(0, &valid);
-        let logp = log_prob.detach().view(-1).index_select(0, &valid);
+        let adv = advantages.detach().reshape(-1).index_select(0, &valid);
+        let logp = log_prob.detach().reshape(-1).index_select(0, &valid);
         let cov = (&adv - adv.mean(Kind::Float)) * (&logp - logp.mean(Kind::Float));
         let k = ((n as f64 * options.kl_cov_ratio) as i64).max(1);
         let (_, top) = cov.topk(k, 0, true, true);

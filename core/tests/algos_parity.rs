@@ -101,12 +101,19 @@ fn advantage_case(r: &Reference, case: &Value) -> Result<(), String> {
     let sum_pi_squared = optional("sum_pi_squared");
     let is_weights = optional("rollout_is_weights");
     let baselines = set.get("reward_baselines").map(floats);
-    let components: Option<Vec<Matrix>> = set
-        .get("components")
-        .map(|c| c.as_array().expect("components").iter().map(matrix).collect());
+    let components: Option<Vec<Matrix>> = set.get("components").map(|c| {
+        c.as_array()
+            .expect("components")
+            .iter()
+            .map(matrix)
+            .collect()
+    });
     let weights: Option<Vec<f32>> = params_json.get("weights").and_then(|w| {
-        w.as_array()
-            .map(|w| w.iter().map(|x| x.as_f64().expect("weight") as f32).collect())
+        w.as_array().map(|w| {
+            w.iter()
+                .map(|x| x.as_f64().expect("weight") as f32)
+                .collect()
+        })
     });
     let mut input = AdvantageInput {
         values: values.as_ref(),
@@ -202,7 +209,9 @@ fn estimators_kl_and_controllers_match_verl() {
         "tir_optimal_token_baseline",
     ] {
         assert!(
-            counts.get(&format!("advantage/{name}")).is_some_and(|&n| n >= 2),
+            counts
+                .get(&format!("advantage/{name}"))
+                .is_some_and(|&n| n >= 2),
             "no reference cases for {name}"
         );
     }

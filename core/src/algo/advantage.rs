@@ -126,7 +126,11 @@ pub struct AdvantageInput<'a> {
 }
 
 impl<'a> AdvantageInput<'a> {
-    pub fn new(token_level_rewards: &'a Matrix, response_mask: &'a Matrix, index: &'a [u64]) -> Self {
+    pub fn new(
+        token_level_rewards: &'a Matrix,
+        response_mask: &'a Matrix,
+        index: &'a [u64],
+    ) -> Self {
         Self {
             token_level_rewards,
             response_mask,
@@ -187,7 +191,11 @@ pub fn compute_advantage(
         AdvEstimator::Rloo | AdvEstimator::RlooVectorized => {
             // Leave-one-out baseline: R - mean(others) = n/(n-1)·(R - mean_g). A response alone
             // keeps its score in verl's `rloo` and gets 0 in its vectorized twin.
-            let alone = if estimator == AdvEstimator::Rloo { 1.0 } else { 0.0 };
+            let alone = if estimator == AdvEstimator::Rloo {
+                1.0
+            } else {
+                0.0
+            };
             let adv = group_outcome(&scores, input, |score, g| {
                 if g.n > 1 {
                     let n = g.n as f64;
@@ -332,7 +340,11 @@ fn group_stats(scores: &[f64], rows: &[usize]) -> GroupStats {
         };
     }
     let mean = rows.iter().map(|&i| scores[i]).sum::<f64>() / n as f64;
-    let var = rows.iter().map(|&i| (scores[i] - mean).powi(2)).sum::<f64>() / (n as f64 - 1.0);
+    let var = rows
+        .iter()
+        .map(|&i| (scores[i] - mean).powi(2))
+        .sum::<f64>()
+        / (n as f64 - 1.0);
     GroupStats {
         n,
         mean,
@@ -979,11 +991,22 @@ mod tests {
         let rewards = m(&[&[1.0], &[0.0], &[0.0], &[2.0]]);
         let mask = m(&[&[1.0], &[1.0], &[1.0], &[1.0]]);
         let params = AdvantageParams::default();
-        let (adv, _) = run(AdvEstimator::RlooVectorized, params, &rewards, &mask, &[1, 1, 1, 2]);
+        let (adv, _) = run(
+            AdvEstimator::RlooVectorized,
+            params,
+            &rewards,
+            &mask,
+            &[1, 1, 1, 2],
+        );
         close(adv.data(), &[1.0, -0.5, -0.5, 0.0]);
         let (grpo, _) = run(AdvEstimator::Grpo, params, &rewards, &mask, &[1, 1, 1, 2]);
-        let (vectorized, _) =
-            run(AdvEstimator::GrpoVectorized, params, &rewards, &mask, &[1, 1, 1, 2]);
+        let (vectorized, _) = run(
+            AdvEstimator::GrpoVectorized,
+            params,
+            &rewards,
+            &mask,
+            &[1, 1, 1, 2],
+        );
         assert_eq!(grpo, vectorized);
     }
 
@@ -999,7 +1022,10 @@ mod tests {
             &mask,
             &[0, 0, 1],
         );
-        close(adv.data(), &[3.0, 0.0, 0.0, -1.0, -1.0, -1.0, 5.0, 5.0, 0.0]);
+        close(
+            adv.data(),
+            &[3.0, 0.0, 0.0, -1.0, -1.0, -1.0, 5.0, 5.0, 0.0],
+        );
     }
 
     #[test]
@@ -1051,8 +1077,8 @@ mod tests {
             reward_weights: Some(&[1.0, 3.0]),
             ..AdvantageInput::new(&format, &mask, &[0, 0])
         };
-        let (adv, _) = compute_advantage(AdvEstimator::Gdpo, &AdvantageParams::default(), &input)
-            .unwrap();
+        let (adv, _) =
+            compute_advantage(AdvEstimator::Gdpo, &AdvantageParams::default(), &input).unwrap();
         // Row 0: +0.7071 − 3·0.7071 < 0; row 1 the opposite; whitened ±√(3/4).
         let a = 0.75f32.sqrt();
         close(adv.data(), &[-a, -a, a, a]);
@@ -1062,7 +1088,10 @@ mod tests {
         };
         assert!(matches!(
             compute_advantage(AdvEstimator::Gdpo, &AdvantageParams::default(), &wrong),
-            Err(AlgoError::Length { what: "gdpo_reward_weights", .. })
+            Err(AlgoError::Length {
+                what: "gdpo_reward_weights",
+                ..
+            })
         ));
     }
 
@@ -1096,7 +1125,10 @@ mod tests {
                 &AdvantageParams::default(),
                 &missing
             ),
-            Err(AlgoError::MissingInput("optimal_token_baseline", "old_log_probs"))
+            Err(AlgoError::MissingInput(
+                "optimal_token_baseline",
+                "old_log_probs"
+            ))
         );
     }
 }

@@ -43,7 +43,9 @@ pub enum AlgoError {
     TooFewMasked(usize),
     #[error("advantage estimator `{0}` needs `{1}`")]
     MissingInput(&'static str, &'static str),
-    #[error("advantage estimator `{estimator}` needs at least {needs} responses per prompt, a group has {got} (actor_rollout_ref.rollout.n)")]
+    #[error(
+        "advantage estimator `{estimator}` needs at least {needs} responses per prompt, a group has {got} (actor_rollout_ref.rollout.n)"
+    )]
     GroupTooSmall {
         estimator: &'static str,
         needs: usize,

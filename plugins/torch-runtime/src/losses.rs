@@ -179,7 +179,10 @@ pub struct PolicyLoss {
 
 impl PolicyLoss {
     pub fn metric(&self, key: &str) -> Option<f64> {
-        self.metrics.iter().find(|(k, _)| *k == key).map(|&(_, v)| v)
+        self.metrics
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|&(_, v)| v)
     }
 }
 
@@ -346,7 +349,11 @@ pub fn policy_loss(
 /// `log π − log π_old`, clamped to ±20 where verl clamps it for a stable `exp`.
 fn log_ratio(batch: &PolicyBatch<'_>, clamped: bool) -> Tensor {
     let diff = batch.log_prob - batch.old_log_prob;
-    if clamped { diff.clamp(-20.0, 20.0) } else { diff }
+    if clamped {
+        diff.clamp(-20.0, 20.0)
+    } else {
+        diff
+    }
 }
 
 fn float(t: &Tensor) -> Tensor {
@@ -427,7 +434,10 @@ pub fn policy_loss_dppo(
     let old_prob = old_log_prob.exp();
     let (valid_positive, valid_negative) = if mode == PolicyLossMode::DppoTv {
         let moved = &prob - &old_prob;
-        (moved.le(clip.clip_ratio_high), moved.ge(-clip.clip_ratio_low))
+        (
+            moved.le(clip.clip_ratio_high),
+            moved.ge(-clip.clip_ratio_low),
+        )
     } else {
         let old_rest = -&old_prob + 1.0;
         let binary_kl = &old_prob * (old_log_prob - log_prob)
@@ -484,7 +494,10 @@ pub fn policy_loss_gspo(batch: PolicyBatch<'_>, clip: &ClipConfig, scale: &AggSc
                 PG_CLIPFRAC,
                 scalar(&masked_mean(&float(&losses2.gt_tensor(&losses1)), mask)),
             ),
-            (PPO_KL, scalar(&masked_mean(&negative_approx_kl.neg(), mask))),
+            (
+                PPO_KL,
+                scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
+            ),
             (PG_CLIPFRAC_LOWER, 0.0),
         ],
     }
@@ -513,7 +526,10 @@ pub fn policy_loss_sapo(
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
         metrics: vec![
             (PG_CLIPFRAC, 0.0),
-            (PPO_KL, scalar(&masked_mean(&negative_approx_kl.neg(), mask))),
+            (
+                PPO_KL,
+                scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
+            ),
             (PG_CLIPFRAC_LOWER, 0.0),
         ],
     }
@@ -688,18 +704,15 @@ pub fn policy_loss_dro(
     agg: LossAggMode,
     scale: &AggScale,
 ) -> Result<PolicyLoss> {
-    let beta = options
-        .dro_beta
-        .filter(|b| *b > 0.0)
-        .ok_or_else(|| {
-            ModelError::invalid_input(
-                "policy_loss.dro_beta",
-                format!(
-                    "must be a positive value when using DRO, got {:?}",
-                    options.dro_beta
-                ),
-            )
-        })?;
+    let beta = options.dro_beta.filter(|b| *b > 0.0).ok_or_else(|| {
+        ModelError::invalid_input(
+            "policy_loss.dro_beta",
+            format!(
+                "must be a positive value when using DRO, got {:?}",
+                options.dro_beta
+            ),
+        )
+    })?;
     let log_ratio = log_ratio(&batch, false);
     let pg_losses = -(batch.log_prob * batch.advantages - log_ratio.square() * (0.5 * beta));
     Ok(PolicyLoss {
@@ -736,7 +749,10 @@ pub fn policy_loss_cispo(
                 PG_CLIPFRAC,
                 scalar(&masked_mean(&float(&ratio.ne_tensor(&clipped)), mask)),
             ),
-            (PPO_KL, scalar(&masked_mean(&negative_approx_kl.neg(), mask))),
+            (
+                PPO_KL,
+                scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
+            ),
             (PG_CLIPFRAC_LOWER, 0.0),
         ],
     }
@@ -972,7 +988,10 @@ mod tests {
         close(out.metric("actor/pg_clipfrac").unwrap(), 2.0 / 5.0);
         close(out.metric("actor/pg_clipfrac_lower").unwrap(), 1.0 / 5.0);
         // ppo_kl = mean(-ln r) = -(2 ln 1.5 + 2 ln 0.5 + ln 4) / 5 = -2 ln 1.5 / 5
-        close(out.metric("actor/ppo_kl").unwrap(), -2.0 * 1.5f64.ln() / 5.0);
+        close(
+            out.metric("actor/ppo_kl").unwrap(),
+            -2.0 * 1.5f64.ln() / 5.0,
+        );
         let bad = ClipConfig {
             clip_ratio_c: 1.0,
             ..clip

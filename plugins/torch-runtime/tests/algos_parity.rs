@@ -120,9 +120,11 @@ fn policy_case(set: &Value, case: &Value) -> Result<(), String> {
         ppo_kl_coef: num(&p["ppo_kl_coef"]),
         dro_beta: p["dro_beta"].as_f64(),
     };
-    let loss_mode: PolicyLossMode = case["name"].as_str().expect("name").parse().map_err(
-        |e: verl_torch_runtime::ModelError| e.to_string(),
-    )?;
+    let loss_mode: PolicyLossMode = case["name"]
+        .as_str()
+        .expect("name")
+        .parse()
+        .map_err(|e: verl_torch_runtime::ModelError| e.to_string())?;
     let log_prob = tensor(&set["log_prob"]).set_requires_grad(true);
     let out = policy_loss(
         loss_mode,
@@ -182,7 +184,11 @@ fn value_case(set: &Value, case: &Value) -> Result<(), String> {
         &AggScale::default(),
     );
     scalar_matches("vf_loss", &loss, &case["vf_loss"])?;
-    compare("vf_clipfrac", &[clipfrac as f32], &floats(&case["vf_clipfrac"]))
+    compare(
+        "vf_clipfrac",
+        &[clipfrac as f32],
+        &floats(&case["vf_clipfrac"]),
+    )
 }
 
 fn entropy_case(set: &Value, case: &Value) -> Result<(), String> {

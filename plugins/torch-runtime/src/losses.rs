@@ -1042,6 +1042,89 @@ mod tests {
     }
 
     #[test]
+    fn every_verl_loss_mode_parses_and_the_required_knobs_are_checked() {
+        for mode in PolicyLossMode::ALL {
+            assert_eq!(mode.as_str().parse::<PolicyLossMode>().unwrap(), mode);
+        }
+        let err = "bypass_mode"
+            .parse::<PolicyLossMode>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dppo_tv") && err.contains("cispo"), "{err}");
+        let ones = t(&[&[-1.0, -1.0]]);
+        let batch = PolicyBatch {
+            old_log_prob: &ones,
+            log_prob: &ones,
+            advantages: &ones,
+            response_mask: &ones,
+        };
+        let run = |mode, options: PolicyLossOptions| {
+            policy_loss(
+                mode,
+                batch,
+                &ClipConfig::default(),
+                &options,
+                LossAggMode::TokenMean,
+                &AggScale::default(),
+            )
+        };
+        let err = run(PolicyLossMode::Dro, PolicyLossOptions::default()).unwrap_err();
+        assert!(err.to_string().contains("dro_beta"), "{err}");
+        let no_ratio = PolicyLossOptions {
+            clip_cov_ratio: 0.0,
+            kl_cov_ratio: 0.0,
+            ..PolicyLossOptions::default()
+        };
+        for mode in [PolicyLossMode::ClipCov, PolicyLossMode::KlCov] {
+            assert!(run(mode, no_ratio).is_err());
+        }
+    }
+
+    #[test]
+    fn clip_cov_removes_at_most_its_share_of_tokens() {
+        // Ratio 1 everywhere (no PPO clipping), advantages ±2 and log-probs spread, so every
+        // token's covariance lies in (lb, ub) = (-100, 100): all 20 are candidates, 25% = 5 are
+        // drawn and lose their gradient.
+        let old = Tensor::arange(20, (Kind::Float, tch::Device::Cpu)).view([4, 5]) * -0.1;
+        let log_prob = old.copy().set_requires_grad(true);
+        let advantages = Tensor::from_slice(&[2.0f32, -2.0, 2.0, -2.0])
+            .view([4, 1])
+            .expand([4, 5], false)
+            .contiguous();
+        let mask = advantages.ones_like();
+        let options = PolicyLossOptions {
+            clip_cov_ratio: 0.25,
+            clip_cov_lb: -100.0,
+            clip_cov_ub: 100.0,
+            ..PolicyLossOptions::default()
+        };
+        let out = policy_loss(
+            PolicyLossMode::ClipCov,
+            PolicyBatch {
+                old_log_prob: &old,
+                log_prob: &log_prob,
+                advantages: &advantages,
+                response_mask: &mask,
+            },
+            &ClipConfig::default(),
+            &options,
+            LossAggMode::TokenMean,
+            &AggScale::default(),
+        )
+        .unwrap();
+        close(out.metric("actor/pg_clipfrac").unwrap(), 5.0 / 20.0);
+        out.pg_loss.backward();
+        let zero_grads = scalar(
+            &log_prob
+                .grad()
+                .eq(0.0)
+                .to_kind(Kind::Float)
+                .sum(Kind::Float),
+        );
+        close(zero_grads, 5.0);
+    }
+
+    #[test]
     fn kl_estimators() {
         // logp = ln 0.5, ref = 0: Δ = logp − ref = −ln 2.
         let logp = Tensor::from_slice(&[0.5f32.ln(), -30.0]).set_requires_grad(true);

@@ -8,19 +8,55 @@ use serde::{Deserialize, Serialize};
 
 use super::{AlgoError, Matrix};
 
-/// `algorithm.adv_estimator`.
+/// `algorithm.adv_estimator`: every estimator of verl's registry, by verl's name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvEstimator {
     Gae,
     Grpo,
+    /// verl's vectorized GRPO: the same values as `grpo`.
+    GrpoVectorized,
+    /// GRPO on each reward component separately, weighted sum, whitened over the batch.
+    Gdpo,
+    /// Pass@k: only each group's best response gets `r_max − r_second`.
+    GrpoPassk,
     Rloo,
+    /// verl's vectorized RLOO: as `rloo`, except that a response alone in its group gets 0.
+    RlooVectorized,
+    /// GRPO-like with a length-weighted group baseline.
+    Opo,
+    /// Group-centred scores scaled by `batch / nonzero scores`.
+    Gpg,
     ReinforcePlusPlus,
     ReinforcePlusPlusBaseline,
     Remax,
+    /// A per-token baseline weighted by the cumulative path variance (needs `sum_pi_squared`).
+    OptimalTokenBaseline,
+    /// The optimal token baseline over each response's unmasked tokens only (tool-use turns).
+    TirOptimalTokenBaseline,
 }
 
 impl AdvEstimator {
+    /// verl's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gae => "gae",
+            Self::Grpo => "grpo",
+            Self::GrpoVectorized => "grpo_vectorized",
+            Self::Gdpo => "gdpo",
+            Self::GrpoPassk => "grpo_passk",
+            Self::Rloo => "rloo",
+            Self::RlooVectorized => "rloo_vectorized",
+            Self::Opo => "opo",
+            Self::Gpg => "gpg",
+            Self::ReinforcePlusPlus => "reinforce_plus_plus",
+            Self::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
+            Self::Remax => "remax",
+            Self::OptimalTokenBaseline => "optimal_token_baseline",
+            Self::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
+        }
+    }
+
     /// Only GAE bootstraps from a value function; the others are critic-free.
     pub fn needs_critic(self) -> bool {
         self == Self::Gae
@@ -29,6 +65,15 @@ impl AdvEstimator {
     /// ReMax needs the reward of one extra greedy rollout per prompt as its baseline.
     pub fn needs_greedy_baseline(self) -> bool {
         self == Self::Remax
+    }
+
+    /// The optimal token baselines need the old log-probs and Σπ² over the vocabulary per token
+    /// (verl's `actor.calculate_sum_pi_squared`).
+    pub fn needs_sum_pi_squared(self) -> bool {
+        matches!(
+            self,
+            Self::OptimalTokenBaseline | Self::TirOptimalTokenBaseline
+        )
     }
 }
 
@@ -53,7 +98,8 @@ impl Default for AdvantageParams {
     }
 }
 
-/// One batch, `[batch × response_length]`.
+/// One batch, `[batch × response_length]`. Build it with [`AdvantageInput::new`] and set the
+/// inputs the estimator needs.
 #[derive(Debug, Clone, Copy)]
 pub struct AdvantageInput<'a> {
     pub token_level_rewards: &'a Matrix,
@@ -64,6 +110,40 @@ pub struct AdvantageInput<'a> {
     pub values: Option<&'a Matrix>,
     /// Reward of the greedy response to each row's prompt, for `remax`.
     pub reward_baselines: Option<&'a [f32]>,
+    /// Log-probs of the responses under the policy that generated them, for the optimal token
+    /// baselines.
+    pub old_log_probs: Option<&'a Matrix>,
+    /// Σ over the vocabulary of π², per token, for the optimal token baselines.
+    pub sum_pi_squared: Option<&'a Matrix>,
+    /// Truncated importance weights of rollout correction; the optimal token baselines scale
+    /// their path variance by their square.
+    pub rollout_is_weights: Option<&'a Matrix>,
+    /// `gdpo`: one token-level reward matrix per reward component (verl's `gdpo_reward_keys`);
+    /// None normalises `token_level_rewards` as the only component.
+    pub reward_components: Option<&'a [Matrix]>,
+    /// `gdpo`: one weight per component (`gdpo_reward_weights`); None: all 1.
+    pub reward_weights: Option<&'a [f32]>,
+}
+
+impl<'a> AdvantageInput<'a> {
+    pub fn new(
+        token_level_rewards: &'a Matrix,
+        response_mask: &'a Matrix,
+        index: &'a [u64],
+    ) -> Self {
+        Self {
+            token_level_rewards,
+            response_mask,
+            index,
+            values: None,
+            reward_baselines: None,
+            old_log_probs: None,
+            sum_pi_squared: None,
+            rollout_is_weights: None,
+            reward_components: None,
+            reward_weights: None,
+        }
+    }
 }
 
 /// `(advantages, returns)` for `estimator`, both shaped like the rewards.
@@ -81,6 +161,9 @@ pub fn compute_advantage(
             got: input.index.len(),
         });
     }
+    let outcome = |adv: Matrix| (adv.clone(), adv);
+    let eps = f64::from(params.epsilon);
+    let scores = input.token_level_rewards.row_sums();
     match estimator {
         AdvEstimator::Gae => {
             let values = input
@@ -95,36 +178,50 @@ pub fn compute_advantage(
                 params.lam,
             )
         }
-        AdvEstimator::Grpo => {
-            let eps = f64::from(params.epsilon);
-            let adv = group_outcome(input, |score, g| {
-                if params.norm_adv_by_std_in_grpo {
-                    (score - g.mean) / (g.std + eps)
-                } else {
-                    score - g.mean
-                }
-            });
-            Ok((adv.clone(), adv))
+        AdvEstimator::Grpo | AdvEstimator::GrpoVectorized => Ok(outcome(grpo(
+            input.token_level_rewards,
+            input,
+            params.norm_adv_by_std_in_grpo,
+            eps,
+        ))),
+        AdvEstimator::Gdpo => gdpo(input, params.norm_adv_by_std_in_grpo, eps).map(outcome),
+        AdvEstimator::GrpoPassk => {
+            grpo_passk(&scores, input, params.norm_adv_by_std_in_grpo, eps).map(outcome)
         }
-        AdvEstimator::Rloo => {
-            // Leave-one-out baseline: R - mean(others) = n/(n-1)·(R - mean_g).
-            let adv = group_outcome(input, |score, g| {
+        AdvEstimator::Rloo | AdvEstimator::RlooVectorized => {
+            // Leave-one-out baseline: R - mean(others) = n/(n-1)·(R - mean_g). A response alone
+            // keeps its score in verl's `rloo` and gets 0 in its vectorized twin.
+            let alone = if estimator == AdvEstimator::Rloo {
+                1.0
+            } else {
+                0.0
+            };
+            let adv = group_outcome(&scores, input, |score, g| {
                 if g.n > 1 {
                     let n = g.n as f64;
                     score * n / (n - 1.0) - g.mean * n / (n - 1.0)
                 } else {
-                    score
+                    score * alone
                 }
             });
-            Ok((adv.clone(), adv))
+            Ok(outcome(adv))
+        }
+        AdvEstimator::Opo => Ok(outcome(opo(&scores, input))),
+        AdvEstimator::Gpg => {
+            // α = batch size / number of non-zero scores (at least 1); f_norm is verl's fixed 1.
+            let nonzero = scores.iter().filter(|&&s| s != 0.0).count().max(1);
+            let alpha = scores.len() as f64 / nonzero as f64;
+            Ok(outcome(group_outcome(&scores, input, |score, g| {
+                alpha * (score - g.mean)
+            })))
         }
         AdvEstimator::ReinforcePlusPlusBaseline => {
-            let centred = group_outcome(input, |score, g| score - g.mean);
+            let centred = group_outcome(&scores, input, |score, g| score - g.mean);
             let adv = mask_out(
                 masked_whiten(&centred, input.response_mask)?,
                 input.response_mask,
             );
-            Ok((adv.clone(), adv))
+            Ok(outcome(adv))
         }
         AdvEstimator::ReinforcePlusPlus => {
             let returns =
@@ -148,6 +245,17 @@ pub fn compute_advantage(
             }
             remax(input.token_level_rewards, input.response_mask, baselines)
         }
+        AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline => {
+            let name = estimator.name();
+            let w = path_variance(name, input)?;
+            let returns = reward_to_go(input.token_level_rewards, input.response_mask);
+            let adv = if estimator == AdvEstimator::OptimalTokenBaseline {
+                optimal_token_baseline(&returns, &w, input)
+            } else {
+                tir_optimal_token_baseline(&returns, &w, input)
+            };
+            Ok((adv, returns))
+        }
     }
 }
 
@@ -155,7 +263,13 @@ pub fn compute_advantage(
 pub fn masked_mean(values: &Matrix, mask: &Matrix) -> Result<f64, AlgoError> {
     mask.expect_shape("mask", values.shape())?;
     let (sum, count) = masked_sum(values, mask, |v| v);
-    Ok(sum / (count + 1e-8))
+    Ok(sum / count_plus_eps(count))
+}
+
+/// `Σ m + 1e-8` as verl's f32 tensors compute it: from one token on the 1e-8 is rounded away, so
+/// the mean of equal values is that value exactly and whitening them gives 0, not 1e-8/√1e-8.
+fn count_plus_eps(count: f64) -> f64 {
+    f64::from(count as f32 + 1e-8f32)
 }
 
 /// `(v − mean) / sqrt(var + 1e-8)` with the mean and the unbiased variance taken over the mask,
@@ -166,7 +280,7 @@ pub fn masked_whiten(values: &Matrix, mask: &Matrix) -> Result<Matrix, AlgoError
     if count < 2.0 {
         return Err(AlgoError::TooFewMasked(count as usize));
     }
-    let var = squares / (count + 1e-8) * count / (count - 1.0);
+    let var = squares / count_plus_eps(count) * count / (count - 1.0);
     let scale = 1.0 / (var + 1e-8).sqrt();
     let data = values
         .data()
@@ -193,6 +307,21 @@ fn mask_out(values: Matrix, mask: &Matrix) -> Matrix {
         .expect("shapes checked by the caller")
 }
 
+/// The rows of each group (prompt uid), groups in the order they first appear.
+fn group_rows(index: &[u64]) -> Vec<Vec<usize>> {
+    let mut slot: HashMap<u64, usize> = HashMap::new();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (row, &id) in index.iter().enumerate() {
+        let next = groups.len();
+        let g = *slot.entry(id).or_insert(next);
+        if g == next {
+            groups.push(Vec::new());
+        }
+        groups[g].push(row);
+    }
+    groups
+}
+
 /// Size, mean and unbiased std of one group's sequence scores. A group of one has mean 0 and
 /// std 1 so its score passes through (verl's convention).
 struct GroupStats {
@@ -201,46 +330,151 @@ struct GroupStats {
     std: f64,
 }
 
-/// Per-row sequence score (sum of token rewards) turned into an advantage by `f` from its group's
-/// statistics, then broadcast over the row's response tokens.
-fn group_outcome(input: &AdvantageInput<'_>, f: impl Fn(f64, &GroupStats) -> f64) -> Matrix {
-    let scores = input.token_level_rewards.row_sums();
-    let mut groups: HashMap<u64, Vec<f64>> = HashMap::new();
-    for (&id, &score) in input.index.iter().zip(&scores) {
-        groups.entry(id).or_default().push(score);
+fn group_stats(scores: &[f64], rows: &[usize]) -> GroupStats {
+    let n = rows.len();
+    if n == 1 {
+        return GroupStats {
+            n,
+            mean: 0.0,
+            std: 1.0,
+        };
     }
-    let stats: HashMap<u64, GroupStats> = groups
-        .into_iter()
-        .map(|(id, members)| {
-            let n = members.len();
-            let stats = if n == 1 {
-                GroupStats {
-                    n,
-                    mean: 0.0,
-                    std: 1.0,
-                }
-            } else {
-                let mean = members.iter().sum::<f64>() / n as f64;
-                let var =
-                    members.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n as f64 - 1.0);
-                GroupStats {
-                    n,
-                    mean,
-                    std: var.sqrt(),
-                }
-            };
-            (id, stats)
-        })
-        .collect();
-    let mask = input.response_mask;
+    let mean = rows.iter().map(|&i| scores[i]).sum::<f64>() / n as f64;
+    let var = rows
+        .iter()
+        .map(|&i| (scores[i] - mean).powi(2))
+        .sum::<f64>()
+        / (n as f64 - 1.0);
+    GroupStats {
+        n,
+        mean,
+        std: var.sqrt(),
+    }
+}
+
+/// One advantage per row, repeated on the row's response tokens.
+fn broadcast(per_row: &[f64], mask: &Matrix) -> Matrix {
     let mut out = Matrix::zeros(mask.rows(), mask.cols());
-    for (i, (&id, &score)) in input.index.iter().zip(&scores).enumerate() {
-        let adv = f(score, &stats[&id]) as f32;
+    for (i, &adv) in per_row.iter().enumerate() {
         for (o, &m) in out.row_mut(i).iter_mut().zip(mask.row(i)) {
-            *o = adv * m;
+            *o = adv as f32 * m;
         }
     }
     out
+}
+
+/// Per-row sequence score turned into an advantage by `f` from its group's statistics, then
+/// broadcast over the row's response tokens.
+fn group_outcome(
+    scores: &[f64],
+    input: &AdvantageInput<'_>,
+    f: impl Fn(f64, &GroupStats) -> f64,
+) -> Matrix {
+    let mut per_row = vec![0.0; scores.len()];
+    for rows in group_rows(input.index) {
+        let stats = group_stats(scores, &rows);
+        for &i in &rows {
+            per_row[i] = f(scores[i], &stats);
+        }
+    }
+    broadcast(&per_row, input.response_mask)
+}
+
+/// GRPO on the sequence sums of `rewards`; Dr. GRPO when not normalised by the std.
+fn grpo(rewards: &Matrix, input: &AdvantageInput<'_>, norm_by_std: bool, eps: f64) -> Matrix {
+    group_outcome(&rewards.row_sums(), input, |score, g| {
+        if norm_by_std {
+            (score - g.mean) / (g.std + eps)
+        } else {
+            score - g.mean
+        }
+    })
+}
+
+/// GDPO: GRPO on each reward component, `Σ_k w_k·A_k`, whitened over the batch's tokens.
+fn gdpo(input: &AdvantageInput<'_>, norm_by_std: bool, eps: f64) -> Result<Matrix, AlgoError> {
+    let mask = input.response_mask;
+    let components = input
+        .reward_components
+        .unwrap_or(std::slice::from_ref(input.token_level_rewards));
+    if let Some(weights) = input.reward_weights
+        && weights.len() != components.len()
+    {
+        return Err(AlgoError::Length {
+            what: "gdpo_reward_weights",
+            expected: components.len(),
+            got: weights.len(),
+        });
+    }
+    let mut sum = vec![0.0f64; mask.data().len()];
+    for (k, component) in components.iter().enumerate() {
+        component.expect_shape("reward component", mask.shape())?;
+        let weight = f64::from(input.reward_weights.map_or(1.0, |w| w[k]));
+        let adv = grpo(component, input, norm_by_std, eps);
+        for (s, &a) in sum.iter_mut().zip(adv.data()) {
+            *s += weight * f64::from(a);
+        }
+    }
+    let sum = Matrix::new(
+        mask.rows(),
+        mask.cols(),
+        sum.into_iter().map(|v| v as f32).collect(),
+    )?;
+    Ok(mask_out(masked_whiten(&sum, mask)?, mask))
+}
+
+/// Pass@k: in each group only the best response learns, from `r_max − r_second` (over the group
+/// std when normalising). Needs two responses per group.
+fn grpo_passk(
+    scores: &[f64],
+    input: &AdvantageInput<'_>,
+    norm_by_std: bool,
+    eps: f64,
+) -> Result<Matrix, AlgoError> {
+    let mut per_row = vec![0.0; scores.len()];
+    for rows in group_rows(input.index) {
+        if rows.len() < 2 {
+            return Err(AlgoError::GroupTooSmall {
+                estimator: "grpo_passk",
+                needs: 2,
+                got: rows.len(),
+            });
+        }
+        // On a tie for the best the advantage is 0, whichever row holds it.
+        let best = rows
+            .iter()
+            .copied()
+            .fold(rows[0], |b, i| if scores[i] > scores[b] { i } else { b });
+        let second = rows
+            .iter()
+            .filter(|&&i| i != best)
+            .map(|&i| scores[i])
+            .fold(f64::NEG_INFINITY, f64::max);
+        let mut adv = scores[best] - second;
+        if norm_by_std {
+            adv /= group_stats(scores, &rows).std + eps;
+        }
+        per_row[best] = adv;
+    }
+    Ok(broadcast(&per_row, input.response_mask))
+}
+
+/// OPO: the group baseline is the length-weighted mean score `Σ|y|·R / Σ|y|`.
+fn opo(scores: &[f64], input: &AdvantageInput<'_>) -> Matrix {
+    let lengths = input.response_mask.row_sums();
+    let mut per_row = vec![0.0; scores.len()];
+    for rows in group_rows(input.index) {
+        let baseline = if rows.len() == 1 {
+            0.0
+        } else {
+            rows.iter().map(|&i| lengths[i] * scores[i]).sum::<f64>()
+                / rows.iter().map(|&i| lengths[i]).sum::<f64>()
+        };
+        for &i in &rows {
+            per_row[i] = scores[i] - baseline;
+        }
+    }
+    broadcast(&per_row, input.response_mask)
 }
 
 fn gae(
@@ -268,7 +502,9 @@ fn gae(
     Ok((masked_whiten(&adv, mask)?, returns))
 }
 
-/// REINFORCE++ returns: `G_t = r_t + γ·G_{t+1}`, restarted after the last response token.
+/// REINFORCE++ returns `G_t = r_t + γ·G_{t+1}` over response tokens. A masked token (padding, or
+/// a tool observation inside a multi-turn response) gets return 0 and passes the running return
+/// through unchanged, so a later turn's reward reaches earlier turns (verl #7300).
 fn discounted_returns(rewards: &Matrix, mask: &Matrix, gamma: f32) -> Matrix {
     let mut returns = Matrix::zeros(rewards.rows(), rewards.cols());
     for i in 0..rewards.rows() {
@@ -276,9 +512,24 @@ fn discounted_returns(rewards: &Matrix, mask: &Matrix, gamma: f32) -> Matrix {
         let out = returns.row_mut(i);
         let mut running = 0.0f32;
         for t in (0..r.len()).rev() {
-            running = r[t] + gamma * running;
-            out[t] = running;
-            running *= m[t];
+            let g = r[t] + gamma * running;
+            out[t] = g * m[t];
+            running = g * m[t] + running * (1.0 - m[t]);
+        }
+    }
+    returns
+}
+
+/// Undiscounted reward-to-go of the response tokens' rewards.
+fn reward_to_go(rewards: &Matrix, mask: &Matrix) -> Matrix {
+    let mut returns = Matrix::zeros(rewards.rows(), rewards.cols());
+    for i in 0..rewards.rows() {
+        let (r, m) = (rewards.row(i), mask.row(i));
+        let out = returns.row_mut(i);
+        let mut to_go = 0.0f32;
+        for t in (0..r.len()).rev() {
+            to_go += r[t] * m[t];
+            out[t] = to_go;
         }
     }
     returns
@@ -290,18 +541,149 @@ fn remax(
     mask: &Matrix,
     baselines: &[f32],
 ) -> Result<(Matrix, Matrix), AlgoError> {
-    let mut returns = Matrix::zeros(rewards.rows(), rewards.cols());
-    let mut adv = Matrix::zeros(rewards.rows(), rewards.cols());
+    let returns = reward_to_go(rewards, mask);
+    let mut adv = returns.clone();
     for (i, &baseline) in baselines.iter().enumerate() {
-        let (r, m) = (rewards.row(i), mask.row(i));
-        let mut to_go = 0.0f32;
-        for t in (0..r.len()).rev() {
-            to_go += r[t] * m[t];
-            returns.row_mut(i)[t] = to_go;
-            adv.row_mut(i)[t] = to_go - baseline * m[t];
+        for (a, &m) in adv.row_mut(i).iter_mut().zip(mask.row(i)) {
+            *a -= baseline * m;
         }
     }
     Ok((adv, returns))
+}
+
+/// The cumulative path variance `W_t = Σ_{j≤t} m_j·w_j` with `w_j = 1 − 2π_j + Σπ²` (times the
+/// squared rollout-correction weight), row-major.
+fn path_variance(name: &'static str, input: &AdvantageInput<'_>) -> Result<Vec<f64>, AlgoError> {
+    let mask = input.response_mask;
+    let old = input
+        .old_log_probs
+        .ok_or(AlgoError::MissingInput(name, "old_log_probs"))?;
+    let sum_pi_squared = input
+        .sum_pi_squared
+        .ok_or(AlgoError::MissingInput(name, "sum_pi_squared"))?;
+    old.expect_shape("old_log_probs", mask.shape())?;
+    sum_pi_squared.expect_shape("sum_pi_squared", mask.shape())?;
+    if let Some(rho) = input.rollout_is_weights {
+        rho.expect_shape("rollout_is_weights", mask.shape())?;
+    }
+    let mut w = vec![0.0f64; mask.data().len()];
+    for i in 0..mask.rows() {
+        let mut cumulative = 0.0f64;
+        for t in 0..mask.cols() {
+            let at = i * mask.cols() + t;
+            let pi = f64::from(old.data()[at]).exp();
+            let mut w_t = 1.0 - 2.0 * pi + f64::from(sum_pi_squared.data()[at]);
+            if let Some(rho) = input.rollout_is_weights {
+                w_t *= f64::from(rho.data()[at]).powi(2);
+            }
+            cumulative += w_t * f64::from(mask.data()[at]);
+            w[at] = cumulative;
+        }
+    }
+    Ok(w)
+}
+
+/// verl's `handle_zero_tail`: when one response of a group is strictly the longest, its tokens
+/// beyond the second-longest length get no baseline. Returns that row and the length.
+fn zero_tail(rows: &[usize], lengths: &[f64]) -> Option<(usize, usize)> {
+    let mut sorted: Vec<f64> = rows.iter().map(|&i| lengths[i]).collect();
+    sorted.sort_by(f64::total_cmp);
+    let (longest, second) = (sorted[sorted.len() - 1], sorted[sorted.len() - 2]);
+    let mut at_longest = rows.iter().filter(|&&i| lengths[i] == longest);
+    match (at_longest.next(), at_longest.next()) {
+        (Some(&row), None) if longest > second => Some((row, second as usize)),
+        _ => None,
+    }
+}
+
+/// Optimal token baseline: per group and position, `B_t = Σ G_t·W_t / Σ W_t` over the group's
+/// responses; a response alone in its group keeps its return as advantage.
+fn optimal_token_baseline(returns: &Matrix, w: &[f64], input: &AdvantageInput<'_>) -> Matrix {
+    let mask = input.response_mask;
+    let cols = mask.cols();
+    let lengths = mask.row_sums();
+    let mut baselines = vec![0.0f64; mask.data().len()];
+    for rows in group_rows(input.index) {
+        if rows.len() == 1 {
+            continue;
+        }
+        for t in 0..cols {
+            let (mut num, mut den) = (0.0, 0.0);
+            for &i in &rows {
+                let at = i * cols + t;
+                let m = f64::from(mask.data()[at]);
+                num += f64::from(returns.data()[at]) * w[at] * m;
+                den += w[at] * m;
+            }
+            let b = num / (den + 1e-8);
+            for &i in &rows {
+                baselines[i * cols + t] = b;
+            }
+        }
+        if let Some((row, from)) = zero_tail(&rows, &lengths) {
+            baselines[row * cols + from..(row + 1) * cols].fill(0.0);
+        }
+    }
+    advantages_from(returns, &baselines, mask)
+}
+
+/// The optimal token baseline over each response's unmasked tokens only: every response is
+/// compacted to its response tokens (dropping tool-observation spans) before the positions of a
+/// group are compared; the advantages go back to the token positions.
+fn tir_optimal_token_baseline(returns: &Matrix, w: &[f64], input: &AdvantageInput<'_>) -> Matrix {
+    let mask = input.response_mask;
+    let cols = mask.cols();
+    let lengths = mask.row_sums();
+    // Row i's response-token positions, in order.
+    let positions: Vec<Vec<usize>> = (0..mask.rows())
+        .map(|i| (0..cols).filter(|&t| mask.row(i)[t] != 0.0).collect())
+        .collect();
+    let width = positions.iter().map(Vec::len).max().unwrap_or(0);
+    let compact = |i: usize, k: usize, values: &dyn Fn(usize) -> f64| {
+        positions[i].get(k).map_or(0.0, |&t| values(i * cols + t))
+    };
+    let mut baselines = vec![0.0f64; mask.rows() * width];
+    for mut rows in group_rows(input.index) {
+        rows.retain(|&i| !positions[i].is_empty());
+        if rows.len() < 2 {
+            continue;
+        }
+        for k in 0..width {
+            let (mut num, mut den) = (0.0, 0.0);
+            for &i in &rows {
+                let w_k = compact(i, k, &|at| w[at]);
+                num += compact(i, k, &|at| f64::from(returns.data()[at])) * w_k;
+                den += w_k;
+            }
+            let b = num / (den + 1e-8);
+            for &i in &rows {
+                baselines[i * width + k] = b;
+            }
+        }
+        if let Some((row, from)) = zero_tail(&rows, &lengths) {
+            baselines[row * width + from..(row + 1) * width].fill(0.0);
+        }
+    }
+    // Back to token positions: the baseline of a row's k-th response token.
+    let mut spread = vec![0.0f64; mask.data().len()];
+    for (i, row_positions) in positions.iter().enumerate() {
+        for (k, &t) in row_positions.iter().enumerate() {
+            spread[i * cols + t] = baselines[i * width + k];
+        }
+    }
+    advantages_from(returns, &spread, mask)
+}
+
+/// `(G − B)·mask`.
+fn advantages_from(returns: &Matrix, baselines: &[f64], mask: &Matrix) -> Matrix {
+    let data = returns
+        .data()
+        .iter()
+        .zip(baselines)
+        .zip(mask.data())
+        .map(|((&g, &b), &m)| ((f64::from(g) - b) * f64::from(m)) as f32)
+        .collect();
+    Matrix::new(mask.rows(), mask.cols(), data).expect("shaped like the mask")
 }
 
 #[cfg(test)]
@@ -326,13 +708,7 @@ mod tests {
         mask: &Matrix,
         index: &[u64],
     ) -> (Matrix, Matrix) {
-        let input = AdvantageInput {
-            token_level_rewards: rewards,
-            response_mask: mask,
-            index,
-            values: None,
-            reward_baselines: None,
-        };
+        let input = AdvantageInput::new(rewards, mask, index);
         compute_advantage(est, &params, &input).unwrap()
     }
 
@@ -454,8 +830,9 @@ mod tests {
             &mask,
             &[0, 1],
         );
-        // Row 0: G = [0.25, 0.5, 1]. Row 1: G_2 = 5 then reset (mask 0), G_1 = 0 (reset again), G_0 = 1.
-        close(returns.data(), &[0.25, 0.5, 1.0, 1.0, 0.0, 5.0]);
+        // Row 0: G = [0.25, 0.5, 1]. Row 1: the reward 5 sits on trailing padding, which gets
+        // return 0 and carries the running return (still 0) through: G = [1, 0, 0].
+        close(returns.data(), &[0.25, 0.5, 1.0, 1.0, 0.0, 0.0]);
         // Over {0.25, 0.5, 1, 1}: mean 0.6875, Σd² = 0.421875, unbiased var 0.140625, std 0.375.
         close(
             adv.data(),
@@ -476,11 +853,8 @@ mod tests {
         let mask = m(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
         let baselines = [0.4, 1.0];
         let input = AdvantageInput {
-            token_level_rewards: &rewards,
-            response_mask: &mask,
-            index: &[0, 1],
-            values: None,
             reward_baselines: Some(&baselines),
+            ..AdvantageInput::new(&rewards, &mask, &[0, 1])
         };
         let (adv, returns) =
             compute_advantage(AdvEstimator::Remax, &AdvantageParams::default(), &input).unwrap();
@@ -509,11 +883,8 @@ mod tests {
             ..Default::default()
         };
         let input = AdvantageInput {
-            token_level_rewards: &rewards,
-            response_mask: &mask,
-            index: &[0, 1],
             values: Some(&values),
-            reward_baselines: None,
+            ..AdvantageInput::new(&rewards, &mask, &[0, 1])
         };
         let (adv, returns) = compute_advantage(AdvEstimator::Gae, &params, &input).unwrap();
         // Row 0 (γλ = 0.25): t2 δ = 1 − 0.5 = 0.5 → A=0.5; t1 δ = 0.5·0.5 − 0.5 = −0.25 → A = −0.25 + 0.25·0.5 = −0.125;
@@ -534,13 +905,7 @@ mod tests {
     fn gae_without_values_or_enough_tokens_is_an_error() {
         let rewards = m(&[&[1.0, 0.0]]);
         let mask = m(&[&[1.0, 0.0]]);
-        let input = AdvantageInput {
-            token_level_rewards: &rewards,
-            response_mask: &mask,
-            index: &[0],
-            values: None,
-            reward_baselines: None,
-        };
+        let input = AdvantageInput::new(&rewards, &mask, &[0]);
         assert_eq!(
             compute_advantage(AdvEstimator::Gae, &AdvantageParams::default(), &input),
             Err(AlgoError::MissingInput("gae", "values"))
@@ -560,13 +925,7 @@ mod tests {
     fn shapes_are_checked() {
         let rewards = m(&[&[1.0, 0.0]]);
         let mask = m(&[&[1.0]]);
-        let input = AdvantageInput {
-            token_level_rewards: &rewards,
-            response_mask: &mask,
-            index: &[0],
-            values: None,
-            reward_baselines: None,
-        };
+        let input = AdvantageInput::new(&rewards, &mask, &[0]);
         assert!(matches!(
             compute_advantage(AdvEstimator::Grpo, &AdvantageParams::default(), &input),
             Err(AlgoError::Shape {
@@ -591,5 +950,185 @@ mod tests {
             serde_json::from_str("\"reinforce_plus_plus_baseline\"").unwrap();
         assert_eq!(parsed, AdvEstimator::ReinforcePlusPlusBaseline);
         assert!(AdvEstimator::Gae.needs_critic() && !AdvEstimator::Grpo.needs_critic());
+        for name in [
+            "grpo_vectorized",
+            "gdpo",
+            "grpo_passk",
+            "rloo_vectorized",
+            "opo",
+            "gpg",
+            "optimal_token_baseline",
+            "tir_optimal_token_baseline",
+        ] {
+            let parsed: AdvEstimator = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+            assert_eq!(parsed.name(), name);
+        }
+    }
+
+    #[test]
+    fn reinforce_plus_plus_carries_returns_through_observations() {
+        // verl #7300's example: an observation token (mask 0) between two turns.
+        let rewards = m(&[&[0.0, 0.0, 0.0, 1.0], &[0.0, 0.0, 0.0, 2.0]]);
+        let mask = m(&[&[1.0, 1.0, 0.0, 1.0], &[1.0, 1.0, 1.0, 1.0]]);
+        let (adv, returns) = run(
+            AdvEstimator::ReinforcePlusPlus,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &[0, 1],
+        );
+        close(returns.data(), &[1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]);
+        // Over the 7 tokens {1,1,1,2,2,2,2}: mean 11/7; the observation's advantage stays 0.
+        let mean = 11.0f32 / 7.0;
+        let var = (3.0 * (1.0 - mean).powi(2) + 4.0 * (2.0 - mean).powi(2)) / 6.0;
+        let lo = (1.0 - mean) / var.sqrt();
+        let hi = (2.0 - mean) / var.sqrt();
+        close(adv.data(), &[lo, lo, 0.0, lo, hi, hi, hi, hi]);
+    }
+
+    #[test]
+    fn rloo_vectorized_zeroes_lone_responses() {
+        let rewards = m(&[&[1.0], &[0.0], &[0.0], &[2.0]]);
+        let mask = m(&[&[1.0], &[1.0], &[1.0], &[1.0]]);
+        let params = AdvantageParams::default();
+        let (adv, _) = run(
+            AdvEstimator::RlooVectorized,
+            params,
+            &rewards,
+            &mask,
+            &[1, 1, 1, 2],
+        );
+        close(adv.data(), &[1.0, -0.5, -0.5, 0.0]);
+        let (grpo, _) = run(AdvEstimator::Grpo, params, &rewards, &mask, &[1, 1, 1, 2]);
+        let (vectorized, _) = run(
+            AdvEstimator::GrpoVectorized,
+            params,
+            &rewards,
+            &mask,
+            &[1, 1, 1, 2],
+        );
+        assert_eq!(grpo, vectorized);
+    }
+
+    #[test]
+    fn opo_weights_the_baseline_by_length() {
+        // Lengths 1 and 3, scores 4 and 0: baseline (1·4 + 3·0)/4 = 1.
+        let rewards = m(&[&[4.0, 0.0, 0.0], &[0.0, 0.0, 0.0], &[5.0, 0.0, 0.0]]);
+        let mask = m(&[&[1.0, 0.0, 0.0], &[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
+        let (adv, _) = run(
+            AdvEstimator::Opo,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &[0, 0, 1],
+        );
+        close(
+            adv.data(),
+            &[3.0, 0.0, 0.0, -1.0, -1.0, -1.0, 5.0, 5.0, 0.0],
+        );
+    }
+
+    #[test]
+    fn gpg_scales_by_the_share_of_nonzero_scores() {
+        // Scores 1, 0, 0, 0 in one group: mean 0.25, α = 4/1.
+        let rewards = m(&[&[1.0], &[0.0], &[0.0], &[0.0]]);
+        let mask = m(&[&[1.0], &[1.0], &[1.0], &[1.0]]);
+        let (adv, _) = run(
+            AdvEstimator::Gpg,
+            AdvantageParams::default(),
+            &rewards,
+            &mask,
+            &[0, 0, 0, 0],
+        );
+        close(adv.data(), &[3.0, -1.0, -1.0, -1.0]);
+    }
+
+    #[test]
+    fn passk_rewards_only_the_best_and_needs_two() {
+        let rewards = m(&[&[0.5], &[2.0], &[1.0]]);
+        let mask = m(&[&[1.0], &[1.0], &[1.0]]);
+        let dr = AdvantageParams {
+            norm_adv_by_std_in_grpo: false,
+            ..Default::default()
+        };
+        let (adv, _) = run(AdvEstimator::GrpoPassk, dr, &rewards, &mask, &[0, 0, 0]);
+        close(adv.data(), &[0.0, 1.0, 0.0]);
+        let input = AdvantageInput::new(&rewards, &mask, &[0, 0, 1]);
+        assert_eq!(
+            compute_advantage(AdvEstimator::GrpoPassk, &dr, &input),
+            Err(AlgoError::GroupTooSmall {
+                estimator: "grpo_passk",
+                needs: 2,
+                got: 1
+            })
+        );
+    }
+
+    #[test]
+    fn gdpo_normalises_each_component_then_whitens() {
+        // Two components on two responses of one group: any two distinct scores GRPO-normalise
+        // to ±1/√2, so the component scales (1 and 5) do not matter, only the weights (1 and 3).
+        let format = m(&[&[0.0, 1.0], &[0.0, 0.0]]);
+        let accuracy = m(&[&[0.0, 0.0], &[0.0, 5.0]]);
+        let mask = m(&[&[1.0, 1.0], &[1.0, 1.0]]);
+        let components = [format.clone(), accuracy];
+        let input = AdvantageInput {
+            reward_components: Some(&components),
+            reward_weights: Some(&[1.0, 3.0]),
+            ..AdvantageInput::new(&format, &mask, &[0, 0])
+        };
+        let (adv, _) =
+            compute_advantage(AdvEstimator::Gdpo, &AdvantageParams::default(), &input).unwrap();
+        // Row 0: +0.7071 − 3·0.7071 < 0; row 1 the opposite; whitened ±√(3/4).
+        let a = 0.75f32.sqrt();
+        close(adv.data(), &[-a, -a, a, a]);
+        let wrong = AdvantageInput {
+            reward_weights: Some(&[1.0]),
+            ..input
+        };
+        assert!(matches!(
+            compute_advantage(AdvEstimator::Gdpo, &AdvantageParams::default(), &wrong),
+            Err(AlgoError::Length {
+                what: "gdpo_reward_weights",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn optimal_token_baseline_weights_returns_by_path_variance() {
+        // π = 1 everywhere except row 1's first token (π = 0.5), Σπ² = 1: w = 1 − 2π + 1 = 0, so
+        // only row 1 has path variance (w = 1 at t0, cumulative 1, 1, …).
+        let rewards = m(&[&[0.0, 3.0], &[0.0, 1.0]]);
+        let mask = m(&[&[1.0, 1.0], &[1.0, 1.0]]);
+        let old = m(&[&[0.0, 0.0], &[0.5f32.ln(), 0.0]]);
+        let spp = m(&[&[1.0, 1.0], &[1.0, 1.0]]);
+        let input = AdvantageInput {
+            old_log_probs: Some(&old),
+            sum_pi_squared: Some(&spp),
+            ..AdvantageInput::new(&rewards, &mask, &[0, 0])
+        };
+        for est in [
+            AdvEstimator::OptimalTokenBaseline,
+            AdvEstimator::TirOptimalTokenBaseline,
+        ] {
+            let (adv, returns) =
+                compute_advantage(est, &AdvantageParams::default(), &input).unwrap();
+            close(returns.data(), &[3.0, 3.0, 1.0, 1.0]);
+            // B_t = (3·0 + 1·1)/(0 + 1) = 1 at both positions.
+            close(adv.data(), &[2.0, 2.0, 0.0, 0.0]);
+        }
+        let missing = AdvantageInput::new(&rewards, &mask, &[0, 0]);
+        assert_eq!(
+            compute_advantage(
+                AdvEstimator::OptimalTokenBaseline,
+                &AdvantageParams::default(),
+                &missing
+            ),
+            Err(AlgoError::MissingInput(
+                "optimal_token_baseline",
+                "old_log_probs"
+            ))
+        );
     }
 }

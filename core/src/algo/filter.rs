@@ -6,9 +6,14 @@ use std::collections::HashMap;
 
 use super::AlgoError;
 
-/// Rows to keep: those of groups whose metric has a population std > 0 (numpy's `np.std`), and of
-/// groups with a single response. Returns the kept row indices, in order, and the number of kept
-/// groups.
+/// Relative tolerance under which a group's metrics count as equal: verl drops a group when
+/// numpy's `np.std` of its metrics is 0, but whether rounding leaves an exact 0 depends on the
+/// values and on numpy's summation order (eight scores of 0.1 give 0, three give 1.4e-17).
+pub const FILTER_STD_TOLERANCE: f64 = 1e-6;
+
+/// Rows to keep: those of groups whose metric has a population std above
+/// [`FILTER_STD_TOLERANCE`] × max(1, largest |metric| of the group), and of groups with a single
+/// response. Returns the kept row indices, in order, and the number of kept groups.
 pub fn filter_groups(index: &[u64], metric: &[f64]) -> Result<(Vec<usize>, usize), AlgoError> {
     if index.len() != metric.len() {
         return Err(AlgoError::Length {
@@ -27,7 +32,11 @@ pub fn filter_groups(index: &[u64], metric: &[f64]) -> Result<(Vec<usize>, usize
             let n = values.len() as f64;
             let mean = values.iter().sum::<f64>() / n;
             let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
-            (id, values.len() == 1 || var.sqrt() > 0.0)
+            let scale = values.iter().fold(1.0f64, |s, v| s.max(v.abs()));
+            (
+                id,
+                values.len() == 1 || var.sqrt() > FILTER_STD_TOLERANCE * scale,
+            )
         })
         .collect();
     let rows = (0..index.len()).filter(|&i| kept[&index[i]]).collect();
@@ -101,6 +110,20 @@ mod tests {
         assert_eq!(rows, vec![1, 3, 4]);
         assert_eq!(groups, 2);
         assert!(filter_groups(&[1], &[]).is_err());
+    }
+
+    #[test]
+    fn equal_metrics_with_rounding_noise_are_dropped() {
+        // 0.1 summed in different orders: the group's std is ~1e-17, not 0.
+        let noisy = [0.1, 0.1, 0.30000000000000004 - 0.2];
+        assert!(noisy[2] != 0.1);
+        let (rows, groups) = filter_groups(&[5, 5, 5], &noisy).unwrap();
+        assert_eq!((rows, groups), (vec![], 0));
+        let eight = [0.1; 8];
+        assert_eq!(filter_groups(&[1; 8], &eight).unwrap(), (vec![], 0));
+        // A real difference, even a small one, keeps the group.
+        let (rows, _) = filter_groups(&[5, 5], &[0.1, 0.1001]).unwrap();
+        assert_eq!(rows, vec![0, 1]);
     }
 
     #[test]

@@ -7,8 +7,8 @@ use super::{AlgoError, Matrix};
 
 /// `algorithm.kl_penalty`: the per-token KL estimator (<http://joschu.net/blog/kl-approx.html>).
 /// The `+` spellings (`k3+`: k2's gradient through a straight-through estimator) differ only in
-/// the gradient, so in the reward they are taken as the plain estimator (verl's
-/// `kl_penalty_forward` rejects them there).
+/// the gradient, so in the reward they are the plain estimator (verl's `kl_penalty` strips the
+/// `+` too); `k2+`/`mse+` are k2 itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlPenalty {
@@ -19,7 +19,7 @@ pub enum KlPenalty {
     #[serde(alias = "abs+")]
     Abs,
     /// k2: `½(logp − ref)²`.
-    #[serde(alias = "k2")]
+    #[serde(alias = "k2", alias = "k2+", alias = "mse+")]
     Mse,
     /// k3: `e^{ref−logp} − (ref−logp) − 1`, clamped to ±10.
     #[serde(alias = "k3", alias = "k3+", alias = "low_var_kl+")]
@@ -162,6 +162,9 @@ mod tests {
             ("\"k3+\"", KlPenalty::LowVarKl),
             ("\"k1\"", KlPenalty::Kl),
             ("\"k2\"", KlPenalty::Mse),
+            ("\"k2+\"", KlPenalty::Mse),
+            ("\"mse+\"", KlPenalty::Mse),
+            ("\"abs+\"", KlPenalty::Abs),
         ] {
             assert_eq!(serde_json::from_str::<KlPenalty>(name).unwrap(), kind);
         }

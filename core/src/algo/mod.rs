@@ -13,7 +13,7 @@ mod tensor;
 pub use advantage::{
     AdvEstimator, AdvantageInput, AdvantageParams, compute_advantage, masked_mean, masked_whiten,
 };
-pub use filter::{DynamicSampler, SamplerProgress, filter_groups};
+pub use filter::{DynamicSampler, FILTER_STD_TOLERANCE, SamplerProgress, filter_groups};
 pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_penalty, kl_penalty};
 pub use metrics::{DataMetricsInput, compute_data_metrics, validation_metrics};
 pub use tensor::{Matrix, place_scores};
@@ -43,6 +43,14 @@ pub enum AlgoError {
     TooFewMasked(usize),
     #[error("advantage estimator `{0}` needs `{1}`")]
     MissingInput(&'static str, &'static str),
+    #[error(
+        "advantage estimator `{estimator}` needs at least {needs} responses per prompt, a group has {got} (actor_rollout_ref.rollout.n)"
+    )]
+    GroupTooSmall {
+        estimator: &'static str,
+        needs: usize,
+        got: usize,
+    },
     #[error("algorithm.kl_ctrl.horizon must be larger than 0 for the adaptive controller")]
     Horizon,
     #[error("every response in the batch is empty (aborted)")]

@@ -176,6 +176,14 @@ pub const RULES: &[Rule] = &[
     acted("actor_rollout_ref.actor.clip_ratio_high"),
     acted("actor_rollout_ref.actor.clip_ratio_c"),
     acted("actor_rollout_ref.actor.policy_loss.loss_mode"),
+    acted("actor_rollout_ref.actor.policy_loss.clip_cov_ratio"),
+    acted("actor_rollout_ref.actor.policy_loss.clip_cov_lb"),
+    acted("actor_rollout_ref.actor.policy_loss.clip_cov_ub"),
+    acted("actor_rollout_ref.actor.policy_loss.kl_cov_ratio"),
+    acted("actor_rollout_ref.actor.policy_loss.ppo_kl_coef"),
+    acted("actor_rollout_ref.actor.policy_loss.dro_beta"),
+    acted("actor_rollout_ref.actor.tau_pos"),
+    acted("actor_rollout_ref.actor.tau_neg"),
     acted("actor_rollout_ref.actor.loss_agg_mode"),
     acted("actor_rollout_ref.actor.entropy_coeff"),
     acted("actor_rollout_ref.actor.use_kl_loss"),
@@ -361,11 +369,37 @@ pub const RULES: &[Rule] = &[
     // algorithm
     acted("algorithm.gamma"),
     acted("algorithm.lam"),
-    acted("algorithm.adv_estimator"),
+    Rule {
+        also_fine: &[
+            "grpo",
+            "grpo_vectorized",
+            "gdpo",
+            "grpo_passk",
+            "rloo",
+            "rloo_vectorized",
+            "opo",
+            "gpg",
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_baseline",
+            "remax",
+        ],
+        ..unsupported(
+            "algorithm.adv_estimator",
+            "the optimal token baselines need Σπ² per token from the actor (verl's actor.calculate_sum_pi_squared), which no engine here computes yet",
+        )
+    },
     acted("algorithm.norm_adv_by_std_in_grpo"),
     acted("algorithm.use_kl_in_reward"),
     acted("algorithm.kl_penalty"),
     acted("algorithm.kl_ctrl"),
+    unsupported(
+        "algorithm.gdpo_reward_keys",
+        "the rule rewards give one score per response; GDPO here normalises that score as its only component",
+    ),
+    no_effect(
+        "algorithm.gdpo_reward_weights",
+        "only used with algorithm.gdpo_reward_keys",
+    ),
     acted("algorithm.filter_groups.enable"),
     acted("algorithm.filter_groups.max_num_gen_batches"),
     Rule {

@@ -292,14 +292,29 @@ impl Default for OptimConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyLossConfig {
-    /// `vanilla` | `gspo` | … (the engine validates).
+    /// `vanilla` | `gspo` | `dppo_tv` | … (the engine validates).
     pub loss_mode: String,
+    /// Clip-Cov: share of tokens whose gradient is removed, and the covariance window.
+    pub clip_cov_ratio: f64,
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    /// KL-Cov: share of tokens penalised, and the penalty's coefficient.
+    pub kl_cov_ratio: f64,
+    pub ppo_kl_coef: f64,
+    /// DRO's β (required with `dro`).
+    pub dro_beta: Option<f64>,
 }
 
 impl Default for PolicyLossConfig {
     fn default() -> Self {
         Self {
             loss_mode: "vanilla".into(),
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
+            dro_beta: None,
         }
     }
 }
@@ -321,7 +336,11 @@ pub struct ActorConfig {
     pub clip_ratio_high: Option<f64>,
     pub clip_ratio_c: f64,
     pub policy_loss: PolicyLossConfig,
-    /// `token-mean` | `seq-mean-token-sum` | `seq-mean-token-mean` | `seq-mean-token-sum-norm`.
+    /// SAPO's gate temperatures for positive and other advantages.
+    pub tau_pos: f64,
+    pub tau_neg: f64,
+    /// `token-mean` | `token-sum` | `seq-mean-token-sum` | `seq-mean-token-mean` |
+    /// `seq-mean-token-sum-norm`.
     pub loss_agg_mode: String,
     pub entropy_coeff: f64,
     pub use_kl_loss: bool,
@@ -355,6 +374,8 @@ impl Default for ActorConfig {
             clip_ratio_high: None,
             clip_ratio_c: 3.0,
             policy_loss: PolicyLossConfig::default(),
+            tau_pos: 1.0,
+            tau_neg: 1.05,
             loss_agg_mode: "token-mean".into(),
             entropy_coeff: 0.0,
             use_kl_loss: false,
@@ -687,6 +708,9 @@ pub struct AlgorithmConfig {
     pub kl_penalty: KlPenalty,
     pub kl_ctrl: KlCtrlConfig,
     pub filter_groups: FilterGroupsConfig,
+    /// GDPO's reward components and their weights (keys of a reward's result dict).
+    pub gdpo_reward_keys: Option<Vec<String>>,
+    pub gdpo_reward_weights: Option<Vec<f64>>,
 }
 
 impl Default for AlgorithmConfig {
@@ -700,6 +724,8 @@ impl Default for AlgorithmConfig {
             kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: FilterGroupsConfig::default(),
+            gdpo_reward_keys: None,
+            gdpo_reward_weights: None,
         }
     }
 }

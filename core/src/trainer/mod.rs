@@ -138,6 +138,9 @@ struct TrainerState {
 }
 
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// verl's batch key for Σπ² over the vocabulary per response token, which an engine returns from
+/// `compute_log_prob` when the meta asks for `calculate_sum_pi_squared`.
+const SUM_PI_SQUARED: &str = "sum_pi_squared";
 
 /// One generated response and where it came from.
 struct Row {
@@ -697,7 +700,8 @@ impl Trainer {
             .context(|| "building the training batch".to_owned())?;
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
         batch.meta_json =
-            json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true })
+            json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true,
+                "calculate_sum_pi_squared": self.config.algorithm.adv_estimator.needs_sum_pi_squared() })
                 .to_string()
                 .into();
         let mask = batch::matrix(
@@ -727,6 +731,12 @@ impl Trainer {
                 crate::algo::masked_mean(&entropy, &mask)?,
             ));
         }
+        // Σπ² per token, for the optimal token baselines, when the engine reports it.
+        let sum_pi_squared = old
+            .get(SUM_PI_SQUARED)
+            .map(|t| batch::matrix(SUM_PI_SQUARED, t))
+            .transpose()
+            .context(|| "actor output".to_owned())?;
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
         timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
 
@@ -796,11 +806,11 @@ impl Trainer {
             ..AdvantageParams::default()
         };
         let input = AdvantageInput {
-            token_level_rewards: &token_level_rewards,
-            response_mask: &mask,
-            index: &groups,
             values: values.as_ref(),
             reward_baselines: baselines.as_deref(),
+            old_log_probs: Some(&old_log_probs),
+            sum_pi_squared: sum_pi_squared.as_ref(),
+            ..AdvantageInput::new(&token_level_rewards, &mask, &groups)
         };
         let (advantages, returns) = compute_advantage(algorithm.adv_estimator, &params, &input)?;
         batch.insert(keys::ADVANTAGES, batch::tensor(&advantages));

@@ -415,12 +415,32 @@ fn other_policy_losses_and_aggregations_run() {
         json!({"policy_loss": {"loss_mode": "gspo"}}),
         json!({"loss_agg_mode": "seq-mean-token-sum", "clip_ratio_high": 0.28}),
         json!({"loss_agg_mode": "seq-mean-token-sum-norm", "use_kl_loss": true, "kl_loss_type": "k1"}),
+        json!({"loss_agg_mode": "token-sum", "use_kl_loss": true, "kl_loss_type": "k2+"}),
+        json!({"policy_loss": {"loss_mode": "dppo_tv"}}),
+        json!({"policy_loss": {"loss_mode": "dppo_kl"}, "clip_ratio_c": 20.0}),
+        json!({"policy_loss": {"loss_mode": "sapo"}, "tau_pos": 1.0, "tau_neg": 1.05}),
+        json!({"policy_loss": {"loss_mode": "gpg"}}),
+        json!({"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.5, "clip_cov_lb": -1.0}}),
+        json!({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.2}}),
+        json!({"policy_loss": {"loss_mode": "geo_mean"}}),
+        json!({"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}}),
+        json!({"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_high": 0.28}),
     ] {
         let mut engine = engine(&actor_config("tiny-llama", extra.clone()));
         let batch = ppo_batch(&mut engine, "tiny-llama");
         let metrics = update(&mut engine, &batch);
         assert!(
             metrics.iter().all(|m| m.value.is_finite()),
+            "{extra}: {metrics:?}"
+        );
+        // Each loss reports the metrics verl's does: GPG none of the clip fractions.
+        let reports_clipfrac = metrics
+            .iter()
+            .any(|m| m.key.as_str() == "actor/pg_clipfrac");
+        assert_eq!(
+            reports_clipfrac,
+            !["gpg", "kl_cov", "dro"]
+                .contains(&extra["policy_loss"]["loss_mode"].as_str().unwrap_or("")),
             "{extra}: {metrics:?}"
         );
     }

@@ -1,6 +1,7 @@
-//! verl's loss kernels (`verl/trainer/ppo/core_algos.py`): loss aggregation, the vanilla PPO and
-//! GSPO policy losses, KL penalties, the clipped value loss and the entropy loss. Inputs are
-//! `[batch, response_len]` tensors with a response mask (1 = token, 0 = padding).
+//! verl's loss kernels (`verl/trainer/ppo/core_algos.py`): loss aggregation, every policy loss of
+//! verl's registry (vanilla PPO, DPPO, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO, DRO, CISPO), KL
+//! penalties, the clipped value loss and the entropy loss. Inputs are `[batch, response_len]`
+//! tensors with a response mask (1 = token, 0 = padding).
 
 use std::str::FromStr;
 
@@ -37,11 +38,15 @@ pub enum LossAggMode {
     /// Mean over all response tokens of the batch.
     #[default]
     TokenMean,
+    /// Sum over all response tokens of the batch.
+    TokenSum,
     /// Sum over each sequence's tokens, mean over sequences.
     SeqMeanTokenSum,
     /// Mean over each sequence's tokens, mean over sequences.
     SeqMeanTokenMean,
-    /// Sum over all tokens divided by a constant (default: the response length), as Dr. GRPO.
+    /// As `seq-mean-token-sum`, then divided by a constant (default: the response length), as
+    /// Dr. GRPO. verl averages over sequences since its change #5417; its GRPO doc page still
+    /// shows the older formula, a plain token sum over the constant.
     SeqMeanTokenSumNorm,
 }
 
@@ -49,6 +54,7 @@ impl LossAggMode {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::TokenMean => "token-mean",
+            Self::TokenSum => "token-sum",
             Self::SeqMeanTokenSum => "seq-mean-token-sum",
             Self::SeqMeanTokenMean => "seq-mean-token-mean",
             Self::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
@@ -62,6 +68,7 @@ impl FromStr for LossAggMode {
     fn from_str(s: &str) -> Result<Self> {
         [
             Self::TokenMean,
+            Self::TokenSum,
             Self::SeqMeanTokenSum,
             Self::SeqMeanTokenMean,
             Self::SeqMeanTokenSumNorm,
@@ -115,22 +122,27 @@ pub fn agg_loss(
         LossAggMode::TokenMean => {
             masked_sum(loss_mat, &mask) / count(mask.sum(Kind::Float), scale.batch_num_tokens)
         }
-        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
+        LossAggMode::TokenSum => masked_sum(loss_mat, &mask),
+        LossAggMode::SeqMeanTokenSum
+        | LossAggMode::SeqMeanTokenMean
+        | LossAggMode::SeqMeanTokenSumNorm => {
             let tokens = mask.sum_dim_intlist(-1, false, Kind::Float);
             let seq_losses = match mode {
-                LossAggMode::SeqMeanTokenSum => seq_sums(),
-                _ => seq_sums() / (&tokens + 1e-8),
+                LossAggMode::SeqMeanTokenMean => seq_sums() / (&tokens + 1e-8),
+                _ => seq_sums(),
             };
             // Fully masked sequences do not count.
             let seq_mask = tokens.gt(0.0).to_kind(Kind::Float);
-            masked_sum(&seq_losses, &seq_mask)
-                / count(seq_mask.sum(Kind::Float), scale.global_batch_size)
-        }
-        LossAggMode::SeqMeanTokenSumNorm => {
-            let factor = scale
-                .loss_scale_factor
-                .unwrap_or(*loss_mask.size().last().unwrap_or(&1) as f64);
-            seq_sums().sum(Kind::Float) / factor
+            let seq_mean = masked_sum(&seq_losses, &seq_mask)
+                / count(seq_mask.sum(Kind::Float), scale.global_batch_size);
+            if mode == LossAggMode::SeqMeanTokenSumNorm {
+                let factor = scale
+                    .loss_scale_factor
+                    .unwrap_or(*loss_mask.size().last().unwrap_or(&1) as f64);
+                seq_mean / factor
+            } else {
+                seq_mean
+            }
         }
     };
     loss * scale.dp_size
@@ -157,36 +169,138 @@ impl Default for ClipConfig {
     }
 }
 
-/// A policy loss and verl's metrics for it (`actor/pg_clipfrac`, `actor/ppo_kl`,
-/// `actor/pg_clipfrac_lower`).
+/// A policy loss and the metrics verl reports for it (`actor/pg_clipfrac`, `actor/ppo_kl`,
+/// `actor/pg_clipfrac_lower`; each loss reports the ones verl's does).
 #[derive(Debug)]
 pub struct PolicyLoss {
     pub pg_loss: Tensor,
-    pub pg_clipfrac: f64,
-    pub ppo_kl: f64,
-    pub pg_clipfrac_lower: f64,
+    pub metrics: Vec<(&'static str, f64)>,
 }
+
+impl PolicyLoss {
+    pub fn metric(&self, key: &str) -> Option<f64> {
+        self.metrics
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|&(_, v)| v)
+    }
+}
+
+const PG_CLIPFRAC: &str = "actor/pg_clipfrac";
+const PPO_KL: &str = "actor/ppo_kl";
+const PG_CLIPFRAC_LOWER: &str = "actor/pg_clipfrac_lower";
 
 /// verl's `policy_loss.loss_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum PolicyLossMode {
+    /// PPO's clipped surrogate with dual clip.
     #[default]
     Vanilla,
+    /// DPPO-Binary-TV: the update of a token stops once its probability moved more than the clip
+    /// range (total variation of the binary distribution); truncated IS otherwise.
+    DppoTv,
+    /// DPPO-Binary-KL: as `dppo_tv` with the binary KL as the divergence.
+    DppoKl,
+    /// One importance ratio per sequence (geometric mean of the token ratios).
     Gspo,
+    /// Soft, temperature-controlled sigmoid gates instead of hard clipping.
+    Sapo,
+    /// Plain policy gradient `−A·log π`.
+    Gpg,
+    /// PPO with the gradient of a few high-covariance tokens removed.
+    ClipCov,
+    /// Policy gradient with a KL penalty on the highest-covariance tokens.
+    KlCov,
+    /// GMPO: the geometric mean of clipped token ratios, one term per sequence.
+    GeoMean,
+    /// Direct Reward Optimization: `−(A·log π − β/2·(log π − log π_old)²)`.
+    Dro,
+    /// The clipped, stop-gradient ratio weights `A·log π`.
+    Cispo,
+}
+
+impl PolicyLossMode {
+    const ALL: [Self; 11] = [
+        Self::Vanilla,
+        Self::DppoTv,
+        Self::DppoKl,
+        Self::Gspo,
+        Self::Sapo,
+        Self::Gpg,
+        Self::ClipCov,
+        Self::KlCov,
+        Self::GeoMean,
+        Self::Dro,
+        Self::Cispo,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vanilla => "vanilla",
+            Self::DppoTv => "dppo_tv",
+            Self::DppoKl => "dppo_kl",
+            Self::Gspo => "gspo",
+            Self::Sapo => "sapo",
+            Self::Gpg => "gpg",
+            Self::ClipCov => "clip_cov",
+            Self::KlCov => "kl_cov",
+            Self::GeoMean => "geo_mean",
+            Self::Dro => "dro",
+            Self::Cispo => "cispo",
+        }
+    }
 }
 
 impl FromStr for PolicyLossMode {
     type Err = ModelError;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "vanilla" => Ok(Self::Vanilla),
-            "gspo" => Ok(Self::Gspo),
-            _ => Err(ModelError::invalid_input(
-                "loss_mode",
-                format!("unknown policy loss {s:?} (vanilla, gspo)"),
-            )),
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|m| m.as_str()).collect();
+                ModelError::invalid_input(
+                    "loss_mode",
+                    format!("unknown policy loss {s:?} ({})", names.join(", ")),
+                )
+            })
+    }
+}
+
+/// The knobs of the policy losses beyond the clip ranges, by verl's names and with its defaults
+/// (`actor.tau_pos`/`tau_neg`, the rest under `actor.policy_loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PolicyLossOptions {
+    /// SAPO's gate temperature for positive advantages.
+    pub tau_pos: f64,
+    /// SAPO's gate temperature for the others.
+    pub tau_neg: f64,
+    /// Clip-Cov: the share of tokens whose gradient is removed.
+    pub clip_cov_ratio: f64,
+    /// Clip-Cov: only tokens with covariance in (lb, ub) are candidates.
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    /// KL-Cov: the share of tokens that get the KL penalty.
+    pub kl_cov_ratio: f64,
+    /// KL-Cov: the penalty's coefficient.
+    pub ppo_kl_coef: f64,
+    /// DRO's β; required (positive) for `dro`.
+    pub dro_beta: Option<f64>,
+}
+
+impl Default for PolicyLossOptions {
+    fn default() -> Self {
+        Self {
+            tau_pos: 1.0,
+            tau_neg: 1.05,
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
+            dro_beta: None,
         }
     }
 }
@@ -200,18 +314,50 @@ pub struct PolicyBatch<'a> {
     pub response_mask: &'a Tensor,
 }
 
-/// Computes the policy loss of `mode`. GSPO always aggregates with seq-mean-token-mean, as verl.
+/// Computes the policy loss of `mode`. GSPO and SAPO always aggregate with seq-mean-token-mean
+/// and GMPO averages its per-sequence terms, as verl's do; the others use `agg`.
 pub fn policy_loss(
     mode: PolicyLossMode,
     batch: PolicyBatch<'_>,
     clip: &ClipConfig,
+    options: &PolicyLossOptions,
     agg: LossAggMode,
     scale: &AggScale,
 ) -> Result<PolicyLoss> {
     match mode {
         PolicyLossMode::Vanilla => policy_loss_vanilla(batch, clip, agg, scale),
+        PolicyLossMode::DppoTv | PolicyLossMode::DppoKl => {
+            Ok(policy_loss_dppo(mode, batch, clip, agg, scale))
+        }
         PolicyLossMode::Gspo => Ok(policy_loss_gspo(batch, clip, scale)),
+        PolicyLossMode::Sapo => Ok(policy_loss_sapo(batch, options, scale)),
+        PolicyLossMode::Gpg => {
+            let pg_losses = -batch.log_prob * batch.advantages;
+            Ok(PolicyLoss {
+                pg_loss: agg_loss(&pg_losses, batch.response_mask, agg, scale),
+                metrics: Vec::new(),
+            })
+        }
+        PolicyLossMode::ClipCov => policy_loss_clip_cov(batch, clip, options, agg, scale),
+        PolicyLossMode::KlCov => policy_loss_kl_cov(batch, options, agg, scale),
+        PolicyLossMode::GeoMean => Ok(policy_loss_geo_mean(batch, clip, scale)),
+        PolicyLossMode::Dro => policy_loss_dro(batch, options, agg, scale),
+        PolicyLossMode::Cispo => Ok(policy_loss_cispo(batch, clip, agg, scale)),
     }
+}
+
+/// `log π − log π_old`, clamped to ±20 where verl clamps it for a stable `exp`.
+fn log_ratio(batch: &PolicyBatch<'_>, clamped: bool) -> Tensor {
+    let diff = batch.log_prob - batch.old_log_prob;
+    if clamped {
+        diff.clamp(-20.0, 20.0)
+    } else {
+        diff
+    }
+}
+
+fn float(t: &Tensor) -> Tensor {
+    t.to_kind(Kind::Float)
 }
 
 /// PPO's clipped surrogate with separate low/high clip ranges and dual clip for `A < 0`.
@@ -231,52 +377,106 @@ pub fn policy_loss_vanilla(
         ));
     }
     let PolicyBatch {
-        old_log_prob,
-        log_prob,
         advantages,
         response_mask: mask,
+        ..
     } = batch;
-    // Clamped for stability, as verl.
-    let negative_approx_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0);
+    let negative_approx_kl = log_ratio(&batch, true);
     let ratio = negative_approx_kl.exp();
     let ppo_kl = masked_mean(&negative_approx_kl.neg(), mask);
 
     let losses1 = -advantages * &ratio;
     let losses2 = -advantages * ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
     let clipped = losses1.maximum(&losses2);
-    let pg_clipfrac = masked_mean(&losses2.gt_tensor(&losses1).to_kind(Kind::Float), mask);
+    let pg_clipfrac = masked_mean(&float(&losses2.gt_tensor(&losses1)), mask);
 
     let losses3 = -advantages * clip.clip_ratio_c;
     let dual_clipped = losses3.minimum(&clipped);
     let negative = advantages.lt(0.0);
     let pg_clipfrac_lower = masked_mean(
-        &clipped
-            .gt_tensor(&losses3)
-            .logical_and(&negative)
-            .to_kind(Kind::Float),
+        &float(&clipped.gt_tensor(&losses3).logical_and(&negative)),
         mask,
     );
 
     let pg_losses = dual_clipped.where_self(&negative, &clipped);
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
-        pg_clipfrac: scalar(&pg_clipfrac),
-        ppo_kl: scalar(&ppo_kl),
-        pg_clipfrac_lower: scalar(&pg_clipfrac_lower),
+        metrics: vec![
+            (PG_CLIPFRAC, scalar(&pg_clipfrac)),
+            (PPO_KL, scalar(&ppo_kl)),
+            (PG_CLIPFRAC_LOWER, scalar(&pg_clipfrac_lower)),
+        ],
     })
 }
 
-/// GSPO: one importance ratio per sequence, `exp(mean_t log r_t)`, with each token's gradient
-/// flowing through its own log-prob (`sg[s_i] · π/sg[π]`).
-pub fn policy_loss_gspo(batch: PolicyBatch<'_>, clip: &ClipConfig, scale: &AggScale) -> PolicyLoss {
+/// DPPO (<https://arxiv.org/pdf/2602.04879>): `−A·sg[min(r, c)]·log π` on the tokens whose
+/// probability has not yet moved beyond the clip range in the advantage's direction — measured as
+/// `π − π_old` (`dppo_tv`) or as the binary KL (`dppo_kl`); the clip ratios are divergence bounds.
+pub fn policy_loss_dppo(
+    mode: PolicyLossMode,
+    batch: PolicyBatch<'_>,
+    clip: &ClipConfig,
+    agg: LossAggMode,
+    scale: &AggScale,
+) -> PolicyLoss {
     let PolicyBatch {
         old_log_prob,
         log_prob,
         advantages,
         response_mask: mask,
     } = batch;
-    let maskf = mask.to_kind(Kind::Float);
-    let negative_approx_kl = log_prob - old_log_prob;
+    let negative_approx_kl = log_ratio(&batch, true);
+    let ratio = negative_approx_kl.exp();
+    let ppo_kl = masked_mean(&negative_approx_kl.neg(), mask);
+    let truncated = ratio.clamp_max(clip.clip_ratio_c).detach();
+
+    let prob = log_prob.exp();
+    let old_prob = old_log_prob.exp();
+    let (valid_positive, valid_negative) = if mode == PolicyLossMode::DppoTv {
+        let moved = &prob - &old_prob;
+        (
+            moved.le(clip.clip_ratio_high),
+            moved.ge(-clip.clip_ratio_low),
+        )
+    } else {
+        let old_rest = -&old_prob + 1.0;
+        let binary_kl = &old_prob * (old_log_prob - log_prob)
+            + &old_rest * ((&old_rest + 1e-8) / (-&prob + 1.0 + 1e-8)).log();
+        (
+            binary_kl
+                .le(clip.clip_ratio_high)
+                .logical_or(&prob.le_tensor(&old_prob)),
+            binary_kl
+                .le(clip.clip_ratio_low)
+                .logical_or(&prob.ge_tensor(&old_prob)),
+        )
+    };
+    let valid = float(&valid_positive.where_self(&advantages.gt(0.0), &valid_negative)).detach();
+
+    let pg_losses = -advantages * &truncated * log_prob * &valid;
+    let pg_clipfrac = masked_mean(&(-&valid + 1.0), mask);
+    let pg_clipfrac_lower = masked_mean(&(float(&ratio.gt(clip.clip_ratio_c)) * &valid), mask);
+    PolicyLoss {
+        pg_loss: agg_loss(&pg_losses, mask, agg, scale),
+        metrics: vec![
+            (PG_CLIPFRAC, scalar(&pg_clipfrac)),
+            (PPO_KL, scalar(&ppo_kl)),
+            (PG_CLIPFRAC_LOWER, scalar(&pg_clipfrac_lower)),
+        ],
+    }
+}
+
+/// GSPO: one importance ratio per sequence, `exp(mean_t log r_t)`, with each token's gradient
+/// flowing through its own log-prob (`sg[s_i] · π/sg[π]`).
+pub fn policy_loss_gspo(batch: PolicyBatch<'_>, clip: &ClipConfig, scale: &AggScale) -> PolicyLoss {
+    let PolicyBatch {
+        log_prob,
+        advantages,
+        response_mask: mask,
+        ..
+    } = batch;
+    let maskf = float(mask);
+    let negative_approx_kl = log_ratio(&batch, false);
     let lengths = maskf.sum_dim_intlist(-1, false, Kind::Float).clamp_min(1.0);
     let seq_log_ratio =
         (&negative_approx_kl * &maskf).sum_dim_intlist(-1, false, Kind::Float) / lengths;
@@ -289,12 +489,272 @@ pub fn policy_loss_gspo(batch: PolicyBatch<'_>, clip: &ClipConfig, scale: &AggSc
     let pg_losses = losses1.maximum(&losses2);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
-        pg_clipfrac: scalar(&masked_mean(
-            &losses2.gt_tensor(&losses1).to_kind(Kind::Float),
-            mask,
-        )),
-        ppo_kl: scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
-        pg_clipfrac_lower: 0.0,
+        metrics: vec![
+            (
+                PG_CLIPFRAC,
+                scalar(&masked_mean(&float(&losses2.gt_tensor(&losses1)), mask)),
+            ),
+            (
+                PPO_KL,
+                scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
+            ),
+            (PG_CLIPFRAC_LOWER, 0.0),
+        ],
+    }
+}
+
+/// SAPO (<https://arxiv.org/pdf/2511.20347>): `−A·σ(τ(r − 1))·4/τ`, τ = `tau_pos` for positive
+/// advantages and `tau_neg` otherwise; always seq-mean-token-mean.
+pub fn policy_loss_sapo(
+    batch: PolicyBatch<'_>,
+    options: &PolicyLossOptions,
+    scale: &AggScale,
+) -> PolicyLoss {
+    let PolicyBatch {
+        advantages,
+        response_mask: mask,
+        ..
+    } = batch;
+    let negative_approx_kl = log_ratio(&batch, true);
+    let ratio = negative_approx_kl.exp();
+    let tau = Tensor::where_scalar(&advantages.gt(0.0), options.tau_pos, options.tau_neg)
+        .to_kind(advantages.kind())
+        .to_device(advantages.device());
+    let gates = (&tau * (ratio - 1.0)).sigmoid() * (tau.reciprocal() * 4.0);
+    let pg_losses = -gates * advantages;
+    PolicyLoss {
+        pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
+        metrics: vec![
+            (PG_CLIPFRAC, 0.0),
+            (
+                PPO_KL,
+                scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
+            ),
+            (PG_CLIPFRAC_LOWER, 0.0),
+        ],
+    }
+}
+
+/// Clip-Cov (<https://arxiv.org/abs/2505.22617>): PPO's clipped loss, with the gradient removed
+/// from up to `clip_cov_ratio` of the tokens, drawn at random (libtorch's generator, as verl draws
+/// from torch's) among the unclipped ones whose `(A − Ā)(log π − mean log π)` lies in (lb, ub).
+pub fn policy_loss_clip_cov(
+    batch: PolicyBatch<'_>,
+    clip: &ClipConfig,
+    options: &PolicyLossOptions,
+    agg: LossAggMode,
+    scale: &AggScale,
+) -> Result<PolicyLoss> {
+    if options.clip_cov_ratio <= 0.0 {
+        return Err(ModelError::invalid_input(
+            "policy_loss.clip_cov_ratio",
+            format!("must be positive, got {}", options.clip_cov_ratio),
+        ));
+    }
+    let PolicyBatch {
+        log_prob,
+        advantages,
+        response_mask: mask,
+        ..
+    } = batch;
+    let negative_approx_kl = log_ratio(&batch, false);
+    let ratio = negative_approx_kl.exp();
+    let ppo_kl = masked_mean(&negative_approx_kl.neg(), mask);
+    let losses1 = -advantages * &ratio;
+    let losses2 = -advantages * ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
+    let valid = mask.gt(0.0);
+    let clipped_by_origin = losses2.gt_tensor(&losses1).logical_and(&valid);
+
+    let cov = (advantages - masked_mean(advantages, mask))
+        * (log_prob - masked_mean(&log_prob.detach(), mask));
+    let candidates = cov
+        .lt(options.clip_cov_ub)
+        .logical_and(&cov.gt(options.clip_cov_lb))
+        .logical_and(&valid)
+        .logical_and(&clipped_by_origin.logical_not())
+        .reshape(-1)
+        .nonzero()
+        .squeeze_dim(-1);
+    let tokens = scalar(&float(mask).sum(Kind::Float));
+    let clip_num = ((options.clip_cov_ratio * tokens) as i64).max(1);
+    let found = candidates.size()[0];
+    let chosen = candidates.index_select(
+        0,
+        &Tensor::randperm(found, (Kind::Int64, candidates.device())).narrow(
+            0,
+            0,
+            clip_num.min(found),
+        ),
+    );
+    let corr = advantages
+        .ones_like()
+        .reshape(-1)
+        .index_fill(0, &chosen, 0.0)
+        .view_as(advantages);
+    let pg_clipfrac = masked_mean(&float(&corr.eq(0.0)), mask);
+    let pg_losses = losses1.maximum(&losses2) * corr;
+    Ok(PolicyLoss {
+        pg_loss: agg_loss(&pg_losses, mask, agg, scale),
+        metrics: vec![
+            (PG_CLIPFRAC, scalar(&pg_clipfrac)),
+            (PPO_KL, scalar(&ppo_kl)),
+        ],
+    })
+}
+
+/// KL-Cov (<https://arxiv.org/abs/2505.22617>): `−A·r`, plus `ppo_kl_coef·|log r|` on the
+/// `kl_cov_ratio` share of tokens with the largest `(A − Ā)(log π − mean log π)`.
+pub fn policy_loss_kl_cov(
+    batch: PolicyBatch<'_>,
+    options: &PolicyLossOptions,
+    agg: LossAggMode,
+    scale: &AggScale,
+) -> Result<PolicyLoss> {
+    if options.kl_cov_ratio <= 0.0 {
+        return Err(ModelError::invalid_input(
+            "policy_loss.kl_cov_ratio",
+            format!("must be positive, got {}", options.kl_cov_ratio),
+        ));
+    }
+    let PolicyBatch {
+        log_prob,
+        advantages,
+        response_mask: mask,
+        ..
+    } = batch;
+    let negative_approx_kl = log_ratio(&batch, false);
+    let abs_kl = negative_approx_kl.abs();
+    let ratio = negative_approx_kl.exp();
+    let ppo_kl_abs = masked_mean(&abs_kl, mask);
+    let losses1 = -advantages * &ratio;
+    let losses_kl = &losses1 + &abs_kl * options.ppo_kl_coef;
+
+    let valid = mask.gt(0.0).reshape(-1).nonzero().squeeze_dim(-1);
+    let n = valid.size()[0];
+    let mut penalised = advantages.zeros_like().reshape(-1).to_kind(Kind::Bool);
+    if n > 0 {
+        let adv = advantages.detach().reshape(-1).index_select(0, &valid);
+        let logp = log_prob.detach().reshape(-1).index_select(0, &valid);
+        let cov = (&adv - adv.mean(Kind::Float)) * (&logp - logp.mean(Kind::Float));
+        let k = ((n as f64 * options.kl_cov_ratio) as i64).max(1);
+        let (_, top) = cov.topk(k, 0, true, true);
+        penalised = penalised.index_fill(0, &valid.index_select(0, &top), 1);
+    }
+    let pg_losses = losses_kl.where_self(&penalised.view_as(advantages), &losses1);
+    Ok(PolicyLoss {
+        pg_loss: agg_loss(&pg_losses, mask, agg, scale),
+        metrics: vec![(PPO_KL, scalar(&ppo_kl_abs))],
+    })
+}
+
+/// GMPO (<https://arxiv.org/abs/2507.20673>): per sequence, `−Ā·exp(mean_t clip(log r_t))` with
+/// the token log-ratios clipped in the advantage's direction, averaged over the sequences of the
+/// batch (`loss_agg_mode` does not apply, as in verl).
+pub fn policy_loss_geo_mean(
+    batch: PolicyBatch<'_>,
+    clip: &ClipConfig,
+    scale: &AggScale,
+) -> PolicyLoss {
+    let PolicyBatch {
+        advantages,
+        response_mask: mask,
+        ..
+    } = batch;
+    let maskf = float(mask);
+    let negative_approx_kl = log_ratio(&batch, false);
+    let ppo_kl = masked_mean(&negative_approx_kl.neg(), mask);
+    let sign = advantages.sign();
+    let kl_clamped = negative_approx_kl.clamp(-clip.clip_ratio_low, clip.clip_ratio_high);
+    let kl_min = (&sign * &negative_approx_kl).minimum(&(&sign * &kl_clamped)) * &sign;
+    let lengths = maskf.sum_dim_intlist(-1, false, Kind::Float) + 1e-8;
+    let ratio = ((kl_min * &maskf).sum_dim_intlist(-1, false, Kind::Float) / &lengths).exp();
+    let seq_advantage = (advantages * &maskf).sum_dim_intlist(-1, false, Kind::Float) / &lengths;
+    let pg_losses = -seq_advantage * ratio;
+    let sequences = scale
+        .global_batch_size
+        .unwrap_or(advantages.size()[0] as f64)
+        .max(1.0);
+    let clipped = negative_approx_kl.ne_tensor(&kl_clamped);
+    PolicyLoss {
+        pg_loss: pg_losses.sum(Kind::Float) / sequences * scale.dp_size,
+        metrics: vec![
+            (
+                PG_CLIPFRAC,
+                scalar(&masked_mean(
+                    &float(&clipped.logical_and(&advantages.gt(0.0))),
+                    mask,
+                )),
+            ),
+            (PPO_KL, scalar(&ppo_kl)),
+            (
+                PG_CLIPFRAC_LOWER,
+                scalar(&masked_mean(
+                    &float(&clipped.logical_and(&advantages.lt(0.0))),
+                    mask,
+                )),
+            ),
+        ],
+    }
+}
+
+/// DRO: `−(A·log π − β/2·(log π − log π_old)²)`.
+pub fn policy_loss_dro(
+    batch: PolicyBatch<'_>,
+    options: &PolicyLossOptions,
+    agg: LossAggMode,
+    scale: &AggScale,
+) -> Result<PolicyLoss> {
+    let beta = options.dro_beta.filter(|b| *b > 0.0).ok_or_else(|| {
+        ModelError::invalid_input(
+            "policy_loss.dro_beta",
+            format!(
+                "must be a positive value when using DRO, got {:?}",
+                options.dro_beta
+            ),
+        )
+    })?;
+    let log_ratio = log_ratio(&batch, false);
+    let pg_losses = -(batch.log_prob * batch.advantages - log_ratio.square() * (0.5 * beta));
+    Ok(PolicyLoss {
+        pg_loss: agg_loss(&pg_losses, batch.response_mask, agg, scale),
+        metrics: vec![(
+            PPO_KL,
+            scalar(&masked_mean(&log_ratio.neg(), batch.response_mask)),
+        )],
+    })
+}
+
+/// CISPO (<https://arxiv.org/pdf/2506.13585>): `−sg[clip(r)]·A·log π`, so clipped tokens keep a
+/// gradient through `log π`.
+pub fn policy_loss_cispo(
+    batch: PolicyBatch<'_>,
+    clip: &ClipConfig,
+    agg: LossAggMode,
+    scale: &AggScale,
+) -> PolicyLoss {
+    let PolicyBatch {
+        log_prob,
+        advantages,
+        response_mask: mask,
+        ..
+    } = batch;
+    let negative_approx_kl = log_ratio(&batch, true);
+    let ratio = negative_approx_kl.exp();
+    let clipped = ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
+    let pg_losses = -clipped.detach() * advantages * log_prob;
+    PolicyLoss {
+        pg_loss: agg_loss(&pg_losses, mask, agg, scale),
+        metrics: vec![
+            (
+                PG_CLIPFRAC,
+                scalar(&masked_mean(&float(&ratio.ne_tensor(&clipped)), mask)),
+            ),
+            (
+                PPO_KL,
+                scalar(&masked_mean(&negative_approx_kl.neg(), mask)),
+            ),
+            (PG_CLIPFRAC_LOWER, 0.0),
+        ],
     }
 }
 
@@ -331,13 +791,19 @@ impl FromStr for KlPenalty {
         let estimator = match name {
             "kl" | "k1" => KlEstimator::K1,
             "abs" => KlEstimator::Abs,
-            "mse" | "k2" if !straight_through => KlEstimator::K2,
+            // k2's own gradient is the straight-through one: `k2+` is k2.
+            "mse" | "k2" => {
+                return Ok(Self {
+                    estimator: KlEstimator::K2,
+                    straight_through: false,
+                });
+            }
             "low_var_kl" | "k3" => KlEstimator::K3,
             _ => {
                 return Err(ModelError::invalid_input(
                     "kl_penalty",
                     format!(
-                        "unknown KL penalty {s:?} (kl, k1, abs, mse, k2, low_var_kl, k3, or k1/abs/k3 with +)"
+                        "unknown KL penalty {s:?} (kl, k1, abs, mse, k2, low_var_kl, k3, each also with +)"
                     ),
                 ));
             }
@@ -432,8 +898,10 @@ mod tests {
         close(agg(LossAggMode::SeqMeanTokenSum), 3.5);
         // seq-mean-token-mean: [3/2, 4/1] → (1.5 + 4) / 2
         close(agg(LossAggMode::SeqMeanTokenMean), 2.75);
-        // seq-mean-token-sum-norm: (3 + 4) / response_len 3
-        close(agg(LossAggMode::SeqMeanTokenSumNorm), 7.0 / 3.0);
+        // seq-mean-token-sum-norm: seq-mean-token-sum / response_len 3 (verl #5417)
+        close(agg(LossAggMode::SeqMeanTokenSumNorm), 3.5 / 3.0);
+        // token-sum: 1 + 2 + 4
+        close(agg(LossAggMode::TokenSum), 7.0);
         // Global normalisers replace the local counts; dp_size multiplies.
         let scale = AggScale {
             dp_size: 2.0,
@@ -461,7 +929,11 @@ mod tests {
                 LossAggMode::SeqMeanTokenSumNorm,
                 &scale,
             )),
-            7.0 / 2.0 * 2.0,
+            7.0 / 7.0 / 2.0 * 2.0,
+        );
+        close(
+            scalar(&agg_loss(&loss, &mask, LossAggMode::TokenSum, &scale)),
+            7.0 * 2.0,
         );
         // No token at all: 0, not NaN.
         close(
@@ -477,7 +949,11 @@ mod tests {
             "seq-mean-token-sum-norm".parse::<LossAggMode>().unwrap(),
             LossAggMode::SeqMeanTokenSumNorm
         );
-        assert!("token-sum".parse::<LossAggMode>().is_err());
+        assert_eq!(
+            "token-sum".parse::<LossAggMode>().unwrap(),
+            LossAggMode::TokenSum
+        );
+        assert!("token-max".parse::<LossAggMode>().is_err());
     }
 
     #[test]
@@ -509,10 +985,13 @@ mod tests {
         //  A=-1 r=4:   max(4, 1.28)     = 4 → dual-clipped to 3
         //  the sixth token is masked out.
         close(scalar(&out.pg_loss), (-1.28 - 0.5 + 1.5 + 0.8 + 3.0) / 5.0);
-        close(out.pg_clipfrac, 2.0 / 5.0);
-        close(out.pg_clipfrac_lower, 1.0 / 5.0);
+        close(out.metric("actor/pg_clipfrac").unwrap(), 2.0 / 5.0);
+        close(out.metric("actor/pg_clipfrac_lower").unwrap(), 1.0 / 5.0);
         // ppo_kl = mean(-ln r) = -(2 ln 1.5 + 2 ln 0.5 + ln 4) / 5 = -2 ln 1.5 / 5
-        close(out.ppo_kl, -2.0 * 1.5f64.ln() / 5.0);
+        close(
+            out.metric("actor/ppo_kl").unwrap(),
+            -2.0 * 1.5f64.ln() / 5.0,
+        );
         let bad = ClipConfig {
             clip_ratio_c: 1.0,
             ..clip
@@ -547,18 +1026,102 @@ mod tests {
             PolicyLossMode::Gspo,
             batch,
             &clip,
+            &PolicyLossOptions::default(),
             LossAggMode::TokenMean,
             &AggScale::default(),
         )
         .unwrap();
         close(scalar(&out.pg_loss), -0.24);
-        close(out.pg_clipfrac, 1.0);
+        close(out.metric("actor/pg_clipfrac").unwrap(), 1.0);
         // ppo_kl = -(ln 2 + 0 + ln 0.25) / 3 = ln 2 / 3
-        close(out.ppo_kl, 2f64.ln() / 3.0);
-        close(out.pg_clipfrac_lower, 0.0);
+        close(out.metric("actor/ppo_kl").unwrap(), 2f64.ln() / 3.0);
+        close(out.metric("actor/pg_clipfrac_lower").unwrap(), 0.0);
         // Every token is clipped, so no gradient reaches the log-probs.
         out.pg_loss.backward();
         close(scalar(&log_prob.grad().abs().sum(Kind::Float)), 0.0);
+    }
+
+    #[test]
+    fn every_verl_loss_mode_parses_and_the_required_knobs_are_checked() {
+        for mode in PolicyLossMode::ALL {
+            assert_eq!(mode.as_str().parse::<PolicyLossMode>().unwrap(), mode);
+        }
+        let err = "bypass_mode"
+            .parse::<PolicyLossMode>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dppo_tv") && err.contains("cispo"), "{err}");
+        let ones = t(&[&[-1.0, -1.0]]);
+        let batch = PolicyBatch {
+            old_log_prob: &ones,
+            log_prob: &ones,
+            advantages: &ones,
+            response_mask: &ones,
+        };
+        let run = |mode, options: PolicyLossOptions| {
+            policy_loss(
+                mode,
+                batch,
+                &ClipConfig::default(),
+                &options,
+                LossAggMode::TokenMean,
+                &AggScale::default(),
+            )
+        };
+        let err = run(PolicyLossMode::Dro, PolicyLossOptions::default()).unwrap_err();
+        assert!(err.to_string().contains("dro_beta"), "{err}");
+        let no_ratio = PolicyLossOptions {
+            clip_cov_ratio: 0.0,
+            kl_cov_ratio: 0.0,
+            ..PolicyLossOptions::default()
+        };
+        for mode in [PolicyLossMode::ClipCov, PolicyLossMode::KlCov] {
+            assert!(run(mode, no_ratio).is_err());
+        }
+    }
+
+    #[test]
+    fn clip_cov_removes_at_most_its_share_of_tokens() {
+        // Ratio 1 everywhere (no PPO clipping), advantages ±2 and log-probs spread, so every
+        // token's covariance lies in (lb, ub) = (-100, 100): all 20 are candidates, 25% = 5 are
+        // drawn and lose their gradient.
+        let old = Tensor::arange(20, (Kind::Float, tch::Device::Cpu)).view([4, 5]) * -0.1;
+        let log_prob = old.copy().set_requires_grad(true);
+        let advantages = Tensor::from_slice(&[2.0f32, -2.0, 2.0, -2.0])
+            .view([4, 1])
+            .expand([4, 5], false)
+            .contiguous();
+        let mask = advantages.ones_like();
+        let options = PolicyLossOptions {
+            clip_cov_ratio: 0.25,
+            clip_cov_lb: -100.0,
+            clip_cov_ub: 100.0,
+            ..PolicyLossOptions::default()
+        };
+        let out = policy_loss(
+            PolicyLossMode::ClipCov,
+            PolicyBatch {
+                old_log_prob: &old,
+                log_prob: &log_prob,
+                advantages: &advantages,
+                response_mask: &mask,
+            },
+            &ClipConfig::default(),
+            &options,
+            LossAggMode::TokenMean,
+            &AggScale::default(),
+        )
+        .unwrap();
+        close(out.metric("actor/pg_clipfrac").unwrap(), 5.0 / 20.0);
+        out.pg_loss.backward();
+        let zero_grads = scalar(
+            &log_prob
+                .grad()
+                .eq(0.0)
+                .to_kind(Kind::Float)
+                .sum(Kind::Float),
+        );
+        close(zero_grads, 5.0);
     }
 
     #[test]
@@ -580,7 +1143,14 @@ mod tests {
         close(st.double_value(&[0]), 1.0 - ln2);
         st.sum(Kind::Float).backward();
         close(logp.grad().double_value(&[0]), -ln2);
-        assert!("k2+".parse::<KlPenalty>().is_err() && "full".parse::<KlPenalty>().is_err());
+        // k2+ and mse+ are k2 (its gradient already is the straight-through one).
+        for name in ["k2+", "mse+"] {
+            assert_eq!(
+                name.parse::<KlPenalty>().unwrap(),
+                "k2".parse::<KlPenalty>().unwrap()
+            );
+        }
+        assert!("full".parse::<KlPenalty>().is_err() && "k4+".parse::<KlPenalty>().is_err());
     }
 
     #[test]

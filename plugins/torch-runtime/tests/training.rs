@@ -6,8 +6,8 @@ mod common;
 use common::{Padding, batch, expected, load};
 use tch::Tensor;
 use verl_torch_runtime::losses::{
-    AggScale, ClipConfig, KlPenalty, LossAggMode, PolicyBatch, PolicyLossMode, agg_loss,
-    kl_penalty, policy_loss,
+    AggScale, ClipConfig, KlPenalty, LossAggMode, PolicyBatch, PolicyLossMode, PolicyLossOptions,
+    agg_loss, kl_penalty, policy_loss,
 };
 use verl_torch_runtime::{
     AdamW, AdamWConfig, CausalLM, LrDecay, LrSchedule, ModelOptions, Rng, load_training_state,
@@ -66,6 +66,7 @@ fn update(model: &CausalLM, opt: &mut AdamW, schedule: &LrSchedule, b: &Batch) -
             response_mask: &response_mask,
         },
         &ClipConfig::default(),
+        &PolicyLossOptions::default(),
         LossAggMode::TokenMean,
         &AggScale::default(),
     )

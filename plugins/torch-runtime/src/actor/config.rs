@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ActorError;
-use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode};
+use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode, PolicyLossOptions};
 use crate::{AdamWConfig, LrDecay, LrSchedule, ModelSpec};
 
 /// What the engine trains (or only scores).
@@ -109,11 +109,17 @@ impl Default for OptimConfig {
     }
 }
 
-/// verl's `policy_loss` sub-section.
+/// verl's `policy_loss` sub-section. Keys verl may leave `null` take its defaults.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct PolicyLossConfig {
     #[serde(default)]
     pub loss_mode: PolicyLossMode,
+    pub clip_cov_ratio: Option<f64>,
+    pub clip_cov_lb: Option<f64>,
+    pub clip_cov_ub: Option<f64>,
+    pub kl_cov_ratio: Option<f64>,
+    pub ppo_kl_coef: Option<f64>,
+    pub dro_beta: Option<f64>,
 }
 
 /// The section, as every strategy reads it.
@@ -159,6 +165,9 @@ pub struct ActorConfig {
     pub kl_loss_type: String,
     #[serde(default)]
     pub policy_loss: PolicyLossConfig,
+    /// SAPO's gate temperatures.
+    pub tau_pos: Option<f64>,
+    pub tau_neg: Option<f64>,
     /// Critic: clip range of the value update around the old values.
     #[serde(default = "default_cliprange_value")]
     pub cliprange_value: f64,
@@ -181,6 +190,7 @@ pub struct ActorSettings {
     pub loss_agg_mode: LossAggMode,
     pub loss_scale_factor: Option<f64>,
     pub loss_mode: PolicyLossMode,
+    pub loss_options: PolicyLossOptions,
     pub entropy_coeff: f64,
     /// `Some((coef, penalty))` when `use_kl_loss`.
     pub kl_loss: Option<(f64, KlPenalty)>,
@@ -317,6 +327,7 @@ impl ActorConfig {
                 ),
             ));
         }
+        let loss_options = self.loss_options()?;
         let kl_loss = if self.use_kl_loss {
             let penalty = self
                 .kl_loss_type
@@ -361,11 +372,56 @@ impl ActorConfig {
                 })
                 .transpose()?,
             loss_mode: self.policy_loss.loss_mode,
+            loss_options,
             entropy_coeff: self.entropy_coeff,
             kl_loss,
             cliprange_value: non_negative("cliprange_value", self.cliprange_value)?,
             model: self.model,
         })
+    }
+}
+
+impl ActorConfig {
+    /// The policy-loss knobs, verl's defaults where unset; the ones the chosen loss reads must be
+    /// positive (verl asserts so).
+    fn loss_options(&self) -> Result<PolicyLossOptions, ActorError> {
+        let d = PolicyLossOptions::default();
+        let p = &self.policy_loss;
+        let options = PolicyLossOptions {
+            tau_pos: self.tau_pos.unwrap_or(d.tau_pos),
+            tau_neg: self.tau_neg.unwrap_or(d.tau_neg),
+            clip_cov_ratio: p.clip_cov_ratio.unwrap_or(d.clip_cov_ratio),
+            clip_cov_lb: p.clip_cov_lb.unwrap_or(d.clip_cov_lb),
+            clip_cov_ub: p.clip_cov_ub.unwrap_or(d.clip_cov_ub),
+            kl_cov_ratio: p.kl_cov_ratio.unwrap_or(d.kl_cov_ratio),
+            ppo_kl_coef: p.ppo_kl_coef.unwrap_or(d.ppo_kl_coef),
+            dro_beta: p.dro_beta,
+        };
+        let must_be_positive = |key: &str, value: Option<f64>| match value {
+            Some(v) if v > 0.0 && v.is_finite() => Ok(()),
+            _ => Err(invalid(
+                key,
+                format!(
+                    "must be positive for loss_mode `{}`, got {value:?}",
+                    p.loss_mode.as_str()
+                ),
+            )),
+        };
+        match p.loss_mode {
+            PolicyLossMode::Sapo => {
+                must_be_positive("tau_pos", Some(options.tau_pos))?;
+                must_be_positive("tau_neg", Some(options.tau_neg))?;
+            }
+            PolicyLossMode::ClipCov => {
+                must_be_positive("policy_loss.clip_cov_ratio", Some(options.clip_cov_ratio))?
+            }
+            PolicyLossMode::KlCov => {
+                must_be_positive("policy_loss.kl_cov_ratio", Some(options.kl_cov_ratio))?
+            }
+            PolicyLossMode::Dro => must_be_positive("policy_loss.dro_beta", options.dro_beta)?,
+            _ => {}
+        }
+        Ok(options)
     }
 }
 
@@ -418,6 +474,19 @@ mod tests {
             }
         );
         assert_eq!(s.kl_loss.unwrap().0, 0.001);
+        let s = settings(
+            r#","tau_pos":2,"policy_loss":{"loss_mode":"dro","dro_beta":0.5,"clip_cov_lb":null}"#,
+        )
+        .unwrap();
+        assert_eq!(s.loss_mode, PolicyLossMode::Dro);
+        assert_eq!(
+            s.loss_options,
+            PolicyLossOptions {
+                tau_pos: 2.0,
+                dro_beta: Some(0.5),
+                ..PolicyLossOptions::default()
+            }
+        );
     }
 
     #[test]
@@ -437,6 +506,18 @@ mod tests {
             ),
             (r#","use_kl_loss":true,"kl_loss_type":"k9""#, "kl_loss_type"),
             (r#","clip_ratio_c":0.5"#, "clip_ratio_c"),
+            (
+                r#","policy_loss":{"loss_mode":"dro"}"#,
+                "policy_loss.dro_beta",
+            ),
+            (
+                r#","policy_loss":{"loss_mode":"kl_cov","kl_cov_ratio":0}"#,
+                "policy_loss.kl_cov_ratio",
+            ),
+            (
+                r#","tau_neg":-1,"policy_loss":{"loss_mode":"sapo"}"#,
+                "tau_neg",
+            ),
             (r#","ppo_epochs":0"#, "ppo_epochs"),
         ] {
             let err = settings(extra).unwrap_err().to_string();

@@ -438,12 +438,13 @@ fn actor_micro_step<S: Strategy>(
                 response_mask,
             },
             &s.clip,
+            &s.loss_options,
             s.loss_agg_mode,
             scale,
         )?;
-        metrics.push("actor/pg_clipfrac", pg.pg_clipfrac);
-        metrics.push("actor/ppo_kl", pg.ppo_kl);
-        metrics.push("actor/pg_clipfrac_lower", pg.pg_clipfrac_lower);
+        for &(key, value) in &pg.metrics {
+            metrics.push(key, value);
+        }
         losses.push(("actor/pg_loss", scalar(&pg.pg_loss)));
         let mut terms = vec![pg.pg_loss];
         if let Some(entropy) = &scores.entropy {

@@ -135,10 +135,7 @@ pub const RULES: &[Rule] = &[
             "only the hybrid engine (actor and rollout share the process) exists, as in verl",
         )
     },
-    no_effect(
-        "actor_rollout_ref.nccl_timeout",
-        "no collective runs on one rank",
-    ),
+    acted("actor_rollout_ref.nccl_timeout"),
     acted("actor_rollout_ref.model.path"),
     acted("actor_rollout_ref.model.tokenizer_path"),
     acted("actor_rollout_ref.model.custom_chat_template"),

@@ -22,9 +22,9 @@ fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
         let work = tempfile::tempdir().unwrap();
         // One single-rank step makes the data and the model once, before ranks share them.
         let dir = tempfile::tempdir().unwrap();
-        let out = verl_core_command(&args(&plugins, &work, &dir.path().join("r"), 1, 0, 1), &[])
-            .output()
-            .unwrap();
+        let args = args(&plugins, &work, &dir.path().join("r"), 1, 1, 0);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = verl_core(&args, &[]);
         assert!(
             out.status.success(),
             "preparing: {}",
@@ -293,13 +293,22 @@ impl Launch {
         Self { child, stderr: rx }
     }
 
-    /// The ranks' pids, by rank (the launcher's children in start order).
-    fn rank_pids(&self) -> Vec<i32> {
+    /// The pid of each rank the launcher has started (its children, by their `RANK`).
+    fn rank_pids(&self) -> BTreeMap<usize, i32> {
         let pid = self.child.id();
         std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
             .unwrap_or_default()
             .split_whitespace()
-            .map(|p| p.parse().unwrap())
+            .filter_map(|child| {
+                let environ = std::fs::read(format!("/proc/{child}/environ")).ok()?;
+                let rank = environ
+                    .split(|&b| b == 0)
+                    .find_map(|var| var.strip_prefix(b"RANK="))?;
+                Some((
+                    std::str::from_utf8(rank).ok()?.parse().ok()?,
+                    child.parse().ok()?,
+                ))
+            })
             .collect()
     }
 
@@ -370,7 +379,7 @@ fn a_killed_rank_fails_the_job_cleanly_and_it_resumes_bit_identically() {
             std::thread::sleep(full.mul_f64(0.1 + 0.6 * rng.next_f64()));
             let victim = usize::from(rng.next_f64() >= 0.5);
             let pids = launch.rank_pids();
-            let Some(&pid) = pids.get(victim).filter(|_| pids.len() == 2) else {
+            let Some(&pid) = pids.get(&victim).filter(|_| pids.len() == 2) else {
                 // Finished already: it must have succeeded.
                 let (status, stderr, _) = launch.wait(Duration::from_secs(120));
                 assert!(status.success(), "{stderr}");

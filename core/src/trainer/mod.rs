@@ -43,7 +43,9 @@ use crate::placement::Placement;
 use crate::reward::{self, RewardError};
 use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
 use records::{StepRecord, test_pause_point};
-use spmd::{MatrixRows, Outcome, Ranks, failures, prompt_seed, score_bits, scores_of};
+use spmd::{
+    MatrixRows, Outcome, Ranks, check_data_parallel, failures, prompt_seed, score_bits, scores_of,
+};
 
 pub use guard::{NonFinite, SKIPPED_UPDATES, apply_policy, check_update};
 pub use trackers::Trackers;
@@ -1371,19 +1373,6 @@ fn clean_export_leftovers(run_dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
         }
     }
     Ok(removed)
-}
-
-/// With several ranks, each takes an equal share of the batch's responses, so that every rank
-/// runs the same number of engine mini-batches (and so of collectives).
-fn check_data_parallel(config: &Config, ranks: Ranks) -> Result<(), TrainError> {
-    let world = ranks.world_size as usize;
-    let responses = config.data.train_batch_size * config.actor_rollout_ref.rollout.n;
-    if world > 1 && !responses.is_multiple_of(world) {
-        return Err(TrainError::Invalid(format!(
-            "data.train_batch_size × actor_rollout_ref.rollout.n = {responses} responses per step do not split evenly over {world} data-parallel ranks (WORLD_SIZE)"
-        )));
-    }
-    Ok(())
 }
 
 /// verl's batch-size checks, before anything is loaded: sizes that would otherwise be replaced

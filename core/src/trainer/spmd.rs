@@ -18,7 +18,9 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use super::TrainError;
 use crate::algo::Matrix;
+use crate::config::Config;
 
 /// Where this process is among the data-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +47,19 @@ impl Ranks {
         let start = rank * base + rank.min(extra);
         start..start + base + usize::from(rank < extra)
     }
+}
+
+/// With several ranks, each takes an equal share of the batch's responses, so that every rank
+/// runs the same number of engine mini-batches (and so of collectives).
+pub(super) fn check_data_parallel(config: &Config, ranks: Ranks) -> Result<(), TrainError> {
+    let world = ranks.world_size as usize;
+    let responses = config.data.train_batch_size * config.actor_rollout_ref.rollout.n;
+    if world > 1 && !responses.is_multiple_of(world) {
+        return Err(TrainError::Invalid(format!(
+            "data.train_batch_size × actor_rollout_ref.rollout.n = {responses} responses per step do not split evenly over {world} data-parallel ranks (WORLD_SIZE)"
+        )));
+    }
+    Ok(())
 }
 
 /// SplitMix64's finaliser: a well-mixed 64-bit value from any input.
@@ -145,6 +160,27 @@ mod tests {
             }
             .part(8),
             4..8
+        );
+    }
+
+    #[test]
+    fn the_batch_must_split_evenly_over_the_ranks() {
+        let mut config = Config::default();
+        config.data.train_batch_size = 3;
+        config.actor_rollout_ref.rollout.n = 2;
+        let ranks = |world_size| Ranks {
+            rank: 0,
+            world_size,
+        };
+        assert!(check_data_parallel(&config, ranks(1)).is_ok());
+        assert!(check_data_parallel(&config, ranks(2)).is_ok());
+        assert!(check_data_parallel(&config, ranks(3)).is_ok());
+        let err = check_data_parallel(&config, ranks(4))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "data.train_batch_size × actor_rollout_ref.rollout.n = 6 responses per step do not split evenly over 4 data-parallel ranks (WORLD_SIZE)"
         );
     }
 

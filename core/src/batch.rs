@@ -83,6 +83,38 @@ pub fn build(
     Ok(batch)
 }
 
+/// Rows `rows` of every tensor of `batch` (all share the batch dimension), with its meta.
+pub fn slice_rows(batch: &Batch, rows: std::ops::Range<usize>) -> Result<Batch, PluginError> {
+    let mut out = Batch {
+        meta_json: batch.meta_json.clone(),
+        ..Batch::default()
+    };
+    for named in batch.tensors.iter() {
+        let tensor = &named.tensor;
+        let total = tensor.shape.first().map_or(0, |&d| d.max(0) as usize);
+        if rows.end > total || tensor.data.len() % total.max(1) != 0 {
+            return Err(PluginError::other(format!(
+                "`{}` has {total} rows, not rows {}..{}",
+                named.name, rows.start, rows.end
+            )));
+        }
+        let row_bytes = tensor.data.len() / total.max(1);
+        let mut shape = tensor.shape.to_vec();
+        shape[0] = rows.len() as i64;
+        out.insert(
+            named.name.as_str(),
+            Tensor {
+                dtype: tensor.dtype,
+                shape: shape.into(),
+                data: tensor.data[rows.start * row_bytes..rows.end * row_bytes]
+                    .to_vec()
+                    .into(),
+            },
+        );
+    }
+    Ok(out)
+}
+
 /// A per-token response tensor (`log_probs`, `values`, …) cut back to each response's length.
 pub fn response_values(
     batch: &Batch,
@@ -106,6 +138,29 @@ pub fn response_values(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_are_sliced_in_every_tensor() {
+        let batch = build(
+            &[vec![5, 6, 7], vec![8], vec![9]],
+            &[vec![1], vec![2, 3], vec![4]],
+            0,
+        )
+        .unwrap();
+        let part = slice_rows(&batch, 1..3).unwrap();
+        assert_eq!(part.meta_json, batch.meta_json);
+        let ids = part.require(keys::INPUT_IDS).unwrap();
+        assert_eq!(ids.shape.as_slice(), &[2, 5]);
+        assert_eq!(
+            ids.to_vec::<i64>().unwrap(),
+            vec![0, 0, 8, 2, 3, 0, 0, 9, 4, 0]
+        );
+        let mask = part.require(keys::RESPONSE_MASK).unwrap();
+        assert_eq!(mask.to_vec::<f32>().unwrap(), vec![1.0, 1.0, 1.0, 0.0]);
+        assert_eq!(slice_rows(&batch, 0..0).unwrap().tensors.len(), 4);
+        let err = slice_rows(&batch, 2..4).unwrap_err().to_string();
+        assert!(err.contains("has 3 rows, not rows 2..4"), "{err}");
+    }
 
     #[test]
     fn prompts_pad_left_and_responses_pad_right() {

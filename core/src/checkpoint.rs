@@ -164,9 +164,19 @@ impl CheckpointManager {
         Ok(removed)
     }
 
+    /// Where the checkpoint of `step` is written before its commit (what [`Self::begin`] makes).
+    pub fn partial_dir(&self, step: u64) -> PathBuf {
+        self.root.join(format!(".{STEP_PREFIX}{step}.partial"))
+    }
+
+    /// Syncs every file under `dir` to disk (a rank's own files, before it reports them written).
+    pub fn sync(dir: &Path) -> Result<(), CheckpointError> {
+        sync_tree(dir)
+    }
+
     /// Starts a checkpoint for `step` in a fresh temporary directory.
     pub fn begin(&self, step: u64) -> Result<Pending, CheckpointError> {
-        let dir = self.root.join(format!(".{STEP_PREFIX}{step}.partial"));
+        let dir = self.partial_dir(step);
         if dir.exists() {
             fs::remove_dir_all(&dir).map_err(io(&dir))?;
         }

@@ -5,7 +5,7 @@
 //! them as it would under torchrun. Rank 0 keeps this process's terminal; every other rank's
 //! lines are prefixed with `[rank R]`. SIGINT and SIGTERM are forwarded to every rank (each runs
 //! in its own process group, so a terminal's Ctrl-C reaches a rank once, through here). When a
-//! rank fails, the others get a 2 s grace to end on their own, then SIGTERM, then SIGKILL after
+//! rank fails, the others get a 5 s grace to end on their own, then SIGTERM, then SIGKILL after
 //! a bound, and the launch fails naming the rank and its exit status. A rank outlives the
 //! launcher by no more than a SIGTERM: children are told to receive one when it dies.
 
@@ -27,8 +27,9 @@ pub const LAUNCHABLE: [&str; 5] = ["run", "sft", "score", "generate", "platform"
 /// How often the supervisor looks at its children and at received signals.
 const POLL: Duration = Duration::from_millis(20);
 /// After a rank fails, how long the others get to end on their own before SIGTERM: ranks that
-/// fail together (a config error, a lost peer) all get to say why.
-const FAILURE_GRACE: Duration = Duration::from_secs(2);
+/// fail together (a config error, a lost peer) all get to say why. A rank waiting in a collective
+/// names a killed peer within about 3.4 s (verl-distributed's heartbeat bound), hence 5 s.
+const FAILURE_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {

@@ -494,15 +494,10 @@ fn training_placement(
     Ok(Placement::on_platform(device, config.trainer.seed)?)
 }
 
-/// A training command's ranks against `trainer.nnodes × trainer.n_gpus_per_node`, then (until
-/// the SPMD trainer lands) one rank only: every rank stops here, before anything is written.
-fn check_training_ranks(
-    placement: &Placement,
-    config: &Config,
-    what: &'static str,
-) -> anyhow::Result<()> {
-    placement.check_world_size(config.trainer.nnodes, config.trainer.n_gpus_per_node)?;
-    Ok(placement.require_single_rank(what)?)
+/// A training command's ranks against `trainer.nnodes × trainer.n_gpus_per_node`: every rank
+/// stops here, before anything is written.
+fn check_training_ranks(placement: &Placement, config: &Config) -> anyhow::Result<()> {
+    Ok(placement.check_world_size(config.trainer.nnodes, config.trainer.n_gpus_per_node)?)
 }
 
 /// This process on the selected platform; a selection error stops the command.
@@ -700,11 +695,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, true, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
-            check_training_ranks(&placement, &config, "training")?;
+            check_training_ranks(&placement, &config)?;
             config_audit::check(&config, &registry, placement.run().world_size)?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
+            // Rank 0 owns the console.
+            if placement.run().rank > 0 {
+                return Ok(ExitCode::SUCCESS);
+            }
             if let (Some(first), Some(last)) =
                 (summary.validations.first(), summary.validations.last())
             {
@@ -725,7 +724,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
-            check_training_ranks(&placement, &config, "supervised fine-tuning")?;
+            check_training_ranks(&placement, &config)?;
+            placement.require_single_rank("supervised fine-tuning")?;
             config_audit::check(&config, &registry, placement.run().world_size)?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)

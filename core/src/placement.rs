@@ -289,6 +289,22 @@ impl Placement {
         &self.run
     }
 
+    /// This process as a job of its own (rank 0 of 1, on the same device): for work one rank
+    /// does for all of them, such as the quickstart's preparation.
+    pub fn alone(&self) -> Self {
+        let mut run = self.run.clone();
+        run.rank = 0;
+        run.world_size = 1;
+        run.local_rank = 0;
+        run.local_world_size = 1;
+        run.master_addr.clear();
+        run.master_port = 0;
+        Self {
+            run,
+            source: RankSource::Single,
+        }
+    }
+
     /// The context with the run's names and output directory filled in.
     pub fn for_run(&self, project: &str, experiment: &str, run_dir: &str) -> RunContext {
         let mut run = self.run.clone();

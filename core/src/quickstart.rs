@@ -6,6 +6,7 @@
 //! elsewhere are used as given, or refused when they do not exist.
 
 use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use verl_plugin_host::Registry;
@@ -205,6 +206,9 @@ pub fn prepare(
     }
     let cwd = std::env::current_dir().map_err(io(Path::new(".")))?;
     let plan = plan(config, &cwd)?;
+    if placement.run().rank > 0 {
+        return wait_for_rank_0(config, &cwd, plan);
+    }
     if !plan.train.is_empty() || !plan.val.is_empty() {
         let (train_samples, val_samples) = quick.task.generate()?;
         for (paths, samples) in [(&plan.train, &train_samples), (&plan.val, &val_samples)] {
@@ -239,11 +243,39 @@ pub fn prepare(
             write_tiny_model(&partial, &quick.model)?;
             std::fs::rename(&partial, &base).map_err(io(&base))?;
         }
+        // Written aside and renamed into place, so other ranks waiting for it never see half
+        // a model.
+        let partial = model_dir.with_file_name(format!(
+            ".{}.partial-{}",
+            model_dir.file_name().unwrap_or_default().to_string_lossy(),
+            std::process::id()
+        ));
         let mut sft = config.sft.clone();
         sft.base_model = Some(base.to_string_lossy().into_owned());
         sft.random_init = true;
-        sft.output_dir = Some(model_dir.to_string_lossy().into_owned());
-        run_sft(config, &sft, registry, placement)?;
+        sft.output_dir = Some(partial.to_string_lossy().into_owned());
+        // Rank 0 warms the model up on its own, for every rank.
+        run_sft(config, &sft, registry, &placement.alone())?;
+        std::fs::rename(&partial, model_dir).map_err(io(model_dir))?;
+    }
+    Ok(())
+}
+
+/// The other ranks of a multi-rank run wait until rank 0 has made what `plan` lists (every path
+/// appears complete, by a link or a rename), for at most `actor_rollout_ref.nccl_timeout`.
+fn wait_for_rank_0(config: &Config, cwd: &Path, mut pending: Plan) -> Result<(), TrainError> {
+    let timeout = Duration::from_secs(config.actor_rollout_ref.nccl_timeout);
+    let started = Instant::now();
+    while !pending.is_empty() {
+        if started.elapsed() >= timeout {
+            return Err(TrainError::Invalid(format!(
+                "waited {} s (actor_rollout_ref.nccl_timeout) for rank 0 to make the quickstart's {:?}",
+                timeout.as_secs(),
+                pending
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        pending = plan(config, cwd)?;
     }
     Ok(())
 }

@@ -21,6 +21,8 @@ pub trait EngineWorker {
     /// The full weights as views, valid while the borrow lasts.
     fn weights(&mut self) -> Result<Vec<TensorRef<'_>>, PluginError>;
     fn export_hf(&mut self, dir: &str) -> Result<(), PluginError>;
+    /// Every rank's `bytes`, in rank order, over the engine's process group.
+    fn all_gather_object(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, PluginError>;
 }
 
 /// A generator, already initialised.
@@ -53,6 +55,9 @@ impl EngineWorker for EngineHandle {
     }
     fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
         EngineHandle::export_hf(self, dir)
+    }
+    fn all_gather_object(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, PluginError> {
+        EngineHandle::all_gather_object(self, bytes)
     }
 }
 

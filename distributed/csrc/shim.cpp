@@ -311,7 +311,11 @@ int vd_work_wait(WorkHandle* handle, int64_t timeout_ms, char** err) {
         state = 0;
         return;
       }
-      throw;
+      // Completed: it failed, or it finished between the slice's end and the check above
+      // (then the first exception is only the slice's timeout). Waiting again on completed
+      // work returns at once or throws the collective's own error.
+      handle->work->wait(ms(timeout_ms));
+      state = 1;
     }
   });
   return ok ? state : -1;

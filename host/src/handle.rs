@@ -56,6 +56,12 @@ impl EngineHandle {
     pub fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
         done(self.0.export_hf(dir.into()))
     }
+    /// Every rank's `bytes` in rank order (a collective over the engine's process group). An
+    /// engine built against plugin API 2.0 has no such entry: unsupported.
+    pub fn all_gather_object(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, PluginError> {
+        done(self.0.all_gather_object(bytes.into()))
+            .map(|all| all.into_iter().map(Vec::from).collect())
+    }
 }
 
 pub struct RolloutHandle(pub(crate) RolloutBox);

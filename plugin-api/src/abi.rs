@@ -42,6 +42,12 @@ pub trait StableEngine: Send {
     fn weights(&mut self) -> RResult<RVec<TensorRef<'_>>, PluginError>;
     #[sabi(last_prefix_field)]
     fn export_hf(&mut self, dir: RStr<'_>) -> RResult<(), PluginError>;
+    /// Since 2.1.0: every rank's bytes in rank order. A plugin built against 2.0 lacks the
+    /// entry; calling it then runs this default (unsupported).
+    fn all_gather_object(&mut self, bytes: RSlice<'_, u8>) -> RResult<RVec<RVec<u8>>, PluginError> {
+        let _ = bytes;
+        RResult::RErr(PluginError::unsupported("all_gather_object"))
+    }
 }
 
 #[sabi_trait]
@@ -133,6 +139,12 @@ impl<T: Engine> StableEngine for Guarded<T> {
     }
     fn export_hf(&mut self, dir: RStr<'_>) -> RResult<(), PluginError> {
         guard("export_hf", || self.0.export_hf(dir.as_str()))
+    }
+    fn all_gather_object(&mut self, bytes: RSlice<'_, u8>) -> RResult<RVec<RVec<u8>>, PluginError> {
+        guard("all_gather_object", || {
+            let all = self.0.all_gather_object(bytes.as_slice())?;
+            Ok(all.into_iter().map(RVec::from).collect())
+        })
     }
 }
 

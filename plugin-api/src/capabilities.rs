@@ -48,6 +48,10 @@ pub struct EngineCapabilities {
     /// What it does with the keys of its role's section (`actor_rollout_ref.actor`, `…ref`,
     /// `critic`) beyond those verl-core acts on.
     pub config_keys: ConfigKeys,
+    /// Whether `Engine::all_gather_object` exchanges bytes over the engine's process group
+    /// (since 2.1.0): the multi-rank trainer gathers scores, metrics and checkpoint agreement
+    /// through it.
+    pub object_exchange: bool,
 }
 
 impl Default for EngineCapabilities {
@@ -58,6 +62,7 @@ impl Default for EngineCapabilities {
             sharded_checkpoints: false,
             devices: Vec::new(),
             config_keys: ConfigKeys::default(),
+            object_exchange: false,
         }
     }
 }
@@ -83,6 +88,10 @@ impl EngineCapabilities {
         self.config_keys = keys;
         self
     }
+    pub fn object_exchange(mut self, yes: bool) -> Self {
+        self.object_exchange = yes;
+        self
+    }
     pub fn supports_role(&self, role: &str) -> bool {
         self.roles.iter().any(|r| r == role)
     }
@@ -103,6 +112,9 @@ pub struct RolloutCapabilities {
     pub logprobs: bool,
     /// What it does with the keys of `actor_rollout_ref.rollout` beyond those verl-core acts on.
     pub config_keys: ConfigKeys,
+    /// Whether `GenerateRequest::seeds` (one seed per prompt, since 2.1.0) decides each prompt's
+    /// samples, whatever else is in the request.
+    pub prompt_seeds: bool,
 }
 
 impl RolloutCapabilities {
@@ -116,6 +128,10 @@ impl RolloutCapabilities {
     }
     pub fn logprobs(mut self, yes: bool) -> Self {
         self.logprobs = yes;
+        self
+    }
+    pub fn prompt_seeds(mut self, yes: bool) -> Self {
+        self.prompt_seeds = yes;
         self
     }
     pub fn config_keys(mut self, keys: ConfigKeys) -> Self {

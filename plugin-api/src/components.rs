@@ -178,6 +178,13 @@ pub trait Engine: Send + 'static {
     fn export_hf(&mut self, _dir: &str) -> Result<(), PluginError> {
         Err(PluginError::unsupported("export_hf"))
     }
+    /// Every rank's `bytes`, in rank order, over the engine's process group (since 2.1.0; declare
+    /// `EngineCapabilities::object_exchange`). Every rank calls it at the same point of the run
+    /// (a collective); on one rank it returns `[bytes]`. For metadata (scores, metrics, agreement
+    /// on a checkpoint), not bulk tensors. A lost peer is an error naming its rank.
+    fn all_gather_object(&mut self, _bytes: &[u8]) -> Result<Vec<Vec<u8>>, PluginError> {
+        Err(PluginError::unsupported("all_gather_object"))
+    }
 }
 
 /// Sampling parameters, with vLLM's meaning (`top_k = -1` disables top-k).
@@ -217,11 +224,26 @@ pub struct GenerateRequest {
     /// Prompt token ids, unpadded, one list per prompt.
     pub prompts: Vec<Vec<u32>>,
     pub sampling: SamplingParams,
+    /// One seed per prompt (since 2.1.0; empty: `sampling.seed` seeds the request): prompt `i`'s
+    /// `n` samples depend on `seeds[i]` only, not on the other prompts of the request, so a batch
+    /// sharded over data-parallel ranks samples what one rank would. A rollout that honours them
+    /// declares `RolloutCapabilities::prompt_seeds`.
+    pub seeds: Vec<u64>,
 }
 
 impl GenerateRequest {
     pub fn new(prompts: Vec<Vec<u32>>, sampling: SamplingParams) -> Self {
-        Self { prompts, sampling }
+        Self {
+            prompts,
+            sampling,
+            seeds: Vec::new(),
+        }
+    }
+
+    /// With a seed per prompt (see [`GenerateRequest::seeds`]).
+    pub fn with_seeds(mut self, seeds: Vec<u64>) -> Self {
+        self.seeds = seeds;
+        self
     }
 }
 

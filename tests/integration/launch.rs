@@ -116,10 +116,10 @@ fn torchrun_and_slurm_variables_place_a_process() {
     assert_eq!(placement(&both)["source"], "torchrun");
 }
 
-/// Until the SPMD trainer lands, `run` with several ranks stops in every rank before it
-/// writes anything, and the launcher names a failed rank.
+/// A job sized for another world size, and `sft` (one process only) with several ranks, stop in
+/// every rank before anything is written, and the launcher names a failed rank.
 #[test]
-fn multi_rank_training_fails_fast_in_every_rank() {
+fn mis_sized_and_single_rank_commands_fail_fast_in_every_rank() {
     let cwd = tempfile::tempdir().unwrap();
     let plugins = bundled_plugins(&["verl_plugin_native", "verl_plugin_fsdp"]);
     let plugins = plugins.path().to_str().unwrap();
@@ -131,7 +131,7 @@ fn multi_rank_training_fails_fast_in_every_rank() {
             "--nproc-per-node",
             "2",
             "--",
-            "run",
+            "sft",
         ];
         args.extend(overrides);
         let started = Instant::now();
@@ -155,7 +155,7 @@ fn multi_rank_training_fails_fast_in_every_rank() {
     assert!(!out.status.success(), "{stderr}");
     for (prefix, rank) in [("", 0), ("[rank 1] ", 1)] {
         let line = format!(
-            "{prefix}error: multi-rank training is not supported by this build yet: this is rank {rank} of 2"
+            "{prefix}error: multi-rank supervised fine-tuning is not supported by this build yet: this is rank {rank} of 2"
         );
         assert!(stderr.contains(&line), "{line}\nin\n{stderr}");
     }

@@ -8,6 +8,7 @@ mod config;
 mod helpers;
 mod launch;
 mod platform;
+mod spmd;
 mod train;
 mod vendor;
 mod vllm;

@@ -61,7 +61,7 @@ const fn rule(key: &'static str, treatment: Treatment) -> Rule {
     }
 }
 
-const PARALLEL: &str = "one rank holds the whole model; multi-rank training and model parallelism come with the distributed engine (issue 11)";
+const PARALLEL: &str = "every rank holds the whole model (data parallel over the job's ranks); model and sequence parallelism are not implemented";
 const DYNAMIC_BSZ: &str = "micro-batches have a fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching by a token budget is not implemented";
 const TOKEN_BUDGET: &str =
     "a token budget only applies with use_dynamic_bsz, which is not implemented";
@@ -135,10 +135,7 @@ pub const RULES: &[Rule] = &[
             "only the hybrid engine (actor and rollout share the process) exists, as in verl",
         )
     },
-    no_effect(
-        "actor_rollout_ref.nccl_timeout",
-        "no collective runs on one rank",
-    ),
+    acted("actor_rollout_ref.nccl_timeout"),
     acted("actor_rollout_ref.model.path"),
     acted("actor_rollout_ref.model.tokenizer_path"),
     acted("actor_rollout_ref.model.custom_chat_template"),

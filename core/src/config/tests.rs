@@ -1016,7 +1016,7 @@ fn verl_style_overrides_are_acted_on_or_reported() {
             Warning,
         ),
         ("actor_rollout_ref.model.use_liger=True", Warning),
-        ("actor_rollout_ref.nccl_timeout=1200", Warning),
+        ("actor_rollout_ref.nccl_timeout=1200", Acted),
         ("+ray_kwargs.ray_init.num_cpus=16", Warning),
         ("global_profiler.tool=nsys", Warning),
         ("actor_rollout_ref.actor.profiler.enable=True", Warning),

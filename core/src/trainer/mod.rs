@@ -1,31 +1,36 @@
 //! The RL training loop, in verl's order: generate → reward → old log-probs → ref → values →
 //! advantages → critic update → actor update → weight sync → validate (`test_freq`) → checkpoint
 //! (`save_freq`) → log. Every component is taken from the registry by name, so the loop drives
-//! whatever engine, rollout, weight sync and trackers the plugins provide.
+//! whatever engine, rollout, weight sync and trackers the plugins provide. With several ranks
+//! every rank runs this loop on its share of the batch ([`spmd`]).
 
 mod guard;
 mod records;
+mod spmd;
 #[cfg(test)]
 mod tests;
 mod trackers;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError,
+    Batch, ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError,
     RolloutCapabilities, RunContext, SamplingParams, Table, keys,
 };
 use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry};
 
 use crate::algo::{
     AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
-    SamplerProgress, apply_kl_penalty, compute_advantage, compute_data_metrics, filter_groups,
-    place_scores,
+    Matrix, SamplerProgress, apply_kl_penalty, compute_advantage, compute_data_metrics,
+    filter_groups, place_scores,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
@@ -38,6 +43,9 @@ use crate::placement::Placement;
 use crate::reward::{self, RewardError};
 use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
 use records::{StepRecord, test_pause_point};
+use spmd::{
+    MatrixRows, Outcome, Ranks, check_data_parallel, failures, prompt_seed, score_bits, scores_of,
+};
 
 pub use guard::{NonFinite, SKIPPED_UPDATES, apply_policy, check_update};
 pub use trackers::Trackers;
@@ -91,6 +99,10 @@ pub enum TrainError {
     },
     #[error("checkpoint {}: the actor's weights hold non-finite values (tensor `{tensor}`)", dir.display())]
     NonFiniteCheckpoint { dir: PathBuf, tensor: String },
+    /// The exchange between ranks failed (a lost rank is named), or another rank failed a step
+    /// every rank takes part in.
+    #[error("{what}: {reason}")]
+    Ranks { what: String, reason: String },
 }
 
 /// Set by the Ctrl-C handler: the loop stops between steps, and trackers are flushed.
@@ -143,6 +155,7 @@ const TRAINER_STATE_FILE: &str = "trainer_state.json";
 const SUM_PI_SQUARED: &str = "sum_pi_squared";
 
 /// One generated response and where it came from.
+#[derive(Serialize, Deserialize)]
 struct Row {
     /// Index into the dataset.
     sample: usize,
@@ -182,6 +195,7 @@ pub struct Trainer {
     /// The records logged since the last checkpoint (after a resume: that checkpoint's, until
     /// they are logged again).
     records: Vec<StepRecord>,
+    ranks: Ranks,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -297,6 +311,11 @@ impl Trainer {
             &config.trainer.experiment_name,
             &run_dir.to_string_lossy(),
         );
+        let ranks = Ranks {
+            rank: run.rank,
+            world_size: run.world_size,
+        };
+        check_data_parallel(&config, ranks)?;
         let components = Components::resolve(&config, registry)?;
         components.check(&config, &run)?;
 
@@ -307,6 +326,8 @@ impl Trainer {
             let mut section = config.engine_json(role);
             section["optim"]["total_training_steps"] = json!(total_steps);
             section["deterministic"] = json!(config.trainer.deterministic);
+            // verl's bound on a collective of the engines' process group.
+            section["nccl_timeout"] = json!(config.actor_rollout_ref.nccl_timeout);
             let init = plugin_init(&config, Slot::Engine(role), component, section, &run);
             engine.init(&init).context(|| {
                 format!(
@@ -353,7 +374,13 @@ impl Trainer {
 
         let mut tracker_config = config.to_json();
         tracker_config["trainer"]["total_training_steps"] = json!(total_steps);
-        let trackers = Trackers::create(registry, &config.trainer.logger, |tracker| {
+        // Rank 0 alone logs (its metrics are every rank's).
+        let loggers: &[String] = if ranks.leader() {
+            &config.trainer.logger
+        } else {
+            &[]
+        };
+        let trackers = Trackers::create(registry, loggers, |tracker| {
             plugin_init(
                 &config,
                 Slot::Tracker,
@@ -366,12 +393,16 @@ impl Trainer {
         let kl = &config.algorithm.kl_ctrl;
         let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
         let checkpoints = CheckpointManager::new(&run_dir, config.trainer.max_actor_ckpt_to_keep);
-        for path in checkpoints
-            .clean_leftovers()?
-            .into_iter()
-            .chain(clean_export_leftovers(&run_dir)?)
-        {
-            tracing::warn!("removed {}, left by an interrupted run", path.display());
+        // The run directory is rank 0's to tidy: the others only write into checkpoints it
+        // prepares.
+        if ranks.leader() {
+            for path in checkpoints
+                .clean_leftovers()?
+                .into_iter()
+                .chain(clean_export_leftovers(&run_dir)?)
+            {
+                tracing::warn!("removed {}, left by an interrupted run", path.display());
+            }
         }
         Ok(Self {
             config,
@@ -392,6 +423,7 @@ impl Trainer {
             total_steps,
             skipped_steps: 0,
             records: Vec::new(),
+            ranks,
         })
     }
 
@@ -459,7 +491,12 @@ impl Trainer {
             return Ok(summary);
         }
         while self.global_step < self.total_steps {
-            if INTERRUPTED.load(Ordering::SeqCst) {
+            // Every rank stops at the same step, whichever saw the signal.
+            let interrupted = INTERRUPTED.load(Ordering::SeqCst);
+            if self
+                .all_gather("checking for an interrupt", interrupted)?
+                .contains(&true)
+            {
                 return Err(TrainError::Interrupted(self.global_step));
             }
             let step = self.global_step + 1;
@@ -507,6 +544,75 @@ impl Trainer {
         Ok(summary)
     }
 
+    /// Every rank's `value`, in rank order: a collective, which every rank calls at the same
+    /// point of the loop. On one rank nothing is exchanged.
+    fn all_gather<T: Serialize + DeserializeOwned>(
+        &mut self,
+        what: &str,
+        value: T,
+    ) -> Result<Vec<T>, TrainError> {
+        if self.ranks.single() {
+            return Ok(vec![value]);
+        }
+        let failed = |reason: String| TrainError::Ranks {
+            what: what.to_owned(),
+            reason,
+        };
+        let bytes = serde_json::to_vec(&value).map_err(|e| failed(e.to_string()))?;
+        self.actor
+            .all_gather_object(&bytes)
+            .map_err(|e| failed(e.to_string()))?
+            .iter()
+            .enumerate()
+            .map(|(rank, part)| {
+                serde_json::from_slice(part).map_err(|e| failed(format!("rank {rank}'s part: {e}")))
+            })
+            .collect()
+    }
+
+    /// Shares each rank's outcome of `what`, a step every rank takes: when any rank failed,
+    /// every rank fails, naming the ranks that did and why (a rank's own error comes back as is).
+    fn agree(&mut self, what: &str, outcome: Result<(), TrainError>) -> Result<(), TrainError> {
+        if self.ranks.single() {
+            return outcome;
+        }
+        let mine: Outcome = outcome.as_ref().err().map(ToString::to_string);
+        let all = self.all_gather(what, mine)?;
+        outcome?;
+        match failures(&all) {
+            None => Ok(()),
+            Some(reason) => Err(TrainError::Ranks {
+                what: what.to_owned(),
+                reason,
+            }),
+        }
+    }
+
+    /// An engine's per-token output for this rank's rows, with every rank's rows after it: the
+    /// global batch's matrix.
+    fn gather_matrix(&mut self, name: &str, part: Matrix) -> Result<Matrix, TrainError> {
+        if self.ranks.single() {
+            return Ok(part);
+        }
+        let what = format!("gathering `{name}`");
+        let parts = self.all_gather(&what, MatrixRows::of(&part))?;
+        MatrixRows::concat(parts, name).map_err(|reason| TrainError::Ranks { what, reason })
+    }
+
+    /// This rank's rows of the global batch (all of it on one rank).
+    fn local<'a>(
+        &self,
+        batch: &'a Batch,
+        rows: &Range<usize>,
+    ) -> Result<Cow<'a, Batch>, TrainError> {
+        if self.ranks.single() {
+            return Ok(Cow::Borrowed(batch));
+        }
+        batch::slice_rows(batch, rows.clone())
+            .map(Cow::Owned)
+            .context(|| "this rank's rows of the batch".to_owned())
+    }
+
     /// Keeps a step's record for the next checkpoint (none are kept without checkpoints).
     fn keep_record(&mut self, step: u64, metrics: &[Metric]) {
         if self.config.trainer.save_freq > 0 {
@@ -517,26 +623,36 @@ impl Trainer {
     /// Exports the policy into `<run_dir>/.huggingface.partial`, then swaps it in for
     /// `huggingface`, so a kill at any point leaves either the previous export or the new one,
     /// never half a model (see [`clean_export_leftovers`]).
+    /// With several ranks every rank takes part in the export (an engine may gather its shards
+    /// to rank 0), and rank 0 alone moves the directories.
     fn export_final(&mut self) -> Result<PathBuf, TrainError> {
         let (final_dir, partial, old) = export_dirs(&self.run_dir);
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |error| TrainError::Io { path, error }
         };
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial).map_err(io(&partial))?;
-        }
-        self.actor
+        let leader = self.ranks.leader();
+        let cleared = if leader && partial.exists() {
+            std::fs::remove_dir_all(&partial).map_err(io(&partial))
+        } else {
+            Ok(())
+        };
+        self.agree("preparing the final export", cleared)?;
+        let exported = self
+            .actor
             .export_hf(&partial.to_string_lossy())
-            .context(|| format!("exporting {}", partial.display()))?;
-        test_pause_point("exported");
-        if final_dir.exists() {
-            std::fs::rename(&final_dir, &old).map_err(io(&old))?;
-            test_pause_point("swapping");
-        }
-        std::fs::rename(&partial, &final_dir).map_err(io(&final_dir))?;
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(io(&old))?;
+            .context(|| format!("exporting {}", partial.display()));
+        self.agree("exporting the final model", exported)?;
+        if leader {
+            test_pause_point("exported");
+            if final_dir.exists() {
+                std::fs::rename(&final_dir, &old).map_err(io(&old))?;
+                test_pause_point("swapping");
+            }
+            std::fs::rename(&partial, &final_dir).map_err(io(&final_dir))?;
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(io(&old))?;
+            }
         }
         Ok(final_dir)
     }
@@ -583,35 +699,64 @@ impl Trainer {
         params
     }
 
-    /// Generates `n` responses per prompt of `indices` (into `data`); rows come back grouped by
-    /// prompt, with group ids `first_group..`.
+    /// Generates `n` responses per prompt of `indices` (into `data`) and scores them; rows come
+    /// back grouped by prompt, with group ids `first_group..`. Each rank generates and scores its
+    /// slice of the prompts, each prompt sampled from its own seed (so the samples do not depend
+    /// on the number of ranks), and every rank gets every rank's rows.
     fn generate(
         &mut self,
         val: bool,
         indices: &[usize],
         sampling: SamplingParams,
         first_group: u64,
-    ) -> Result<Vec<Row>, TrainError> {
-        let data = if val { &self.val } else { &self.train };
-        let prompts = indices.iter().map(|&i| data[i].1.ids.clone()).collect();
-        let request = GenerateRequest::new(prompts, sampling);
-        let output = self.rollout.generate(&request).context(|| {
-            format!(
-                "generating with `{}`",
-                self.config.actor_rollout_ref.rollout.name
-            )
-        })?;
-        let mut rows: Vec<Row> = output
-            .completions
-            .iter()
-            .map(|c| Row {
-                sample: indices[c.prompt_index as usize],
-                group: first_group + u64::from(c.prompt_index),
-                response: c.response_ids.clone(),
-            })
-            .collect();
-        rows.sort_by_key(|r| r.group);
-        Ok(rows)
+    ) -> Result<(Vec<Row>, Vec<f64>), TrainError> {
+        let part = self.ranks.part(indices.len());
+        let mine = &indices[part.clone()];
+        let mut rows: Vec<Row> = Vec::new();
+        if !mine.is_empty() {
+            let data = if val { &self.val } else { &self.train };
+            let prompts = mine.iter().map(|&i| data[i].1.ids.clone()).collect();
+            let request_seed = sampling.seed.unwrap_or_default();
+            let seeds = part
+                .clone()
+                .map(|i| prompt_seed(request_seed, i as u64))
+                .collect();
+            let request = GenerateRequest::new(prompts, sampling).with_seeds(seeds);
+            let name = &self.config.actor_rollout_ref.rollout.name;
+            let output = self
+                .rollout
+                .generate(&request)
+                .context(|| format!("generating with `{name}`"))?;
+            for c in &output.completions {
+                let index = c.prompt_index as usize;
+                let &sample = mine.get(index).ok_or_else(|| {
+                    TrainError::Invalid(format!(
+                        "rollout `{name}` returned a completion of prompt {index}, but the request had {} prompts",
+                        mine.len()
+                    ))
+                })?;
+                rows.push(Row {
+                    sample,
+                    group: first_group + (part.start + index) as u64,
+                    response: c.response_ids.clone(),
+                });
+            }
+            rows.sort_by_key(|r| r.group);
+        }
+        let scores = self.score(val, &rows)?;
+        if self.ranks.single() {
+            return Ok((rows, scores));
+        }
+        let parts = self.all_gather(
+            "gathering the generated responses",
+            (rows, score_bits(&scores)),
+        )?;
+        let (mut rows, mut scores) = (Vec::new(), Vec::new());
+        for (part_rows, part_scores) in parts {
+            rows.extend(part_rows);
+            scores.extend(scores_of(&part_scores));
+        }
+        Ok((rows, scores))
     }
 
     fn score(&self, val: bool, rows: &[Row]) -> Result<Vec<f64>, TrainError> {
@@ -646,8 +791,7 @@ impl Trainer {
                 .seed
                 .map(|s| s.wrapping_add(gen_batches as u64 * 1_000_003));
             let first_group = (gen_batches * target) as u64;
-            let new_rows = self.generate(false, &indices, sampling, first_group)?;
-            let new_scores = self.score(false, &new_rows)?;
+            let (new_rows, new_scores) = self.generate(false, &indices, sampling, first_group)?;
             gen_batches += 1;
             if !filter.enable {
                 return Ok((new_rows, new_scores, gen_batches));
@@ -711,11 +855,21 @@ impl Trainer {
                 .context(|| "batch".to_owned())?,
         )
         .context(|| "batch".to_owned())?;
+        // The engines compute on this rank's rows; their per-token outputs are gathered back.
+        if !rows.len().is_multiple_of(self.ranks.world_size as usize) {
+            return Err(TrainError::Invalid(format!(
+                "step {step}: {} responses do not split evenly over {} data-parallel ranks",
+                rows.len(),
+                self.ranks.world_size
+            )));
+        }
+        let mine = self.ranks.part(rows.len());
 
         let t = Instant::now();
+        let local = self.local(&batch, &mine)?;
         let old = self
             .actor
-            .compute_log_prob(&batch)
+            .compute_log_prob(&local)
             .context(|| "computing old log-probs".to_owned())?;
         let old_log_probs = batch::matrix(
             keys::LOG_PROBS,
@@ -723,9 +877,11 @@ impl Trainer {
                 .context(|| "actor output".to_owned())?,
         )
         .context(|| "actor output".to_owned())?;
+        let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
         if let Some(entropy) = old.get(keys::ENTROPYS) {
             let entropy =
                 batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
+            let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
             metrics.push(Metric::new(
                 "actor/entropy",
                 crate::algo::masked_mean(&entropy, &mask)?,
@@ -741,10 +897,14 @@ impl Trainer {
         timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
 
         let mut ref_log_probs = None;
-        if let Some(reference) = &mut self.reference {
+        if self.reference.is_some() {
             let t = Instant::now();
-            let out = reference
-                .compute_log_prob(&batch)
+            let local = self.local(&batch, &mine)?;
+            let out = self
+                .reference
+                .as_mut()
+                .expect("checked above")
+                .compute_log_prob(&local)
                 .context(|| "computing reference log-probs".to_owned())?;
             let m = batch::matrix(
                 keys::LOG_PROBS,
@@ -752,16 +912,21 @@ impl Trainer {
                     .context(|| "ref output".to_owned())?,
             )
             .context(|| "ref output".to_owned())?;
+            let m = self.gather_matrix(keys::REF_LOG_PROB, m)?;
             batch.insert(keys::REF_LOG_PROB, batch::tensor(&m));
             ref_log_probs = Some(m);
             timing.push(("ref", t.elapsed().as_secs_f64()));
         }
 
         let mut values = None;
-        if let Some(critic) = &mut self.critic {
+        if self.critic.is_some() {
             let t = Instant::now();
-            let out = critic
-                .compute_values(&batch)
+            let local = self.local(&batch, &mine)?;
+            let out = self
+                .critic
+                .as_mut()
+                .expect("checked above")
+                .compute_values(&local)
                 .context(|| "computing values".to_owned())?;
             let m = batch::matrix(
                 keys::VALUES,
@@ -769,6 +934,7 @@ impl Trainer {
                     .context(|| "critic output".to_owned())?,
             )
             .context(|| "critic output".to_owned())?;
+            let m = self.gather_matrix(keys::VALUES, m)?;
             batch.insert(keys::VALUES, batch::tensor(&m));
             values = Some(m);
             timing.push(("values", t.elapsed().as_secs_f64()));
@@ -818,10 +984,11 @@ impl Trainer {
         timing.push(("adv", t.elapsed().as_secs_f64()));
 
         let mut skipped = false;
+        let update = self.local(&batch, &mine)?;
         if let Some(critic) = &mut self.critic {
             let t = Instant::now();
             let out = critic
-                .update_critic(&batch)
+                .update_critic(&update)
                 .context(|| "updating the critic".to_owned())?;
             skipped |= self.guard(step, "critic", &out)?;
             metrics.extend(out.iter().cloned());
@@ -831,7 +998,7 @@ impl Trainer {
             let t = Instant::now();
             let out = self
                 .actor
-                .update_actor(&batch)
+                .update_actor(&update)
                 .context(|| "updating the actor".to_owned())?;
             skipped |= self.guard(step, "actor", &out)?;
             // The engine's own entropy (from the update) supersedes the one measured above.
@@ -918,8 +1085,7 @@ impl Trainer {
         let mut sampling = self.sampling(step, false);
         sampling.n = 1;
         sampling.greedy = true;
-        let greedy = self.generate(false, &unique, sampling, 0)?;
-        let scores = self.score(false, &greedy)?;
+        let (greedy, scores) = self.generate(false, &unique, sampling, 0)?;
         let by_sample: BTreeMap<usize, f64> = greedy
             .iter()
             .zip(scores)
@@ -960,8 +1126,9 @@ impl Trainer {
         let indices: Vec<usize> = (0..self.val.len()).collect();
         let (mut rows, mut scores) = (Vec::new(), Vec::new());
         for (i, part) in indices.chunks(chunk).enumerate() {
-            let part_rows = self.generate(true, part, sampling.clone(), (i * chunk) as u64)?;
-            scores.extend(self.score(true, &part_rows)?);
+            let (part_rows, part_scores) =
+                self.generate(true, part, sampling.clone(), (i * chunk) as u64)?;
+            scores.extend(part_scores);
             rows.extend(part_rows);
         }
         let mut by_source: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
@@ -1007,34 +1174,64 @@ impl Trainer {
         Ok((metrics, table))
     }
 
+    /// Rank 0 prepares the checkpoint's temporary directory; every rank writes its files into
+    /// it (the engines decide which: replicated state once, shards per rank) and fsyncs them;
+    /// once every rank has reported success, rank 0 writes the manifest over all of them and
+    /// commits. A rank that fails or is lost leaves the checkpoint uncommitted, never visible.
     fn save_checkpoint(&mut self) -> Result<(), TrainError> {
         let step = self.global_step;
-        let pending = self.checkpoints.begin(step)?;
-        let actor_dir = pending.dir().join("actor");
+        let (pending, began) = if self.ranks.leader() {
+            match self.checkpoints.begin(step) {
+                Ok(pending) => (Some(pending), Ok(())),
+                Err(e) => (None, Err(e.into())),
+            }
+        } else {
+            (None, Ok(()))
+        };
+        self.agree("preparing the checkpoint", began)?;
+        let dir = self.checkpoints.partial_dir(step);
+        let written = self.write_checkpoint_files(&dir, step);
+        self.agree(&format!("writing checkpoint {}", dir.display()), written)?;
+        let committed = match pending {
+            Some(pending) => self.checkpoints.commit(pending).map(|dir| {
+                tracing::info!("checkpoint written to {}", dir.display());
+            }),
+            None => Ok(()),
+        };
+        self.agree("committing the checkpoint", committed.map_err(Into::into))
+    }
+
+    /// This rank's files of the checkpoint in `dir`: the engines' and, on rank 0, the trainer's
+    /// state; synced to disk before the rank reports them written.
+    fn write_checkpoint_files(&mut self, dir: &Path, step: u64) -> Result<(), TrainError> {
+        let actor_dir = dir.join("actor");
         self.actor
             .save_checkpoint(&actor_dir.to_string_lossy(), step)
             .context(|| format!("saving {}", actor_dir.display()))?;
         if let Some(critic) = &mut self.critic {
-            let dir = pending.dir().join("critic");
+            let dir = dir.join("critic");
             critic
                 .save_checkpoint(&dir.to_string_lossy(), step)
                 .context(|| format!("saving {}", dir.display()))?;
         }
-        let state = TrainerState {
-            global_step: step,
-            loader: self.loader.state(),
-            kl_coef: self.kl_ctrl.value,
-            skipped_steps: self.skipped_steps,
-            records: self.records.clone(),
-        };
-        let path = pending.dir().join(TRAINER_STATE_FILE);
-        std::fs::write(
-            &path,
-            serde_json::to_vec_pretty(&state).expect("trainer state serialises"),
-        )
-        .map_err(|error| TrainError::Io { path, error })?;
-        let dir = self.checkpoints.commit(pending)?;
-        tracing::info!("checkpoint written to {}", dir.display());
+        if self.ranks.leader() {
+            let state = TrainerState {
+                global_step: step,
+                loader: self.loader.state(),
+                kl_coef: self.kl_ctrl.value,
+                skipped_steps: self.skipped_steps,
+                records: self.records.clone(),
+            };
+            let path = dir.join(TRAINER_STATE_FILE);
+            std::fs::write(
+                &path,
+                serde_json::to_vec_pretty(&state).expect("trainer state serialises"),
+            )
+            .map_err(|error| TrainError::Io { path, error })?;
+        } else {
+            // Rank 0's commit syncs the whole checkpoint; the others sync what they wrote first.
+            CheckpointManager::sync(dir)?;
+        }
         Ok(())
     }
 
@@ -1043,6 +1240,55 @@ impl Trainer {
     /// for the newest intact one; a corrupt `resume_from_path` is an error.
     fn resume(&mut self) -> Result<Option<u64>, TrainError> {
         let started = Instant::now();
+        // Rank 0 chooses (and verifies) the checkpoint; every rank loads it.
+        let found = if self.ranks.leader() {
+            self.find_checkpoint()
+        } else {
+            Ok(None)
+        };
+        let chosen = if self.ranks.single() {
+            found?.map(|(step, dir, integrity)| (step, dir, Some(integrity)))
+        } else {
+            const WHAT: &str = "choosing the checkpoint to resume from";
+            let mine: Result<Option<(u64, PathBuf)>, String> = match &found {
+                Ok(f) => Ok(f.as_ref().map(|(step, dir, _)| (*step, dir.clone()))),
+                Err(e) => Err(e.to_string()),
+            };
+            let leaders = self.all_gather(WHAT, mine)?.swap_remove(0);
+            let integrity = found?.map(|(_, _, integrity)| integrity);
+            match leaders {
+                Ok(choice) => choice.map(|(step, dir)| (step, dir, integrity)),
+                Err(reason) => {
+                    return Err(TrainError::Ranks {
+                        what: WHAT.to_owned(),
+                        reason: format!("rank 0: {reason}"),
+                    });
+                }
+            }
+        };
+        let Some((step, dir, integrity)) = chosen else {
+            return Ok(None);
+        };
+        match integrity {
+            Some(Integrity::Verified { files, bytes }) => tracing::info!(
+                "{}: {files} files ({bytes} bytes) match its manifest ({:.3} s)",
+                dir.display(),
+                started.elapsed().as_secs_f64()
+            ),
+            Some(Integrity::Unverified) => tracing::warn!(
+                "{} has no {MANIFEST_FILE} (written before checkpoints carried one): loading it unverified",
+                dir.display()
+            ),
+            // Verified by rank 0.
+            None => {}
+        }
+        self.load_from(&dir)?;
+        debug_assert_eq!(self.global_step, step);
+        Ok(Some(step))
+    }
+
+    /// The checkpoint `trainer.resume_mode` says to resume from, verified against its manifest.
+    fn find_checkpoint(&self) -> Result<Option<(u64, PathBuf, Integrity)>, TrainError> {
         let found = match self.config.trainer.resume_mode {
             ResumeMode::Disable => None,
             ResumeMode::Auto => self.checkpoints.latest_intact()?.map(|found| {
@@ -1075,23 +1321,7 @@ impl Trainer {
                 Some((step, dir, integrity))
             }
         };
-        let Some((step, dir, integrity)) = found else {
-            return Ok(None);
-        };
-        match integrity {
-            Integrity::Verified { files, bytes } => tracing::info!(
-                "{}: {files} files ({bytes} bytes) match its manifest ({:.3} s)",
-                dir.display(),
-                started.elapsed().as_secs_f64()
-            ),
-            Integrity::Unverified => tracing::warn!(
-                "{} has no {MANIFEST_FILE} (written before checkpoints carried one): loading it unverified",
-                dir.display()
-            ),
-        }
-        self.load_from(&dir)?;
-        debug_assert_eq!(self.global_step, step);
-        Ok(Some(step))
+        Ok(found)
     }
 
     fn load_from(&mut self, dir: &Path) -> Result<(), TrainError> {
@@ -1376,6 +1606,13 @@ impl Components {
                     caps.max_world_size, run.world_size
                 )));
             }
+            if role == EngineRole::Actor && run.world_size > 1 && !caps.object_exchange {
+                return Err(TrainError::Capability(format!(
+                    "engine `{name}` ({key}) has no object exchange (all_gather_object, plugin API 2.1), \
+                     which the trainer's ranks share scores, metrics and checkpoints through; this run has WORLD_SIZE={}",
+                    run.world_size
+                )));
+            }
             if !caps.supports_device(&run.device_type) {
                 return Err(TrainError::Capability(format!(
                     "engine `{name}` ({key}) does not run on `{}` devices (trainer.device / the selected platform); it supports [{}]",
@@ -1405,6 +1642,13 @@ impl Components {
             )));
         }
         let settings = &config.actor_rollout_ref.rollout;
+        if run.world_size > 1 && !rollout_caps.prompt_seeds {
+            tracing::warn!(
+                "rollout `{}` does not seed each prompt on its own: with {} ranks the samples differ from a one-rank run's (training is still correct)",
+                self.rollout.name,
+                run.world_size
+            );
+        }
         if settings.calculate_log_probs && !rollout_caps.logprobs {
             return Err(TrainError::Capability(format!(
                 "actor_rollout_ref.rollout.calculate_log_probs=true, but rollout `{}` does not return log-probs",

@@ -15,7 +15,7 @@ pub struct WrapPolicy {
 }
 
 /// The engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`): verl's keys and defaults,
-/// any other key is an error. One rank holds the whole model, so nothing here changes the
+/// any other key is an error. Every rank holds the whole model (data parallel), so nothing here changes the
 /// computation yet; the keys are accepted so verl's configs run unchanged, and
 /// [`FsdpConfig::declared_keys`] tells verl-core which of them to report when they are set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,12 +71,13 @@ impl Default for FsdpConfig {
     }
 }
 
-const PARALLEL: &str = "one rank holds the whole model; sharding and sequence parallelism come with the distributed engine (issue 11)";
+const PARALLEL: &str =
+    "every rank holds the whole model (data parallel); sequence parallelism is not implemented";
 const OFFLOAD: &str =
     "CPU offloading is not implemented: parameters and optimizer state stay on the device";
 const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
 const ONE_RANK: &str =
-    "one rank holds the whole model: there is nothing to shard, wrap or prefetch";
+    "every rank holds the whole model (data parallel): there is nothing to shard, wrap or prefetch";
 const KERNELS: &str = "an option of verl's kernels; it changes speed or memory, not results";
 
 impl FsdpConfig {
@@ -100,7 +101,10 @@ impl FsdpConfig {
             ("fsdp_size", ONE_RANK),
             ("forward_prefetch", ONE_RANK),
             ("use_orig_params", ONE_RANK),
-            ("strategy", "fsdp and fsdp2 are the same on one rank"),
+            (
+                "strategy",
+                "fsdp and fsdp2 are the same with replicated parameters",
+            ),
             ("seed", "the engine is seeded from trainer.seed"),
             (
                 "full_determinism",

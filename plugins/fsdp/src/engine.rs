@@ -1,7 +1,11 @@
-//! The `fsdp` strategy on one rank: the whole model and its AdamW optimizer in this process. verl's
-//! actor/critic semantics around it are the shared [`verl_torch_runtime::actor::ActorWorker`].
+//! The `fsdp` strategy: the whole model and its AdamW optimizer in this process, replicated on
+//! every data-parallel rank (gradients summed across ranks before the step, so every replica
+//! applies the same update). verl's actor/critic semantics around it are the shared
+//! [`verl_torch_runtime::actor::ActorWorker`], which normalises each rank's loss by the global
+//! batch's counts.
 
 use std::path::Path;
+use std::time::Duration;
 
 use tch::{Device, Tensor};
 use verl_plugin_api::{ComponentInit, TensorRef, keys};
@@ -13,6 +17,10 @@ use verl_torch_runtime::{
 };
 
 use crate::config::FsdpConfig;
+use crate::dist::{Ranks, model_error};
+
+/// verl's `nccl_timeout` default (seconds), for a host that does not send the key.
+const DEFAULT_COLLECTIVE_TIMEOUT_S: u64 = 600;
 
 /// The model, its optimizer (none for the reference policy) and the weights last lent.
 pub struct LocalModel {
@@ -20,22 +28,35 @@ pub struct LocalModel {
     spec: ModelSpec,
     optimizer: Option<AdamW>,
     lent: LentTensors,
+    ranks: Ranks,
 }
 
 /// The engine of one role: verl's semantics on the local model.
 pub type Worker = ActorWorker<LocalModel>;
 
-pub fn new_worker(init: &ComponentInit) -> Result<Worker, ActorError> {
+pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
     let run = &init.run;
-    if run.world_size > 1 {
-        return Err(ActorError::Unsupported(format!(
-            "the fsdp engine runs on a single rank for now; world_size {} (rank {}) is not yet supported",
-            run.world_size, run.rank
-        )));
-    }
-    let settings = init.config::<ActorConfig>("fsdp")?.validate()?;
-    // Checked for unknown keys and types; one rank holding the whole model needs none of them.
+    let mut settings = init.config::<ActorConfig>("fsdp")?.validate()?;
+    // Checked for unknown keys and types; a replicated model needs none of them.
     FsdpConfig::of(init, settings.role)?;
+    // As verl's workers: the (global) mini-batch is split over the data-parallel ranks.
+    let world = run.world_size.max(1) as usize;
+    if settings.mini_batch % world != 0 {
+        return Err(ActorError::Config {
+            key: "ppo_mini_batch_size".into(),
+            reason: format!(
+                "{} sequences (ppo_mini_batch_size × rollout.n) do not split evenly over {world} data-parallel ranks",
+                settings.mini_batch
+            ),
+        });
+    }
+    settings.mini_batch /= world;
+    let timeout = init
+        .config
+        .get("nccl_timeout")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(DEFAULT_COLLECTIVE_TIMEOUT_S);
+    let ranks = Ranks::join(run, Duration::from_secs(timeout.max(1)))?;
     let device = parse_device(&run.device)?;
     let head = if settings.role == Role::Critic {
         Head::Value
@@ -54,8 +75,9 @@ pub fn new_worker(init: &ComponentInit) -> Result<Worker, ActorError> {
         spec: settings.model.clone(),
         optimizer,
         lent: LentTensors::default(),
+        ranks: ranks.clone(),
     };
-    Ok(ActorWorker::new(settings, strategy, run.seed))
+    Ok((ActorWorker::new(settings, strategy, run.seed), ranks))
 }
 
 impl LocalModel {
@@ -184,5 +206,25 @@ impl Strategy for LocalModel {
 
     fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
         self.model.save_pretrained(dir, Some(&self.spec.path))
+    }
+
+    fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
+        self.ranks.all_reduce_sum(values).map_err(model_error)
+    }
+
+    /// Every replica's accumulated gradients, summed (each rank's loss is already its share of
+    /// the global loss).
+    fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
+        let mut grads: Vec<Tensor> = self
+            .model
+            .named_tensors()
+            .into_iter()
+            .filter(|(_, p)| p.requires_grad())
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        self.ranks
+            .all_reduce_sum_tensors(&mut grads)
+            .map_err(model_error)
     }
 }

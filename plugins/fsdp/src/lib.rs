@@ -1,8 +1,15 @@
 //! # verl-plugin-fsdp
 //!
 //! The `fsdp` engine component: a libtorch (tch) policy, reference or critic model trained with
-//! verl's losses. Single rank for now: it declares `max_world_size = 1`, so the trainer refuses a
-//! multi-rank run before step 1, and `init` rejects `world_size > 1` for any other host.
+//! verl's losses, data-parallel over the job's ranks: each rank holds the whole model (sharding
+//! comes with the `shard` module), computes on its slice of the batch, and the gradients are
+//! summed over PyTorch's c10d (Gloo on CPU) before every optimizer step, so every replica stays
+//! identical. Ranks join one process group per process ([`dist`]), created from the run context
+//! by the first engine initialised; `nccl_timeout` in the engine's section (verl's
+//! `actor_rollout_ref.nccl_timeout`, seconds) bounds each collective. The same group carries the
+//! trainer's object exchange (`all_gather_object`). Replicated state is written once: rank 0
+//! alone writes checkpoints and the Hugging Face export, every rank loads the full state (so a
+//! checkpoint resumes at any world size).
 //!
 //! Config (`ComponentInit::config`): verl's `actor_rollout_ref.actor` (or `critic`) section
 //! with verl's keys and defaults (the shared [`verl_torch_runtime::actor::ActorConfig`]; its own
@@ -21,6 +28,7 @@
 
 pub mod config;
 
+mod dist;
 mod engine;
 
 use std::path::Path;
@@ -29,18 +37,35 @@ use verl_plugin_api::{
     Batch, ComponentInit, Engine, EngineCapabilities, Metric, PluginBuilder, PluginError, TensorRef,
 };
 
+use dist::Ranks;
 use engine::{Worker, new_worker};
 use verl_torch_runtime::actor::ActorError;
 
-/// The `fsdp` engine as the ABI sees it: the model, optimizer and settings once `init` has run.
+/// The `fsdp` engine as the ABI sees it: the model, optimizer and settings once `init` has run,
+/// and its place among the data-parallel ranks.
 #[derive(Default)]
 pub struct FsdpEngine {
-    worker: Option<Worker>,
+    worker: Option<(Worker, Ranks)>,
 }
 
 impl FsdpEngine {
     fn worker(&mut self) -> Result<&mut Worker, ActorError> {
-        self.worker.as_mut().ok_or(ActorError::NotInitialised)
+        self.worker
+            .as_mut()
+            .map(|(w, _)| w)
+            .ok_or(ActorError::NotInitialised)
+    }
+
+    fn ranks(&self) -> Result<&Ranks, ActorError> {
+        self.worker
+            .as_ref()
+            .map(|(_, r)| r)
+            .ok_or(ActorError::NotInitialised)
+    }
+
+    /// Replicated state is written by rank 0 only.
+    fn writes_replicated_state(&self) -> Result<bool, ActorError> {
+        Ok(self.ranks()?.rank() == 0)
     }
 }
 
@@ -48,7 +73,8 @@ impl Engine for FsdpEngine {
     fn capabilities() -> EngineCapabilities {
         EngineCapabilities::default()
             .roles(["actor", "ref", "critic"])
-            .max_world_size(1)
+            .max_world_size(u32::MAX)
+            .object_exchange(true)
             .config_keys(config::FsdpConfig::declared_keys())
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
@@ -68,6 +94,9 @@ impl Engine for FsdpEngine {
         Ok(self.worker()?.update_critic(batch)?)
     }
     fn save_checkpoint(&mut self, dir: &str, global_step: u64) -> Result<(), PluginError> {
+        if !self.writes_replicated_state()? {
+            return Ok(());
+        }
         Ok(self
             .worker()?
             .save_checkpoint(Path::new(dir), global_step)?)
@@ -79,7 +108,15 @@ impl Engine for FsdpEngine {
         Ok(self.worker()?.weights()?)
     }
     fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
+        if !self.writes_replicated_state()? {
+            return Ok(());
+        }
         Ok(self.worker()?.export_hf(Path::new(dir))?)
+    }
+    fn all_gather_object(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, PluginError> {
+        self.ranks()?
+            .all_gather_bytes(bytes)
+            .map_err(|e| PluginError::other(format!("data-parallel group: {e}")))
     }
 }
 
@@ -92,7 +129,7 @@ verl_plugin_api::export_plugin!(
     .engine(
         "fsdp",
         100,
-        "verl's PPO/GRPO actor, reference and critic on libtorch; single rank for now",
+        "verl's PPO/GRPO actor, reference and critic on libtorch; data-parallel over c10d",
         FsdpEngine::default
     )
     .config_section("fsdp_config")

@@ -484,12 +484,25 @@ fn errors_name_the_problem() {
             .contains("/nonexistent/model/config.json")
     );
 
-    let mut engine = new_engine();
+    // Several ranks need the rendezvous, and a mini-batch that splits over them.
     let mut init = init_for(&base());
     init.run.world_size = 2;
-    let err = engine.init(&init).unwrap_err();
+    init.run.rank = 1;
+    let err = new_engine().init(&init).unwrap_err();
     assert!(
-        err.kind == ErrorKind::UNSUPPORTED && err.message().contains("not yet supported"),
+        err.message().contains(
+            "joining the data-parallel group: rendezvous: MASTER_ADDR is not set (rank 1 of 2)"
+        ),
+        "{err}"
+    );
+    let mut config = base();
+    config["ppo_mini_batch_size"] = json!(3);
+    let mut init = init_for(&config);
+    init.run.world_size = 2;
+    let err = new_engine().init(&init).unwrap_err();
+    assert!(
+        err.message()
+            .contains("3 sequences (ppo_mini_batch_size × rollout.n) do not split evenly over 2 data-parallel ranks"),
         "{err}"
     );
 

@@ -12,7 +12,8 @@
 //!
 //! EOS ids come from the model's `generation_config.json` (else `config.json`); `stop_token_ids`
 //! add to them. A request without a seed draws one from the run seed, so a run is reproducible
-//! while successive calls differ. New weights come by reference: borrowed tensors (copied once,
+//! while successive calls differ; a request with a seed per prompt (`GenerateRequest::seeds`)
+//! samples each prompt from its own seed, independently of the rest of the batch. New weights come by reference: borrowed tensors (copied once,
 //! straight into the parameters) or a safetensors directory. There is no `sleep` / `wake_up`: the
 //! KV cache only lives during a `generate` call, so between calls there is nothing to free but the
 //! weights, which the next `generate` needs anyway.
@@ -84,7 +85,11 @@ impl Generator {
         })
     }
 
-    fn sampling(&mut self, p: &SamplingParams) -> verl_torch_runtime::SamplingParams {
+    fn sampling(
+        &mut self,
+        p: &SamplingParams,
+        prompt_seeds: &[u64],
+    ) -> verl_torch_runtime::SamplingParams {
         verl_torch_runtime::SamplingParams {
             n: p.n as usize,
             max_new_tokens: p.max_new_tokens as usize,
@@ -99,6 +104,7 @@ impl Generator {
             stop_token_ids: p.stop_token_ids.iter().map(|&id| i64::from(id)).collect(),
             ignore_eos: self.ignore_eos,
             seed: p.seed.unwrap_or_else(|| self.seeds.next_u64()),
+            prompt_seeds: prompt_seeds.to_vec(),
         }
     }
 
@@ -108,7 +114,7 @@ impl Generator {
             .iter()
             .map(|p| p.iter().map(|&id| i64::from(id)).collect())
             .collect();
-        let params = self.sampling(&request.sampling);
+        let params = self.sampling(&request.sampling, &request.seeds);
         let completions = self
             .model
             .generate(&prompts, &params, &self.eos_token_ids)?;
@@ -167,6 +173,7 @@ impl Rollout for NativeRollout {
         RolloutCapabilities::default()
             .weight_sources([WeightSourceKind::Memory, WeightSourceKind::File])
             .logprobs(true)
+            .prompt_seeds(true)
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.generator = Some(Generator::new(init)?);

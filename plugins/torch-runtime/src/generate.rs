@@ -27,6 +27,10 @@ pub struct SamplingParams {
     /// Do not stop on the model's EOS ids (only on `stop_token_ids` and the length limit).
     pub ignore_eos: bool,
     pub seed: u64,
+    /// One seed per prompt (empty: `seed` seeds the request): sample `k` of prompt `i` draws
+    /// from stream `k` of `prompt_seeds[i]`, so a prompt's samples do not depend on the other
+    /// prompts of the batch (a batch sharded over ranks samples what one rank would).
+    pub prompt_seeds: Vec<u64>,
 }
 
 impl Default for SamplingParams {
@@ -40,6 +44,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             seed: 0,
+            prompt_seeds: Vec::new(),
         }
     }
 }
@@ -77,7 +82,17 @@ pub struct Completion {
 }
 
 impl SamplingParams {
-    fn validate(&self, vocab_size: i64) -> Result<()> {
+    /// The generator of each of `rows` sampled rows (prompt by prompt, `n` each).
+    fn row_rngs(&self, rows: usize) -> Vec<Rng> {
+        (0..rows)
+            .map(|r| match self.prompt_seeds.get(r / self.n) {
+                Some(&seed) => Rng::stream(seed, (r % self.n) as u64),
+                None => Rng::stream(self.seed, r as u64),
+            })
+            .collect()
+    }
+
+    fn validate(&self, vocab_size: i64, prompts: usize) -> Result<()> {
         let bad = |what: &str, reason: String| Err(ModelError::invalid_input(what, reason));
         if self.n == 0 {
             return bad("n", "must be at least 1".into());
@@ -90,6 +105,15 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must lie in (0, 1], got {}", self.top_p));
+        }
+        if !self.prompt_seeds.is_empty() && self.prompt_seeds.len() != prompts {
+            return bad(
+                "prompt_seeds",
+                format!(
+                    "{} seeds for {prompts} prompts (one per prompt, or none)",
+                    self.prompt_seeds.len()
+                ),
+            );
         }
         if let Some(id) = self
             .stop_token_ids
@@ -116,7 +140,7 @@ impl CausalLM {
     ) -> Result<Vec<Completion>> {
         self.lm_head()?;
         let vocab = self.config().vocab_size;
-        params.validate(vocab)?;
+        params.validate(vocab, prompts.len())?;
         for (i, prompt) in prompts.iter().enumerate() {
             if prompt.is_empty() || prompt.iter().any(|&id| id < 0 || id >= vocab) {
                 return Err(ModelError::invalid_input(
@@ -228,9 +252,7 @@ impl CausalLM {
             logits = logits.repeat_interleave_self_int(n, 0, None);
         }
         let rows = (batch * n) as usize;
-        let mut rngs: Vec<Rng> = (0..rows as u64)
-            .map(|r| Rng::stream(params.seed, r))
-            .collect();
+        let mut rngs = params.row_rngs(rows);
         let mut out: Vec<Completion> = (0..rows).map(|r| Completion::empty(r / params.n)).collect();
         let mut done = vec![false; rows];
 
@@ -398,6 +420,42 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// With a seed per prompt, a prompt's samples are the same alone or in a batch, at any
+    /// position: what a batch sharded over ranks relies on.
+    #[test]
+    fn prompt_seeds_make_samples_independent_of_the_batch() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama");
+        let model = CausalLM::from_pretrained(&dir, &ModelOptions::default()).unwrap();
+        let prompts = vec![vec![5, 9, 14, 3], vec![11, 40], vec![40, 2, 8]];
+        let params = |seeds: &[u64]| SamplingParams {
+            n: 2,
+            max_new_tokens: 12,
+            temperature: 1.0,
+            ignore_eos: true,
+            prompt_seeds: seeds.to_vec(),
+            ..SamplingParams::default()
+        };
+        let ids = |out: Vec<Completion>| -> Vec<Vec<i64>> {
+            out.into_iter().map(|c| c.response_ids).collect()
+        };
+        let whole = ids(model.generate(&prompts, &params(&[7, 8, 9]), &[]).unwrap());
+        let tail = ids(model
+            .generate(&prompts[1..], &params(&[8, 9]), &[])
+            .unwrap());
+        assert_eq!(whole[2..], tail[..]);
+        let alone = ids(model.generate(&prompts[..1], &params(&[7]), &[]).unwrap());
+        assert_eq!(whole[..2], alone[..]);
+        // Another seed for prompt 0 changes its samples only.
+        let reseeded = ids(model.generate(&prompts, &params(&[70, 8, 9]), &[]).unwrap());
+        assert_ne!(whole[..2], reseeded[..2]);
+        assert_eq!(whole[2..], reseeded[2..]);
+        let error = model
+            .generate(&prompts, &params(&[1, 2]), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("2 seeds for 3 prompts"), "{error}");
     }
 
     /// Oversized requests are refused before anything is allocated, naming the parameter, the

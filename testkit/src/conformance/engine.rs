@@ -19,6 +19,7 @@ pub const CHECKS: &[&str] = &[
     "update_deterministic",
     "save_load_update_bit_identical",
     "unsupported_methods",
+    "object_exchange",
 ];
 
 const TOLERANCE: f32 = 1e-5;
@@ -252,6 +253,25 @@ pub fn run(suite: &mut Suite) {
             "load_checkpoint of an empty directory",
             engine.load_checkpoint(rstr(dir.path())),
         )?;
+        Ok(Outcome::Pass)
+    });
+
+    suite.check("object_exchange", || {
+        // On one rank the exchange hands back this rank's bytes; an engine that does not declare
+        // it says UNSUPPORTED.
+        let bytes = b"rank 0 \x00\xff".to_vec();
+        let gathered = engine.all_gather_object(&bytes);
+        if !caps.object_exchange {
+            return expect_unsupported("all_gather_object", gathered).map(|()| Outcome::Pass);
+        }
+        let gathered = call("all_gather_object", gathered)?;
+        ensure(gathered == [bytes.clone()], || {
+            format!("all_gather_object on one rank returned {gathered:?}, not [{bytes:?}]")
+        })?;
+        let empty = call("all_gather_object", engine.all_gather_object(&[]))?;
+        ensure(empty == [Vec::<u8>::new()], || {
+            format!("all_gather_object of no bytes returned {empty:?}")
+        })?;
         Ok(Outcome::Pass)
     });
 }

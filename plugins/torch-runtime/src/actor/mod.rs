@@ -14,6 +14,13 @@
 //! of its micro-batches' contributions, i.e. the mini-batch loss) and the rest per micro-batch.
 //! `actor/entropy` comes from `update_actor` only when `entropy_coeff != 0`, as in verl, whose
 //! trainer otherwise reports it from `compute_log_prob`'s `entropys`.
+//!
+//! Data parallelism: a strategy whose ranks each hold a slice of the batch sums across them
+//! ([`Strategy::all_reduce_sum`], [`Strategy::reduce_gradients`]) the mini-batch's token and
+//! sequence counts (so each rank's loss is its share of the global loss: local sum / global
+//! count), the gradients (before clipping: the grad-norm is global), the loss values and the
+//! metrics (means over every rank's collected values). Every rank then reports the same metrics
+//! and takes the same skip decisions.
 
 mod config;
 mod error;
@@ -79,6 +86,16 @@ pub trait Strategy {
     /// The full weights as views (see `verl_plugin_api::Engine::weights`).
     fn weights(&mut self) -> crate::Result<Vec<TensorRef<'_>>>;
     fn export_hf(&self, dir: &Path) -> crate::Result<()>;
+    /// Sums `values` in place over the data-parallel ranks (every rank calls it at the same
+    /// point). One rank: nothing to do.
+    fn all_reduce_sum(&mut self, _values: &mut [f64]) -> crate::Result<()> {
+        Ok(())
+    }
+    /// Sums the accumulated gradients over the data-parallel ranks, before they are clipped.
+    /// One rank: nothing to do.
+    fn reduce_gradients(&mut self) -> crate::Result<()> {
+        Ok(())
+    }
 }
 
 /// What a trainable role carries besides its strategy.
@@ -114,11 +131,24 @@ impl Metrics {
         self.0.entry(key).or_default().push(value);
     }
 
-    fn into_means(self) -> Vec<Metric> {
-        self.0
-            .into_iter()
-            .map(|(k, v)| Metric::new(k, v.iter().sum::<f64>() / v.len() as f64))
-            .collect()
+    /// The mean of each key's values over every rank: `reduce` sums each key's (sum, count)
+    /// across ranks.
+    fn into_means(
+        self,
+        reduce: impl FnOnce(&mut [f64]) -> crate::Result<()>,
+    ) -> crate::Result<Vec<Metric>> {
+        let mut totals: Vec<f64> = self
+            .0
+            .values()
+            .flat_map(|v| [v.iter().sum::<f64>(), v.len() as f64])
+            .collect();
+        reduce(&mut totals)?;
+        Ok(self
+            .0
+            .into_keys()
+            .zip(totals.chunks_exact(2))
+            .map(|(k, total)| Metric::new(k, total[0] / total[1]))
+            .collect())
     }
 }
 
@@ -311,13 +341,18 @@ impl<S: Strategy> ActorWorker<S> {
             for mini in order.chunks(Some(s.mini_batch)) {
                 self.strategy.zero_grad();
                 let mask = mini.get(keys::RESPONSE_MASK);
-                let tokens = scalar(&mask.sum(Kind::Float));
-                let seqs = scalar(
-                    &mask
-                        .sum_dim_intlist(-1, false, Kind::Float)
-                        .gt(0.0)
-                        .sum(Kind::Float),
-                );
+                // The global batch's counts: each rank's loss is its share of the global loss.
+                let mut counts = [
+                    scalar(&mask.sum(Kind::Float)),
+                    scalar(
+                        &mask
+                            .sum_dim_intlist(-1, false, Kind::Float)
+                            .gt(0.0)
+                            .sum(Kind::Float),
+                    ),
+                ];
+                self.strategy.all_reduce_sum(&mut counts)?;
+                let [tokens, seqs] = counts;
                 let scale = AggScale {
                     batch_num_tokens: Some(tokens.max(1.0)),
                     global_batch_size: Some(seqs.max(1.0)),
@@ -330,8 +365,15 @@ impl<S: Strategy> ActorWorker<S> {
                         *losses.entry(key).or_default() += value;
                     }
                 }
-                let finite_loss = losses.values().all(|v| v.is_finite());
-                losses.into_iter().for_each(|(k, v)| metrics.push(k, v));
+                // The global mini-batch's loss values: the sum of every rank's share.
+                let mut values: Vec<f64> = losses.values().copied().collect();
+                self.strategy.all_reduce_sum(&mut values)?;
+                let finite_loss = values.iter().all(|v| v.is_finite());
+                losses
+                    .into_keys()
+                    .zip(values)
+                    .for_each(|(k, v)| metrics.push(k, v));
+                self.strategy.reduce_gradients()?;
                 let grad_norm = self.strategy.clip_grad_norm(s.clip_grad);
                 // As verl, a non-finite gradient skips the update instead of corrupting the
                 // weights; so do a non-finite loss and an update the strategy refuses because
@@ -351,7 +393,7 @@ impl<S: Strategy> ActorWorker<S> {
             }
         }
         training.updates += 1;
-        let mut out = metrics.into_means();
+        let mut out = metrics.into_means(|totals| self.strategy.all_reduce_sum(totals))?;
         out.push(Metric::new(format!("{prefix}/lr"), lr));
         out.push(Metric::new(
             format!("{prefix}/{SKIPPED_UPDATES}"),

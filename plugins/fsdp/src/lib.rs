@@ -20,6 +20,7 @@
 //! ratio leaves the clip range). The trainer's `sft` command relies on this.
 
 pub mod config;
+pub mod shard;
 
 mod engine;
 

@@ -1,0 +1,539 @@
+//! The sharded model (`verl_plugin_fsdp::shard`) against the unsharded one, with ranks as real
+//! processes over Gloo. The test binary runs itself once per rank, with the case in
+//! VERL_SHARD_TEST_CASE and torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on
+//! a free port); each rank also trains the unsharded model on the whole batch and asserts that
+//! the two agree. `harness = false`: `main` is both the runner and the rank.
+//!
+//! `cargo test -p verl-plugin-fsdp --test shard [NAME-FILTER]`
+
+use std::io::Read;
+use std::panic::AssertUnwindSafe;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind, Tensor};
+use verl_distributed::{Backend, Options, ProcessGroup, ReduceOp, Rendezvous};
+use verl_plugin_fsdp::shard::{ShardOptions, ShardedModel};
+use verl_torch_runtime::{
+    AdamW, AdamWConfig, Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng,
+    read_safetensors, write_safetensors,
+};
+
+const CASE: &str = "VERL_SHARD_TEST_CASE";
+const VARIANT: &str = "VERL_SHARD_TEST_VARIANT";
+const DIR: &str = "VERL_SHARD_TEST_DIR";
+
+/// fp32 agreement asked of the sharded model.
+const TOLERANCE: f64 = 1e-5;
+const LR: f64 = 1e-2;
+/// Below the gradients' norm, so that clipping scales every step.
+const MAX_NORM: f64 = 0.05;
+const ROWS: i64 = 8;
+const SEQ: i64 = 9;
+const RESPONSE: i64 = 4;
+const EXPECTED_FILE: &str = "expected.safetensors";
+
+// ---------------------------------------------------------------------------------------------
+// The rank side.
+
+/// What a case varies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Variant {
+    tied: bool,
+    head: Head,
+    offload: bool,
+    /// A different intermediate size: a checkpoint of the other shape must be refused.
+    wide: bool,
+}
+
+impl Variant {
+    fn parse(text: &str) -> Self {
+        let has = |flag: &str| text.split(',').any(|f| f == flag);
+        Self {
+            tied: has("tied"),
+            head: if has("value") { Head::Value } else { Head::Lm },
+            offload: has("offload"),
+            wide: has("wide"),
+        }
+    }
+}
+
+/// Odd sizes everywhere, so that every block needs padding at 2 and 4 ranks; grouped-query
+/// attention; biases on q/k/v.
+fn config(variant: Variant) -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Qwen2,
+        vocab_size: 37,
+        hidden_size: 12,
+        intermediate_size: if variant.wide { 25 } else { 23 },
+        num_hidden_layers: 3,
+        num_attention_heads: 3,
+        num_key_value_heads: 1,
+        head_dim: 4,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 64,
+        tie_word_embeddings: variant.tied,
+        qkv_bias: true,
+        o_bias: false,
+        mlp_bias: false,
+        initializer_range: 0.2,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        pad_token_id: None,
+    }
+}
+
+fn model(variant: Variant) -> CausalLM {
+    let options = ModelOptions {
+        head: variant.head,
+        seed: 7,
+        ..ModelOptions::default()
+    };
+    CausalLM::random(config(variant), &options).unwrap()
+}
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig::default()
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by the parent"))
+}
+
+fn join_group() -> ProcessGroup {
+    let number = |name: &str| env(name).parse::<u32>().unwrap();
+    let rendezvous = Rendezvous {
+        rank: number("RANK"),
+        world_size: number("WORLD_SIZE"),
+        master_addr: env("MASTER_ADDR"),
+        master_port: number("MASTER_PORT") as u16,
+    };
+    let options = Options {
+        timeout: Duration::from_secs(60),
+        ..Options::default()
+    };
+    ProcessGroup::init(&rendezvous, Backend::Gloo, &options).unwrap()
+}
+
+/// The global batch of update `step`: left padding of 0–2 tokens, some responses ending early,
+/// advantages of both signs (for a value head: regression targets).
+struct Batch {
+    ids: Tensor,
+    mask: Tensor,
+    /// `[rows, RESPONSE]`.
+    weights: Tensor,
+    /// Response tokens in the whole batch: losses are normalised by it, as verl's trainer does
+    /// with global counts.
+    tokens: f64,
+}
+
+fn batch(step: u64) -> Batch {
+    let mut rng = Rng::stream(11, step);
+    let ids: Vec<i64> = (0..ROWS * SEQ)
+        .map(|_| (rng.next_u64() % 37) as i64)
+        .collect();
+    let mut mask = vec![1i64; (ROWS * SEQ) as usize];
+    for row in 0..ROWS {
+        for col in 0..row % 3 {
+            mask[(row * SEQ + col) as usize] = 0;
+        }
+        if row % 2 == 1 {
+            mask[(row * SEQ + SEQ - 1) as usize] = 0;
+        }
+    }
+    let weights: Vec<f32> = (0..ROWS * RESPONSE)
+        .map(|_| (rng.uniform() * 2.0 - 1.0) as f32)
+        .collect();
+    let mask = Tensor::from_slice(&mask).view([ROWS, SEQ]);
+    let tokens = mask
+        .narrow(1, SEQ - RESPONSE, RESPONSE)
+        .sum(Kind::Float)
+        .double_value(&[]);
+    Batch {
+        ids: Tensor::from_slice(&ids).view([ROWS, SEQ]),
+        mask,
+        weights: Tensor::from_slice(&weights).view([ROWS, RESPONSE]),
+        tokens,
+    }
+}
+
+impl Batch {
+    /// Rank `rank`'s rows (every `world`-th), in micro-batches of at most two rows.
+    fn micro_batches(&self, rank: u32, world: u32) -> Vec<Batch> {
+        let rows: Vec<i64> = (i64::from(rank)..ROWS).step_by(world as usize).collect();
+        rows.chunks(2)
+            .map(|chunk| {
+                let index = Tensor::from_slice(chunk);
+                Batch {
+                    ids: self.ids.index_select(0, &index),
+                    mask: self.mask.index_select(0, &index),
+                    weights: self.weights.index_select(0, &index),
+                    tokens: self.tokens,
+                }
+            })
+            .collect()
+    }
+
+    /// A policy-gradient-like loss with an entropy bonus (LM head), or a squared error (value
+    /// head), summed over response tokens and divided by the global token count.
+    fn loss(&self, model: &CausalLM, hidden: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+        let response_mask = self
+            .mask
+            .narrow(1, SEQ - RESPONSE, RESPONSE)
+            .to_kind(Kind::Float);
+        let total = if model.head() == Head::Value {
+            let values = model.response_values_from_hidden(hidden, &self.mask, RESPONSE)?;
+            ((values - &self.weights).square() * response_mask).sum(Kind::Float)
+        } else {
+            let scores = model
+                .response_scores_from_hidden(hidden, &self.ids, &self.mask, RESPONSE, 0.7, true)?;
+            let entropy = scores.entropy.expect("asked for").sum(Kind::Float);
+            -(scores.log_probs * &self.weights).sum(Kind::Float) - entropy * 0.01
+        };
+        Ok(total / self.tokens)
+    }
+
+    /// What `compute_log_prob` / `compute_values` return for these rows.
+    fn scores(&self, model: &CausalLM, hidden: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+        if model.head() == Head::Value {
+            model.response_values_from_hidden(hidden, &self.mask, RESPONSE)
+        } else {
+            Ok(model
+                .response_scores_from_hidden(hidden, &self.ids, &self.mask, RESPONSE, 0.7, false)?
+                .log_probs)
+        }
+    }
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+fn assert_close(what: &str, a: &Tensor, b: &Tensor) {
+    let diff = max_diff(a, b);
+    assert!(diff <= TOLERANCE, "{what}: max |difference| {diff:e}");
+}
+
+/// The unsharded model and its optimizer, trained on whole batches.
+struct Reference {
+    model: CausalLM,
+    optimizer: AdamW,
+}
+
+impl Reference {
+    fn new(variant: Variant) -> Self {
+        let model = model(variant);
+        let optimizer = AdamW::for_model(&model, adamw());
+        Self { model, optimizer }
+    }
+
+    /// Loss, gradients (by name, before clipping), norm before clipping.
+    fn backward(&mut self, batch: &Batch) -> (f64, Vec<(String, Tensor)>, f64) {
+        self.optimizer.zero_grad();
+        let hidden = self.model.hidden_states(&batch.ids, &batch.mask).unwrap();
+        let loss = batch.loss(&self.model, &hidden).unwrap();
+        loss.backward();
+        let grads = self
+            .model
+            .named_tensors()
+            .into_iter()
+            .map(|(name, p)| (name, p.grad().copy()))
+            .collect();
+        let norm = self.optimizer.clip_grad_norm(MAX_NORM);
+        (loss.double_value(&[]), grads, norm)
+    }
+}
+
+fn sharded(variant: Variant, group: &mut ProcessGroup) -> ShardedModel {
+    let options = ShardOptions {
+        optimizer: Some(adamw()),
+        param_offload: variant.offload,
+        optimizer_offload: variant.offload,
+    };
+    ShardedModel::new(model(variant), group, options).unwrap()
+}
+
+/// One update of the sharded model on this rank's rows of `batch`: the global loss (summed over
+/// ranks) and the norm before clipping.
+fn sharded_update(sm: &mut ShardedModel, group: &mut ProcessGroup, batch: &Batch) -> (f64, f64) {
+    sm.zero_grad();
+    let mut loss = 0.0;
+    for micro in batch.micro_batches(group.rank(), group.world_size()) {
+        let l = sm
+            .forward_backward(group, &micro.ids, &micro.mask, |model, hidden| {
+                micro.loss(model, hidden)
+            })
+            .unwrap();
+        loss += l.double_value(&[]);
+    }
+    let mut total = Tensor::from_slice(&[loss]);
+    group.all_reduce(&mut total, ReduceOp::Sum).unwrap();
+    let norm = sm.clip_grad_norm_global(group, MAX_NORM).unwrap();
+    (total.double_value(&[0]), norm)
+}
+
+/// Each gradient shard equals this rank's slice of the unsharded gradient, padding zero.
+fn assert_grads(sm: &ShardedModel, grads: &[(String, Tensor)], norm: f64, coef_applied: bool) {
+    let world = sm.world_size();
+    for (layout, _, grad) in sm.shards() {
+        let tensors: Vec<Tensor> = layout
+            .params
+            .iter()
+            .map(|slot| {
+                grads
+                    .iter()
+                    .find(|(n, _)| *n == slot.name)
+                    .unwrap_or_else(|| panic!("no reference gradient for {}", slot.name))
+                    .1
+                    .shallow_clone()
+            })
+            .collect();
+        let flat = layout.flatten(&tensors, world, &tensors[0]);
+        let len = layout.shard_len(world);
+        let mut mine = flat.narrow(0, i64::from(sm.rank()) * len, len);
+        if coef_applied {
+            mine = mine * (MAX_NORM / (norm + 1e-6)).min(1.0);
+        }
+        assert_close(
+            &format!("gradient shard of {}", layout.name),
+            grad.unwrap(),
+            &mine,
+        );
+    }
+}
+
+fn assert_weights(sm: &mut ShardedModel, group: &mut ProcessGroup, expected: &[(String, Tensor)]) {
+    let gathered = sm.gather_full_weights(group).unwrap();
+    let names = |w: &[(String, Tensor)]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&gathered), names(expected), "parameter names");
+    for ((name, a), (_, b)) in gathered.iter().zip(expected) {
+        assert_close(&format!("weight {name}"), a, b);
+    }
+}
+
+/// Three updates, sharded and unsharded: forward outputs, losses, gradients, norms (clipping
+/// active) and the weights after each update agree.
+fn play_train(group: &mut ProcessGroup, variant: Variant) {
+    let mut reference = Reference::new(variant);
+    let mut sm = sharded(variant, group);
+    if variant.offload {
+        assert_eq!(
+            sm.placement(),
+            (Device::Cpu, Device::Cpu),
+            "offloaded state is on the host"
+        );
+    }
+    for step in 0..3 {
+        let batch = batch(step);
+        // Forward only, this rank's rows.
+        for micro in batch.micro_batches(group.rank(), group.world_size()) {
+            let mine = sm
+                .forward(group, &micro.ids, &micro.mask, |model, hidden| {
+                    micro.scores(model, hidden)
+                })
+                .unwrap();
+            let full = tch::no_grad(|| {
+                let hidden = reference
+                    .model
+                    .hidden_states(&micro.ids, &micro.mask)
+                    .unwrap();
+                micro.scores(&reference.model, &hidden).unwrap()
+            });
+            assert_close(&format!("step {step} scores"), &mine, &full);
+        }
+        let (ref_loss, grads, ref_norm) = reference.backward(&batch);
+        let (loss, norm) = sharded_update(&mut sm, group, &batch);
+        assert!(
+            (loss - ref_loss).abs() <= TOLERANCE,
+            "step {step} loss {loss} vs {ref_loss}"
+        );
+        assert!(
+            (norm - ref_norm).abs() <= TOLERANCE * ref_norm.max(1.0),
+            "step {step} grad norm {norm} vs {ref_norm}"
+        );
+        assert!(ref_norm > MAX_NORM, "clipping is active (norm {ref_norm})");
+        assert_grads(&sm, &grads, norm, true);
+        assert!(reference.optimizer.step(LR));
+        assert!(sm.step(group, LR).unwrap());
+        assert_weights(&mut sm, group, &reference.model.named_tensors());
+    }
+    // Persistent bytes per rank: parameters, gradients and both moments, 1/N of the padded model.
+    let memory = sm.memory();
+    let padded: i64 = sm.layouts().map(|l| l.shard_len(group.world_size())).sum();
+    assert_eq!(memory.persistent(), 4 * 4 * padded as u64);
+    assert_eq!(sm.steps(), 3);
+}
+
+/// Two updates, then the state saved in DIR; a third update's weights saved for `play_load`.
+fn play_save(group: &mut ProcessGroup, variant: Variant, dir: &Path) {
+    let mut sm = sharded(variant, group);
+    for step in 0..2 {
+        sharded_update(&mut sm, group, &batch(step));
+        assert!(sm.step(group, LR).unwrap());
+    }
+    sm.save_shard(dir).unwrap();
+    sharded_update(&mut sm, group, &batch(2));
+    assert!(sm.step(group, LR).unwrap());
+    let weights = sm.gather_full_weights(group).unwrap();
+    if group.rank() == 0 {
+        write_safetensors(&dir.join(EXPECTED_FILE), &weights).unwrap();
+    }
+}
+
+/// The state of `play_save` (any world size) loaded, the third update made: the same weights.
+fn play_load(group: &mut ProcessGroup, variant: Variant, dir: &Path) {
+    let mut sm = sharded(variant, group);
+    if variant.wide {
+        let err = sm.load_shards(dir).unwrap_err().to_string();
+        let layout = dir.join("fsdp_layout.json");
+        assert!(
+            err.starts_with(&format!(
+                "{}: block `layers.0` was saved with [",
+                layout.display()
+            )),
+            "{err}"
+        );
+        assert!(
+            err.contains("model.layers.0.mlp.down_proj.weight [12, 23]"),
+            "{err}"
+        );
+        return;
+    }
+    sm.load_shards(dir).unwrap();
+    assert_eq!(sm.steps(), 2);
+    sharded_update(&mut sm, group, &batch(2));
+    assert!(sm.step(group, LR).unwrap());
+    let expected = read_safetensors(&dir.join(EXPECTED_FILE)).unwrap();
+    assert_weights(&mut sm, group, &expected);
+}
+
+fn rank_main(case: &str) {
+    let variant = Variant::parse(&std::env::var(VARIANT).unwrap_or_default());
+    let mut group = join_group();
+    match case {
+        "train" => play_train(&mut group, variant),
+        "save" => play_save(&mut group, variant, Path::new(&env(DIR))),
+        "load" => play_load(&mut group, variant, Path::new(&env(DIR))),
+        other => panic!("unknown case {other}"),
+    }
+    group.barrier().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The runner side.
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `case` on `world` ranks and asserts that every rank succeeds.
+fn run(case: &str, world: u32, variant: &str, dir: Option<&Path>) {
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut command = Command::new(std::env::current_exe().unwrap());
+            command
+                .env(CASE, case)
+                .env(VARIANT, variant)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                // Ranks share 2 cores: one thread each.
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped());
+            if let Some(dir) = dir {
+                command.env(DIR, dir);
+            }
+            command.spawn().unwrap()
+        })
+        .collect();
+    let mut failures = Vec::new();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        let mut stderr = String::new();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+        let status = child.wait().unwrap();
+        if !status.success() {
+            failures.push(format!("rank {rank} ({status}):\n{stderr}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{case} [{variant}] on {world} ranks:\n{}",
+        failures.join("\n")
+    );
+}
+
+fn train(world: u32, variant: &str) {
+    run("train", world, variant, None);
+}
+
+/// Saved at `from` ranks, loaded at `to`.
+fn reshard(from: u32, to: u32) {
+    let dir = tempfile::tempdir().unwrap();
+    run("save", from, "", Some(dir.path()));
+    run("load", to, "", Some(dir.path()));
+}
+
+fn main() {
+    if let Ok(case) = std::env::var(CASE) {
+        rank_main(&case);
+        return;
+    }
+    let tests: &[(&str, fn())] = &[
+        ("train_1_rank", || train(1, "")),
+        ("train_2_ranks", || train(2, "")),
+        ("train_4_ranks", || train(4, "")),
+        ("train_tied_2_ranks", || train(2, "tied")),
+        ("train_tied_4_ranks", || train(4, "tied")),
+        ("train_value_head_2_ranks", || train(2, "value")),
+        ("train_offload_2_ranks", || train(2, "offload")),
+        ("train_offload_tied_4_ranks", || train(4, "offload,tied")),
+        ("reshard_2_to_1", || reshard(2, 1)),
+        ("reshard_1_to_2", || reshard(1, 2)),
+        ("reshard_4_to_2", || reshard(4, 2)),
+        ("load_refuses_another_shape", || {
+            let dir = tempfile::tempdir().unwrap();
+            run("save", 2, "", Some(dir.path()));
+            run("load", 2, "wide", Some(dir.path()));
+        }),
+    ];
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in tests {
+        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        eprintln!("test {name} ...");
+        let started = Instant::now();
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(test));
+        let seconds = started.elapsed().as_secs_f64();
+        if outcome.is_ok() {
+            eprintln!("test {name} ... ok ({seconds:.1} s)");
+        } else {
+            eprintln!("test {name} ... FAILED ({seconds:.1} s)");
+            failed.push(*name);
+        }
+    }
+    eprintln!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if !failed.is_empty() {
+        eprintln!("failures: {}", failed.join(", "));
+        std::process::exit(1);
+    }
+}

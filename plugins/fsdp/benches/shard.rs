@@ -147,11 +147,12 @@ fn rank_main(rank: u32) -> Result<(), Box<dyn std::error::Error>> {
         ids.index_select(0, &rows).ones_like(),
     );
     let tokens = (ROWS * (SEQ - 1)) as f64;
-    let mut update = |sm: &mut ShardedModel,
-                      group: &mut ProcessGroup|
+    let update = |sm: &mut ShardedModel,
+                  group: &mut ProcessGroup|
      -> Result<(), Box<dyn std::error::Error>> {
         sm.zero_grad();
-        sm.forward_backward(group, &ids, &mask, |model, hidden| {
+        // The loss value is not needed.
+        let _ = sm.forward_backward(group, &ids, &mask, |model, hidden| {
             let scores =
                 model.response_scores_from_hidden(hidden, &ids, &mask, SEQ - 1, 1.0, false)?;
             Ok(-scores.log_probs.sum(Kind::Float) / tokens)

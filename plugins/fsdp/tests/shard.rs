@@ -307,7 +307,7 @@ fn assert_grads(sm: &ShardedModel, grads: &[(String, Tensor)], norm: f64, coef_a
         let len = layout.shard_len(world);
         let mut mine = flat.narrow(0, i64::from(sm.rank()) * len, len);
         if coef_applied {
-            mine = mine * (MAX_NORM / (norm + 1e-6)).min(1.0);
+            mine *= (MAX_NORM / (norm + 1e-6)).min(1.0);
         }
         assert_close(
             &format!("gradient shard of {}", layout.name),

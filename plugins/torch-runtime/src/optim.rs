@@ -406,6 +406,40 @@ mod tests {
     }
 
     #[test]
+    fn given_gradients_step_as_stored_ones_and_the_verdict_is_the_callers() {
+        let stored = Tensor::from_slice(&[1.0f64, -2.0]).set_requires_grad(true);
+        let given = stored.detach().copy();
+        let mut by_grad = AdamW::new(
+            vec![("p".into(), stored.shallow_clone())],
+            AdamWConfig::default(),
+        );
+        let mut by_arg = AdamW::new(
+            vec![("p".into(), given.shallow_clone())],
+            AdamWConfig::default(),
+        );
+        (&stored * 0.5).sum(Kind::Double).backward();
+        let grad = [stored.grad().copy()];
+        // The caller refuses a finite update: nothing changes.
+        let verdicts = std::cell::Cell::new(Vec::new());
+        let refused = by_arg.step_with_grads(0.1, &grad, |finite| {
+            verdicts.set(vec![finite]);
+            Ok::<_, ()>(false)
+        });
+        assert_eq!((refused, verdicts.take()), (Ok(false), vec![true]));
+        assert!(given.equal(&stored) && by_arg.steps() == 0);
+        assert!(by_grad.step(0.1));
+        assert_eq!(by_arg.step_with_grads(0.1, &grad, Ok::<_, ()>), Ok(true));
+        assert!(given.equal(&stored) && by_arg.steps() == 1);
+        // Moments move and come back unchanged.
+        by_arg.moments_to(tch::Device::Cpu);
+        assert!(
+            by_arg.state_tensors()[0]
+                .1
+                .equal(&by_grad.state_tensors()[0].1)
+        );
+    }
+
+    #[test]
     fn schedules_follow_verl() {
         let constant = LrSchedule::constant(1.0, 4);
         assert_eq!(

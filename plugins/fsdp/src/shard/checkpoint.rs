@@ -106,12 +106,10 @@ impl ShardedModel {
             .zip(&ranges)
             .flat_map(|(b, &(start, end))| {
                 let old_len = b.layout.shard_len(saved.world_size).max(1);
-                let ranks = if start < end {
-                    (start / old_len) as u32..=((end - 1) / old_len) as u32
-                } else {
-                    1..=0
-                };
-                ranks
+                (start < end)
+                    .then(|| (start / old_len) as u32..=((end - 1) / old_len) as u32)
+                    .into_iter()
+                    .flatten()
             })
             .collect();
         let mut files: HashMap<u32, (PathBuf, HashMap<String, Tensor>)> = HashMap::new();

@@ -6,15 +6,23 @@
 //!
 //! `cargo test -p verl-plugin-fsdp --test shard [NAME-FILTER]`
 
+#[allow(dead_code, reason = "the helpers of the engine tests, some used here")]
+mod common;
+
 use std::io::Read;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde_json::json;
 use tch::{Device, Kind, Tensor};
 use verl_distributed::{Backend, Options, ProcessGroup, ReduceOp, Rendezvous};
+use verl_plugin_api::keys;
+use verl_plugin_fsdp::shard::strategy::ShardedStrategy;
 use verl_plugin_fsdp::shard::{ShardOptions, ShardedModel};
+use verl_torch_runtime::actor::{ActorConfig, ActorWorker};
 use verl_torch_runtime::{
     AdamW, AdamWConfig, Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng,
     read_safetensors, write_safetensors,
@@ -122,7 +130,7 @@ fn join_group() -> ProcessGroup {
 
 /// The global batch of update `step`: left padding of 0–2 tokens, some responses ending early,
 /// advantages of both signs (for a value head: regression targets).
-struct Batch {
+struct TrainBatch {
     ids: Tensor,
     mask: Tensor,
     /// `[rows, RESPONSE]`.
@@ -132,7 +140,7 @@ struct Batch {
     tokens: f64,
 }
 
-fn batch(step: u64) -> Batch {
+fn batch(step: u64) -> TrainBatch {
     let mut rng = Rng::stream(11, step);
     let ids: Vec<i64> = (0..ROWS * SEQ)
         .map(|_| (rng.next_u64() % 37) as i64)
@@ -154,7 +162,7 @@ fn batch(step: u64) -> Batch {
         .narrow(1, SEQ - RESPONSE, RESPONSE)
         .sum(Kind::Float)
         .double_value(&[]);
-    Batch {
+    TrainBatch {
         ids: Tensor::from_slice(&ids).view([ROWS, SEQ]),
         mask,
         weights: Tensor::from_slice(&weights).view([ROWS, RESPONSE]),
@@ -162,14 +170,14 @@ fn batch(step: u64) -> Batch {
     }
 }
 
-impl Batch {
+impl TrainBatch {
     /// Rank `rank`'s rows (every `world`-th), in micro-batches of at most two rows.
-    fn micro_batches(&self, rank: u32, world: u32) -> Vec<Batch> {
+    fn micro_batches(&self, rank: u32, world: u32) -> Vec<TrainBatch> {
         let rows: Vec<i64> = (i64::from(rank)..ROWS).step_by(world as usize).collect();
         rows.chunks(2)
             .map(|chunk| {
                 let index = Tensor::from_slice(chunk);
-                Batch {
+                TrainBatch {
                     ids: self.ids.index_select(0, &index),
                     mask: self.mask.index_select(0, &index),
                     weights: self.weights.index_select(0, &index),
@@ -243,7 +251,7 @@ impl Reference {
     }
 
     /// Loss, gradients (by name, before clipping), norm before clipping.
-    fn backward(&mut self, batch: &Batch) -> (f64, Vec<(String, Tensor)>, f64) {
+    fn backward(&mut self, batch: &TrainBatch) -> (f64, Vec<(String, Tensor)>, f64) {
         self.optimizer.zero_grad();
         let hidden = self.model.hidden_states(&batch.ids, &batch.mask).unwrap();
         let loss = batch.loss(&self.model, &hidden).unwrap();
@@ -270,7 +278,11 @@ fn sharded(variant: Variant, group: &mut ProcessGroup) -> ShardedModel {
 
 /// One update of the sharded model on this rank's rows of `batch`: the global loss (summed over
 /// ranks) and the norm before clipping.
-fn sharded_update(sm: &mut ShardedModel, group: &mut ProcessGroup, batch: &Batch) -> (f64, f64) {
+fn sharded_update(
+    sm: &mut ShardedModel,
+    group: &mut ProcessGroup,
+    batch: &TrainBatch,
+) -> (f64, f64) {
     sm.zero_grad();
     let mut loss = 0.0;
     for micro in batch.micro_batches(group.rank(), group.world_size()) {
@@ -429,6 +441,113 @@ fn play_load(group: &mut ProcessGroup, variant: Variant, dir: &Path) {
     assert_weights(&mut sm, group, &expected);
 }
 
+/// The fixture's log-probs (`[B, R]`) of an ABI batch.
+fn log_probs_of(batch: &verl_plugin_api::Batch) -> Tensor {
+    verl_torch_runtime::interop::to_tch(
+        keys::LOG_PROBS,
+        batch.require(keys::LOG_PROBS).unwrap(),
+        Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn named(views: Vec<verl_plugin_api::TensorRef<'_>>) -> Vec<verl_plugin_api::NamedTensor> {
+    views.iter().map(|view| view.to_named()).collect()
+}
+
+/// verl's actor semantics (`ActorWorker`) on the sharded model, every rank with the whole
+/// batch, against the `fsdp` engine (one rank, unsharded) loaded through the ABI: the same
+/// log-probs; on one rank also the same update (metrics, weights), a checkpoint that resumes
+/// exactly, and an export that loads back as the trained weights.
+fn play_worker(group: ProcessGroup, dir: &Path) {
+    let (rank, world) = (group.rank(), group.world_size());
+    let group = Arc::new(Mutex::new(group));
+    let config = common::actor_config(
+        "tiny-llama",
+        json!({"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1,
+               "use_kl_loss": true, "entropy_coeff": 0.01}),
+    );
+    let mut engine = common::engine(&config);
+    let batch = common::ppo_batch(&mut engine, "tiny-llama");
+    let new_worker = || {
+        let settings = serde_json::from_value::<ActorConfig>(config.clone())
+            .unwrap()
+            .validate()
+            .unwrap();
+        let model = settings.model.load(Device::Cpu, Head::Lm, 7).unwrap();
+        let options = ShardOptions {
+            optimizer: Some(settings.optimizer),
+            ..ShardOptions::default()
+        };
+        let sharded = ShardedModel::new(model, &mut group.lock().unwrap(), options).unwrap();
+        let spec = settings.model.clone();
+        ActorWorker::new(
+            settings,
+            ShardedStrategy::new(sharded, Arc::clone(&group), spec),
+            7,
+        )
+    };
+    let mut worker = new_worker();
+    assert_close(
+        "log-probs",
+        &log_probs_of(&worker.compute_log_prob(&batch).unwrap()),
+        &log_probs_of(&engine.compute_log_prob(&batch).unwrap()),
+    );
+    let metrics = worker.update_actor(&batch).unwrap();
+    assert!(metrics.iter().all(|m| m.value.is_finite()), "{metrics:?}");
+    if world > 1 {
+        // Every rank had the whole batch: the sum over ranks is not the one-rank update (the
+        // trainer's global normalisation does that), but the ranks stay in step.
+        return;
+    }
+    let want = common::update(&mut engine, &batch);
+    for m in &want {
+        let mine = common::metric(&metrics, &m.key);
+        assert_close_value(
+            &format!("{}: {mine} vs {}", m.key, m.value),
+            (mine - m.value).abs() / m.value.abs().max(1.0),
+        );
+    }
+    let trained = named(worker.weights().unwrap());
+    assert_close_value(
+        "weights after an update",
+        common::weights_diff(&trained, &common::weights(&mut engine)),
+    );
+    // A checkpoint, one more update; a fresh worker resumed from it makes the same update.
+    worker.save_checkpoint(&dir.join("ckpt"), 1).unwrap();
+    worker.update_actor(&batch).unwrap();
+    let uninterrupted = named(worker.weights().unwrap());
+    let mut resumed = new_worker();
+    assert_eq!(resumed.load_checkpoint(&dir.join("ckpt")).unwrap(), 1);
+    resumed.update_actor(&batch).unwrap();
+    assert_eq!(
+        common::weights_diff(&uninterrupted, &named(resumed.weights().unwrap())),
+        0.0,
+        "resumed = uninterrupted, exactly"
+    );
+    worker.export_hf(&dir.join("hf")).unwrap();
+    if rank == 0 {
+        let exported =
+            CausalLM::from_pretrained(&dir.join("hf"), &ModelOptions::default()).unwrap();
+        for ((name, t), w) in exported.named_tensors().iter().zip(&uninterrupted) {
+            assert_eq!(*name, w.name);
+            let mine = verl_torch_runtime::interop::to_tch(name, &w.tensor, Device::Cpu).unwrap();
+            assert!(t.equal(&mine), "exported {name}");
+        }
+        assert!(
+            dir.join("hf/tokenizer.json").exists(),
+            "tokenizer files come along"
+        );
+    }
+}
+
+/// Rank 0 reports the largest difference its checks saw.
+fn report_worst(rank: u32) {
+    if rank == 0 {
+        eprintln!("{WORST_LINE} {:e}", WORST.with(std::cell::Cell::get));
+    }
+}
+
 fn rank_main(case: &str) {
     let variant = Variant::parse(&std::env::var(VARIANT).unwrap_or_default());
     let mut group = join_group();
@@ -436,11 +555,16 @@ fn rank_main(case: &str) {
         "train" => play_train(&mut group, variant),
         "save" => play_save(&mut group, variant, Path::new(&env(DIR))),
         "load" => play_load(&mut group, variant, Path::new(&env(DIR))),
+        "worker" => {
+            let rank = group.rank();
+            play_worker(group, Path::new(&env(DIR)));
+            return report_worst(rank);
+        }
         other => panic!("unknown case {other}"),
     }
     group.barrier().unwrap();
-    if group.rank() == 0 && matches!(case, "train" | "load") && !variant.wide {
-        eprintln!("{WORST_LINE} {:e}", WORST.with(std::cell::Cell::get));
+    if matches!(case, "train" | "load") && !variant.wide {
+        report_worst(group.rank());
     }
 }
 
@@ -524,6 +648,14 @@ fn main() {
         ("reshard_2_to_1", || reshard(2, 1)),
         ("reshard_1_to_2", || reshard(1, 2)),
         ("reshard_4_to_2", || reshard(4, 2)),
+        ("worker_1_rank", || {
+            let dir = tempfile::tempdir().unwrap();
+            run("worker", 1, "", Some(dir.path()));
+        }),
+        ("worker_2_ranks", || {
+            let dir = tempfile::tempdir().unwrap();
+            run("worker", 2, "", Some(dir.path()));
+        }),
         ("load_refuses_another_shape", || {
             let dir = tempfile::tempdir().unwrap();
             run("save", 2, "", Some(dir.path()));

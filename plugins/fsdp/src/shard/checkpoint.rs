@@ -43,10 +43,14 @@ fn checkpoint_error(path: &Path, reason: impl Into<String>) -> ShardError {
 }
 
 impl ShardedModel {
-    /// Writes this rank's shard of the parameters and optimizer moments into `dir` (which
-    /// must exist); rank 0 also writes the layout. Not collective: the caller makes the
-    /// directory complete (every rank's file) before using it.
+    /// Writes this rank's shard of the parameters and optimizer moments into `dir` (created if
+    /// needed); rank 0 also writes the layout. Not collective: the caller makes the directory
+    /// complete (every rank's file) before using it.
     pub fn save_shard(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
         let mut tensors: Vec<(String, Tensor)> = self
             .blocks
             .iter()

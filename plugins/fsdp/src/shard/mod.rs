@@ -21,6 +21,7 @@
 pub mod layout;
 
 mod checkpoint;
+pub mod strategy;
 
 use std::path::Path;
 

@@ -4,7 +4,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
+use verl_torch_runtime::AdamWConfig;
 use verl_torch_runtime::actor::Role;
+
+use crate::shard::ShardOptions;
 
 /// verl's `FSDPEngineConfig.wrap_policy`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -15,9 +18,9 @@ pub struct WrapPolicy {
 }
 
 /// The engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`): verl's keys and defaults,
-/// any other key is an error. One rank holds the whole model, so nothing here changes the
-/// computation yet; the keys are accepted so verl's configs run unchanged, and
-/// [`FsdpConfig::declared_keys`] tells verl-core which of them to report when they are set.
+/// any other key is an error. The offload keys select the sharded model
+/// ([`FsdpConfig::shard_options`]); the other keys are accepted so verl's configs run unchanged,
+/// and [`FsdpConfig::declared_keys`] tells verl-core which of them to report when they are set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct FsdpConfig {
@@ -72,23 +75,18 @@ impl Default for FsdpConfig {
 }
 
 const PARALLEL: &str = "one rank holds the whole model; sharding and sequence parallelism come with the distributed engine (issue 11)";
-const OFFLOAD: &str =
-    "CPU offloading is not implemented: parameters and optimizer state stay on the device";
 const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
 const ONE_RANK: &str =
     "one rank holds the whole model: there is nothing to shard, wrap or prefetch";
 const KERNELS: &str = "an option of verl's kernels; it changes speed or memory, not results";
 
 impl FsdpConfig {
-    /// What the engine does with its section's keys, for verl-core's audit: every key, with its
-    /// default, is either unsupported (it would change what is trained) or without effect.
+    /// What the engine does with its section's keys, for verl-core's audit: every key is acted
+    /// on, or (with its default) unsupported (it would change what is trained) or without effect.
     pub fn declared_keys() -> ConfigKeys {
         let defaults = serde_json::to_value(Self::default()).expect("the section serialises");
         let key = |name: &str| (format!("fsdp_config.{name}"), defaults[name].clone());
         let unsupported = [
-            ("param_offload", OFFLOAD),
-            ("optimizer_offload", OFFLOAD),
-            ("offload_policy", OFFLOAD),
             ("model_dtype", DTYPE),
             ("dtype", DTYPE),
             ("mixed_precision", DTYPE),
@@ -111,15 +109,33 @@ impl FsdpConfig {
             ("use_torch_compile", KERNELS),
             ("forward_only", "the role decides whether the engine trains"),
         ];
-        let keys = unsupported
-            .into_iter()
-            .fold(ConfigKeys::default(), |keys, (name, why)| {
+        // Offloading runs the sharded model (see `shard_options`).
+        let acted_on = Self::OFFLOAD_KEYS.map(|name| key(name).0);
+        let keys = unsupported.into_iter().fold(
+            ConfigKeys::default().acts_on(acted_on),
+            |keys, (name, why)| {
                 let (path, default) = key(name);
                 keys.unsupported(&path, default, why)
-            });
+            },
+        );
         no_effect.into_iter().fold(keys, |keys, (name, why)| {
             let (path, default) = key(name);
             keys.no_effect(&path, default, why)
+        })
+    }
+
+    const OFFLOAD_KEYS: [&str; 3] = ["param_offload", "optimizer_offload", "offload_policy"];
+
+    /// How to shard the model, when this section asks for the sharded model: CPU offloading
+    /// (verl's `param_offload`, `optimizer_offload`; FSDP2's `offload_policy` is both) keeps
+    /// the shards on the host. `optimizer`: the role's AdamW, `None` for the reference.
+    pub fn shard_options(&self, optimizer: Option<AdamWConfig>) -> Option<ShardOptions> {
+        let param_offload = self.param_offload || self.offload_policy;
+        let optimizer_offload = self.optimizer_offload || self.offload_policy;
+        (param_offload || optimizer_offload).then_some(ShardOptions {
+            optimizer,
+            param_offload,
+            optimizer_offload,
         })
     }
 
@@ -163,7 +179,9 @@ mod tests {
             .unsupported
             .iter()
             .chain(&keys.no_effect)
-            .map(|note| note.key.strip_prefix("fsdp_config.").unwrap())
+            .map(|note| note.key.as_str())
+            .chain(keys.acts_on.iter().map(String::as_str))
+            .map(|key| key.strip_prefix("fsdp_config.").unwrap())
             .collect();
         declared.sort();
         let defaults = serde_json::to_value(FsdpConfig::default()).unwrap();
@@ -175,12 +193,38 @@ mod tests {
             .collect();
         all.sort();
         assert_eq!(declared, all);
-        let offload = keys
+        let dtype = keys
             .unsupported
             .iter()
-            .find(|n| n.key == "fsdp_config.param_offload")
+            .find(|n| n.key == "fsdp_config.model_dtype")
             .unwrap();
-        assert_eq!(offload.default, serde_json::json!(false));
+        assert_eq!(dtype.default, serde_json::json!("fp32"));
+        assert!(
+            keys.acts_on
+                .contains(&"fsdp_config.param_offload".to_owned())
+        );
+    }
+
+    #[test]
+    fn offloading_asks_for_the_sharded_model() {
+        let adamw = Some(AdamWConfig::default());
+        assert_eq!(FsdpConfig::default().shard_options(adamw), None);
+        for (json, param, optimizer) in [
+            (r#"{"fsdp_config":{"param_offload":true}}"#, true, false),
+            (r#"{"fsdp_config":{"optimizer_offload":true}}"#, false, true),
+            (r#"{"fsdp_config":{"offload_policy":true}}"#, true, true),
+        ] {
+            let options = section(json).unwrap().shard_options(adamw).unwrap();
+            assert_eq!(
+                (
+                    options.param_offload,
+                    options.optimizer_offload,
+                    options.optimizer
+                ),
+                (param, optimizer, adamw),
+                "{json}"
+            );
+        }
     }
 
     fn section(json: &str) -> Result<FsdpConfig, PluginError> {

@@ -13,6 +13,8 @@ use verl_torch_runtime::{
 };
 
 use crate::config::FsdpConfig;
+use crate::placement::Placement;
+use crate::shard::strategy::ShardedStrategy;
 
 /// The model, its optimizer (none for the reference policy) and the weights last lent.
 pub struct LocalModel {
@@ -22,8 +24,8 @@ pub struct LocalModel {
     lent: LentTensors,
 }
 
-/// The engine of one role: verl's semantics on the local model.
-pub type Worker = ActorWorker<LocalModel>;
+/// The engine of one role: verl's semantics on the local or the sharded model.
+pub type Worker = ActorWorker<Placement>;
 
 pub fn new_worker(init: &ComponentInit) -> Result<Worker, ActorError> {
     let run = &init.run;
@@ -34,8 +36,8 @@ pub fn new_worker(init: &ComponentInit) -> Result<Worker, ActorError> {
         )));
     }
     let settings = init.config::<ActorConfig>("fsdp")?.validate()?;
-    // Checked for unknown keys and types; one rank holding the whole model needs none of them.
-    FsdpConfig::of(init, settings.role)?;
+    // Checked for unknown keys and types; only offloading changes where the model lives.
+    let fsdp = FsdpConfig::of(init, settings.role)?;
     let device = parse_device(&run.device)?;
     let head = if settings.role == Role::Critic {
         Head::Value
@@ -47,13 +49,17 @@ pub fn new_worker(init: &ComponentInit) -> Result<Worker, ActorError> {
         model.set_trainable(false);
         None
     } else {
-        Some(AdamW::for_model(&model, settings.optimizer))
+        Some(settings.optimizer)
     };
-    let strategy = LocalModel {
-        model,
-        spec: settings.model.clone(),
-        optimizer,
-        lent: LentTensors::default(),
+    let spec = settings.model.clone();
+    let strategy = match fsdp.shard_options(optimizer) {
+        Some(options) => Placement::Sharded(ShardedStrategy::for_run(model, run, options, spec)?),
+        None => Placement::Local(LocalModel {
+            optimizer: optimizer.map(|config| AdamW::for_model(&model, config)),
+            model,
+            spec,
+            lent: LentTensors::default(),
+        }),
     };
     Ok(ActorWorker::new(settings, strategy, run.seed))
 }

@@ -23,6 +23,7 @@ pub mod config;
 pub mod shard;
 
 mod engine;
+mod placement;
 
 use std::path::Path;
 

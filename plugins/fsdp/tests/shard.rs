@@ -624,6 +624,65 @@ fn train(world: u32, variant: &str) {
     run("train", world, variant, None);
 }
 
+/// `fsdp_config`'s offload keys run the engine on the sharded model (one rank here): through
+/// the ABI, the same log-probs, update metrics and weights as the whole model's, for the actor
+/// and the reference.
+fn engine_offload() {
+    let offload = json!({"fsdp_config": {"param_offload": true, "optimizer_offload": true}});
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let whole_config = common::actor_config(
+            model,
+            json!({"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1,
+                   "use_kl_loss": true, "entropy_coeff": 0.01}),
+        );
+        let mut offloaded_config = whole_config.clone();
+        common::merge(&mut offloaded_config, offload.clone());
+        let mut whole = common::engine(&whole_config);
+        let mut offloaded = common::engine(&offloaded_config);
+        let batch = common::ppo_batch(&mut whole, model);
+        assert_close(
+            &format!("{model} log-probs"),
+            &log_probs_of(&offloaded.compute_log_prob(&batch).unwrap()),
+            &log_probs_of(&whole.compute_log_prob(&batch).unwrap()),
+        );
+        let want = common::update(&mut whole, &batch);
+        let got = common::update(&mut offloaded, &batch);
+        for m in &want {
+            let mine = common::metric(&got, &m.key);
+            assert_close_value(
+                &format!("{model} {}: {mine} vs {}", m.key, m.value),
+                (mine - m.value).abs() / m.value.abs().max(1.0),
+            );
+        }
+        assert_close_value(
+            &format!("{model} weights after an update"),
+            common::weights_diff(
+                &common::weights(&mut offloaded),
+                &common::weights(&mut whole),
+            ),
+        );
+        // The offloaded engine's checkpoint is the sharded model's.
+        let dir = tempfile::tempdir().unwrap();
+        offloaded
+            .save_checkpoint(dir.path().to_str().unwrap(), 1)
+            .unwrap();
+        for file in ["fsdp_layout.json", "fsdp_shard_00000_of_00001.safetensors"] {
+            assert!(dir.path().join(file).exists(), "{model}: {file}");
+        }
+        let mut reference_config =
+            json!({"role": "ref", "model": {"path": common::fixture(model)}});
+        let mut reference = common::engine(&reference_config);
+        common::merge(&mut reference_config, offload.clone());
+        let mut offloaded_reference = common::engine(&reference_config);
+        assert_close(
+            &format!("{model} reference log-probs"),
+            &log_probs_of(&offloaded_reference.compute_log_prob(&batch).unwrap()),
+            &log_probs_of(&reference.compute_log_prob(&batch).unwrap()),
+        );
+    }
+    eprintln!("  {WORST_LINE} {:e}", WORST.with(std::cell::Cell::get));
+}
+
 /// Saved at `from` ranks, loaded at `to`.
 fn reshard(from: u32, to: u32) {
     let dir = tempfile::tempdir().unwrap();
@@ -656,6 +715,7 @@ fn main() {
             let dir = tempfile::tempdir().unwrap();
             run("worker", 2, "", Some(dir.path()));
         }),
+        ("engine_offload_runs_the_sharded_model", engine_offload),
         ("load_refuses_another_shape", || {
             let dir = tempfile::tempdir().unwrap();
             run("save", 2, "", Some(dir.path()));

@@ -13,13 +13,15 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Tensor};
-use verl_distributed::ProcessGroup;
-use verl_plugin_api::{TensorRef, keys};
+use verl_distributed::{Backend, Options, ProcessGroup, Rendezvous};
+use verl_plugin_api::{RunContext, TensorRef, keys};
 use verl_torch_runtime::actor::{Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
-use verl_torch_runtime::{LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState};
+use verl_torch_runtime::{
+    CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState,
+};
 
-use super::{ShardError, ShardedModel};
+use super::{ShardError, ShardOptions, ShardedModel};
 
 /// Written by rank 0 next to the shards: the optimizer's update count, its settings, the
 /// schedule and the worker's generator.
@@ -58,6 +60,39 @@ impl ShardedStrategy {
             lent: LentTensors::default(),
             failed: None,
         }
+    }
+
+    /// The sharded model of a one-rank run (offloading), over a process group of this process
+    /// alone. Several ranks share the process's one group, which the caller passes to
+    /// [`Self::new`].
+    pub fn for_run(
+        model: CausalLM,
+        run: &RunContext,
+        options: ShardOptions,
+        spec: ModelSpec,
+    ) -> verl_torch_runtime::Result<Self> {
+        if run.world_size > 1 {
+            return Err(ModelError::Torch(format!(
+                "sharded model: rank {} of {} needs the process's shared group, not one of its own",
+                run.rank, run.world_size
+            )));
+        }
+        let rendezvous = Rendezvous {
+            rank: 0,
+            world_size: 1,
+            master_addr: "127.0.0.1".to_owned(),
+            // A port the system picks: a launcher's store may hold MASTER_PORT.
+            master_port: 0,
+        };
+        let sharded = Backend::for_comm_backend(&run.comm_backend)
+            .and_then(|backend| ProcessGroup::init(&rendezvous, backend, &Options::default()))
+            .map_err(ShardError::from)
+            .and_then(|mut group| {
+                let model = ShardedModel::new(model, &mut group, options)?;
+                Ok((model, group))
+            });
+        let (model, group) = sharded.map_err(model_error)?;
+        Ok(Self::new(model, Arc::new(Mutex::new(group)), spec))
     }
 
     /// Runs `f` on the model and the group, unless an earlier collective failed.

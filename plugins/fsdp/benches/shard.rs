@@ -13,14 +13,16 @@
 //!
 //! Ranks are this bench run again (VERL_SHARD_BENCH_RANK), one intra-op thread each.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use verl_distributed::{Backend, DistError, Options, ProcessGroup, ReduceOp, Rendezvous};
 use verl_plugin_fsdp::shard::{ShardMemory, ShardOptions, ShardedModel};
-use verl_torch_runtime::{AdamWConfig, Architecture, CausalLM, ModelConfig, ModelOptions, Rng};
+use verl_torch_runtime::{
+    AdamW, AdamWConfig, Architecture, CausalLM, ModelConfig, ModelOptions, Rng,
+};
 
 const RANK_ENV: &str = "VERL_SHARD_BENCH_RANK";
 const ROWS: i64 = 8;
@@ -59,6 +61,9 @@ struct Report {
     persistent: u64,
     peak_gathered: u64,
     update_ms: f64,
+    /// One rank only: the same update on the whole model (plain backward, no gathers, no
+    /// recomputation) — the engine's unsharded path.
+    whole_update_ms: Option<f64>,
     /// (label, bytes, all_gather ms, reduce_scatter ms, all_reduce ms)
     collectives: Vec<(String, u64, f64, f64, f64)>,
 }
@@ -170,6 +175,28 @@ fn rank_main(rank: u32) -> Result<(), Box<dyn std::error::Error>> {
         samples.push(start.elapsed());
     }
     let update_ms: Vec<f64> = group.all_gather_object(&median(samples))?;
+    let whole_update_ms = if world == 1 {
+        let model = CausalLM::random(config(), &ModelOptions::default())?;
+        let mut optimizer = AdamW::for_model(&model, AdamWConfig::default());
+        let mut update = || -> Result<(), Box<dyn std::error::Error>> {
+            optimizer.zero_grad();
+            let scores = model.response_scores(&ids, &mask, SEQ - 1, 1.0, false)?;
+            (-scores.log_probs.sum(Kind::Float) / tokens).f_backward()?;
+            optimizer.clip_grad_norm(1.0);
+            let _applied = optimizer.step(1e-4);
+            Ok(())
+        };
+        update()?;
+        let mut samples = Vec::with_capacity(UPDATES);
+        for _ in 0..UPDATES {
+            let start = Instant::now();
+            update()?;
+            samples.push(start.elapsed());
+        }
+        Some(median(samples))
+    } else {
+        None
+    };
     let ShardMemory { peak_gathered, .. } = sm.memory();
     let layer = sm
         .layouts()
@@ -185,6 +212,7 @@ fn rank_main(rank: u32) -> Result<(), Box<dyn std::error::Error>> {
             persistent: sm.memory().persistent(),
             peak_gathered,
             update_ms: update_ms.into_iter().fold(0.0, f64::max),
+            whole_update_ms,
             collectives,
         };
         println!("REPORT {}", serde_json::to_string(&report)?);
@@ -199,18 +227,22 @@ fn job(world: u32) -> Report {
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port();
+    // Every rank started before any is waited for: they meet at the rendezvous.
     let children: Vec<_> = (0..world)
         .map(|rank| {
             Command::new(std::env::current_exe().expect("the bench binary"))
                 .env(RANK_ENV, rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_PORT", port.to_string())
-                .output()
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("a rank starts")
         })
-        .collect::<Vec<_>>();
+        .collect();
     let mut report = None;
     for (rank, child) in children.into_iter().enumerate() {
-        let output = child.expect("a rank starts");
+        let output = child.wait_with_output().expect("a rank ends");
         assert!(
             output.status.success(),
             "rank {rank}: {}",
@@ -260,6 +292,12 @@ fn main() {
         one.update_ms,
         many.update_ms / one.update_ms
     );
+    if let Some(whole) = one.whole_update_ms {
+        println!(
+            "  the whole model on 1 rank (no gathers, no recomputation): {whole:.1} ms; sharded 1 rank = {:.2}×",
+            one.update_ms / whole
+        );
+    }
     println!(
         "collectives at {ranks} ranks, median ms (GB/s of the full size):\n{:<10} {:>9} {:>16} {:>16} {:>16}",
         "size", "MiB", "all_gather", "reduce_scatter", "all_reduce"

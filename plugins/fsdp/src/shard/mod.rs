@@ -511,7 +511,8 @@ impl ShardedModel {
                     .double_value(&[])
             })
             .sum();
-        let mut total = Tensor::from_slice(&[squares]);
+        // On the compute device: NCCL reduces device tensors only.
+        let mut total = Tensor::from_slice(&[squares]).to_device(self.compute);
         group.all_reduce(&mut total, ReduceOp::Sum)?;
         let total = total.double_value(&[0]).sqrt();
         if total.is_finite() {
@@ -543,8 +544,9 @@ impl ShardedModel {
         if offload {
             optimizer.moments_to(self.home);
         }
+        let compute = self.compute;
         let applied = optimizer.step_with_grads(lr, &grads, |finite| -> Result<bool> {
-            let mut all = Tensor::from_slice(&[i64::from(finite)]);
+            let mut all = Tensor::from_slice(&[i64::from(finite)]).to_device(compute);
             group.all_reduce(&mut all, ReduceOp::Min)?;
             Ok(all.int64_value(&[0]) == 1)
         });

@@ -1,4 +1,5 @@
-//! The `fsdp` strategy on one rank: the whole model and its AdamW optimizer in this process. verl's
+//! The `fsdp` strategy on one rank: the whole model and its AdamW optimizer in this process, or,
+//! when `fsdp_config` asks for offloading, the sharded model ([`crate::shard`]). verl's
 //! actor/critic semantics around it are the shared [`verl_torch_runtime::actor::ActorWorker`].
 
 use std::path::Path;

@@ -43,7 +43,7 @@ fn fsdp_plugins() -> tempfile::TempDir {
 }
 
 /// `config check` lists each key set that nothing acts on, with its value and origin: errors for
-/// what would change training (the fsdp engine's own offload key among them, as the engine
+/// what would change training (the fsdp engine's own `model_dtype` among them, as the engine
 /// declares), warnings for infrastructure; `trainer.strict_config=false` makes them warnings.
 #[test]
 fn config_check_lists_what_is_not_acted_on() {
@@ -52,7 +52,7 @@ fn config_check_lists_what_is_not_acted_on() {
     let overrides = [
         "trainer.n_gpus_per_node=8",
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
-        "++actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        "++actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
         "+ray_kwargs.ray_init.num_cpus=4",
         "actor_rollout_ref.actor.optim.lr=3e-6",
@@ -84,12 +84,12 @@ fn config_check_lists_what_is_not_acted_on() {
         (report["errors"].as_u64(), report["warnings"].as_u64()),
         (Some(3), Some(2))
     );
-    let offload = by_key("actor_rollout_ref.actor.fsdp_config.param_offload");
-    assert_eq!(offload["severity"], "error");
-    assert_eq!(offload["value"], true);
+    let dtype = by_key("actor_rollout_ref.actor.fsdp_config.model_dtype");
+    assert_eq!(dtype["severity"], "error");
+    assert_eq!(dtype["value"], "bf16");
     assert_eq!(
-        offload["origin"],
-        "command-line override `++actor_rollout_ref.actor.fsdp_config.param_offload=True`"
+        dtype["origin"],
+        "command-line override `++actor_rollout_ref.actor.fsdp_config.model_dtype=bf16`"
     );
     assert_eq!(by_key("trainer.n_gpus_per_node")["severity"], "error");
     assert_eq!(

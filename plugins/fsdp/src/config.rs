@@ -4,7 +4,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
+use verl_torch_runtime::AdamWConfig;
 use verl_torch_runtime::actor::Role;
+
+use crate::shard::ShardOptions;
 
 /// verl's `FSDPEngineConfig.wrap_policy`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -15,9 +18,9 @@ pub struct WrapPolicy {
 }
 
 /// The engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`): verl's keys and defaults,
-/// any other key is an error. Every rank holds the whole model (data parallel), so nothing here changes the
-/// computation yet; the keys are accepted so verl's configs run unchanged, and
-/// [`FsdpConfig::declared_keys`] tells verl-core which of them to report when they are set.
+/// any other key is an error. `fsdp_size` and the offload keys decide where the model lives
+/// ([`FsdpConfig::shard_options`]); the other keys are accepted so verl's configs run unchanged,
+/// and [`FsdpConfig::declared_keys`] tells verl-core which of them to report when they are set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct FsdpConfig {
@@ -71,39 +74,31 @@ impl Default for FsdpConfig {
     }
 }
 
-const PARALLEL: &str =
-    "every rank holds the whole model (data parallel); sequence parallelism is not implemented";
-const OFFLOAD: &str =
-    "CPU offloading is not implemented: parameters and optimizer state stay on the device";
+const PARALLEL: &str = "sequence parallelism (Ulysses) is not implemented";
 const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
-const ONE_RANK: &str =
-    "every rank holds the whole model (data parallel): there is nothing to shard, wrap or prefetch";
+const WRAP: &str = "the sharded model gathers one transformer block (or the embedding, or the norm with the head) at a time; this changes memory or speed, not results";
 const KERNELS: &str = "an option of verl's kernels; it changes speed or memory, not results";
 
 impl FsdpConfig {
-    /// What the engine does with its section's keys, for verl-core's audit: every key, with its
-    /// default, is either unsupported (it would change what is trained) or without effect.
+    /// What the engine does with its section's keys, for verl-core's audit: every key is acted
+    /// on, or (with its default) unsupported (it would change what is trained) or without effect.
     pub fn declared_keys() -> ConfigKeys {
         let defaults = serde_json::to_value(Self::default()).expect("the section serialises");
         let key = |name: &str| (format!("fsdp_config.{name}"), defaults[name].clone());
         let unsupported = [
-            ("param_offload", OFFLOAD),
-            ("optimizer_offload", OFFLOAD),
-            ("offload_policy", OFFLOAD),
             ("model_dtype", DTYPE),
             ("dtype", DTYPE),
             ("mixed_precision", DTYPE),
             ("ulysses_sequence_parallel_size", PARALLEL),
         ];
         let no_effect = [
-            ("wrap_policy", ONE_RANK),
-            ("reshard_after_forward", ONE_RANK),
-            ("fsdp_size", ONE_RANK),
-            ("forward_prefetch", ONE_RANK),
-            ("use_orig_params", ONE_RANK),
+            ("wrap_policy", WRAP),
+            ("reshard_after_forward", WRAP),
+            ("forward_prefetch", WRAP),
+            ("use_orig_params", WRAP),
             (
                 "strategy",
-                "fsdp and fsdp2 are the same with replicated parameters",
+                "fsdp and fsdp2 shard the same way here (per block, flat shards)",
             ),
             ("seed", "the engine is seeded from trainer.seed"),
             (
@@ -115,16 +110,70 @@ impl FsdpConfig {
             ("use_torch_compile", KERNELS),
             ("forward_only", "the role decides whether the engine trains"),
         ];
-        let keys = unsupported
-            .into_iter()
-            .fold(ConfigKeys::default(), |keys, (name, why)| {
+        // They decide where the model lives (see `shard_options`).
+        let acted_on = Self::PLACEMENT_KEYS.map(|name| key(name).0);
+        let keys = unsupported.into_iter().fold(
+            ConfigKeys::default().acts_on(acted_on),
+            |keys, (name, why)| {
                 let (path, default) = key(name);
                 keys.unsupported(&path, default, why)
-            });
+            },
+        );
         no_effect.into_iter().fold(keys, |keys, (name, why)| {
             let (path, default) = key(name);
             keys.no_effect(&path, default, why)
         })
+    }
+
+    const PLACEMENT_KEYS: [&str; 4] = [
+        "fsdp_size",
+        "param_offload",
+        "optimizer_offload",
+        "offload_policy",
+    ];
+
+    /// How to shard the model over `world_size` ranks, or `None` to hold it whole, as verl's
+    /// device mesh does: `fsdp_size` −1 (or at least the world size) shards every parameter over
+    /// all ranks (ZeRO-3); `fsdp_size` 1 replicates the whole model on every rank (plain data
+    /// parallel); a size in between (hybrid sharding) is refused, naming `{path}.fsdp_size`.
+    /// One rank holds the whole model unless CPU offloading (verl's `param_offload`,
+    /// `optimizer_offload`; FSDP2's `offload_policy` is both), which only the sharded model
+    /// does, is asked for. `optimizer`: the role's AdamW, `None` for the reference.
+    pub fn shard_options(
+        &self,
+        path: &str,
+        optimizer: Option<AdamWConfig>,
+        world_size: u32,
+    ) -> Result<Option<ShardOptions>, PluginError> {
+        let param_offload = self.param_offload || self.offload_policy;
+        let optimizer_offload = self.optimizer_offload || self.offload_policy;
+        let offload = param_offload || optimizer_offload;
+        let world = i64::from(world_size.max(1));
+        let error = |reason: String| {
+            Err(PluginError::invalid_config(format!(
+                "config key `{path}.fsdp_size`: {reason}"
+            )))
+        };
+        let sharded = match self.fsdp_size {
+            size if size < 0 || size >= world => world > 1 || offload,
+            0 => return error("0 ranks per shard group; use -1 (all ranks) or 1".into()),
+            1 if offload => {
+                return error(format!(
+                    "1 replicates the whole model on each of the {world} ranks, but CPU offloading (param_offload / optimizer_offload / offload_policy) needs the sharded model; use -1"
+                ));
+            }
+            1 => false,
+            size => {
+                return error(format!(
+                    "hybrid sharding (shard groups of {size} within {world} ranks) is not implemented; use -1 (shard over all ranks) or 1 (replicate)"
+                ));
+            }
+        };
+        Ok(sharded.then_some(ShardOptions {
+            optimizer,
+            param_offload,
+            optimizer_offload,
+        }))
     }
 
     /// Parses the section at `section_path` strictly: an unknown key is an error naming its full
@@ -146,12 +195,20 @@ impl FsdpConfig {
             .get("fsdp_config")
             .cloned()
             .unwrap_or(Value::Null);
-        let path = if init.section_path.is_empty() {
+        Self::parse(
+            &Self::path(init, role),
+            &section.to_string(),
+            &init.origins_json(),
+        )
+    }
+
+    /// The section's full key path: as the host sent it, else the role's place in verl's config.
+    pub fn path(init: &ComponentInit, role: Role) -> String {
+        if init.section_path.is_empty() {
             format!("{}.fsdp_config", role.section_path())
         } else {
             init.section_path.clone()
-        };
-        Self::parse(&path, &section.to_string(), &init.origins_json())
+        }
     }
 }
 
@@ -167,7 +224,9 @@ mod tests {
             .unsupported
             .iter()
             .chain(&keys.no_effect)
-            .map(|note| note.key.strip_prefix("fsdp_config.").unwrap())
+            .map(|note| note.key.as_str())
+            .chain(keys.acts_on.iter().map(String::as_str))
+            .map(|key| key.strip_prefix("fsdp_config.").unwrap())
             .collect();
         declared.sort();
         let defaults = serde_json::to_value(FsdpConfig::default()).unwrap();
@@ -179,12 +238,65 @@ mod tests {
             .collect();
         all.sort();
         assert_eq!(declared, all);
-        let offload = keys
+        let dtype = keys
             .unsupported
             .iter()
-            .find(|n| n.key == "fsdp_config.param_offload")
+            .find(|n| n.key == "fsdp_config.model_dtype")
             .unwrap();
-        assert_eq!(offload.default, serde_json::json!(false));
+        assert_eq!(dtype.default, serde_json::json!("fp32"));
+        assert!(
+            keys.acts_on
+                .contains(&"fsdp_config.param_offload".to_owned())
+        );
+    }
+
+    #[test]
+    fn fsdp_size_and_offloading_place_the_model() {
+        let adamw = Some(AdamWConfig::default());
+        let place = |json: &str, world: u32| {
+            section(json)
+                .unwrap()
+                .shard_options("a.fsdp_config", adamw, world)
+        };
+        // One rank holds the whole model; more ranks shard it, unless fsdp_size 1 replicates.
+        assert_eq!(place("{}", 1).unwrap(), None);
+        for world in [2, 4] {
+            let options = place("{}", world).unwrap().unwrap();
+            assert!(!options.param_offload && !options.optimizer_offload);
+            assert_eq!(options.optimizer, adamw);
+            let all = format!(r#"{{"fsdp_config":{{"fsdp_size":{world}}}}}"#);
+            assert_eq!(place(&all, world).unwrap(), Some(options));
+            assert_eq!(place(r#"{"fsdp_config":{"fsdp_size":1}}"#, world).unwrap(), None);
+        }
+        for (json, param, optimizer) in [
+            (r#"{"fsdp_config":{"param_offload":true}}"#, true, false),
+            (r#"{"fsdp_config":{"optimizer_offload":true}}"#, false, true),
+            (r#"{"fsdp_config":{"offload_policy":true}}"#, true, true),
+        ] {
+            for world in [1, 2] {
+                let options = place(json, world).unwrap().unwrap();
+                assert_eq!(
+                    (options.param_offload, options.optimizer_offload),
+                    (param, optimizer),
+                    "{json} on {world}"
+                );
+            }
+        }
+        for (json, world, says) in [
+            (r#"{"fsdp_config":{"fsdp_size":2}}"#, 4, "hybrid sharding"),
+            (r#"{"fsdp_config":{"fsdp_size":0}}"#, 2, "0 ranks"),
+            (
+                r#"{"fsdp_config":{"fsdp_size":1,"param_offload":true}}"#,
+                2,
+                "needs the sharded model",
+            ),
+        ] {
+            let err = place(json, world).unwrap_err().to_string();
+            assert!(
+                err.contains("config key `a.fsdp_config.fsdp_size`: ") && err.contains(says),
+                "{json}: {err}"
+            );
+        }
     }
 
     fn section(json: &str) -> Result<FsdpConfig, PluginError> {

@@ -1,7 +1,7 @@
-//! The engine's data-parallel group: one c10d process group per process (verl-distributed), made
+//! The engine's process group: one c10d process group per process (verl-distributed), made
 //! by the first engine initialised with `world_size > 1` and shared by every engine of the
-//! process (actor, reference, critic), so their collectives and the trainer's object exchange
-//! run in one sequence on every rank. The group is left (an orderly close, which peers still
+//! process (actor, reference, critic) — sharded or replicated — so their collectives and the
+//! trainer's object exchange run in one sequence on every rank. The group is left (an orderly close, which peers still
 //! waiting report at once) when the last engine holding it is dropped.
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -15,7 +15,7 @@ use verl_torch_runtime::ModelError;
 /// The process's group while any engine holds it.
 static GROUP: Mutex<Weak<Mutex<ProcessGroup>>> = Mutex::new(Weak::new());
 
-/// This rank's view of the data-parallel ranks: none (one rank) or the shared group.
+/// This rank's view of the job's ranks: none (one rank) or the shared group.
 #[derive(Clone)]
 pub struct Ranks {
     rank: u32,
@@ -33,6 +33,28 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the group is caught at the ABI boundary; the group itself records
     // a failed collective as broken, so its state stays meaningful.
     mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sums `values` over `group`'s ranks in place, f64 end to end, through a tensor on `device`
+/// (NCCL reduces device tensors only).
+pub fn all_reduce_sum(
+    group: &mut ProcessGroup,
+    values: &mut [f64],
+    device: Device,
+) -> Result<(), DistError> {
+    if values.is_empty() {
+        return Ok(());
+    }
+    let mut tensor = Tensor::from_slice(values).to_device(device);
+    group.all_reduce(&mut tensor, ReduceOp::Sum)?;
+    let summed = Vec::<f64>::try_from(&tensor.to_device(Device::Cpu)).map_err(|e| {
+        DistError::Invalid {
+            op: "all_reduce".into(),
+            reason: e.to_string(),
+        }
+    })?;
+    values.copy_from_slice(&summed);
+    Ok(())
 }
 
 /// A collective's failure as a libtorch-style model error (naming the lost rank when one is).
@@ -92,22 +114,17 @@ impl Ranks {
         self.rank
     }
 
+    /// The shared group (`None` on one rank).
+    pub fn group(&self) -> Option<&Arc<Mutex<ProcessGroup>>> {
+        self.group.as_ref()
+    }
+
     /// Sums `values` over the ranks, in place (f64 end to end).
     pub fn all_reduce_sum(&self, values: &mut [f64]) -> Result<(), DistError> {
-        let Some(group) = &self.group else {
-            return Ok(());
-        };
-        if values.is_empty() {
-            return Ok(());
+        match &self.group {
+            Some(group) => all_reduce_sum(&mut lock(group), values, Device::Cpu),
+            None => Ok(()),
         }
-        let mut tensor = Tensor::from_slice(values);
-        lock(group).all_reduce(&mut tensor, ReduceOp::Sum)?;
-        let summed = Vec::<f64>::try_from(&tensor).map_err(|e| DistError::Invalid {
-            op: "all_reduce".into(),
-            reason: e.to_string(),
-        })?;
-        values.copy_from_slice(&summed);
-        Ok(())
     }
 
     /// Sums `tensors` (gradients, all of one dtype and device) over the ranks in place, as one

@@ -1,8 +1,10 @@
-//! The `fsdp` strategy: the whole model and its AdamW optimizer in this process, replicated on
-//! every data-parallel rank (gradients summed across ranks before the step, so every replica
-//! applies the same update). verl's actor/critic semantics around it are the shared
+//! The `fsdp` engine's worker: verl's actor/critic semantics (the shared
 //! [`verl_torch_runtime::actor::ActorWorker`], which normalises each rank's loss by the global
-//! batch's counts.
+//! batch's counts) on the model where `fsdp_config` places it ([`Placement`]): sharded over the
+//! ranks (ZeRO-3, [`crate::shard`]) on more than one rank or when offloading, else whole in this
+//! process ([`LocalModel`]: one rank, or verl's `fsdp_size: 1`, where every rank holds a replica
+//! and the gradients are summed across ranks before the step, so every replica applies the same
+//! update).
 
 use std::path::Path;
 use std::time::Duration;
@@ -18,6 +20,8 @@ use verl_torch_runtime::{
 
 use crate::config::FsdpConfig;
 use crate::dist::{Ranks, model_error};
+use crate::placement::Placement;
+use crate::shard::strategy::ShardedStrategy;
 
 /// verl's `nccl_timeout` default (seconds), for a host that does not send the key.
 const DEFAULT_COLLECTIVE_TIMEOUT_S: u64 = 600;
@@ -31,14 +35,14 @@ pub struct LocalModel {
     ranks: Ranks,
 }
 
-/// The engine of one role: verl's semantics on the local model.
-pub type Worker = ActorWorker<LocalModel>;
+/// The engine of one role: verl's semantics on the local or the sharded model.
+pub type Worker = ActorWorker<Placement>;
 
 pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
     let run = &init.run;
     let mut settings = init.config::<ActorConfig>("fsdp")?.validate()?;
-    // Checked for unknown keys and types; a replicated model needs none of them.
-    FsdpConfig::of(init, settings.role)?;
+    // Checked for unknown keys and types; `fsdp_size` and offloading place the model.
+    let fsdp = FsdpConfig::of(init, settings.role)?;
     // As verl's workers: the (global) mini-batch is split over the data-parallel ranks.
     let world = run.world_size.max(1) as usize;
     if settings.mini_batch % world != 0 {
@@ -68,14 +72,21 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
         model.set_trainable(false);
         None
     } else {
-        Some(AdamW::for_model(&model, settings.optimizer))
+        Some(settings.optimizer)
     };
-    let strategy = LocalModel {
-        model,
-        spec: settings.model.clone(),
-        optimizer,
-        lent: LentTensors::default(),
-        ranks: ranks.clone(),
+    let spec = settings.model.clone();
+    let path = FsdpConfig::path(init, settings.role);
+    let strategy = match fsdp.shard_options(&path, optimizer, run.world_size)? {
+        Some(options) => {
+            Placement::Sharded(ShardedStrategy::for_run(model, &ranks, run, options, spec)?)
+        }
+        None => Placement::Local(LocalModel {
+            optimizer: optimizer.map(|config| AdamW::for_model(&model, config)),
+            model,
+            spec,
+            lent: LentTensors::default(),
+            ranks: ranks.clone(),
+        }),
     };
     Ok((ActorWorker::new(settings, strategy, run.seed), ranks))
 }

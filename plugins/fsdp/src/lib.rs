@@ -1,15 +1,17 @@
 //! # verl-plugin-fsdp
 //!
 //! The `fsdp` engine component: a libtorch (tch) policy, reference or critic model trained with
-//! verl's losses, data-parallel over the job's ranks: each rank holds the whole model (sharding
-//! comes with the `shard` module), computes on its slice of the batch, and the gradients are
-//! summed over PyTorch's c10d (Gloo on CPU) before every optimizer step, so every replica stays
-//! identical. Ranks join one process group per process ([`dist`]), created from the run context
-//! by the first engine initialised; `nccl_timeout` in the engine's section (verl's
+//! verl's losses, data-parallel over the job's ranks, each computing on its slice of the batch
+//! over PyTorch's c10d (Gloo on CPU). As verl's FSDP (`fsdp_config.fsdp_size` −1), more than one
+//! rank shards the model (ZeRO-3, [`shard`]): each rank holds `1/N` of the parameters, gradients
+//! and AdamW moments, gathers a block to run it and reduce-scatters its gradients; every rank
+//! writes its shard of a checkpoint (which reloads at any world size) and takes part in the
+//! export's gathers, rank 0 writing it. With `fsdp_size: 1` every rank holds a replica instead,
+//! the gradients are summed before each step, and rank 0 alone writes checkpoints and the
+//! export. Ranks join one process group per process ([`dist`]), created from the run context by
+//! the first engine initialised; `nccl_timeout` in the engine's section (verl's
 //! `actor_rollout_ref.nccl_timeout`, seconds) bounds each collective. The same group carries the
-//! trainer's object exchange (`all_gather_object`). Replicated state is written once: rank 0
-//! alone writes checkpoints and the Hugging Face export, every rank loads the full state (so a
-//! checkpoint resumes at any world size).
+//! trainer's object exchange (`all_gather_object`).
 //!
 //! Config (`ComponentInit::config`): verl's `actor_rollout_ref.actor` (or `critic`) section
 //! with verl's keys and defaults (the shared [`verl_torch_runtime::actor::ActorConfig`]; its own
@@ -27,9 +29,11 @@
 //! ratio leaves the clip range). The trainer's `sft` command relies on this.
 
 pub mod config;
+pub mod shard;
 
 mod dist;
 mod engine;
+mod placement;
 
 use std::path::Path;
 
@@ -63,9 +67,11 @@ impl FsdpEngine {
             .ok_or(ActorError::NotInitialised)
     }
 
-    /// Replicated state is written by rank 0 only.
-    fn writes_replicated_state(&self) -> Result<bool, ActorError> {
-        Ok(self.ranks()?.rank() == 0)
+    /// Whether this rank writes checkpoints and takes part in the export: every rank holds a
+    /// shard of a sharded model, a replicated one is written by rank 0 only.
+    fn writes_state(&self) -> Result<bool, ActorError> {
+        let (worker, ranks) = self.worker.as_ref().ok_or(ActorError::NotInitialised)?;
+        Ok(worker.strategy().is_sharded() || ranks.rank() == 0)
     }
 }
 
@@ -94,7 +100,7 @@ impl Engine for FsdpEngine {
         Ok(self.worker()?.update_critic(batch)?)
     }
     fn save_checkpoint(&mut self, dir: &str, global_step: u64) -> Result<(), PluginError> {
-        if !self.writes_replicated_state()? {
+        if !self.writes_state()? {
             return Ok(());
         }
         Ok(self
@@ -108,7 +114,7 @@ impl Engine for FsdpEngine {
         Ok(self.worker()?.weights()?)
     }
     fn export_hf(&mut self, dir: &str) -> Result<(), PluginError> {
-        if !self.writes_replicated_state()? {
+        if !self.writes_state()? {
             return Ok(());
         }
         Ok(self.worker()?.export_hf(Path::new(dir))?)

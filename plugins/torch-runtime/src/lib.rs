@@ -25,7 +25,7 @@ pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
-pub use model::{CausalLM, Head, ModelOptions};
+pub use model::{BlockContext, CausalLM, Head, ModelOptions};
 pub use optim::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, TrainState, load_training_state, save_training_state,
 };

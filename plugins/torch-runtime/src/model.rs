@@ -935,6 +935,48 @@ impl CausalLM {
         self.norm.forward(&x)
     }
 
+    /// Checks a batch and prepares what every block of one forward pass shares, for running the
+    /// model a block at a time: [`Self::embed_block`], [`Self::layer_block`] for each layer,
+    /// [`Self::norm_block`] — together exactly [`Self::hidden_states`]. A sharded engine gathers
+    /// each block's parameters just before it runs and frees them after.
+    pub fn block_context(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<BlockContext> {
+        self.check_batch(input_ids, attention_mask)?;
+        let mask = attention_mask.to_device(self.device());
+        Ok(BlockContext {
+            context: self.context(&mask, mask.size()[1]),
+            input_ids: input_ids.to_device(self.device()),
+        })
+    }
+
+    /// The token embeddings `[B, T, hidden]` of the context's batch.
+    pub fn embed_block(&self, context: &BlockContext) -> Tensor {
+        self.embed(&context.input_ids)
+    }
+
+    /// Decoder layer `layer` applied to hidden states `x` `[B, T, hidden]`.
+    pub fn layer_block(&self, layer: usize, x: &Tensor, context: &BlockContext) -> Result<Tensor> {
+        let block = self.layers.get(layer).ok_or_else(|| {
+            ModelError::invalid_input(
+                "layer",
+                format!(
+                    "the model has {} layers, not {}",
+                    self.layers.len(),
+                    layer + 1
+                ),
+            )
+        })?;
+        Ok(block.forward(x, &context.context, None, None))
+    }
+
+    /// The final norm: its output is the model's final hidden states.
+    pub fn norm_block(&self, x: &Tensor) -> Tensor {
+        self.norm.forward(x)
+    }
+
     /// Forward and backward with activation checkpointing: the forward pass keeps only each
     /// layer's input, and the backward pass recomputes one layer at a time, so activation memory
     /// is one layer's instead of all layers'. `loss_fn` maps the final hidden states `[B, T,
@@ -988,6 +1030,13 @@ impl CausalLM {
         }
         Ok(loss.detach())
     }
+}
+
+/// What the blocks of one forward pass share: the batch's token ids, rotary tables and attention
+/// mask (see [`CausalLM::block_context`]).
+pub struct BlockContext {
+    context: Context,
+    input_ids: Tensor,
 }
 
 /// RoPE frequencies `[head_dim / 2]` in fp32, computed as transformers computes them.

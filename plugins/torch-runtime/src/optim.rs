@@ -123,21 +123,42 @@ impl AdamW {
     /// the same operations, so what is applied is exactly what was checked.
     #[must_use = "a refused update must be reported"]
     pub fn step(&mut self, lr: f64) -> bool {
+        let grads: Vec<Tensor> = self.params.iter().map(|(_, p)| p.grad()).collect();
+        let Ok(applied) = self.step_with_grads(lr, &grads, Ok::<bool, std::convert::Infallible>);
+        applied
+    }
+
+    /// [`Self::step`] with the gradients given (one per parameter, in order; an undefined tensor
+    /// for none) instead of read from the parameters, and a say for the caller between the check
+    /// and the update: `agree` receives whether this optimizer's update is finite and returns
+    /// whether to apply it. A sharded optimizer all-reduces the verdict there, so that every rank
+    /// applies its shard's update or every rank skips.
+    pub fn step_with_grads<E>(
+        &mut self,
+        lr: f64,
+        grads: &[Tensor],
+        agree: impl FnOnce(bool) -> std::result::Result<bool, E>,
+    ) -> std::result::Result<bool, E> {
+        assert_eq!(grads.len(), self.params.len(), "one gradient per parameter");
         let finite = tch::no_grad(|| {
-            self.params.iter().enumerate().all(|(i, (_, param))| {
-                self.updated(i, param, lr).is_none_or(|[p, m, v]| {
-                    [p, m, v]
-                        .iter()
-                        .all(|t| t.isfinite().all().int64_value(&[]) != 0)
+            self.params
+                .iter()
+                .zip(grads)
+                .enumerate()
+                .all(|(i, ((_, param), grad))| {
+                    self.updated(i, param, grad, lr).is_none_or(|[p, m, v]| {
+                        [p, m, v]
+                            .iter()
+                            .all(|t| t.isfinite().all().int64_value(&[]) != 0)
+                    })
                 })
-            })
         });
-        if !finite {
-            return false;
+        if !agree(finite)? {
+            return Ok(false);
         }
         tch::no_grad(|| {
-            for (i, (_, param)) in self.params.iter().enumerate() {
-                if let Some(new) = self.updated(i, param, lr) {
+            for (i, ((_, param), grad)) in self.params.iter().zip(grads).enumerate() {
+                if let Some(new) = self.updated(i, param, grad, lr) {
                     for (mut target, value) in [param, &self.exp_avg[i], &self.exp_avg_sq[i]]
                         .into_iter()
                         .map(Tensor::shallow_clone)
@@ -149,13 +170,12 @@ impl AdamW {
             }
         });
         self.steps += 1;
-        true
+        Ok(true)
     }
 
     /// Parameter `i` and its moments after the next update (torch's rule: decoupled decay,
     /// moment updates, bias-corrected step), computed aside; `None` without a gradient.
-    fn updated(&self, i: usize, param: &Tensor, lr: f64) -> Option<[Tensor; 3]> {
-        let grad = param.grad();
+    fn updated(&self, i: usize, param: &Tensor, grad: &Tensor, lr: f64) -> Option<[Tensor; 3]> {
         if !grad.defined() {
             return None;
         }
@@ -165,11 +185,25 @@ impl AdamW {
         let bias_correction2_sqrt = (1.0 - beta2.powi(steps)).sqrt();
         let step_size = lr / bias_correction1;
         let mut new_param = param.g_mul_scalar(1.0 - lr * self.config.weight_decay);
-        let exp_avg = self.exp_avg[i].lerp(&grad, 1.0 - beta1);
+        let exp_avg = self.exp_avg[i].lerp(grad, 1.0 - beta1);
         let exp_avg_sq = self.exp_avg_sq[i].g_mul_scalar(beta2) + grad.square() * (1.0 - beta2);
         let denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + self.config.eps;
         let _ = new_param.addcdiv_(&(&exp_avg * -step_size), &denom);
         Some([new_param, exp_avg, exp_avg_sq])
+    }
+
+    /// Moves the moments to `device` (a no-op where they are): optimizer offloading keeps them
+    /// on the host between updates.
+    pub fn moments_to(&mut self, device: tch::Device) {
+        for moment in self.exp_avg.iter_mut().chain(self.exp_avg_sq.iter_mut()) {
+            *moment = moment.to_device(device);
+        }
+    }
+
+    /// Sets the count of updates applied (the bias corrections' position) when moments are
+    /// restored through [`Self::state_tensors`].
+    pub fn restore_steps(&mut self, steps: u64) {
+        self.steps = steps;
     }
 
     /// The moments as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`).
@@ -369,6 +403,40 @@ mod tests {
         let _ = grad.fill_(0.5);
         assert!(opt.step(0.1));
         assert!(!before[0].equal(&p) && opt.steps() == 2);
+    }
+
+    #[test]
+    fn given_gradients_step_as_stored_ones_and_the_verdict_is_the_callers() {
+        let stored = Tensor::from_slice(&[1.0f64, -2.0]).set_requires_grad(true);
+        let given = stored.detach().copy();
+        let mut by_grad = AdamW::new(
+            vec![("p".into(), stored.shallow_clone())],
+            AdamWConfig::default(),
+        );
+        let mut by_arg = AdamW::new(
+            vec![("p".into(), given.shallow_clone())],
+            AdamWConfig::default(),
+        );
+        (&stored * 0.5).sum(Kind::Double).backward();
+        let grad = [stored.grad().copy()];
+        // The caller refuses a finite update: nothing changes.
+        let verdicts = std::cell::Cell::new(Vec::new());
+        let refused = by_arg.step_with_grads(0.1, &grad, |finite| {
+            verdicts.set(vec![finite]);
+            Ok::<_, ()>(false)
+        });
+        assert_eq!((refused, verdicts.take()), (Ok(false), vec![true]));
+        assert!(given.equal(&stored) && by_arg.steps() == 0);
+        assert!(by_grad.step(0.1));
+        assert_eq!(by_arg.step_with_grads(0.1, &grad, Ok::<_, ()>), Ok(true));
+        assert!(given.equal(&stored) && by_arg.steps() == 1);
+        // Moments move and come back unchanged.
+        by_arg.moments_to(tch::Device::Cpu);
+        assert!(
+            by_arg.state_tensors()[0]
+                .1
+                .equal(&by_grad.state_tensors()[0].1)
+        );
     }
 
     #[test]

@@ -238,3 +238,34 @@ fn checkpointed_backward_matches_plain_backward() {
         println!("{name}: checkpointed vs plain gradients, max relative |Δ| {worst:.1e}");
     }
 }
+
+/// Running the model one block at a time (what a sharded engine does between gathers) gives
+/// exactly the final hidden states of the whole forward pass.
+#[test]
+fn blocks_in_order_are_the_forward_pass() {
+    for name in common::MODELS {
+        let model = load(name);
+        let seqs: Vec<Vec<i64>> = expected(name)
+            .sequences
+            .into_iter()
+            .map(|s| s.ids)
+            .collect();
+        let (ids, mask) = batch(&seqs, Padding::Left);
+        let whole = model.hidden_states(&ids, &mask).unwrap();
+        let context = model.block_context(&ids, &mask).unwrap();
+        let mut x = model.embed_block(&context);
+        let layers = model.config().num_hidden_layers as usize;
+        for layer in 0..layers {
+            x = model.layer_block(layer, &x, &context).unwrap();
+        }
+        assert!(model.norm_block(&x).equal(&whole), "{name}");
+        let err = model.layer_block(layers, &x, &context).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!(
+                "the model has {layers} layers, not {}",
+                layers + 1
+            )),
+            "{err}"
+        );
+    }
+}

@@ -87,15 +87,11 @@ pub trait Strategy {
     fn weights(&mut self) -> crate::Result<Vec<TensorRef<'_>>>;
     fn export_hf(&self, dir: &Path) -> crate::Result<()>;
     /// Sums `values` in place over the data-parallel ranks (every rank calls it at the same
-    /// point). One rank: nothing to do.
-    fn all_reduce_sum(&mut self, _values: &mut [f64]) -> crate::Result<()> {
-        Ok(())
-    }
-    /// Sums the accumulated gradients over the data-parallel ranks, before they are clipped.
-    /// One rank: nothing to do.
-    fn reduce_gradients(&mut self) -> crate::Result<()> {
-        Ok(())
-    }
+    /// point).
+    fn all_reduce_sum(&mut self, values: &mut [f64]) -> crate::Result<()>;
+    /// Makes each rank's gradients the sum of every rank's accumulated gradients (of what it
+    /// holds), before they are clipped.
+    fn reduce_gradients(&mut self) -> crate::Result<()>;
 }
 
 /// What a trainable role carries besides its strategy.
@@ -186,6 +182,10 @@ impl<S: Strategy> ActorWorker<S> {
 
     pub fn settings(&self) -> &ActorSettings {
         &self.settings
+    }
+
+    pub fn strategy(&self) -> &S {
+        &self.strategy
     }
 
     fn require_role(&self, op: &str, roles: &[Role]) -> Result<(), ActorError> {

@@ -1,0 +1,110 @@
+//! Where an engine's model lives: whole in this process ([`LocalModel`]: one rank, or every
+//! rank with `fsdp_size` 1) or sharded over the process group ([`ShardedStrategy`]: more than one
+//! rank, or offloading; see `FsdpConfig::shard_options`).
+
+use std::path::Path;
+
+use tch::{Device, Tensor};
+use verl_plugin_api::TensorRef;
+use verl_torch_runtime::actor::{Rows, Strategy};
+use verl_torch_runtime::{LrSchedule, ResponseScores, Rng};
+
+use crate::engine::LocalModel;
+use crate::shard::strategy::ShardedStrategy;
+
+/// The engine's strategy: one of the two, each method passed on.
+pub enum Placement {
+    Local(LocalModel),
+    Sharded(ShardedStrategy),
+}
+
+/// `$call` on whichever strategy this is.
+macro_rules! each {
+    ($self:expr, $s:ident => $call:expr) => {
+        match $self {
+            Placement::Local($s) => $call,
+            Placement::Sharded($s) => $call,
+        }
+    };
+}
+
+impl Strategy for Placement {
+    fn device(&self) -> Device {
+        each!(self, s => s.device())
+    }
+
+    fn scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<ResponseScores> {
+        each!(self, s => s.scores(rows, temperature, with_entropy))
+    }
+
+    fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
+        each!(self, s => s.values(rows))
+    }
+
+    fn backward_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.backward_scores(rows, temperature, with_entropy, loss))
+    }
+
+    fn backward_values(
+        &self,
+        rows: &Rows,
+        loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.backward_values(rows, loss))
+    }
+
+    fn zero_grad(&mut self) {
+        each!(self, s => s.zero_grad())
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+        each!(self, s => s.clip_grad_norm(max_norm))
+    }
+
+    fn step(&mut self, lr: f64) -> bool {
+        each!(self, s => s.step(lr))
+    }
+
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.save(dir, schedule, rng))
+    }
+
+    fn load(&mut self, dir: &Path) -> verl_torch_runtime::Result<(LrSchedule, Rng)> {
+        each!(self, s => s.load(dir))
+    }
+
+    fn weights(&mut self) -> verl_torch_runtime::Result<Vec<TensorRef<'_>>> {
+        each!(self, s => s.weights())
+    }
+
+    fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.export_hf(dir))
+    }
+
+    fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.all_reduce_sum(values))
+    }
+
+    fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.reduce_gradients())
+    }
+}
+
+impl Placement {
+    /// Whether every rank holds part of the model's state, so every rank writes checkpoints and
+    /// takes part in the export (a whole model is written by rank 0 alone).
+    pub fn is_sharded(&self) -> bool {
+        matches!(self, Placement::Sharded(_))
+    }
+}

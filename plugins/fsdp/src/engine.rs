@@ -15,13 +15,14 @@ use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     AdamW, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, load_training_state,
+    load_training_state_from,
     parse_device, save_training_state,
 };
 
 use crate::config::FsdpConfig;
 use crate::dist::{Ranks, model_error};
 use crate::placement::Placement;
-use crate::shard::strategy::ShardedStrategy;
+use crate::shard::strategy::{ShardedStrategy, shard_error};
 
 /// verl's `nccl_timeout` default (seconds), for a host that does not send the key.
 const DEFAULT_COLLECTIVE_TIMEOUT_S: u64 = 600;
@@ -205,7 +206,13 @@ impl Strategy for LocalModel {
             .optimizer
             .as_mut()
             .expect("the worker only loads roles that have an optimizer");
-        let saved = load_training_state(dir, &self.model, optimizer)?;
+        // A checkpoint saved sharded (on more ranks) is read whole.
+        let saved = match crate::shard::checkpoint::read_whole(dir).map_err(shard_error)? {
+            Some((source, tensors)) => {
+                load_training_state_from(dir, &source, &tensors, &self.model, optimizer)?
+            }
+            None => load_training_state(dir, &self.model, optimizer)?,
+        };
         Ok((saved.schedule, saved.rng))
     }
 

@@ -1,6 +1,7 @@
 //! AdamW written on tensors (so its moments save and restore bit-exactly), gradient-norm clipping,
 //! verl's learning-rate schedules, and save/load of the full training state.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -275,7 +276,8 @@ impl LrSchedule {
 }
 
 const TRAIN_STATE_FILE: &str = "train_state.json";
-const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// AdamW's moments in a training checkpoint, named as [`AdamW::state_tensors`] names them.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
 /// The non-tensor part of a training checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -318,32 +320,70 @@ pub fn load_training_state(
     let state: TrainState = read_json(&dir.join(TRAIN_STATE_FILE))?;
     weights::load_into(dir, &model.named_tensors(), |_| false)?;
     let path = dir.join(OPTIMIZER_FILE);
-    let saved: std::collections::HashMap<String, Tensor> =
-        read_safetensors(&path)?.into_iter().collect();
+    let saved: HashMap<String, Tensor> = read_safetensors(&path)?.into_iter().collect();
+    restore_optimizer(&path, &saved, optimizer, &state)?;
+    Ok(state)
+}
+
+/// As [`load_training_state`] for a checkpoint saved in another layout (the fsdp engine's
+/// shards): the [`TrainState`] from `dir`, the parameters by name and AdamW's moments as
+/// [`AdamW::state_tensors`] names them from `tensors`, which were read from `source`.
+pub fn load_training_state_from(
+    dir: &Path,
+    source: &Path,
+    tensors: &HashMap<String, Tensor>,
+    model: &CausalLM,
+    optimizer: &mut AdamW,
+) -> Result<TrainState> {
+    let state: TrainState = read_json(&dir.join(TRAIN_STATE_FILE))?;
+    for (name, param) in model.named_tensors() {
+        weights::assign(&param, checked(source, tensors, &name, &param)?)?;
+    }
+    restore_optimizer(source, tensors, optimizer, &state)?;
+    Ok(state)
+}
+
+/// `tensors[name]`, shaped as `like`.
+fn checked<'a>(
+    path: &Path,
+    tensors: &'a HashMap<String, Tensor>,
+    name: &str,
+    like: &Tensor,
+) -> Result<&'a Tensor> {
+    let source = tensors.get(name).ok_or_else(|| ModelError::MissingTensor {
+        path: path.to_owned(),
+        tensor: name.to_owned(),
+    })?;
+    if source.size() != like.size() {
+        return Err(ModelError::ShapeMismatch {
+            path: path.to_owned(),
+            tensor: name.to_owned(),
+            found: source.size(),
+            expected: like.size(),
+        });
+    }
+    Ok(source)
+}
+
+/// The moments, update count and settings of `state` into `optimizer`.
+fn restore_optimizer(
+    path: &Path,
+    saved: &HashMap<String, Tensor>,
+    optimizer: &mut AdamW,
+    state: &TrainState,
+) -> Result<()> {
     for (prefix, moments) in [
         (EXP_AVG, &optimizer.exp_avg),
         (EXP_AVG_SQ, &optimizer.exp_avg_sq),
     ] {
         for ((name, _), moment) in optimizer.params.iter().zip(moments) {
             let key = format!("{prefix}{name}");
-            let source = saved.get(&key).ok_or_else(|| ModelError::MissingTensor {
-                path: path.clone(),
-                tensor: key.clone(),
-            })?;
-            if source.size() != moment.size() {
-                return Err(ModelError::ShapeMismatch {
-                    path,
-                    tensor: key,
-                    found: source.size(),
-                    expected: moment.size(),
-                });
-            }
-            weights::assign(moment, source)?;
+            weights::assign(moment, checked(path, saved, &key, moment)?)?;
         }
     }
     optimizer.steps = state.step;
     optimizer.config = state.optimizer;
-    Ok(state)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
-use verl_torch_runtime::{ModelError, read_safetensors, write_safetensors};
+use verl_torch_runtime::{
+    ModelError, OPTIMIZER_FILE, SINGLE_FILE, TrainState, read_safetensors, write_safetensors,
+};
+
+use super::strategy::TRAIN_STATE_FILE;
 
 use super::layout::BlockLayout;
 use super::{Result, ShardError, ShardedModel};
@@ -83,45 +87,25 @@ impl ShardedModel {
     }
 
     /// Restores what [`Self::save_shard`] wrote at any world size into this model (the same
-    /// architecture), and clears the gradients. Not collective.
+    /// architecture), and clears the gradients; a whole-model checkpoint (one rank's
+    /// `save_training_state`: `model.safetensors`, `optimizer.safetensors`, `train_state.json`)
+    /// reads as the one shard of a world of one. Not collective.
     pub fn load_shards(&mut self, dir: &Path) -> Result<()> {
+        let kinds = self.kinds();
         let layout_path = dir.join(LAYOUT_FILE);
-        let text = std::fs::read(&layout_path).map_err(|source| ModelError::Io {
-            path: layout_path.clone(),
-            source,
-        })?;
-        let saved: SavedLayout = serde_json::from_slice(&text)
-            .map_err(|e| checkpoint_error(&layout_path, format!("invalid layout: {e}")))?;
-        self.check_layout(&layout_path, &saved)?;
-        let kinds: Vec<&str> = if self.optimizer.is_some() {
-            std::iter::once(PARAM).chain(MOMENTS).collect()
+        let (saved, files) = if layout_path.is_file() {
+            let saved = read_layout(&layout_path)?;
+            self.check_layout(&layout_path, &saved)?;
+            let files = self.needed_files(dir, &saved)?;
+            (saved, files)
         } else {
-            vec![PARAM]
+            self.whole_as_one_shard(dir, &kinds)?
         };
         let ranges: Vec<(i64, i64)> = self
             .blocks
             .iter()
             .map(|b| new_range(&b.layout, self.rank, self.world))
             .collect();
-        // The saved files that hold part of this rank's ranges.
-        let needed: BTreeSet<u32> = self
-            .blocks
-            .iter()
-            .zip(&ranges)
-            .flat_map(|(b, &(start, end))| {
-                let old_len = b.layout.shard_len(saved.world_size).max(1);
-                (start < end)
-                    .then(|| (start / old_len) as u32..=((end - 1) / old_len) as u32)
-                    .into_iter()
-                    .flatten()
-            })
-            .collect();
-        let mut files: HashMap<u32, (PathBuf, HashMap<String, Tensor>)> = HashMap::new();
-        for rank in needed {
-            let path = dir.join(shard_file(rank, saved.world_size));
-            let tensors = read_safetensors(&path)?.into_iter().collect();
-            files.insert(rank, (path, tensors));
-        }
         let moments: HashMap<String, Tensor> = self
             .optimizer
             .as_ref()
@@ -177,6 +161,96 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// What the shards hold: the parameters, and AdamW's moments when the model trains.
+    fn kinds(&self) -> Vec<&'static str> {
+        if self.optimizer.is_some() {
+            std::iter::once(PARAM).chain(MOMENTS).collect()
+        } else {
+            vec![PARAM]
+        }
+    }
+
+    /// The saved files (by the rank that wrote them) that hold part of this rank's ranges.
+    fn needed_files(&self, dir: &Path, saved: &SavedLayout) -> Result<SavedFiles> {
+        let needed: BTreeSet<u32> = self
+            .blocks
+            .iter()
+            .flat_map(|b| {
+                let (start, end) = new_range(&b.layout, self.rank, self.world);
+                let old_len = b.layout.shard_len(saved.world_size).max(1);
+                (start < end)
+                    .then(|| (start / old_len) as u32..=((end - 1) / old_len) as u32)
+                    .into_iter()
+                    .flatten()
+            })
+            .collect();
+        needed
+            .into_iter()
+            .map(|rank| {
+                let path = dir.join(shard_file(rank, saved.world_size));
+                let tensors = read_safetensors(&path)?.into_iter().collect();
+                Ok((rank, (path, tensors)))
+            })
+            .collect()
+    }
+
+    /// A whole-model checkpoint as the layout and the one file of a world of one: each block's
+    /// parameters (and moments) flattened as [`Self::save_shard`] would have at one rank.
+    fn whole_as_one_shard(
+        &self,
+        dir: &Path,
+        kinds: &[&'static str],
+    ) -> Result<(SavedLayout, SavedFiles)> {
+        let state_path = dir.join(TRAIN_STATE_FILE);
+        let text = std::fs::read(&state_path).map_err(|source| ModelError::Io {
+            path: state_path.clone(),
+            source,
+        })?;
+        let state: TrainState = serde_json::from_slice(&text)
+            .map_err(|source| ModelError::Json {
+                path: state_path,
+                source,
+            })?;
+        let model_path = dir.join(SINGLE_FILE);
+        let mut tensors: HashMap<String, Tensor> =
+            read_safetensors(&model_path)?.into_iter().collect();
+        let optimizer_path = dir.join(OPTIMIZER_FILE);
+        if self.optimizer.is_some() {
+            tensors.extend(read_safetensors(&optimizer_path)?);
+        }
+        let mut flat = HashMap::new();
+        for block in &self.blocks {
+            for &kind in kinds {
+                let (prefix, path) = if kind == PARAM {
+                    (String::new(), &model_path)
+                } else {
+                    (format!("{kind}."), &optimizer_path)
+                };
+                let parts = block
+                    .layout
+                    .params
+                    .iter()
+                    .map(|slot| {
+                        let key = format!("{prefix}{}", slot.name);
+                        tensors.remove(&key).ok_or(ModelError::MissingTensor {
+                            path: path.clone(),
+                            tensor: key,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let name = format!("{kind}.{}", block.layout.name);
+                flat.insert(name, block.layout.flatten(&parts, 1, &block.shard));
+            }
+        }
+        let layout = SavedLayout {
+            world_size: 1,
+            steps: state.step,
+            optimizer: self.optimizer.is_some(),
+            blocks: self.layouts().cloned().collect(),
+        };
+        Ok((layout, HashMap::from([(0, (model_path, flat))])))
+    }
+
     fn check_layout(&self, path: &Path, saved: &SavedLayout) -> Result<()> {
         if saved.world_size == 0 {
             return Err(checkpoint_error(path, "world_size 0"));
@@ -221,6 +295,78 @@ impl ShardedModel {
         }
         Ok(())
     }
+}
+
+/// The tensors of each saved file, with its path, by the rank that wrote it.
+type SavedFiles = HashMap<u32, (PathBuf, HashMap<String, Tensor>)>;
+
+fn read_layout(path: &Path) -> Result<SavedLayout> {
+    let text = std::fs::read(path).map_err(|source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_slice(&text)
+        .map_err(|e| checkpoint_error(path, format!("invalid layout: {e}")))
+}
+
+/// The whole model of a sharded checkpoint in `dir` — the parameters by name and, when saved,
+/// AdamW's moments as `exp_avg.<name>` / `exp_avg_sq.<name>` (as `AdamW::state_tensors` names
+/// them), with the file each came from — for a model held whole (one rank); `None` when `dir`
+/// holds no sharded checkpoint.
+pub fn read_whole(dir: &Path) -> Result<Option<(PathBuf, HashMap<String, Tensor>)>> {
+    let layout_path = dir.join(LAYOUT_FILE);
+    if !layout_path.is_file() {
+        return Ok(None);
+    }
+    let saved = read_layout(&layout_path)?;
+    let files = (0..saved.world_size)
+        .map(|rank| {
+            let path = dir.join(shard_file(rank, saved.world_size));
+            let tensors: HashMap<String, Tensor> = read_safetensors(&path)?.into_iter().collect();
+            Ok((path, tensors))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let kinds: &[&str] = if saved.optimizer {
+        &[PARAM, MOMENTS[0], MOMENTS[1]]
+    } else {
+        &[PARAM]
+    };
+    let mut whole = HashMap::new();
+    for block in &saved.blocks {
+        let len = block.shard_len(saved.world_size);
+        for &kind in kinds {
+            let key = format!("{kind}.{}", block.name);
+            let shards = files
+                .iter()
+                .map(|(path, tensors)| {
+                    let shard = tensors.get(&key).ok_or_else(|| ModelError::MissingTensor {
+                        path: path.clone(),
+                        tensor: key.clone(),
+                    })?;
+                    if shard.size() != [len] {
+                        return Err(ModelError::ShapeMismatch {
+                            path: path.clone(),
+                            tensor: key.clone(),
+                            found: shard.size(),
+                            expected: vec![len],
+                        }
+                        .into());
+                    }
+                    Ok(shard.shallow_clone())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let flat = Tensor::cat(&shards, 0);
+            for slot in &block.params {
+                let name = if kind == PARAM {
+                    slot.name.clone()
+                } else {
+                    format!("{kind}.{}", slot.name)
+                };
+                whole.insert(name, flat.narrow(0, slot.offset, slot.numel).reshape(&slot.shape));
+            }
+        }
+    }
+    Ok(Some((layout_path, whole)))
 }
 
 /// This rank's elements of a block's flat buffer at `world` ranks, without the padding

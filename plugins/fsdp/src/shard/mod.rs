@@ -20,7 +20,7 @@
 
 pub mod layout;
 
-mod checkpoint;
+pub mod checkpoint;
 pub mod strategy;
 
 use std::path::Path;

@@ -27,7 +27,7 @@ use crate::dist::{Ranks, all_reduce_sum};
 
 /// Written by rank 0 next to the shards: the optimizer's update count, its settings, the
 /// schedule and the worker's generator.
-const TRAIN_STATE_FILE: &str = "train_state.json";
+pub(crate) const TRAIN_STATE_FILE: &str = "train_state.json";
 
 /// A [`ShardedModel`] driven by an `ActorWorker`.
 pub struct ShardedStrategy {
@@ -46,7 +46,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn model_error(error: ShardError) -> ModelError {
+/// A sharded model's failure as the worker's model error.
+pub(crate) fn shard_error(error: ShardError) -> ModelError {
     match error {
         ShardError::Model(e) => e,
         other => ModelError::Torch(format!("sharded model: {other}")),
@@ -90,8 +91,8 @@ impl ShardedStrategy {
                     .map(|group| Arc::new(Mutex::new(group)))
             }
         }
-        .map_err(|e| model_error(e.into()))?;
-        let model = ShardedModel::new(model, &mut lock(&group), options).map_err(model_error)?;
+        .map_err(|e| shard_error(e.into()))?;
+        let model = ShardedModel::new(model, &mut lock(&group), options).map_err(shard_error)?;
         Ok(Self::new(model, group, spec))
     }
 
@@ -105,7 +106,7 @@ impl ShardedStrategy {
         }
         let mut model = lock(&self.model);
         let mut group = lock(&self.group);
-        f(&mut model, &mut group).map_err(model_error)
+        f(&mut model, &mut group).map_err(shard_error)
     }
 
     /// `f`'s value, or `fallback` with the failure kept for the next call.

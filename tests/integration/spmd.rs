@@ -1,6 +1,8 @@
 //! Multi-rank training through `verl-core launch`: N ranks train like one (same seed and global
-//! batch: losses, grad-norms and weights within 1e-5), checkpoints move between world sizes, and a
-//! rank killed anywhere fails the job cleanly and resumes bit-identically.
+//! batch: losses, grad-norms and weights within 1e-5) with the fsdp engine's sharded model
+//! (ZeRO-3, verl's default `fsdp_size: -1`), its replicated one (`fsdp_size: 1`) and its CPU
+//! offloading, checkpoints move between world sizes (sharded ↔ whole), and a rank killed
+//! anywhere fails the job cleanly and resumes bit-identically.
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -97,7 +99,13 @@ fn shared_args(run_dir: &Path, ranks: u32, steps: u64, save_freq: u64) -> Vec<St
 }
 
 fn run(run_dir: &Path, ranks: u32, steps: u64, save_freq: u64) {
-    let args = shared_args(run_dir, ranks, steps, save_freq);
+    run_with(run_dir, ranks, steps, save_freq, &[]);
+}
+
+/// [`run`] with `extra` overrides.
+fn run_with(run_dir: &Path, ranks: u32, steps: u64, save_freq: u64, extra: &[&str]) {
+    let mut args = shared_args(run_dir, ranks, steps, save_freq);
+    args.extend(extra.iter().map(|o| o.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = verl_core(&args, &[]);
     assert!(
@@ -224,24 +232,80 @@ fn assert_trained(run_dir: &Path) {
     assert!(m[&1]["actor/grad_norm"] > 0.0, "{:?}", m[&1]);
 }
 
+/// Every engine role's `fsdp_config` key set to `value`.
+fn every_role(key: &str, value: &str) -> Vec<String> {
+    ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"]
+        .map(|role| format!("++{role}.fsdp_config.{key}={value}"))
+        .to_vec()
+}
+
+/// verl's FSDP CPU offloading: every role's parameters, the trainable roles' optimizer state.
+fn offload() -> Vec<String> {
+    let mut overrides = every_role("param_offload", "true");
+    overrides.extend(
+        ["actor_rollout_ref.actor", "critic"]
+            .map(|role| format!("++{role}.fsdp_config.optimizer_offload=true")),
+    );
+    overrides
+}
+
+/// The files under `prefix` in the manifest of the checkpoint at `step`.
+fn manifest_files(run_dir: &Path, step: u64, prefix: &str) -> Vec<String> {
+    let path = run_dir.join(format!("global_step_{step}/manifest.sha256.json"));
+    let manifest: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut files: Vec<String> = manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["path"].as_str().unwrap().to_owned())
+        .collect();
+    files.retain(|f| f.starts_with(prefix));
+    files.sort();
+    files
+}
+
+/// Each of `ranks` wrote its shard of the actor's checkpoint at `step` (none wrote a whole model).
+fn assert_sharded_checkpoint(run_dir: &Path, step: u64, ranks: u32) {
+    let files = manifest_files(run_dir, step, "actor/");
+    for rank in 0..ranks {
+        let shard = format!("actor/fsdp_shard_{rank:05}_of_{ranks:05}.safetensors");
+        assert!(files.contains(&shard), "{shard} not in {files:?}");
+    }
+    assert!(
+        !files.contains(&"actor/model.safetensors".to_owned()),
+        "{files:?}"
+    );
+}
+
 #[test]
 fn two_and_four_ranks_train_like_one() {
     let one = reference();
     assert_trained(one);
-    for ranks in [2, 4] {
+    let replicated = every_role("fsdp_size", "1");
+    for (ranks, extra, what) in [
+        (2, &[][..], "sharded"),
+        (4, &[][..], "sharded"),
+        (2, &replicated[..], "replicated"),
+    ] {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let dir = tempfile::tempdir().unwrap();
         let run_dir = dir.path().join("run");
         let t = Instant::now();
-        run(&run_dir, ranks, 3, 2);
+        run_with(&run_dir, ranks, 3, 2, &extra);
         let (metric, weight) = assert_close(&run_dir, one, 1e-5);
         eprintln!(
-            "{ranks} ranks vs 1: max |Δ| metric {metric:.2e}, weight {weight:.2e} ({:.1} s)",
+            "{ranks} ranks ({what}) vs 1: max |Δ| metric {metric:.2e}, weight {weight:.2e} ({:.1} s)",
             t.elapsed().as_secs_f64()
         );
-        // Rank 0 alone committed the checkpoints, with every file in the manifest.
-        let manifest =
-            std::fs::read_to_string(run_dir.join("global_step_2/manifest.sha256.json")).unwrap();
-        assert!(manifest.contains("actor/") && manifest.contains("trainer_state.json"));
+        // Rank 0 committed the checkpoints once every rank had written its part, with every
+        // file in the manifest.
+        if what == "sharded" {
+            assert_sharded_checkpoint(&run_dir, 2, ranks);
+        } else {
+            let files = manifest_files(&run_dir, 2, "actor/");
+            assert!(files.contains(&"actor/model.safetensors".to_owned()), "{files:?}");
+        }
+        assert!(!manifest_files(&run_dir, 2, "trainer_state.json").is_empty());
         assert_eq!(
             std::fs::read_to_string(run_dir.join("latest_checkpointed_iteration.txt")).unwrap(),
             "3"
@@ -249,17 +313,29 @@ fn two_and_four_ranks_train_like_one() {
     }
 }
 
+/// Sharded (more ranks) and whole (one rank) checkpoints resume at the other world size; with
+/// CPU offloading every world size runs the sharded model.
 #[test]
 fn a_checkpoint_resumes_at_another_world_size() {
     let one = reference();
-    for (first, then) in [(2, 1), (1, 2)] {
+    let offload = offload();
+    let offload: Vec<&str> = offload.iter().map(String::as_str).collect();
+    for (first, then, extra, what) in [
+        (2, 1, &[][..], ""),
+        (1, 2, &[][..], ""),
+        (2, 1, &offload[..], ", offloaded"),
+        (1, 2, &offload[..], ", offloaded"),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let run_dir = dir.path().join("run");
-        run(&run_dir, first, 2, 2);
-        run(&run_dir, then, 3, 2);
+        run_with(&run_dir, first, 2, 2, extra);
+        if first > 1 || !extra.is_empty() {
+            assert_sharded_checkpoint(&run_dir, 2, first);
+        }
+        run_with(&run_dir, then, 3, 2, extra);
         let (metric, weight) = assert_close(&run_dir, one, 1e-5);
         eprintln!(
-            "{first} → {then} ranks vs uninterrupted: max |Δ| metric {metric:.2e}, weight {weight:.2e}"
+            "{first} → {then} ranks{what} vs uninterrupted one rank: max |Δ| metric {metric:.2e}, weight {weight:.2e}"
         );
     }
 }

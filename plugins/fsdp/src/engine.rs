@@ -44,6 +44,9 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
     let mut settings = init.config::<ActorConfig>("fsdp")?.validate()?;
     // Checked for unknown keys and types; `fsdp_size` and offloading place the model.
     let fsdp = FsdpConfig::of(init, settings.role)?;
+    let optimizer = (settings.role != Role::Ref).then_some(settings.optimizer);
+    let path = FsdpConfig::path(init, settings.role);
+    let sharding = fsdp.shard_options(&path, optimizer, run.world_size)?;
     // As verl's workers: the (global) mini-batch is split over the data-parallel ranks.
     let world = run.world_size.max(1) as usize;
     if settings.mini_batch % world != 0 {
@@ -69,15 +72,11 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
         Head::Lm
     };
     let mut model = settings.model.load(device, head, run.seed)?;
-    let optimizer = if settings.role == Role::Ref {
+    if optimizer.is_none() {
         model.set_trainable(false);
-        None
-    } else {
-        Some(settings.optimizer)
-    };
+    }
     let spec = settings.model.clone();
-    let path = FsdpConfig::path(init, settings.role);
-    let strategy = match fsdp.shard_options(&path, optimizer, run.world_size)? {
+    let strategy = match sharding {
         Some(options) => {
             Placement::Sharded(ShardedStrategy::for_run(model, &ranks, run, options, spec)?)
         }

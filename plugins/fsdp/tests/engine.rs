@@ -495,6 +495,18 @@ fn errors_name_the_problem() {
         ),
         "{err}"
     );
+    // Hybrid sharding is refused, naming the key, before any rendezvous.
+    let mut config = base();
+    config["fsdp_config"] = json!({"fsdp_size": 2});
+    let mut init = init_for(&config);
+    init.run.world_size = 4;
+    let err = new_engine().init(&init).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
+    assert!(
+        err.message()
+            .contains("`actor_rollout_ref.actor.fsdp_config.fsdp_size`: hybrid sharding"),
+        "{err}"
+    );
     let mut config = base();
     config["ppo_mini_batch_size"] = json!(3);
     let mut init = init_for(&config);

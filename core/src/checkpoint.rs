@@ -426,9 +426,13 @@ fn sync_tree(dir: &Path) -> Result<(), CheckpointError> {
         if path.is_dir() {
             sync_tree(&path)?;
         } else {
-            fs::File::open(&path)
-                .and_then(|f| f.sync_all())
-                .map_err(io(&path))?;
+            match fs::File::open(&path) {
+                Ok(file) => file.sync_all().map_err(io(&path))?,
+                // Another rank's temporary file, renamed away while this rank walked the shared
+                // directory (ranks of a sharded engine write side by side): its writer syncs it.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&path)(e)),
+            }
         }
     }
     sync_dir(dir)
@@ -443,6 +447,17 @@ mod tests {
         fs::create_dir_all(pending.dir().join("actor")).unwrap();
         fs::write(pending.dir().join("actor/model.bin"), step.to_string()).unwrap();
         manager.commit(pending).unwrap()
+    }
+
+    /// A file that vanishes while a rank syncs the shared directory (another rank's temporary
+    /// file, renamed away; here a dangling link, which opens as missing) is its writer's to sync.
+    #[test]
+    fn sync_passes_over_a_file_that_vanished() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir_all(dir.path().join("actor")).unwrap();
+        fs::write(dir.path().join("actor/mine.bin"), b"x").unwrap();
+        std::os::unix::fs::symlink("gone", dir.path().join("actor/.tmpAbc123")).unwrap();
+        CheckpointManager::sync(dir.path()).unwrap();
     }
 
     #[test]

@@ -303,7 +303,10 @@ fn two_and_four_ranks_train_like_one() {
             assert_sharded_checkpoint(&run_dir, 2, ranks);
         } else {
             let files = manifest_files(&run_dir, 2, "actor/");
-            assert!(files.contains(&"actor/model.safetensors".to_owned()), "{files:?}");
+            assert!(
+                files.contains(&"actor/model.safetensors".to_owned()),
+                "{files:?}"
+            );
         }
         assert!(!manifest_files(&run_dir, 2, "trainer_state.json").is_empty());
         assert_eq!(

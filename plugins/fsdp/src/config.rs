@@ -266,7 +266,10 @@ mod tests {
             assert_eq!(options.optimizer, adamw);
             let all = format!(r#"{{"fsdp_config":{{"fsdp_size":{world}}}}}"#);
             assert_eq!(place(&all, world).unwrap(), Some(options));
-            assert_eq!(place(r#"{"fsdp_config":{"fsdp_size":1}}"#, world).unwrap(), None);
+            assert_eq!(
+                place(r#"{"fsdp_config":{"fsdp_size":1}}"#, world).unwrap(),
+                None
+            );
         }
         for (json, param, optimizer) in [
             (r#"{"fsdp_config":{"param_offload":true}}"#, true, false),

@@ -47,12 +47,11 @@ pub fn all_reduce_sum(
     }
     let mut tensor = Tensor::from_slice(values).to_device(device);
     group.all_reduce(&mut tensor, ReduceOp::Sum)?;
-    let summed = Vec::<f64>::try_from(&tensor.to_device(Device::Cpu)).map_err(|e| {
-        DistError::Invalid {
+    let summed =
+        Vec::<f64>::try_from(&tensor.to_device(Device::Cpu)).map_err(|e| DistError::Invalid {
             op: "all_reduce".into(),
             reason: e.to_string(),
-        }
-    })?;
+        })?;
     values.copy_from_slice(&summed);
     Ok(())
 }

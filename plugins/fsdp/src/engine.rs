@@ -15,8 +15,7 @@ use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     AdamW, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, load_training_state,
-    load_training_state_from,
-    parse_device, save_training_state,
+    load_training_state_from, parse_device, save_training_state,
 };
 
 use crate::config::FsdpConfig;

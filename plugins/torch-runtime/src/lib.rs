@@ -27,8 +27,8 @@ pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
 pub use model::{BlockContext, CausalLM, Head, ModelOptions};
 pub use optim::{
-    AdamW, AdamWConfig, LrDecay, LrSchedule, OPTIMIZER_FILE, TrainState, load_training_state, load_training_state_from,
-    save_training_state,
+    AdamW, AdamWConfig, LrDecay, LrSchedule, OPTIMIZER_FILE, TrainState, load_training_state,
+    load_training_state_from, save_training_state,
 };
 pub use rng::Rng;
 pub use spec::{Dtype, ModelSpec, parse_device};

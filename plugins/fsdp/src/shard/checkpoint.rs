@@ -206,8 +206,8 @@ impl ShardedModel {
             path: state_path.clone(),
             source,
         })?;
-        let state: TrainState = serde_json::from_slice(&text)
-            .map_err(|source| ModelError::Json {
+        let state: TrainState =
+            serde_json::from_slice(&text).map_err(|source| ModelError::Json {
                 path: state_path,
                 source,
             })?;
@@ -362,7 +362,10 @@ pub fn read_whole(dir: &Path) -> Result<Option<(PathBuf, HashMap<String, Tensor>
                 } else {
                     format!("{kind}.{}", slot.name)
                 };
-                whole.insert(name, flat.narrow(0, slot.offset, slot.numel).reshape(&slot.shape));
+                whole.insert(
+                    name,
+                    flat.narrow(0, slot.offset, slot.numel).reshape(&slot.shape),
+                );
             }
         }
     }

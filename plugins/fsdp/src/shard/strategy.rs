@@ -257,9 +257,7 @@ impl Strategy for ShardedStrategy {
     }
 
     fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
-        self.run(|model, group| {
-            Ok(all_reduce_sum(group, values, model.model().device())?)
-        })
+        self.run(|model, group| Ok(all_reduce_sum(group, values, model.model().device())?))
     }
 
     /// Nothing to do: the backward pass has already reduce-scattered (summed) every block's

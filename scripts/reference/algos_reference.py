@@ -399,7 +399,8 @@ def main():
                 pg_loss.backward()
                 cases.append({
                     "kind": "policy_loss", "name": name, "input": set_id, "mode": mode,
-                    "config": {k: v for k, v in actor.items() if k != "global_batch_info"} | {"policy_loss": dict(policy)},
+                    "config": {k: v for k, v in actor.items() if k != "global_batch_info"}
+                    | {"policy_loss": dict(policy)},
                     "pg_loss": rows(pg_loss), "grad": rows(lp.grad),
                     "metrics": {k: float(f"{v:.8g}") for k, v in metrics.items()},
                 })

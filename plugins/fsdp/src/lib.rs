@@ -8,7 +8,7 @@
 //! writes its shard of a checkpoint (which reloads at any world size) and takes part in the
 //! export's gathers, rank 0 writing it. With `fsdp_size: 1` every rank holds a replica instead,
 //! the gradients are summed before each step, and rank 0 alone writes checkpoints and the
-//! export. Ranks join one process group per process ([`dist`]), created from the run context by
+//! export. Ranks join one process group per process (module `dist`), created from the run context by
 //! the first engine initialised; `nccl_timeout` in the engine's section (verl's
 //! `actor_rollout_ref.nccl_timeout`, seconds) bounds each collective. The same group carries the
 //! trainer's object exchange (`all_gather_object`).

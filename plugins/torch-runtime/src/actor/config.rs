@@ -402,8 +402,9 @@ impl ActorConfig {
             _ => Err(invalid(
                 key,
                 format!(
-                    "must be positive for loss_mode `{}`, got {value:?}",
-                    p.loss_mode.as_str()
+                    "must be set to a positive number for loss_mode `{}`, got {}",
+                    p.loss_mode.as_str(),
+                    value.map_or("nothing".to_owned(), |v| v.to_string())
                 ),
             )),
         };

@@ -105,7 +105,7 @@ impl MatrixRows {
             .flat_map(|p| p.bits)
             .map(f32::from_bits)
             .collect();
-        let rows = if cols == 0 { 0 } else { data.len() / cols };
+        let rows = data.len().checked_div(cols).unwrap_or(0);
         Matrix::new(rows, cols, data).map_err(|e| format!("`{name}`: {e}"))
     }
 }

@@ -2,7 +2,7 @@
 //! advantages → critic update → actor update → weight sync → validate (`test_freq`) → checkpoint
 //! (`save_freq`) → log. Every component is taken from the registry by name, so the loop drives
 //! whatever engine, rollout, weight sync and trackers the plugins provide. With several ranks
-//! every rank runs this loop on its share of the batch ([`spmd`]).
+//! every rank runs this loop on its share of the batch (see `spmd.rs`).
 
 mod guard;
 mod records;

@@ -4,7 +4,7 @@
 //! verl's losses, data-parallel over the job's ranks: each rank holds the whole model (sharding
 //! comes with the `shard` module), computes on its slice of the batch, and the gradients are
 //! summed over PyTorch's c10d (Gloo on CPU) before every optimizer step, so every replica stays
-//! identical. Ranks join one process group per process ([`dist`]), created from the run context
+//! identical. Ranks join one process group per process (`dist.rs`), created from the run context
 //! by the first engine initialised; `nccl_timeout` in the engine's section (verl's
 //! `actor_rollout_ref.nccl_timeout`, seconds) bounds each collective. The same group carries the
 //! trainer's object exchange (`all_gather_object`). Replicated state is written once: rank 0

@@ -406,7 +406,8 @@ impl Active {
         // Until every server has reloaded, none is trusted to hold known weights.
         self.protocol.weight_version = format!("(reload to {version} incomplete)");
         self.weight_version = Some(source.version);
-        let body = json!({"model_path": handover.path, "weight_version": version, "flush_cache": true});
+        let body =
+            json!({"model_path": handover.path, "weight_version": version, "flush_cache": true});
         for i in 0..self.pool.servers().len() {
             let answer = self.pool.block_on(self.pool.request(
                 i,

@@ -286,34 +286,40 @@ fn a_reload_updates_from_disk_flushes_and_checks_the_version() {
 
 #[test]
 fn a_failed_reload_carries_the_message_and_blocks_generation() {
-    let mock = MockServer::start(|r: &Recorded| match r.path.as_str() {
-        "/update_weights_from_disk" => Reply::ok(
-            json!({"success": false, "message": "Failed to get weights iterator: no safetensors in /gone"}),
-        ),
-        "/model_info" => Reply::ok(json!({"weight_version": "default"})),
-        _ => Reply::ok(json!({})),
-    });
-    let mut rollout = attached(&mock);
-    let dir = weights_dir();
-    let handover = file_handover(dir.path());
-    let err = rollout
-        .update_weights(&file_source(3, &handover))
-        .unwrap_err();
-    assert!(
-        err.message().contains("no safetensors in /gone")
-            && err.message().contains("/update_weights_from_disk"),
-        "{err}"
-    );
-    assert!(mock.requests_to("/flush_cache").is_empty());
-    let err = rollout
-        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::UNAVAILABLE);
-    assert!(
-        err.message().contains("refusing to generate") && err.message().contains("global step 3"),
-        "{err}"
-    );
-    assert!(mock.requests_to("/generate").is_empty());
+    // SGLang answers a failed reload with 400 and `success: false`; a 200 with `success: false`
+    // is refused the same way.
+    for status in [400, 200] {
+        let mock = MockServer::start(move |r: &Recorded| match r.path.as_str() {
+            "/update_weights_from_disk" => Reply::Json(
+                status,
+                json!({"success": false, "message": "Failed to get weights iterator: no safetensors in /gone", "num_paused_requests": 0}),
+            ),
+            "/model_info" => Reply::ok(json!({"weight_version": "default"})),
+            _ => Reply::ok(json!({})),
+        });
+        let mut rollout = attached(&mock);
+        let dir = weights_dir();
+        let handover = file_handover(dir.path());
+        let err = rollout
+            .update_weights(&file_source(3, &handover))
+            .unwrap_err();
+        assert!(
+            err.message().contains("no safetensors in /gone")
+                && err.message().contains("/update_weights_from_disk"),
+            "{status}: {err}"
+        );
+        assert!(mock.requests_to("/flush_cache").is_empty());
+        let err = rollout
+            .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::UNAVAILABLE);
+        assert!(
+            err.message().contains("refusing to generate")
+                && err.message().contains("global step 3"),
+            "{err}"
+        );
+        assert!(mock.requests_to("/generate").is_empty());
+    }
 }
 
 #[test]

@@ -15,7 +15,9 @@
 //! prompt `n` times, one `sampling_params` each): SGLang's `n` would give every sample the same
 //! `sampling_seed`, and so the same tokens. Every sampling setting is sent, so the model's
 //! `generation_config.json` defaults never apply; `return_logprob` gives each token's log-prob in
-//! `meta_info.output_token_logprobs`, checked token by token against `output_ids`.
+//! `meta_info.output_token_logprobs`, checked token by token against `output_ids`: by default
+//! (without `SGLANG_RETURN_ORIGINAL_LOGPROB`) SGLang's sampler reports the log-prob under the
+//! temperature-scaled distribution, as the actor computes it.
 //!
 //! **Weights.** By file: on `update_weights` each server runs `/update_weights_from_disk
 //! {model_path, weight_version, flush_cache}` then `/flush_cache` (no cached prefix keeps the old

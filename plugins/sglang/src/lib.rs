@@ -376,19 +376,15 @@ impl Active {
         Ok(GenerateOutput::new(completions, self.weight_version))
     }
 
-    /// Server `i` reports weights of version `reported`, not `expected`.
+    /// Server `i` reports weights of version `reported`, not `expected` (the global step the
+    /// rollout last loaded, `default` before any, or a reload that did not complete).
     fn stale(&self, i: usize, reported: &str, expected: &str) -> PluginError {
         PluginError::new(
             ErrorKind::UNAVAILABLE,
             format!(
-                "SGLang server {} holds weights of version `{reported}`, not `{}` (the last \
-                 weights this rollout loaded{}): refusing to generate with stale weights",
+                "SGLang server {} holds weights of version `{reported}`, not `{expected}`: \
+                 refusing to generate with stale weights",
                 self.pool.servers()[i].url(),
-                expected,
-                match self.weight_version {
-                    Some(step) => format!(", global step {step}"),
-                    None => String::new(),
-                }
             ),
         )
     }
@@ -407,7 +403,6 @@ impl Active {
         let version = source.version.to_string();
         // Until every server has reloaded, none is trusted to hold known weights.
         self.protocol.weight_version = format!("(reload to {version} incomplete)");
-        self.weight_version = Some(source.version);
         let body =
             json!({"model_path": handover.path, "weight_version": version, "flush_cache": true});
         for i in 0..self.pool.servers().len() {
@@ -435,6 +430,7 @@ impl Active {
             }
         }
         self.protocol.weight_version = version;
+        self.weight_version = Some(source.version);
         Ok(())
     }
 

@@ -315,7 +315,7 @@ fn a_failed_reload_carries_the_message_and_blocks_generation() {
         assert_eq!(err.kind, ErrorKind::UNAVAILABLE);
         assert!(
             err.message().contains("refusing to generate")
-                && err.message().contains("global step 3"),
+                && err.message().contains("not `(reload to 3 incomplete)`"),
             "{err}"
         );
         assert!(mock.requests_to("/generate").is_empty());

@@ -216,8 +216,8 @@ fn token_ids(text: &str) -> Result<TokenIds, String> {
         .map(TokenIds)
 }
 
-/// A plugin file as an absolute path: the dynamic loader looks a bare file name up in the
-/// library search path, not in the current directory.
+/// A plugin file as an absolute path, so reports and the registry name it unambiguously (the host
+/// opens the file itself and loads that descriptor, so a bare name is never searched for).
 fn absolute(text: &str) -> Result<PathBuf, String> {
     std::path::absolute(text).map_err(|e| e.to_string())
 }

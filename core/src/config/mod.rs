@@ -387,7 +387,12 @@ impl ConfigSource<'_> {
 
 fn parse_text(text: &str, format: FileFormat) -> Result<Value, String> {
     let data = match format {
-        FileFormat::Yaml => Yaml::string(text).data(),
+        FileFormat::Yaml => {
+            // figment's YAML reader keeps the last of two equal keys; verl's (OmegaConf) refuses
+            // them, and so does serde_yaml's own mapping (naming the key and its mapping's line).
+            serde_yaml::from_str::<serde_yaml::Value>(text).map_err(|e| e.to_string())?;
+            Yaml::string(text).data()
+        }
         FileFormat::Toml => Toml::string(text).data(),
     }
     .map_err(|e| e.to_string())?;

@@ -164,6 +164,20 @@ fn text_source_parses_like_a_file_and_names_itself() {
         load_source(embedded("trainer: [\n", FileFormat::Yaml), &[]),
         Err(ConfigError::Syntax { origin, .. }) if origin == "the embedded example.yaml"
     ));
+    // A key given twice is refused (as OmegaConf does), naming the key and where its mapping is.
+    let twice = "trainer:\n  total_epochs: 2\n  project_name: p\n  total_epochs: 3\n";
+    match load_source(embedded(twice, FileFormat::Yaml), &[]) {
+        Err(ConfigError::Syntax { origin, message }) => {
+            assert_eq!(origin, "the embedded example.yaml");
+            assert!(
+                message.contains("duplicate")
+                    && message.contains("\"total_epochs\"")
+                    && message.contains("line 2"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a syntax error, got {other:?}"),
+    }
     assert!(matches!(
         load_source(embedded("trainer:\n  total_epochs: many\n", FileFormat::Yaml), &[]),
         Err(ConfigError::Invalid { key, origin, .. })

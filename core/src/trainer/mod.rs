@@ -268,11 +268,20 @@ impl Trainer {
             true,
         );
         if loader.batches_per_epoch() == 0 {
-            return Err(TrainError::Invalid(format!(
-                "the training set has {} prompts (after filtering), fewer than data.train_batch_size={}",
-                train.len(),
-                data.train_batch_size
-            )));
+            let files = data.train_files.join(", ");
+            return Err(TrainError::Invalid(if data.train_files.is_empty() {
+                "data.train_files is empty: give the training data (.parquet, .jsonl or .json files)"
+                    .to_owned()
+            } else if train.is_empty() {
+                format!("data.train_files ({files}) hold no prompts (after filtering)")
+            } else {
+                format!(
+                    "data.train_files ({files}) hold {} prompts (after filtering), fewer than \
+                     data.train_batch_size={}",
+                    train.len(),
+                    data.train_batch_size
+                )
+            }));
         }
         let total_steps = config
             .trainer
@@ -399,7 +408,12 @@ impl Trainer {
         let mut summary = RunSummary::default();
         // Trackers start once the checkpoint is restored: they are told the step it holds.
         let resumed = self.resume()?;
-        self.trackers.start(resumed);
+        self.trackers
+            .start(resumed)
+            .map_err(|(name, error)| TrainError::Plugin {
+                context: format!("tracker `{name}` (trainer.logger)"),
+                error,
+            })?;
         if let Some(step) = resumed {
             tracing::info!("resumed from step {step}");
             for record in std::mem::take(&mut self.records) {

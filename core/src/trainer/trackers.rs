@@ -1,7 +1,10 @@
 //! Fan-out to the trackers named in `trainer.logger`. A tracker that fails never fails the run: it
-//! is reported once, with the reason, and left out from then on.
+//! is reported once, with the reason, and left out from then on. A tracker's config that is wrong
+//! is the user's to fix, so it stops the run before step 1 instead.
 
-use verl_plugin_api::{ComponentInit, ComponentKind, Metric, Table, TrackerCapabilities};
+use verl_plugin_api::{
+    ComponentInit, ComponentKind, ErrorKind, Metric, PluginError, Table, TrackerCapabilities,
+};
 use verl_plugin_host::{Registry, TrackerHandle};
 
 struct Active {
@@ -44,19 +47,24 @@ impl Trackers {
     }
 
     /// Initialises every tracker, telling it the step the run resumes after (see
-    /// [`ComponentInit::resume_step`]); failing initialisation is a warning.
-    pub fn start(&mut self, resume_step: Option<u64>) {
+    /// [`ComponentInit::resume_step`]). A tracker that cannot start (its server is down, …) is
+    /// a warning and left out; one that rejects its config section is an error.
+    pub fn start(&mut self, resume_step: Option<u64>) -> Result<(), (String, PluginError)> {
         self.started = true;
-        self.active.retain_mut(|a| {
+        let mut started = Vec::with_capacity(self.active.len());
+        for mut a in std::mem::take(&mut self.active) {
             a.init.resume_step = resume_step;
             match a.tracker.init(&a.init) {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!("tracker `{}` is disabled for this run: {e}", a.name);
-                    false
+                Ok(()) => started.push(a),
+                Err(e) if e.kind == ErrorKind::INVALID_CONFIG => {
+                    self.active = started;
+                    return Err((a.name, e));
                 }
+                Err(e) => tracing::warn!("tracker `{}` is disabled for this run: {e}", a.name),
             }
-        });
+        }
+        self.active = started;
+        Ok(())
     }
 
     /// Calls every active tracker (only those that record tables when `tables` is set).
@@ -64,7 +72,7 @@ impl Trackers {
         &mut self,
         what: &str,
         tables: bool,
-        mut call: impl FnMut(&mut TrackerHandle) -> Result<(), verl_plugin_api::PluginError>,
+        mut call: impl FnMut(&mut TrackerHandle) -> Result<(), PluginError>,
     ) {
         self.active.retain_mut(|a| {
             if tables && !a.tables {
@@ -72,7 +80,7 @@ impl Trackers {
             }
             match call(&mut a.tracker) {
                 Ok(()) => true,
-                Err(e) if e.kind == verl_plugin_api::ErrorKind::UNSUPPORTED => true,
+                Err(e) if e.kind == ErrorKind::UNSUPPORTED => true,
                 Err(e) => {
                     tracing::warn!(
                         "tracker `{}` failed to {what} and is disabled for the rest of the run: {e}",

@@ -1,10 +1,47 @@
-//! Small pieces every backend's protocol needs: quoting answers in errors, and the check of a
-//! weight handover directory before any server is asked to read it.
+//! Small pieces every backend's protocol needs: reading its config section, quoting answers in
+//! errors, and the check of a weight handover directory before any server is asked to read it.
 
 use std::path::Path;
 
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
-use verl_plugin_api::{ErrorKind, PluginError};
+use verl_plugin_api::{ComponentInit, ErrorKind, PluginError};
+
+use crate::ServerSettings;
+
+/// A backend's own section (`engine_kwargs.<backend>` of verl's rollout section, at
+/// `default_path` unless the host sent its path), read strictly as the shared server keys plus the
+/// backend's own `T`, and the path it was read at. Without `urls` there, the comma-separated URLs
+/// in the variable `urls_env` attach to running servers.
+pub fn server_section<T: DeserializeOwned + Serialize>(
+    init: &ComponentInit,
+    engine_kwargs: &Value,
+    backend: &str,
+    default_path: &str,
+    urls_env: &str,
+) -> Result<(String, ServerSettings, T), PluginError> {
+    let path = if init.section_path.is_empty() {
+        default_path
+    } else {
+        &init.section_path
+    };
+    let section = engine_kwargs.get(backend).cloned().unwrap_or(Value::Null);
+    let (mut server, own): (ServerSettings, T) =
+        verl_plugin_api::config::parse_section2(path, &section.to_string(), &init.origins_json())?;
+    server.validate(path).map_err(PluginError::invalid_config)?;
+    if server.urls.is_empty()
+        && let Some(urls) = std::env::var(urls_env)
+            .ok()
+            .filter(|u| !u.trim().is_empty())
+    {
+        server.urls = urls.split(',').map(|u| u.trim().to_owned()).collect();
+        server
+            .validate(urls_env)
+            .map_err(PluginError::invalid_config)?;
+    }
+    Ok((path.to_owned(), server, own))
+}
 
 /// An answer as quoted in an error: at most 300 characters of its JSON.
 pub fn excerpt(v: &Value) -> String {

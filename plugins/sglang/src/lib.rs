@@ -43,7 +43,7 @@ use verl_plugin_api::{
 };
 use verl_rollout_http::{
     HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
-    free_port, prompt_seed,
+    free_port, prompt_seed, server_section,
 };
 
 /// The section this plugin owns, where verl keeps SGLang's engine settings.
@@ -301,33 +301,8 @@ struct Active {
 impl Active {
     fn start(init: &ComponentInit) -> Result<Self, PluginError> {
         let keys: RolloutKeys = init.config("sglang")?;
-        let path = if init.section_path.is_empty() {
-            SECTION
-        } else {
-            &init.section_path
-        };
-        let section = keys
-            .engine_kwargs
-            .get("sglang")
-            .cloned()
-            .unwrap_or(Value::Null);
-        let (mut server, sglang): (ServerSettings, SglangSettings) =
-            verl_plugin_api::config::parse_section2(
-                path,
-                &section.to_string(),
-                &init.origins_json(),
-            )?;
-        server.validate(path).map_err(PluginError::invalid_config)?;
-        if server.urls.is_empty()
-            && let Some(urls) = std::env::var(URLS_ENV)
-                .ok()
-                .filter(|u| !u.trim().is_empty())
-        {
-            server.urls = urls.split(',').map(|u| u.trim().to_owned()).collect();
-            server
-                .validate(URLS_ENV)
-                .map_err(PluginError::invalid_config)?;
-        }
+        let (_, server, sglang): (String, ServerSettings, SglangSettings) =
+            server_section(init, &keys.engine_kwargs, "sglang", SECTION, URLS_ENV)?;
         let pool = if server.urls.is_empty() {
             let port = match server.port {
                 Some(port) => port,

@@ -43,7 +43,7 @@ use verl_plugin_api::{
 };
 use verl_rollout_http::{
     HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
-    free_port, prompt_seed,
+    free_port, prompt_seed, server_section,
 };
 
 /// The section this plugin owns, where verl keeps vLLM's engine settings.
@@ -349,33 +349,9 @@ struct Active {
 impl Active {
     fn start(init: &ComponentInit) -> Result<Self, PluginError> {
         let keys: RolloutKeys = init.config("vllm")?;
-        let path = if init.section_path.is_empty() {
-            SECTION
-        } else {
-            &init.section_path
-        };
-        let section = keys
-            .engine_kwargs
-            .get("vllm")
-            .cloned()
-            .unwrap_or(Value::Null);
-        let (mut server, vllm): (ServerSettings, VllmSettings) =
-            verl_plugin_api::config::parse_section2(
-                path,
-                &section.to_string(),
-                &init.origins_json(),
-            )?;
-        server.validate(path).map_err(PluginError::invalid_config)?;
-        if server.urls.is_empty()
-            && let Some(urls) = std::env::var(URLS_ENV)
-                .ok()
-                .filter(|u| !u.trim().is_empty())
-        {
-            server.urls = urls.split(',').map(|u| u.trim().to_owned()).collect();
-            server
-                .validate(URLS_ENV)
-                .map_err(PluginError::invalid_config)?;
-        }
+        let (path, server, vllm): (String, ServerSettings, VllmSettings) =
+            server_section(init, &keys.engine_kwargs, "vllm", SECTION, URLS_ENV)?;
+        let path = path.as_str();
         let started = server.urls.is_empty();
         let reload = vllm
             .reload

@@ -397,12 +397,41 @@ fn parse_text(text: &str, format: FileFormat) -> Result<Value, String> {
     }
     .map_err(|e| e.to_string())?;
     let dict = data.into_values().next().unwrap_or_default();
+    reject_non_finite("", &dict)?;
     let mut tree = serde_json::to_value(dict).map_err(|e| e.to_string())?;
     if tree.is_null() {
         tree = Value::Object(Default::default());
     }
     strip_markers(&mut tree, true);
     Ok(tree)
+}
+
+/// TOML and YAML spell NaN and infinities (`nan`, `.inf`); JSON has no such numbers and would
+/// turn them into null, so they are refused here, by key.
+fn reject_non_finite(prefix: &str, dict: &Dict) -> Result<(), String> {
+    fn check(path: &str, value: &figment::value::Value) -> Result<(), String> {
+        use figment::value::Value as V;
+        match value {
+            V::Num(_, num) => match num.to_f64() {
+                Some(x) if !x.is_finite() => Err(format!("`{path}` is {x}: give a finite number")),
+                _ => Ok(()),
+            },
+            V::Dict(_, dict) => reject_non_finite(path, dict),
+            V::Array(_, items) => items
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, item)| check(&format!("{path}[{i}]"), item)),
+            _ => Ok(()),
+        }
+    }
+    dict.iter().try_for_each(|(key, value)| {
+        let path = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        check(&path, value)
+    })
 }
 
 impl Config {

@@ -164,6 +164,27 @@ fn text_source_parses_like_a_file_and_names_itself() {
         load_source(embedded("trainer: [\n", FileFormat::Yaml), &[]),
         Err(ConfigError::Syntax { origin, .. }) if origin == "the embedded example.yaml"
     ));
+    // NaN and infinities are named by key, not turned into null.
+    for (text, format, shown) in [
+        (
+            "[actor_rollout_ref.actor.optim]\nlr = nan\n",
+            FileFormat::Toml,
+            "NaN",
+        ),
+        (
+            "trainer:\n  total_epochs: 1\nalgorithm:\n  gamma: -.inf\n",
+            FileFormat::Yaml,
+            "-inf",
+        ),
+    ] {
+        match load_source(embedded(text, format), &[]) {
+            Err(ConfigError::Syntax { message, .. }) => assert!(
+                message.contains(shown) && message.contains("finite"),
+                "{message}"
+            ),
+            other => panic!("expected a syntax error for {text:?}, got {other:?}"),
+        }
+    }
     // A key given twice is refused (as OmegaConf does), naming the key and where its mapping is.
     let twice = "trainer:\n  total_epochs: 2\n  project_name: p\n  total_epochs: 3\n";
     match load_source(embedded(twice, FileFormat::Yaml), &[]) {

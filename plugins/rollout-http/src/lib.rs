@@ -24,12 +24,14 @@ pub mod mock;
 mod pool;
 mod process;
 mod settings;
+mod support;
 
 pub use error::HttpError;
 pub use generate::{Protocol, Sample, prompt_seed};
 pub use pool::{Method, Pool, Server};
 pub use process::{LOG_TAIL_LINES, Launch, ServerProcess, free_port, log_tail};
 pub use settings::ServerSettings;
+pub use support::{check_weights_dir, excerpt, server_section};
 
 #[cfg(test)]
 mod tests;

@@ -356,9 +356,28 @@ fn a_started_server_that_dies_is_noticed_before_the_next_request() {
         1
     );
     let pid = pool.servers()[0].process().unwrap().pid();
+    // The mock answered for it, so the shell may not have run its `echo` yet on a loaded machine.
+    let log = dir.path().join("server.log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("serving"))
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: signals the test's own child process.
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-    std::thread::sleep(Duration::from_millis(200));
+    // Dead once it is a zombie (or gone); a fixed pause raced a loaded machine.
+    let dead = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|s| s.trim_start().starts_with('Z'))
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !dead() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let err = pool
         .generate(&Echo, &request(vec![vec![1]], 1), None)
         .unwrap_err();

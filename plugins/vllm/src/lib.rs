@@ -42,7 +42,8 @@ use verl_plugin_api::{
     Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
 };
 use verl_rollout_http::{
-    HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, free_port, prompt_seed,
+    HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
+    free_port, prompt_seed, server_section,
 };
 
 /// The section this plugin owns, where verl keeps vLLM's engine settings.
@@ -153,13 +154,13 @@ impl Protocol for Completions {
     fn samples(&self, answer: &Value) -> Result<Vec<Sample>, String> {
         let choices = answer["choices"]
             .as_array()
-            .ok_or_else(|| format!("no `choices` list in {}", short(answer)))?;
+            .ok_or_else(|| format!("no `choices` list in {}", excerpt(answer)))?;
         choices
             .iter()
             .map(|c| {
                 let index = c["index"]
                     .as_u64()
-                    .ok_or_else(|| format!("a choice without `index`: {}", short(c)))?
+                    .ok_or_else(|| format!("a choice without `index`: {}", excerpt(c)))?
                     as usize;
                 let token_ids: Vec<u32> = serde_json::from_value(c["token_ids"].clone())
                     .map_err(|e| format!("choice {index}: `token_ids`: {e}"))?;
@@ -194,15 +195,6 @@ impl Protocol for Completions {
                 })
             })
             .collect()
-    }
-}
-
-/// At most this much of an answer is quoted in an error.
-fn short(v: &Value) -> String {
-    let text = v.to_string();
-    match text.char_indices().nth(300) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text,
     }
 }
 
@@ -357,33 +349,9 @@ struct Active {
 impl Active {
     fn start(init: &ComponentInit) -> Result<Self, PluginError> {
         let keys: RolloutKeys = init.config("vllm")?;
-        let path = if init.section_path.is_empty() {
-            SECTION
-        } else {
-            &init.section_path
-        };
-        let section = keys
-            .engine_kwargs
-            .get("vllm")
-            .cloned()
-            .unwrap_or(Value::Null);
-        let (mut server, vllm): (ServerSettings, VllmSettings) =
-            verl_plugin_api::config::parse_section2(
-                path,
-                &section.to_string(),
-                &init.origins_json(),
-            )?;
-        server.validate(path).map_err(PluginError::invalid_config)?;
-        if server.urls.is_empty()
-            && let Some(urls) = std::env::var(URLS_ENV)
-                .ok()
-                .filter(|u| !u.trim().is_empty())
-        {
-            server.urls = urls.split(',').map(|u| u.trim().to_owned()).collect();
-            server
-                .validate(URLS_ENV)
-                .map_err(PluginError::invalid_config)?;
-        }
+        let (path, server, vllm): (String, ServerSettings, VllmSettings) =
+            server_section(init, &keys.engine_kwargs, "vllm", SECTION, URLS_ENV)?;
+        let path = path.as_str();
         let started = server.urls.is_empty();
         let reload = vllm
             .reload
@@ -598,32 +566,6 @@ impl Restart {
     }
 }
 
-/// A reload from a directory without weights would leave a vLLM server half-loaded (it points
-/// its model at the directory before reading it), so such a directory is refused here. The
-/// servers read the directory themselves: it must be on a filesystem they see.
-fn check_weights_dir(dir: &Path) -> Result<(), PluginError> {
-    let entries = std::fs::read_dir(dir).map_err(|e| {
-        PluginError::new(
-            verl_plugin_api::ErrorKind::IO,
-            format!("weight handover {}: {e}", dir.display()),
-        )
-    })?;
-    let has_weights = entries
-        .flatten()
-        .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
-    if has_weights {
-        Ok(())
-    } else {
-        Err(PluginError::new(
-            verl_plugin_api::ErrorKind::IO,
-            format!(
-                "weight handover {}: no .safetensors file in it; the servers were not asked to reload",
-                dir.display()
-            ),
-        ))
-    }
-}
-
 /// One server's reload of the weights in `dir`, tagged `version`. The server is resumed whatever
 /// happens once it is paused, so a failed reload leaves it answering (and the version check then
 /// refuses it).
@@ -659,7 +601,7 @@ fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
                 .ok_or_else(|| {
                     HttpError::protocol(
                         format!("{}/weight_info", server.url()),
-                        format!("no `weight_version` string in {}", short(&answer)),
+                        format!("no `weight_version` string in {}", excerpt(&answer)),
                     )
                 })
         })
@@ -709,7 +651,7 @@ fn served_model(pool: &Pool) -> Result<String, HttpError> {
     let first = names[0].clone().ok_or_else(|| {
         HttpError::protocol(
             format!("{}/v1/models", pool.servers()[0].url()),
-            format!("no model listed in {}", short(&answers[0])),
+            format!("no model listed in {}", excerpt(&answers[0])),
         )
     })?;
     if let Some(i) = names.iter().position(|n| n.as_deref() != Some(&first)) {

@@ -1,0 +1,80 @@
+//! Small pieces every backend's protocol needs: reading its config section, quoting answers in
+//! errors, and the check of a weight handover directory before any server is asked to read it.
+
+use std::path::Path;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use verl_plugin_api::{ComponentInit, ErrorKind, PluginError};
+
+use crate::ServerSettings;
+
+/// A backend's own section (`engine_kwargs.<backend>` of verl's rollout section, at
+/// `default_path` unless the host sent its path), read strictly as the shared server keys plus the
+/// backend's own `T`, and the path it was read at. Without `urls` there, the comma-separated URLs
+/// in the variable `urls_env` attach to running servers.
+pub fn server_section<T: DeserializeOwned + Serialize>(
+    init: &ComponentInit,
+    engine_kwargs: &Value,
+    backend: &str,
+    default_path: &str,
+    urls_env: &str,
+) -> Result<(String, ServerSettings, T), PluginError> {
+    let path = if init.section_path.is_empty() {
+        default_path
+    } else {
+        &init.section_path
+    };
+    let section = engine_kwargs.get(backend).cloned().unwrap_or(Value::Null);
+    let (mut server, own): (ServerSettings, T) =
+        verl_plugin_api::config::parse_section2(path, &section.to_string(), &init.origins_json())?;
+    server.validate(path).map_err(PluginError::invalid_config)?;
+    if server.urls.is_empty()
+        && let Some(urls) = std::env::var(urls_env)
+            .ok()
+            .filter(|u| !u.trim().is_empty())
+    {
+        server.urls = urls.split(',').map(|u| u.trim().to_owned()).collect();
+        server
+            .validate(urls_env)
+            .map_err(PluginError::invalid_config)?;
+    }
+    Ok((path.to_owned(), server, own))
+}
+
+/// An answer as quoted in an error: at most 300 characters of its JSON.
+pub fn excerpt(v: &Value) -> String {
+    let text = v.to_string();
+    match text.char_indices().nth(300) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text,
+    }
+}
+
+/// A reload from a directory without weights would leave a server half-loaded (vLLM points its
+/// model at the directory before reading it; SGLang fails mid-load), so such a directory is
+/// refused before any server is touched. The servers read the directory themselves: it must be
+/// on a filesystem they see.
+pub fn check_weights_dir(dir: &Path) -> Result<(), PluginError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        PluginError::new(
+            ErrorKind::IO,
+            format!("weight handover {}: {e}", dir.display()),
+        )
+    })?;
+    let has_weights = entries
+        .flatten()
+        .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
+    if has_weights {
+        Ok(())
+    } else {
+        Err(PluginError::new(
+            ErrorKind::IO,
+            format!(
+                "weight handover {}: no .safetensors file in it; the servers were not asked to reload",
+                dir.display()
+            ),
+        ))
+    }
+}

@@ -1,0 +1,522 @@
+//! # verl-plugin-sglang
+//!
+//! The `sglang` rollout: generation on SGLang's native server API, started by the plugin or
+//! attached to, and weights reloaded from the files the `disk` weight sync writes. Servers,
+//! concurrency, retries and errors are [`verl_rollout_http`]'s; this crate is SGLang's protocol.
+//!
+//! **Servers.** `actor_rollout_ref.rollout.engine_kwargs.sglang.urls` (or the `VERL_SGLANG_URLS`
+//! environment variable, comma-separated) attaches to running servers, load-balanced. Otherwise
+//! the plugin starts one: `<python> -m sglang.launch_server --model-path <model.path> …` (`python`
+//! default `python3`, or `command`), on a free port, its log in `<run_dir>/sglang/`. SGLang needs
+//! a GPU: PyPI has no CPU build of its kernel library, so a started server fails on a CPU-only
+//! machine and the error says so.
+//!
+//! **Generation.** One `POST /generate` per prompt, a batch of its `n` samples (`input_ids` the
+//! prompt `n` times, one `sampling_params` each): SGLang's `n` would give every sample the same
+//! `sampling_seed`, and so the same tokens. Every sampling setting is sent, so the model's
+//! `generation_config.json` defaults never apply; `return_logprob` gives each token's log-prob in
+//! `meta_info.output_token_logprobs`, checked token by token against `output_ids`: by default
+//! (without `SGLANG_RETURN_ORIGINAL_LOGPROB`) SGLang's sampler reports the log-prob under the
+//! temperature-scaled distribution, as the actor computes it.
+//!
+//! **Weights.** By file: on `update_weights` each server runs `/update_weights_from_disk
+//! {model_path, weight_version, flush_cache}` then `/flush_cache` (no cached prefix keeps the old
+//! weights' KV), and must then report the new version. Before each generation every server's
+//! `/model_info` (`/get_model_info` on older servers) must report the version the plugin last
+//! set, and every answer's `meta_info.weight_version` must be it: a restarted server, or a reload
+//! that failed on one replica, stops the run instead of producing samples from stale weights.
+//! SGLang's `/update_weights_from_distributed` (NCCL, GPU-only) is not used: the disk sync is the
+//! one weight source this rollout accepts.
+//!
+//! **Sleep/wake.** `/release_memory_occupation` and `/resume_memory_occupation`, which free and
+//! restore GPU memory on a server started with `--enable-memory-saver` (the plugin adds it to a
+//! server it starts unless `enable_memory_saver: false`).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use verl_plugin_api::{
+    ComponentInit, ConfigKeys, ErrorKind, FinishReason, GenerateOutput, GenerateRequest,
+    PluginBuilder, PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource,
+    WeightSourceKind,
+};
+use verl_rollout_http::{
+    HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
+    free_port, prompt_seed, server_section,
+};
+
+/// The section this plugin owns, where verl keeps SGLang's engine settings.
+pub const SECTION: &str = "actor_rollout_ref.rollout.engine_kwargs.sglang";
+/// Attach to these servers (comma-separated URLs) when the section names none.
+pub const URLS_ENV: &str = "VERL_SGLANG_URLS";
+const SERVER_MODULE: &str = "sglang.launch_server";
+/// Why a started server may not come up, added to every start failure.
+const NO_CPU_BUILD: &str = "SGLang needs a GPU: PyPI has no CPU build of its kernel library \
+     (sgl-kernel), so `sglang.launch_server` cannot serve on a CPU-only machine; attach to a \
+     server on a GPU machine with `urls`, or use the `vllm` or `native` rollout";
+
+/// SGLang's own keys of the section, in its server-argument names (the server keys are
+/// [`ServerSettings`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SglangSettings {
+    /// `--dtype`; default the rollout's `dtype`, else SGLang's `auto`.
+    pub dtype: Option<String>,
+    /// `--context-length`; default the rollout's `max_model_len`, else prompt + response length.
+    pub context_length: Option<u64>,
+    /// `--mem-fraction-static`; default the rollout's `gpu_memory_utilization`.
+    pub mem_fraction_static: Option<f64>,
+    /// `--enable-memory-saver`: lets sleep/wake free and restore GPU memory.
+    pub enable_memory_saver: bool,
+}
+
+impl Default for SglangSettings {
+    fn default() -> Self {
+        Self {
+            dtype: None,
+            context_length: None,
+            mem_fraction_static: None,
+            enable_memory_saver: true,
+        }
+    }
+}
+
+/// The keys of verl's rollout section this plugin reads (the host validated them).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RolloutKeys {
+    model: ModelKeys,
+    dtype: Option<String>,
+    max_model_len: Option<u64>,
+    prompt_length: Option<u64>,
+    response_length: Option<u64>,
+    gpu_memory_utilization: Option<f64>,
+    ignore_eos: bool,
+    engine_kwargs: Value,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ModelKeys {
+    path: PathBuf,
+}
+
+/// SGLang's native `/generate` with token-id prompts.
+#[derive(Debug, Clone)]
+pub struct Generate {
+    pub ignore_eos: bool,
+    /// The weight version every answer must carry.
+    pub weight_version: String,
+}
+
+impl Generate {
+    fn sampling_params(&self, s: &SamplingParams, seed: Option<u64>) -> Value {
+        let greedy = s.greedy || s.temperature <= 0.0;
+        let mut params = json!({
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": if greedy { 0.0 } else { s.temperature },
+            "top_p": if greedy { 1.0 } else { s.top_p },
+            // SGLang disables top-k with -1 (and rejects 0), as verl does.
+            "top_k": if greedy || s.top_k <= 0 { -1 } else { s.top_k },
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "stop_token_ids": s.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+        });
+        if let Some(seed) = seed {
+            params["sampling_seed"] = json!(seed);
+        }
+        params
+    }
+}
+
+impl Protocol for Generate {
+    fn path(&self) -> &str {
+        "/generate"
+    }
+
+    fn body(&self, prompt: &[u32], s: &SamplingParams, seed: Option<u64>) -> Value {
+        let n = s.n as usize;
+        let params: Vec<Value> = (0..n)
+            .map(|j| self.sampling_params(s, seed.map(|seed| prompt_seed(seed, j))))
+            .collect();
+        json!({
+            "input_ids": vec![prompt; n],
+            "sampling_params": params,
+            "return_logprob": true,
+        })
+    }
+
+    fn samples(&self, answer: &Value) -> Result<Vec<Sample>, String> {
+        let outputs = answer
+            .as_array()
+            .ok_or_else(|| format!("not a list of outputs: {}", excerpt(answer)))?;
+        outputs
+            .iter()
+            .enumerate()
+            .map(|(index, out)| self.sample(index, out))
+            .collect()
+    }
+}
+
+impl Generate {
+    fn sample(&self, index: usize, out: &Value) -> Result<Sample, String> {
+        let token_ids: Vec<u32> = serde_json::from_value(out["output_ids"].clone())
+            .map_err(|e| format!("output {index}: `output_ids`: {e}"))?;
+        let meta = &out["meta_info"];
+        if let Some(version) = meta["weight_version"].as_str()
+            && version != self.weight_version
+        {
+            return Err(format!(
+                "output {index} was generated with weights of version `{version}`, not `{}`",
+                self.weight_version
+            ));
+        }
+        // Each entry is `[logprob, token_id, text]`.
+        let entries: Vec<(Option<f32>, u32, Value)> =
+            serde_json::from_value(meta["output_token_logprobs"].clone())
+                .map_err(|e| format!("output {index}: `meta_info.output_token_logprobs`: {e}"))?;
+        if entries.len() != token_ids.len() {
+            return Err(format!(
+                "output {index}: {} log-probs for {} tokens",
+                entries.len(),
+                token_ids.len()
+            ));
+        }
+        let logprobs = entries
+            .into_iter()
+            .zip(&token_ids)
+            .enumerate()
+            .map(|(t, ((logprob, id, _), &want))| {
+                if id != want {
+                    return Err(format!(
+                        "output {index}: token {t} is {want} but its log-prob is for {id}"
+                    ));
+                }
+                logprob.ok_or_else(|| format!("output {index}: token {t} has no log-prob"))
+            })
+            .collect::<Result<_, _>>()?;
+        let finish_reason = match meta["finish_reason"]["type"].as_str() {
+            Some("stop") => FinishReason::Stop,
+            Some("length") => FinishReason::Length,
+            Some("abort") => FinishReason::Abort,
+            _ => FinishReason::Other,
+        };
+        Ok(Sample {
+            index,
+            token_ids,
+            logprobs,
+            finish_reason,
+        })
+    }
+}
+
+/// The server command line and environment of a started server.
+fn launch(
+    init: &ComponentInit,
+    keys: &RolloutKeys,
+    server: &ServerSettings,
+    sglang: &SglangSettings,
+    port: u16,
+) -> Result<Launch, HttpError> {
+    let (program, mut args) = match server.command.split_first() {
+        Some((program, rest)) => (PathBuf::from(program), rest.to_vec()),
+        None => (
+            server
+                .python
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("python3")),
+            vec!["-m".into(), SERVER_MODULE.into()],
+        ),
+    };
+    if keys.model.path.as_os_str().is_empty() {
+        return Err(HttpError::Config(
+            "starting SGLang needs the model directory: `actor_rollout_ref.model.path` is empty"
+                .into(),
+        ));
+    }
+    let context_length = sglang.context_length.or(keys.max_model_len).or(
+        match (keys.prompt_length, keys.response_length) {
+            (Some(p), Some(r)) => Some(p + r),
+            _ => None,
+        },
+    );
+    let mut add = |flag: &str, value: String| {
+        args.push(flag.into());
+        args.push(value);
+    };
+    add("--model-path", keys.model.path.display().to_string());
+    add("--host", server.host.clone());
+    add("--port", port.to_string());
+    add("--random-seed", init.run.seed.to_string());
+    if let Some(dtype) = sglang.dtype.clone().or_else(|| keys.dtype.clone()) {
+        add("--dtype", dtype);
+    }
+    if let Some(len) = context_length {
+        add("--context-length", len.to_string());
+    }
+    if let Some(fraction) = sglang.mem_fraction_static.or(keys.gpu_memory_utilization) {
+        add("--mem-fraction-static", fraction.to_string());
+    }
+    if sglang.enable_memory_saver {
+        args.push("--enable-memory-saver".into());
+    }
+    args.extend(server.extra_args.iter().cloned());
+
+    let mut env: Vec<(String, String)> = vec![
+        // The model is a local directory: nothing to fetch.
+        ("HF_HUB_OFFLINE".into(), "1".into()),
+        ("TRANSFORMERS_OFFLINE".into(), "1".into()),
+    ];
+    env.extend(server.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let log_dir = match &server.log_dir {
+        Some(dir) => dir.clone(),
+        None if !init.run.run_dir.is_empty() => PathBuf::from(&init.run.run_dir).join("sglang"),
+        None => std::env::temp_dir().join(format!("verl-sglang-{}", std::process::id())),
+    };
+    Ok(Launch {
+        name: format!("SGLang server on {}:{port}", server.host),
+        program,
+        args,
+        env,
+        log: log_dir.join(format!("server-{port}.log")),
+    })
+}
+
+/// A running rollout: its servers and what they hold.
+struct Active {
+    pool: Pool,
+    /// Its `weight_version` is what every server must report.
+    protocol: Generate,
+    /// The trainer step of the weights the servers hold (`None`: the model directory's).
+    weight_version: Option<u64>,
+    /// Seeds for requests that bring none, from the run seed.
+    run_seed: u64,
+    calls: u64,
+}
+
+impl Active {
+    fn start(init: &ComponentInit) -> Result<Self, PluginError> {
+        let keys: RolloutKeys = init.config("sglang")?;
+        let (_, server, sglang): (String, ServerSettings, SglangSettings) =
+            server_section(init, &keys.engine_kwargs, "sglang", SECTION, URLS_ENV)?;
+        let pool = if server.urls.is_empty() {
+            let port = match server.port {
+                Some(port) => port,
+                None => free_port(&server.host).map_err(|e| {
+                    PluginError::other(format!("finding a free port on {}: {e}", server.host))
+                })?,
+            };
+            let launch = launch(init, &keys, &server, &sglang, port)?;
+            let url = format!("http://{}:{port}", server.host);
+            Pool::spawn("SGLang", &server, &launch, &url).map_err(|e| {
+                let e = PluginError::from(e);
+                PluginError::new(e.kind, format!("{}\n{NO_CPU_BUILD}", e.message()))
+            })?
+        } else {
+            Pool::attach("SGLang", &server)?
+        };
+        let weight_version = agreed_version(&pool)?;
+        Ok(Self {
+            pool,
+            protocol: Generate {
+                ignore_eos: keys.ignore_eos,
+                weight_version,
+            },
+            weight_version: None,
+            run_seed: init.run.seed,
+            calls: 0,
+        })
+    }
+
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        if request.sampling.n == 0 {
+            return Err(PluginError::invalid_config(
+                "`n` (samples per prompt) must be at least 1",
+            ));
+        }
+        for (i, reported) in weight_versions(&self.pool)?.into_iter().enumerate() {
+            if reported != self.protocol.weight_version {
+                return Err(self.stale(i, &reported, &self.protocol.weight_version));
+            }
+        }
+        let seed = request.sampling.seed.unwrap_or_else(|| {
+            self.calls += 1;
+            prompt_seed(self.run_seed, self.calls as usize)
+        });
+        let completions = self.pool.generate(&self.protocol, request, Some(seed))?;
+        Ok(GenerateOutput::new(completions, self.weight_version))
+    }
+
+    /// Server `i` reports weights of version `reported`, not `expected` (the global step the
+    /// rollout last loaded, `default` before any, or a reload that did not complete).
+    fn stale(&self, i: usize, reported: &str, expected: &str) -> PluginError {
+        PluginError::new(
+            ErrorKind::UNAVAILABLE,
+            format!(
+                "SGLang server {} holds weights of version `{reported}`, not `{expected}`: \
+                 refusing to generate with stale weights",
+                self.pool.servers()[i].url(),
+            ),
+        )
+    }
+
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        let handover = source.handover()?;
+        if handover.kind != WeightSourceKind::File {
+            return Err(PluginError::unsupported(&format!(
+                "update_weights from a {} source (the sglang rollout reloads from files: set \
+                 actor_rollout_ref.rollout.checkpoint_engine.backend=disk; SGLang's \
+                 /update_weights_from_distributed is GPU-only and not used)",
+                handover.kind.as_str()
+            )));
+        }
+        check_weights_dir(Path::new(&handover.path))?;
+        let version = source.version.to_string();
+        // Until every server has reloaded, none is trusted to hold known weights.
+        self.protocol.weight_version = format!("(reload to {version} incomplete)");
+        let body =
+            json!({"model_path": handover.path, "weight_version": version, "flush_cache": true});
+        for i in 0..self.pool.servers().len() {
+            let answer = self.pool.block_on(self.pool.request(
+                i,
+                Method::Post,
+                "/update_weights_from_disk",
+                Some(&body),
+            ))?;
+            if answer["success"] != json!(true) {
+                return Err(PluginError::other(format!(
+                    "{}/update_weights_from_disk: the reload of {} failed: {}",
+                    self.pool.servers()[i].url(),
+                    handover.path,
+                    answer["message"]
+                        .as_str()
+                        .map_or_else(|| excerpt(&answer), str::to_owned)
+                )));
+            }
+            self.pool
+                .block_on(self.pool.request(i, Method::Post, "/flush_cache", None))?;
+            let reported = weight_version(&self.pool, i)?;
+            if reported != version {
+                return Err(self.stale(i, &reported, &version));
+            }
+        }
+        self.protocol.weight_version = version;
+        self.weight_version = Some(source.version);
+        Ok(())
+    }
+
+    fn memory(&self, path: &str) -> Result<(), PluginError> {
+        self.pool.broadcast(Method::Post, path, Some(&json!({})))?;
+        Ok(())
+    }
+}
+
+/// Server `i`'s weight version: `/model_info`, or `/get_model_info` where a server predates it.
+fn weight_version(pool: &Pool, i: usize) -> Result<String, HttpError> {
+    let answer = match pool.block_on(pool.request(i, Method::Get, "/model_info", None)) {
+        Err(HttpError::Status { status: 404, .. }) => {
+            pool.block_on(pool.request(i, Method::Get, "/get_model_info", None))?
+        }
+        other => other?,
+    };
+    answer["weight_version"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            HttpError::protocol(
+                format!("{}/model_info", pool.servers()[i].url()),
+                format!("no `weight_version` string in {}", excerpt(&answer)),
+            )
+        })
+}
+
+fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
+    (0..pool.servers().len())
+        .map(|i| weight_version(pool, i))
+        .collect()
+}
+
+/// The version all servers report at the start; replicas holding different weights are an error.
+fn agreed_version(pool: &Pool) -> Result<String, HttpError> {
+    let versions = weight_versions(pool)?;
+    match versions.iter().position(|v| *v != versions[0]) {
+        None => Ok(versions[0].clone()),
+        Some(i) => Err(HttpError::Config(format!(
+            "the SGLang replicas hold different weights: {} reports version `{}`, {} reports `{}`",
+            pool.servers()[0].url(),
+            versions[0],
+            pool.servers()[i].url(),
+            versions[i]
+        ))),
+    }
+}
+
+/// The `sglang` rollout as the ABI sees it: servers once `init` has run.
+#[derive(Default)]
+pub struct SglangRollout {
+    active: Option<Active>,
+}
+
+impl SglangRollout {
+    fn active(&mut self) -> Result<&mut Active, PluginError> {
+        self.active.as_mut().ok_or_else(|| {
+            PluginError::other("the sglang rollout is not initialised: call `init` first")
+        })
+    }
+}
+
+impl Rollout for SglangRollout {
+    fn capabilities() -> RolloutCapabilities {
+        RolloutCapabilities::default()
+            .weight_sources([WeightSourceKind::File])
+            .logprobs(true)
+            .sleep_wake(true)
+            .config_keys(ConfigKeys::default().acts_on([
+                "dtype",
+                "max_model_len",
+                "prompt_length",
+                "gpu_memory_utilization",
+            ]))
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        // A second init replaces the servers (the old ones stop when dropped).
+        self.active = None;
+        self.active = Some(Active::start(init)?);
+        Ok(())
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        self.active()?.generate(request)
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        self.active()?.update_weights(source)
+    }
+    /// Every level releases everything SGLang holds (weights and KV cache).
+    fn sleep(&mut self, _level: u32) -> Result<(), PluginError> {
+        self.active()?.memory("/release_memory_occupation")
+    }
+    fn wake_up(&mut self) -> Result<(), PluginError> {
+        self.active()?.memory("/resume_memory_occupation")
+    }
+}
+
+verl_plugin_api::export_plugin!(
+    PluginBuilder::new(
+        "sglang",
+        env!("CARGO_PKG_VERSION"),
+        "SGLang inference servers (native /generate API), started or attached"
+    )
+    .rollout(
+        "sglang",
+        100,
+        "generation on SGLang servers; weights reloaded from the disk weight sync's files",
+        SglangRollout::default
+    )
+    .config_section("sglang")
+);
+
+#[cfg(test)]
+mod tests;

@@ -10,7 +10,6 @@
 mod common;
 
 use std::io::Read;
-use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -722,33 +721,12 @@ fn main() {
             run("load", 2, "wide", Some(dir.path()));
         }),
     ];
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        eprintln!("test {name} ...");
-        let started = Instant::now();
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(test));
-        let seconds = started.elapsed().as_secs_f64();
-        if outcome.is_ok() {
-            eprintln!("test {name} ... ok ({seconds:.1} s)");
-        } else {
-            eprintln!("test {name} ... FAILED ({seconds:.1} s)");
-            failed.push(*name);
-        }
-    }
-    eprintln!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        eprintln!("failures: {}", failed.join(", "));
-        std::process::exit(1);
-    }
+    let mut args = libtest_mimic::Arguments::from_args();
+    // Each test runs its ranks as processes: one test at a time unless told otherwise.
+    args.test_threads.get_or_insert(1);
+    let trials = tests
+        .iter()
+        .map(|&(name, test)| libtest_mimic::Trial::test(name, move || Ok(test())))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
 }

@@ -1,6 +1,7 @@
 //! Building the binary and plugins once per test run, plugin directories with safe permissions,
 //! and running `verl-core` with a controlled environment.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -336,4 +337,79 @@ pub fn device<'a>(platform: &'a Value, name: &str) -> &'a Value {
         .iter()
         .find(|d| d["name"] == name)
         .unwrap_or_else(|| panic!("no device {name} in {platform:#}"))
+}
+
+/// `run --config examples/quickstart.yaml …`: the quickstart task shrunk to seconds (256 training
+/// prompts, 5 SFT steps, 8 prompts × 4 samples per step, validation every 2 steps, deterministic,
+/// constant learning rate so that a run extended on resume schedules like an uninterrupted one),
+/// then `overrides`, on the data and model the quickstart makes in `work`, writing to `run_dir`.
+pub fn quickstart_run_args(
+    work: &Path,
+    run_dir: &Path,
+    steps: u64,
+    save_freq: u64,
+    overrides: &[&str],
+) -> Vec<String> {
+    let quickstart = workspace_root().join("examples/quickstart.yaml");
+    let mut args = vec![
+        "run".to_string(),
+        "--config".to_string(),
+        quickstart.display().to_string(),
+    ];
+    args.extend(
+        [
+            "quickstart.task.train_size=256",
+            "sft.steps=5",
+            "sft.batch_size=32",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.n=4",
+            "trainer.test_freq=2",
+            "trainer.deterministic=true",
+            "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
+        ]
+        .iter()
+        .chain(overrides)
+        .map(|o| o.to_string()),
+    );
+    let work = work.display();
+    args.extend([
+        format!("quickstart.dir={work}"),
+        format!("data.train_files=[{work}/data/train.parquet]"),
+        format!("data.val_files=[{work}/data/test.parquet]"),
+        format!("actor_rollout_ref.model.path={work}/model-sft"),
+        format!("trainer.default_local_dir={}", run_dir.display()),
+        format!("trainer.total_training_steps={steps}"),
+        format!("trainer.save_freq={save_freq}"),
+    ]);
+    args
+}
+
+/// Each step's metrics from a run's `metrics.jsonl`, which must hold every step once and in
+/// order. Timing and throughput vary from run to run and are left out.
+pub fn step_metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let mut by_step: BTreeMap<u64, BTreeMap<String, Value>> = BTreeMap::new();
+    for line in text.lines() {
+        let record: Value = serde_json::from_str(line).unwrap();
+        let Some(data) = record["data"].as_object() else {
+            continue;
+        };
+        let step = record["step"].as_u64().unwrap();
+        assert!(
+            by_step
+                .last_key_value()
+                .is_none_or(|(last, _)| *last < step),
+            "step {step} after step {:?} in {}:\n{text}",
+            by_step.last_key_value().map(|(s, _)| s),
+            run_dir.display()
+        );
+        let kept = data
+            .iter()
+            .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        by_step.insert(step, kept);
+    }
+    by_step
 }

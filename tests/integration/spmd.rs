@@ -49,47 +49,27 @@ fn args(
     steps: u64,
     save_freq: u64,
 ) -> Vec<String> {
-    let work = work.path().display();
     let mut args: Vec<String> = vec!["--plugin-dir".into(), plugins.path().display().to_string()];
     if ranks > 1 {
         args.extend(["launch", "--nproc-per-node", &ranks.to_string(), "--"].map(String::from));
     }
-    args.extend(["run".into(), "--config".into()]);
-    args.push(
-        workspace_root()
-            .join("examples/quickstart.yaml")
-            .display()
-            .to_string(),
-    );
-    args.extend(
-        [
-            "quickstart.task.train_size=256",
+    let n_gpus = format!("trainer.n_gpus_per_node={ranks}");
+    args.extend(quickstart_run_args(
+        work.path(),
+        run_dir,
+        steps,
+        save_freq,
+        &[
             "quickstart.task.val_size=12",
-            "sft.steps=5",
-            "sft.batch_size=32",
-            "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.n=4",
-            "trainer.test_freq=2",
             "trainer.logger=[file]",
-            "trainer.deterministic=true",
-            "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
             "algorithm.adv_estimator=gae",
             "critic.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.actor.entropy_coeff=0.01",
-        ]
-        .map(String::from),
-    );
-    args.push(format!("trainer.n_gpus_per_node={ranks}"));
-    args.push(format!("quickstart.dir={work}"));
-    args.push(format!("data.train_files=[{work}/data/train.parquet]"));
-    args.push(format!("data.val_files=[{work}/data/test.parquet]"));
-    args.push(format!("actor_rollout_ref.model.path={work}/model-sft"));
-    args.push(format!("trainer.default_local_dir={}", run_dir.display()));
-    args.push(format!("trainer.total_training_steps={steps}"));
-    args.push(format!("trainer.save_freq={save_freq}"));
+            &n_gpus,
+        ],
+    ));
     args
 }
 
@@ -117,26 +97,16 @@ fn run_with(run_dir: &Path, ranks: u32, steps: u64, save_freq: u64, extra: &[&st
 
 /// Each step's numeric metrics (timing and throughput left out), from rank 0's metrics file.
 fn metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, f64>> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    let mut by_step = BTreeMap::new();
-    for line in text.lines() {
-        let record: Value = serde_json::from_str(line).unwrap();
-        let Some(data) = record["data"].as_object() else {
-            continue;
-        };
-        let kept: BTreeMap<String, f64> = data
-            .iter()
-            .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
-            .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(f64::NAN)))
-            .collect();
-        let step = record["step"].as_u64().unwrap();
-        assert!(
-            by_step.insert(step, kept).is_none(),
-            "step {step} twice in {}",
-            run_dir.display()
-        );
-    }
-    by_step
+    step_metrics(run_dir)
+        .into_iter()
+        .map(|(step, data)| {
+            let numbers = data
+                .into_iter()
+                .map(|(k, v)| (k, v.as_f64().unwrap_or(f64::NAN)))
+                .collect();
+            (step, numbers)
+        })
+        .collect()
 }
 
 /// The exported weights, by tensor name.

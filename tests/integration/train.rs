@@ -27,44 +27,18 @@ fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
 
 fn args(run_dir: &Path, steps: u64, save_freq: u64) -> Vec<String> {
     let (plugins, work) = shared();
-    let work = work.path().display();
-    let mut args: Vec<String> = vec![
-        "--plugin-dir".into(),
-        plugins.path().display().to_string(),
-        "run".into(),
-        "--config".into(),
-        workspace_root()
-            .join("examples/quickstart.yaml")
-            .display()
-            .to_string(),
-    ];
-    args.extend(
-        [
-            "quickstart.task.train_size=256",
+    let mut args = vec!["--plugin-dir".to_string(), plugins.path().display().to_string()];
+    args.extend(quickstart_run_args(
+        work.path(),
+        run_dir,
+        steps,
+        save_freq,
+        &[
             "quickstart.task.val_size=16",
-            "sft.steps=5",
-            "sft.batch_size=32",
-            "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.n=4",
-            "trainer.test_freq=2",
             "trainer.logger=[file,tensorboard]",
-            "trainer.deterministic=true",
-            // Constant LR: the resume test extends a 2-step run to 4 steps, which would change a
-            // cosine schedule that depends on the total.
-            "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
-        ]
-        .map(String::from),
-    );
-    // The quickstart makes the shared data and model in its own directory, the shared one.
-    args.push(format!("quickstart.dir={work}"));
-    args.push(format!("data.train_files=[{work}/data/train.parquet]"));
-    args.push(format!("data.val_files=[{work}/data/test.parquet]"));
-    args.push(format!("actor_rollout_ref.model.path={work}/model-sft"));
-    args.push(format!("trainer.default_local_dir={}", run_dir.display()));
-    args.push(format!("trainer.total_training_steps={steps}"));
-    args.push(format!("trainer.save_freq={save_freq}"));
+        ],
+    ));
     args
 }
 
@@ -78,35 +52,6 @@ fn run(run_dir: &Path, steps: u64, save_freq: u64) -> Output {
         String::from_utf8_lossy(&out.stderr)
     );
     out
-}
-
-/// The metrics of each step, which the file must hold exactly once and in order. Timing and
-/// throughput vary from run to run and are left out.
-fn metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    let mut by_step: BTreeMap<u64, BTreeMap<String, Value>> = BTreeMap::new();
-    for line in text.lines() {
-        let record: Value = serde_json::from_str(line).unwrap();
-        let Some(data) = record["data"].as_object() else {
-            continue;
-        };
-        let step = record["step"].as_u64().unwrap();
-        assert!(
-            by_step
-                .last_key_value()
-                .is_none_or(|(last, _)| *last < step),
-            "step {step} after step {:?} in {}:\n{text}",
-            by_step.last_key_value().map(|(s, _)| s),
-            run_dir.display()
-        );
-        let kept = data
-            .iter()
-            .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        by_step.insert(step, kept);
-    }
-    by_step
 }
 
 fn final_weights(run_dir: &Path) -> Vec<u8> {
@@ -129,7 +74,7 @@ fn reference() -> &'static PathBuf {
 #[test]
 fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
     let run_dir = reference();
-    let by_step = metrics(run_dir);
+    let by_step = step_metrics(run_dir);
     assert_eq!(
         by_step.keys().copied().collect::<Vec<_>>(),
         vec![0, 1, 2, 3, 4, 5, 6]
@@ -201,7 +146,7 @@ fn a_resumed_run_matches_the_uninterrupted_one() {
     run(&run_dir, 6, 2);
     // Every step once (the resumed run's validation before training is not a second record of
     // step 2), and the same as without the interruption.
-    let (ours, theirs) = (metrics(&run_dir), metrics(reference()));
+    let (ours, theirs) = (step_metrics(&run_dir), step_metrics(reference()));
     assert_eq!(
         ours.keys().collect::<Vec<_>>(),
         theirs.keys().collect::<Vec<_>>()
@@ -330,7 +275,7 @@ fn latest_checkpoint(run_dir: &Path) -> u64 {
 /// The run equals the uninterrupted one (every step's record once, in order, the same values;
 /// the final weights bit for bit), and nothing is left over from the killed attempts.
 fn assert_like_the_reference(run_dir: &Path) {
-    assert_eq!(metrics(run_dir), metrics(reference()));
+    assert_eq!(step_metrics(run_dir), step_metrics(reference()));
     assert!(
         final_weights(run_dir) == final_weights(reference()),
         "final weights differ"
@@ -369,7 +314,7 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
     // From scratch to step 2, then from step 2 to step 5: about one whole run, start-ups included.
     let full = kill_at(&placed_args, "committed:2") + kill_at(&placed_args, "committed:5");
     // Step 5's record is in its checkpoint only.
-    let logged = metrics(&run_dir);
+    let logged = step_metrics(&run_dir);
     assert!(
         logged.contains_key(&4) && !logged.contains_key(&5),
         "{logged:?}"
@@ -545,7 +490,7 @@ fn a_non_finite_step_stops_the_run_and_keeps_the_last_checkpoint() {
         final_weights(&run_dir) == export,
         "the export is the one of the good run"
     );
-    assert!(!metrics(&run_dir).contains_key(&3), "step 3 was logged");
+    assert!(!step_metrics(&run_dir).contains_key(&3), "step 3 was logged");
 
     // trainer.nan_policy=skip: steps 3 and 4 leave the weights as step 2 left them.
     let out = run_with(
@@ -563,7 +508,7 @@ fn a_non_finite_step_stops_the_run_and_keeps_the_last_checkpoint() {
             "{stderr}"
         );
     }
-    let by_step = metrics(&run_dir);
+    let by_step = step_metrics(&run_dir);
     assert_eq!(by_step[&4]["training/skipped_steps"], 2.0);
     assert_eq!(
         by_step[&4]["actor/skipped_updates"], 2.0,
@@ -621,7 +566,7 @@ fn a_corrupt_checkpoint_is_refused_by_resume_path_and_passed_over_by_auto() {
             )),
         "{stderr}"
     );
-    assert_eq!(metrics(&run_dir)[&6], metrics(reference())[&6]);
+    assert_eq!(step_metrics(&run_dir)[&6], step_metrics(reference())[&6]);
     assert!(
         final_weights(&run_dir) == final_weights(reference()),
         "final weights differ after falling back"

@@ -3,7 +3,10 @@
 //! (`data/verl_algos_reference.json`, made by `scripts/reference/algos_reference.py`; the verl
 //! commit is in the file). The losses are checked the same way in the torch-runtime crate.
 
-use std::collections::BTreeMap;
+#[path = "support/verl_reference.rs"]
+mod verl_reference;
+
+use verl_reference::{check_cases, close, compare, floats};
 
 use serde_json::Value;
 use verl_core::algo::{
@@ -11,68 +14,13 @@ use verl_core::algo::{
     compute_advantage, kl_penalty,
 };
 
-const REFERENCE: &str = include_str!("data/verl_algos_reference.json");
-
-/// Within 1e-5, relative for values above 1 (verl computes in f32, verl-core accumulates in f64).
-fn close(actual: f64, expected: f64) -> bool {
-    (actual - expected).abs() <= 1e-5 * expected.abs().max(1.0)
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    match v {
-        Value::Array(items) => items.iter().flat_map(floats).collect(),
-        Value::Number(n) => vec![n.as_f64().expect("a number") as f32],
-        other => panic!("not a number or list: {other}"),
-    }
-}
-
 fn matrix(v: &Value) -> Matrix {
     let rows = v.as_array().expect("a list of rows");
     let cols = rows.first().and_then(Value::as_array).map_or(0, Vec::len);
     Matrix::new(rows.len(), cols, floats(v)).expect("rectangular")
 }
 
-/// Compares element by element; returns a description of the first difference.
-fn compare(what: &str, actual: &[f32], expected: &[f32]) -> Result<(), String> {
-    if actual.len() != expected.len() {
-        return Err(format!(
-            "{what}: {} values, verl has {}",
-            actual.len(),
-            expected.len()
-        ));
-    }
-    match actual
-        .iter()
-        .zip(expected)
-        .position(|(&a, &e)| !close(f64::from(a), f64::from(e)))
-    {
-        Some(i) => Err(format!(
-            "{what}[{i}]: {} vs verl {}",
-            actual[i], expected[i]
-        )),
-        None => Ok(()),
-    }
-}
-
-struct Reference {
-    inputs: Vec<Value>,
-    cases: Vec<Value>,
-}
-
-fn reference() -> Reference {
-    let root: Value = serde_json::from_str(REFERENCE).expect("the reference is JSON");
-    assert!(
-        root["verl_commit"].as_str().is_some_and(|c| c.len() == 40),
-        "the reference names the verl commit it was made from"
-    );
-    Reference {
-        inputs: root["inputs"].as_array().expect("inputs").clone(),
-        cases: root["cases"].as_array().expect("cases").clone(),
-    }
-}
-
-fn advantage_case(r: &Reference, case: &Value) -> Result<(), String> {
-    let set = &r.inputs[case["input"].as_u64().expect("input id") as usize];
+fn advantage_case(set: &Value, case: &Value) -> Result<(), String> {
     let params_json = &case["params"];
     let name = case["name"].as_str().expect("name");
     let estimator: AdvEstimator =
@@ -135,8 +83,7 @@ fn advantage_case(r: &Reference, case: &Value) -> Result<(), String> {
     compare("returns", returns.data(), &floats(&case["returns"]))
 }
 
-fn kl_case(r: &Reference, case: &Value) -> Result<(), String> {
-    let set = &r.inputs[case["input"].as_u64().expect("input id") as usize];
+fn kl_case(set: &Value, case: &Value) -> Result<(), String> {
     let name = case["name"].as_str().expect("name");
     let kind: KlPenalty = serde_json::from_value(case["name"].clone())
         .map_err(|e| format!("`{name}` is not accepted: {e}"))?;
@@ -173,24 +120,13 @@ fn kl_ctrl_case(case: &Value) -> Result<(), String> {
 
 #[test]
 fn estimators_kl_and_controllers_match_verl() {
-    let r = reference();
-    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    let mut failures = Vec::new();
-    for (i, case) in r.cases.iter().enumerate() {
-        let kind = case["kind"].as_str().expect("kind");
-        let outcome = match kind {
-            "advantage" => advantage_case(&r, case),
-            "kl" => kl_case(&r, case),
-            "kl_ctrl" => kl_ctrl_case(case),
-            _ => continue,
-        };
-        let label = format!("{kind}/{}", case["name"].as_str().unwrap_or(""));
-        *counts.entry(label.clone()).or_default() += 1;
-        if let Err(e) = outcome {
-            failures.push(format!("case {i} ({label}, {}): {e}", case["params"]));
-        }
-    }
-    println!("{counts:?}");
+    let checked = check_cases(|case, set| match case["kind"].as_str()? {
+        "advantage" => Some(advantage_case(set, case)),
+        "kl" => Some(kl_case(set, case)),
+        "kl_ctrl" => Some(kl_ctrl_case(case)),
+        _ => None,
+    });
+    let counts = &checked.counts;
     // Every estimator of verl's registry, every KL name and the controller are covered.
     for name in [
         "gae",
@@ -217,11 +153,5 @@ fn estimators_kl_and_controllers_match_verl() {
     }
     assert_eq!(counts.get("kl_ctrl/"), Some(&2));
     assert!(counts.keys().filter(|k| k.starts_with("kl/")).count() >= 14);
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases differ from verl:\n{}",
-        failures.len(),
-        counts.values().sum::<usize>(),
-        failures.join("\n")
-    );
+    checked.assert_no_failures();
 }

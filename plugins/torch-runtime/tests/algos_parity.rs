@@ -4,7 +4,10 @@
 //! normalisers, every policy loss (value, gradient with respect to the log-probs, metrics), the
 //! KL estimators (value and gradient), the value loss and the entropy loss.
 
-use std::collections::BTreeMap;
+#[path = "../../../core/tests/support/verl_reference.rs"]
+mod verl_reference;
+
+use verl_reference::{check_cases, close, compare, floats};
 
 use serde_json::Value;
 use tch::{Kind, Tensor};
@@ -12,21 +15,6 @@ use verl_torch_runtime::losses::{
     AggScale, ClipConfig, KlPenalty, LossAggMode, PolicyBatch, PolicyLossMode, PolicyLossOptions,
     agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss,
 };
-
-const REFERENCE: &str = include_str!("../../../core/tests/data/verl_algos_reference.json");
-
-/// Within 1e-5, relative for values above 1.
-fn close(actual: f64, expected: f64) -> bool {
-    (actual - expected).abs() <= 1e-5 * expected.abs().max(1.0)
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    match v {
-        Value::Array(items) => items.iter().flat_map(floats).collect(),
-        Value::Number(n) => vec![n.as_f64().expect("a number") as f32],
-        other => panic!("not a number or list: {other}"),
-    }
-}
 
 /// A JSON list (of lists …) as a float tensor of that shape.
 fn tensor(v: &Value) -> Tensor {
@@ -45,27 +33,6 @@ fn tensor(v: &Value) -> Tensor {
 fn values(t: &Tensor) -> Vec<f32> {
     let flat = t.to_kind(Kind::Float).contiguous().view(-1);
     Vec::<f32>::try_from(&flat).expect("a float tensor")
-}
-
-fn compare(what: &str, actual: &[f32], expected: &[f32]) -> Result<(), String> {
-    if actual.len() != expected.len() {
-        return Err(format!(
-            "{what}: {} values, verl has {}",
-            actual.len(),
-            expected.len()
-        ));
-    }
-    match actual
-        .iter()
-        .zip(expected)
-        .position(|(&a, &e)| !close(f64::from(a), f64::from(e)))
-    {
-        Some(i) => Err(format!(
-            "{what}[{i}]: {} vs verl {}",
-            actual[i], expected[i]
-        )),
-        None => Ok(()),
-    }
 }
 
 fn scalar_matches(what: &str, actual: &Tensor, expected: &Value) -> Result<(), String> {
@@ -203,30 +170,15 @@ fn entropy_case(set: &Value, case: &Value) -> Result<(), String> {
 
 #[test]
 fn losses_match_verl() {
-    let root: Value = serde_json::from_str(REFERENCE).expect("the reference is JSON");
-    let inputs = root["inputs"].as_array().expect("inputs");
-    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    let mut failures = Vec::new();
-    for (i, case) in root["cases"].as_array().expect("cases").iter().enumerate() {
-        let kind = case["kind"].as_str().expect("kind");
-        let Some(set) = case["input"].as_u64().map(|id| &inputs[id as usize]) else {
-            continue;
-        };
-        let outcome = match kind {
-            "agg" => agg_case(set, case),
-            "policy_loss" => policy_case(set, case),
-            "kl" => kl_case(set, case),
-            "value_loss" => value_case(set, case),
-            "entropy_loss" => entropy_case(set, case),
-            _ => continue,
-        };
-        let label = format!("{kind}/{}", case["name"].as_str().unwrap_or(""));
-        *counts.entry(label.clone()).or_default() += 1;
-        if let Err(e) = outcome {
-            failures.push(format!("case {i} ({label}, {}): {e}", case["mode"]));
-        }
-    }
-    println!("{counts:?}");
+    let checked = check_cases(|case, set| match case["kind"].as_str()? {
+        "agg" => Some(agg_case(set, case)),
+        "policy_loss" => Some(policy_case(set, case)),
+        "kl" => Some(kl_case(set, case)),
+        "value_loss" => Some(value_case(set, case)),
+        "entropy_loss" => Some(entropy_case(set, case)),
+        _ => None,
+    });
+    let counts = &checked.counts;
     for name in [
         "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
         "dro", "cispo",
@@ -241,11 +193,5 @@ fn losses_match_verl() {
     for kind in ["agg/", "value_loss/", "entropy_loss/"] {
         assert!(counts.get(kind).is_some_and(|&n| n >= 10), "{kind}");
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases differ from verl:\n{}",
-        failures.len(),
-        counts.values().sum::<usize>(),
-        failures.join("\n")
-    );
+    checked.assert_no_failures();
 }

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{Padding, batch, expected, fixture, load};
+use common::{Padding, batch, fixture, load, sequence_ids};
 use tch::Tensor;
 use verl_torch_runtime::{
     CausalLM, Head, INDEX_FILE, ModelError, ModelOptions, SINGLE_FILE, read_safetensors,
@@ -21,11 +21,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn logits(model: &CausalLM, name: &str) -> Tensor {
-    let seqs: Vec<Vec<i64>> = expected(name)
-        .sequences
-        .into_iter()
-        .map(|s| s.ids)
-        .collect();
+    let seqs = sequence_ids(name);
     let (ids, mask) = batch(&seqs, Padding::Left);
     model.forward(&ids, &mask).unwrap()
 }
@@ -131,11 +127,7 @@ fn value_head_initialises_then_round_trips() {
     };
     let critic = CausalLM::from_pretrained(&fixture(name), &options).unwrap();
     let again = CausalLM::from_pretrained(&fixture(name), &options).unwrap();
-    let seqs: Vec<Vec<i64>> = expected(name)
-        .sequences
-        .into_iter()
-        .map(|s| s.ids)
-        .collect();
+    let seqs = sequence_ids(name);
     let (ids, mask) = batch(&seqs, Padding::Right);
     let values = critic.values(&ids, &mask).unwrap();
     assert_eq!(values.size(), ids.size());
@@ -309,11 +301,7 @@ fn bf16_parameters_give_close_fp32_log_probs() {
             .iter()
             .all(|(_, t)| t.kind() == tch::Kind::BFloat16 && !t.requires_grad())
     );
-    let seqs: Vec<Vec<i64>> = expected(name)
-        .sequences
-        .into_iter()
-        .map(|s| s.ids)
-        .collect();
+    let seqs = sequence_ids(name);
     let (ids, mask) = batch(&seqs, Padding::Left);
     let a = fp32
         .response_scores(&ids, &mask, 5, 1.0, false)

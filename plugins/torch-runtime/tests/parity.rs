@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{MODELS, Padding, batch, expected, fixture, load, max_abs_diff, row};
+use common::{MODELS, Padding, batch, expected, fixture, load, max_abs_diff, row, sequence_ids};
 use tch::Tensor;
 use verl_torch_runtime::{
     FinishReason, GenerationConfig, SamplingParams, Tokenizer, log_probs_from_logits,
@@ -82,11 +82,7 @@ fn log_probs_and_entropy_match_transformers() {
 fn left_and_right_padded_batches_match_unpadded() {
     for name in MODELS {
         let model = load(name);
-        let seqs: Vec<Vec<i64>> = expected(name)
-            .sequences
-            .into_iter()
-            .map(|s| s.ids)
-            .collect();
+        let seqs = sequence_ids(name);
         // Score the last 5 tokens of every sequence (the fixture's random continuations).
         let response = 5usize;
         let unpadded: Vec<Vec<f64>> = seqs

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Padding, batch, expected, load};
+use common::{Padding, batch, load, sequence_ids};
 use tch::Tensor;
 use verl_torch_runtime::losses::{
     AggScale, ClipConfig, KlPenalty, LossAggMode, PolicyBatch, PolicyLossMode, PolicyLossOptions,
@@ -23,11 +23,7 @@ struct Batch {
 }
 
 fn ppo_batch(model: &CausalLM) -> Batch {
-    let seqs: Vec<Vec<i64>> = expected("tiny-qwen2")
-        .sequences
-        .into_iter()
-        .map(|s| s.ids)
-        .collect();
+    let seqs = sequence_ids("tiny-qwen2");
     let (ids, mask) = batch(&seqs, Padding::Left);
     let response_len = 5;
     let old_log_prob = tch::no_grad(|| {
@@ -191,11 +187,7 @@ fn resumed_update_is_bit_identical() {
 fn checkpointed_backward_matches_plain_backward() {
     for name in common::MODELS {
         let model = load(name);
-        let seqs: Vec<Vec<i64>> = expected(name)
-            .sequences
-            .into_iter()
-            .map(|s| s.ids)
-            .collect();
+        let seqs = sequence_ids(name);
         let (ids, mask) = batch(&seqs, Padding::Left);
         let weights = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 3.0]).view([4, 1]);
         let loss_of = |scores: verl_torch_runtime::ResponseScores| {
@@ -245,11 +237,7 @@ fn checkpointed_backward_matches_plain_backward() {
 fn blocks_in_order_are_the_forward_pass() {
     for name in common::MODELS {
         let model = load(name);
-        let seqs: Vec<Vec<i64>> = expected(name)
-            .sequences
-            .into_iter()
-            .map(|s| s.ids)
-            .collect();
+        let seqs = sequence_ids(name);
         let (ids, mask) = batch(&seqs, Padding::Left);
         let whole = model.hidden_states(&ids, &mask).unwrap();
         let context = model.block_context(&ids, &mask).unwrap();

@@ -55,6 +55,11 @@ pub fn expected(name: &str) -> Expected {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The token ids of the fixture's reference sequences.
+pub fn sequence_ids(name: &str) -> Vec<Vec<i64>> {
+    expected(name).sequences.into_iter().map(|s| s.ids).collect()
+}
+
 pub enum Padding {
     Left,
     Right,

@@ -535,6 +535,18 @@ pub fn policy_loss_sapo(
     }
 }
 
+/// A share of tokens that must be positive (NaN is refused too).
+fn require_positive(key: &str, value: f64) -> Result<()> {
+    if value > 0.0 {
+        Ok(())
+    } else {
+        Err(ModelError::invalid_input(
+            key,
+            format!("must be positive, got {value}"),
+        ))
+    }
+}
+
 /// Clip-Cov (<https://arxiv.org/abs/2505.22617>): PPO's clipped loss, with the gradient removed
 /// from up to `clip_cov_ratio` of the tokens, drawn at random (libtorch's generator, as verl draws
 /// from torch's) among the unclipped ones whose `(A − Ā)(log π − mean log π)` lies in (lb, ub).
@@ -545,12 +557,7 @@ pub fn policy_loss_clip_cov(
     agg: LossAggMode,
     scale: &AggScale,
 ) -> Result<PolicyLoss> {
-    if options.clip_cov_ratio <= 0.0 {
-        return Err(ModelError::invalid_input(
-            "policy_loss.clip_cov_ratio",
-            format!("must be positive, got {}", options.clip_cov_ratio),
-        ));
-    }
+    require_positive("policy_loss.clip_cov_ratio", options.clip_cov_ratio)?;
     let PolicyBatch {
         log_prob,
         advantages,
@@ -610,12 +617,7 @@ pub fn policy_loss_kl_cov(
     agg: LossAggMode,
     scale: &AggScale,
 ) -> Result<PolicyLoss> {
-    if options.kl_cov_ratio <= 0.0 {
-        return Err(ModelError::invalid_input(
-            "policy_loss.kl_cov_ratio",
-            format!("must be positive, got {}", options.kl_cov_ratio),
-        ));
-    }
+    require_positive("policy_loss.kl_cov_ratio", options.kl_cov_ratio)?;
     let PolicyBatch {
         log_prob,
         advantages,

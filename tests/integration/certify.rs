@@ -81,7 +81,9 @@ fn device_plugins_certify() {
 #[test]
 fn engine_and_rollout_plugins_certify_against_the_fixture() {
     let fsdp = assert_certifies("verl_plugin_fsdp", &[], &[]);
-    assert_eq!(fsdp.len(), 5, "{fsdp:#?}");
+    assert_eq!(fsdp.len(), 6, "{fsdp:#?}");
+    // Plugin API 2.1: the trainer's object exchange between ranks.
+    assert_eq!(status(&fsdp, "engine fsdp object_exchange"), "pass");
     let native = assert_certifies("verl_plugin_native", &[], &[]);
     assert_eq!(
         status(&native, "rollout native weight_update_changes_output"),

@@ -27,7 +27,10 @@ fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
 
 fn args(run_dir: &Path, steps: u64, save_freq: u64) -> Vec<String> {
     let (plugins, work) = shared();
-    let mut args = vec!["--plugin-dir".to_string(), plugins.path().display().to_string()];
+    let mut args = vec![
+        "--plugin-dir".to_string(),
+        plugins.path().display().to_string(),
+    ];
     args.extend(quickstart_run_args(
         work.path(),
         run_dir,
@@ -490,7 +493,10 @@ fn a_non_finite_step_stops_the_run_and_keeps_the_last_checkpoint() {
         final_weights(&run_dir) == export,
         "the export is the one of the good run"
     );
-    assert!(!step_metrics(&run_dir).contains_key(&3), "step 3 was logged");
+    assert!(
+        !step_metrics(&run_dir).contains_key(&3),
+        "step 3 was logged"
+    );
 
     // trainer.nan_policy=skip: steps 3 and 4 leave the weights as step 2 left them.
     let out = run_with(

@@ -93,7 +93,9 @@ pub fn check_cases(mut check: impl FnMut(&Value, &Value) -> Option<Result<(), St
                 .map(Value::to_string)
                 .collect::<Vec<_>>()
                 .join(", ");
-            checked.failures.push(format!("case {i} ({label}, {detail}): {e}"));
+            checked
+                .failures
+                .push(format!("case {i} ({label}, {detail}): {e}"));
         }
     }
     println!("{:?}", checked.counts);

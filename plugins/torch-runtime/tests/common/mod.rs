@@ -57,7 +57,11 @@ pub fn expected(name: &str) -> Expected {
 
 /// The token ids of the fixture's reference sequences.
 pub fn sequence_ids(name: &str) -> Vec<Vec<i64>> {
-    expected(name).sequences.into_iter().map(|s| s.ids).collect()
+    expected(name)
+        .sequences
+        .into_iter()
+        .map(|s| s.ids)
+        .collect()
 }
 
 pub enum Padding {

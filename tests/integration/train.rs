@@ -1,7 +1,6 @@
 //! `verl-core run` end to end through the loaded plugins (fsdp engine, native rollout, built-in
 //! trackers and weight sync) on the quickstart's synthetic task, shrunk to seconds.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::sync::OnceLock;

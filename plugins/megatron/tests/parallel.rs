@@ -35,7 +35,8 @@ const PARALLEL: &str = "VERL_MEGATRON_TEST_PARALLEL";
 const DIR: &str = "VERL_MEGATRON_TEST_DIR";
 /// fp32 agreement asked of the tensor-parallel engine.
 const TOLERANCE: f64 = 1e-5;
-const ROWS: usize = 6;
+/// Global batch rows: they split evenly over 2 and 4 ranks, as the trainer requires of updates.
+const ROWS: usize = 8;
 const UPDATES: u64 = 3;
 /// How rank 0 reports the largest difference it checked (the runner prints it).
 const WORST_LINE: &str = "largest |megatron - fsdp|:";
@@ -121,7 +122,7 @@ fn actor_config(model: &Path, megatron: Option<Value>) -> Value {
     let mut config = json!({
         "role": "actor",
         "model": {"path": model},
-        "optim": {"lr": 1e-2},
+        "optim": {"lr": 1e-3},
         "ppo_mini_batch_size": ROWS,
         "ppo_micro_batch_size_per_gpu": 2,
         "use_kl_loss": true,
@@ -167,11 +168,11 @@ fn megatron_engine(config: &Value) -> EngineHandle {
     engine
 }
 
-/// The global batch: `ROWS` sequences of 9–13 tokens (prompts left-padded, responses
+/// A global batch of `rows` sequences of 9–13 tokens (prompts left-padded, responses
 /// right-padded to different lengths), the same on every rank.
-fn global_batch(vocab: i64) -> Batch {
+fn global_batch(vocab: i64, rows: usize) -> Batch {
     let mut rng = Rng::stream(5, 0);
-    let seqs: Vec<Vec<i64>> = (0..ROWS)
+    let seqs: Vec<Vec<i64>> = (0..rows)
         .map(|i| {
             (0..9 + i % 5)
                 .map(|_| (rng.next_u64() % vocab as u64) as i64)
@@ -214,7 +215,7 @@ fn floats(tensor: &Tensor) -> Vec<f32> {
 /// The PPO batch of update `step`: old log-probs from the reference engine (so the ratio starts
 /// at 1 and moves with later updates), advantages of both signs, the reference policy = old.
 fn ppo_batch(reference: &mut EngineHandle, step: u64, vocab: i64) -> Batch {
-    let mut batch = global_batch(vocab);
+    let mut batch = global_batch(vocab, ROWS);
     let old = common::log_probs(reference, &batch);
     let shape = old.shape.to_vec();
     let (b, r) = (shape[0] as usize, shape[1] as usize);
@@ -245,14 +246,18 @@ fn play_parity(model: &Path, megatron: Value, dir: &Path) {
     let vocab = vocab_of(model);
     let mut reference = common::engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
-    let (start, len) = part(ROWS, rank, world);
-    let batch = global_batch(vocab);
-    let want = reference.compute_log_prob(&batch).unwrap();
-    let got = engine.compute_log_prob(&narrow_batch(&batch, start, len)).unwrap();
-    for key in [keys::LOG_PROBS, keys::ENTROPYS] {
-        let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
-        assert_close(key, max_diff(g, &narrow(w, start, len)));
+    // Forward only, also with slices of different sizes (7 rows).
+    for rows in [ROWS, ROWS - 1] {
+        let (start, len) = part(rows, rank, world);
+        let batch = global_batch(vocab, rows);
+        let want = reference.compute_log_prob(&batch).unwrap();
+        let got = engine.compute_log_prob(&narrow_batch(&batch, start, len)).unwrap();
+        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
+            assert_close(key, max_diff(g, &narrow(w, start, len)));
+        }
     }
+    let (start, len) = part(ROWS, rank, world);
     for step in 0..UPDATES {
         let batch = ppo_batch(&mut reference, step, vocab);
         let want = common::update(&mut reference, &batch);

@@ -201,17 +201,27 @@ impl ProcessGroup {
         for &rank in partition.iter().flatten() {
             match seen.get_mut(rank as usize) {
                 Some(slot) if !*slot => *slot = true,
-                Some(_) => return Err(invalid(OP, format!("rank {rank} is in two subgroups of `{name}`"))),
+                Some(_) => {
+                    return Err(invalid(
+                        OP,
+                        format!("rank {rank} is in two subgroups of `{name}`"),
+                    ));
+                }
                 None => {
                     return Err(invalid(
                         OP,
-                        format!("rank {rank} of subgroup `{name}` is not below the world size {world}"),
+                        format!(
+                            "rank {rank} of subgroup `{name}` is not below the world size {world}"
+                        ),
                     ));
                 }
             }
         }
         if let Some(missing) = seen.iter().position(|s| !s) {
-            return Err(invalid(OP, format!("rank {missing} is in no subgroup of `{name}`")));
+            return Err(invalid(
+                OP,
+                format!("rank {missing} is in no subgroup of `{name}`"),
+            ));
         }
         let me = self.rank();
         let (index, ranks) = partition
@@ -254,7 +264,9 @@ impl ProcessGroup {
 
     /// Ranks in `sub` (`None`: the whole job).
     fn size_of(&self, sub: Option<SubGroup>) -> u32 {
-        sub.map_or(self.world_size(), |s| self.subgroups[s.0].ranks.len() as u32)
+        sub.map_or(self.world_size(), |s| {
+            self.subgroups[s.0].ranks.len() as u32
+        })
     }
 
     /// [`Self::all_reduce`] over the ranks of `sub`.
@@ -487,7 +499,11 @@ impl ProcessGroup {
                     "{name} has {} {:?} elements; expected {} {size} × {} = {expected} {:?}",
                     flat.numel(),
                     flat.kind(),
-                    if sub.is_some() { "subgroup size" } else { "world size" },
+                    if sub.is_some() {
+                        "subgroup size"
+                    } else {
+                        "world size"
+                    },
                     part.numel(),
                     part.kind()
                 ),

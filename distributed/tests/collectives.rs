@@ -509,10 +509,17 @@ fn world_size_mismatch() {
 fn play_subgroups(group: &mut ProcessGroup) -> Result<(), DistError> {
     let r = group.rank();
     let err = group.split("bad", &[vec![0, 1], vec![2]]).unwrap_err();
-    assert!(err.to_string().contains("rank 3 is in no subgroup of `bad`"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("rank 3 is in no subgroup of `bad`"),
+        "{err}"
+    );
     let rows = group.split("rows", &[vec![0, 1], vec![2, 3]])?;
     let cols = group.split("cols", &[vec![0, 2], vec![1, 3]])?;
-    assert_eq!(group.subgroup_ranks(rows), if r < 2 { [0, 1] } else { [2, 3] });
+    assert_eq!(
+        group.subgroup_ranks(rows),
+        if r < 2 { [0, 1] } else { [2, 3] }
+    );
     assert_eq!(group.subgroup_rank(cols), r / 2);
     let mut t = Tensor::from_slice(&[f64::from(r)]);
     group.all_reduce_in(rows, &mut t, ReduceOp::Sum)?;
@@ -537,9 +544,16 @@ fn play_subgroups(group: &mut ProcessGroup) -> Result<(), DistError> {
     let row_sum = if r < 2 { 1.0 } else { 5.0 };
     assert_eq!(floats(&out), [row_sum * f64::from(r % 2 + 1)]);
     let err = group
-        .all_gather_into_in(rows, &mut Tensor::zeros([3], (Kind::Float, Device::Cpu)), &out)
+        .all_gather_into_in(
+            rows,
+            &mut Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+            &out,
+        )
         .unwrap_err();
-    assert!(err.to_string().contains("expected subgroup size 2"), "{err}");
+    assert!(
+        err.to_string().contains("expected subgroup size 2"),
+        "{err}"
+    );
     group.barrier()
 }
 

@@ -85,7 +85,8 @@ fn batch(rank: u32) -> Batch {
         .collect();
     let rows = ROWS / i64::from(WORLD);
     let mine = |all: &[i64], width: i64| {
-        all[(i64::from(rank) * rows * width) as usize..(i64::from(rank + 1) * rows * width) as usize]
+        all[(i64::from(rank) * rows * width) as usize
+            ..(i64::from(rank + 1) * rows * width) as usize]
             .to_vec()
     };
     let ids = mine(&ids, SEQ);
@@ -98,11 +99,17 @@ fn batch(rank: u32) -> Batch {
     let t = |shape: &[i64], v: &[i64]| Tensor::from_slice(shape, v).unwrap();
     let f = |shape: &[i64], v: &[f32]| Tensor::from_slice(shape, v).unwrap();
     batch.insert(keys::INPUT_IDS, t(&[rows, SEQ], &ids));
-    batch.insert(keys::ATTENTION_MASK, t(&[rows, SEQ], &vec![1; (rows * SEQ) as usize]));
+    batch.insert(
+        keys::ATTENTION_MASK,
+        t(&[rows, SEQ], &vec![1; (rows * SEQ) as usize]),
+    );
     batch.insert(keys::RESPONSES, t(&[rows, RESPONSE], &responses));
     let r = [rows, RESPONSE];
     batch.insert(keys::RESPONSE_MASK, f(&r, &ones(rows * RESPONSE)));
-    batch.insert(keys::OLD_LOG_PROBS, f(&r, &vec![-9.0; (rows * RESPONSE) as usize]));
+    batch.insert(
+        keys::OLD_LOG_PROBS,
+        f(&r, &vec![-9.0; (rows * RESPONSE) as usize]),
+    );
     batch.insert(keys::ADVANTAGES, f(&r, &ones(rows * RESPONSE)));
     batch.meta_json = json!({"temperature": 1.0}).to_string().into();
     batch
@@ -171,7 +178,10 @@ fn rank_main(case: &str, model: &Path) -> Report {
         worker.update_actor(&rows).unwrap();
         sent.push(comm.traffic().tensor_parallel.load(Ordering::Relaxed) - before);
     });
-    assert!(sent.windows(2).all(|w| w[0] == w[1]), "every update sends the same: {sent:?}");
+    assert!(
+        sent.windows(2).all(|w| w[0] == w[1]),
+        "every update sends the same: {sent:?}"
+    );
     Report {
         update_ms,
         tp_bytes: Some(sent[0]),

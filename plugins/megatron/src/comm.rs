@@ -153,12 +153,15 @@ impl Comm {
                     let dp = world / tp;
                     let tensor: Vec<Vec<u32>> =
                         (0..dp).map(|d| (d * tp..(d + 1) * tp).collect()).collect();
-                    let data: Vec<Vec<u32>> =
-                        (0..tp).map(|t| (0..dp).map(|d| d * tp + t).collect()).collect();
+                    let data: Vec<Vec<u32>> = (0..tp)
+                        .map(|t| (0..dp).map(|d| d * tp + t).collect())
+                        .collect();
                     let split = |s: &mut Shared, name: &str, partition: &[Vec<u32>]| {
                         s.group
                             .split(&format!("{name}{tp}"), partition)
-                            .map_err(|e| PluginError::other(format!("making the {name} groups: {e}")))
+                            .map_err(|e| {
+                                PluginError::other(format!("making the {name} groups: {e}"))
+                            })
                     };
                     let t = split(&mut s, "tp", &tensor)?;
                     let d = split(&mut s, "dp", &data)?;
@@ -213,11 +216,17 @@ impl Comm {
         let Some(shared) = self.shared.as_ref().filter(|_| size > 1) else {
             return Ok(None);
         };
-        op(&mut lock(shared).group, sub).map(Some).map_err(failed(scope))
+        op(&mut lock(shared).group, sub)
+            .map(Some)
+            .map_err(failed(scope))
     }
 
     /// Reduces `tensor` in place over the tensor-parallel group.
-    pub fn all_reduce_tp(&self, tensor: &mut Tensor, op: ReduceOp) -> verl_torch_runtime::Result<()> {
+    pub fn all_reduce_tp(
+        &self,
+        tensor: &mut Tensor,
+        op: ReduceOp,
+    ) -> verl_torch_runtime::Result<()> {
         let size = bytes(tensor);
         let done = self.with(Scope::Tensor, |g, sub| {
             g.all_reduce_in(sub.expect("tensor-parallel subgroup"), tensor, op)
@@ -232,7 +241,10 @@ impl Comm {
     pub fn all_gather_tp(&self, tensor: &Tensor) -> verl_torch_runtime::Result<Tensor> {
         // c10d's flat all-gather: 1-D input, 1-D output of tp × its elements.
         let input = tensor.reshape([-1]).contiguous();
-        let mut out = Tensor::empty([i64::from(self.tp) * input.numel() as i64], (input.kind(), input.device()));
+        let mut out = Tensor::empty(
+            [i64::from(self.tp) * input.numel() as i64],
+            (input.kind(), input.device()),
+        );
         let done = self.with(Scope::Tensor, |g, sub| {
             g.all_gather_into_in(sub.expect("tensor-parallel subgroup"), &mut out, &input)
         })?;
@@ -252,9 +264,17 @@ impl Comm {
         // c10d's flat reduce-scatter: 1-D input of tp × the output's elements.
         let flat = input.reshape([-1]).contiguous();
         let part = &input.size()[1..];
-        let mut out = Tensor::empty([flat.numel() as i64 / i64::from(self.tp)], (flat.kind(), flat.device()));
+        let mut out = Tensor::empty(
+            [flat.numel() as i64 / i64::from(self.tp)],
+            (flat.kind(), flat.device()),
+        );
         let done = self.with(Scope::Tensor, |g, sub| {
-            g.reduce_scatter_in(sub.expect("tensor-parallel subgroup"), &mut out, &flat, ReduceOp::Sum)
+            g.reduce_scatter_in(
+                sub.expect("tensor-parallel subgroup"),
+                &mut out,
+                &flat,
+                ReduceOp::Sum,
+            )
         })?;
         Ok(match done {
             Some(()) => {
@@ -272,10 +292,15 @@ impl Comm {
         }
         let mut tensor = Tensor::from_slice(values);
         let done = self.with(Scope::Data, |g, sub| {
-            g.all_reduce_in(sub.expect("data-parallel subgroup"), &mut tensor, ReduceOp::Sum)
+            g.all_reduce_in(
+                sub.expect("data-parallel subgroup"),
+                &mut tensor,
+                ReduceOp::Sum,
+            )
         })?;
         if done.is_some() {
-            let summed = Vec::<f64>::try_from(&tensor).map_err(|e| ModelError::Torch(e.to_string()))?;
+            let summed =
+                Vec::<f64>::try_from(&tensor).map_err(|e| ModelError::Torch(e.to_string()))?;
             values.copy_from_slice(&summed);
         }
         Ok(())
@@ -290,9 +315,18 @@ impl Comm {
         let flat: Vec<Tensor> = tensors.iter().map(|t| t.reshape([-1])).collect();
         let mut buffer = Tensor::cat(&flat, 0);
         self.with(Scope::Data, |g, sub| {
-            g.all_reduce_in(sub.expect("data-parallel subgroup"), &mut buffer, ReduceOp::Sum)
+            g.all_reduce_in(
+                sub.expect("data-parallel subgroup"),
+                &mut buffer,
+                ReduceOp::Sum,
+            )
         })?;
-        Traffic::add(&self.traffic.data_parallel, self.dp_size(), bytes(&buffer), 2);
+        Traffic::add(
+            &self.traffic.data_parallel,
+            self.dp_size(),
+            bytes(&buffer),
+            2,
+        );
         let mut offset = 0;
         tch::no_grad(|| {
             for tensor in tensors.iter_mut() {

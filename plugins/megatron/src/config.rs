@@ -78,7 +78,8 @@ const EXPERTS: &str = "the engine's models (Llama, Qwen2) have no experts";
 const OFFLOAD: &str = "CPU offloading is not implemented by the megatron engine; the fsdp engine offloads (fsdp_config.param_offload)";
 const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
 const DIST_CKPT: &str = "checkpoints are the engine's own per-rank shards (megatron_layout.json); Megatron dist-checkpointing is not read or written";
-const MODEL_OVERRIDE: &str = "the model is built from its Hugging Face config.json; mcore model overrides are not applied";
+const MODEL_OVERRIDE: &str =
+    "the model is built from its Hugging Face config.json; mcore model overrides are not applied";
 
 impl MegatronConfig {
     /// The keys of the section as the host's audit sees them: the two acted on, the ones that
@@ -115,8 +116,14 @@ impl MegatronConfig {
                 "override_transformer_config",
                 "activation recomputation and attention kernels change memory and speed, not results; every activation is kept",
             ),
-            ("use_mbridge", "weights are read from Hugging Face safetensors directly"),
-            ("vanilla_mbridge", "weights are read from Hugging Face safetensors directly"),
+            (
+                "use_mbridge",
+                "weights are read from Hugging Face safetensors directly",
+            ),
+            (
+                "vanilla_mbridge",
+                "weights are read from Hugging Face safetensors directly",
+            ),
             ("forward_only", "the role decides whether the engine trains"),
         ];
         let acted_on = ["tensor_model_parallel_size", "sequence_parallel"].map(|name| key(name).0);
@@ -157,19 +164,33 @@ impl MegatronConfig {
     /// parallelism (Megatron turns it off at tensor-parallel size 1). Sizes this engine does not
     /// build are errors naming the key, whoever launched it (the host's audit reports them too).
     pub fn layout(&self, path: &str, world_size: u32) -> Result<(u32, bool), PluginError> {
-        let error =
-            |key: &str, reason: String| Err(PluginError::invalid_config(format!("config key `{path}.{key}`: {reason}")));
+        let error = |key: &str, reason: String| {
+            Err(PluginError::invalid_config(format!(
+                "config key `{path}.{key}`: {reason}"
+            )))
+        };
         for (key, size, why) in [
-            ("pipeline_model_parallel_size", self.pipeline_model_parallel_size, PIPELINE),
+            (
+                "pipeline_model_parallel_size",
+                self.pipeline_model_parallel_size,
+                PIPELINE,
+            ),
             ("context_parallel_size", self.context_parallel_size, CONTEXT),
-            ("expert_model_parallel_size", self.expert_model_parallel_size, EXPERTS),
+            (
+                "expert_model_parallel_size",
+                self.expert_model_parallel_size,
+                EXPERTS,
+            ),
         ] {
             if size != 1 {
                 return error(key, format!("{size}: {why}"));
             }
         }
         if let Some(size) = self.virtual_pipeline_model_parallel_size {
-            return error("virtual_pipeline_model_parallel_size", format!("{size}: {PIPELINE}"));
+            return error(
+                "virtual_pipeline_model_parallel_size",
+                format!("{size}: {PIPELINE}"),
+            );
         }
         for (key, on) in [
             ("param_offload", self.param_offload),
@@ -227,15 +248,27 @@ mod tests {
             let c: MegatronConfig = serde_json::from_value(extra).unwrap();
             c.layout(path, world).map_err(|e| e.to_string())
         };
-        assert_eq!(layout(json!({"tensor_model_parallel_size": 2}), 4), Ok((2, true)));
+        assert_eq!(
+            layout(json!({"tensor_model_parallel_size": 2}), 4),
+            Ok((2, true))
+        );
         // Megatron has no sequence parallelism without tensor parallelism.
         assert_eq!(layout(json!({}), 2), Ok((1, false)));
         for (extra, key) in [
-            (json!({"pipeline_model_parallel_size": 2}), "pipeline_model_parallel_size"),
+            (
+                json!({"pipeline_model_parallel_size": 2}),
+                "pipeline_model_parallel_size",
+            ),
             (json!({"context_parallel_size": 2}), "context_parallel_size"),
-            (json!({"virtual_pipeline_model_parallel_size": 2}), "virtual_pipeline_model_parallel_size"),
+            (
+                json!({"virtual_pipeline_model_parallel_size": 2}),
+                "virtual_pipeline_model_parallel_size",
+            ),
             (json!({"param_offload": true}), "param_offload"),
-            (json!({"tensor_model_parallel_size": 3}), "tensor_model_parallel_size"),
+            (
+                json!({"tensor_model_parallel_size": 3}),
+                "tensor_model_parallel_size",
+            ),
         ] {
             let err = layout(extra, 4).unwrap_err();
             assert!(err.contains(&format!("config key `{path}.{key}`")), "{err}");

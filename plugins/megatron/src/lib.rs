@@ -85,7 +85,9 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Comm), ActorError> {
     } else {
         Head::Lm
     };
-    let full = settings.model.load(parse_device(&run.device)?, head, run.seed)?;
+    let full = settings
+        .model
+        .load(parse_device(&run.device)?, head, run.seed)?;
     let mut model = TpModel::new(full, comm.clone(), sequence_parallel)?;
     let optimizer = (settings.role != Role::Ref).then_some(settings.optimizer);
     if optimizer.is_none() {

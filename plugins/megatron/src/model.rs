@@ -41,7 +41,9 @@ impl Split {
         let param = name.rsplit('.').nth(1).unwrap_or_default();
         let weight = name.ends_with(".weight");
         match param {
-            "embed_tokens" | "lm_head" | "q_proj" | "gate_proj" | "up_proj" => Self::Rows { parts: tp },
+            "embed_tokens" | "lm_head" | "q_proj" | "gate_proj" | "up_proj" => {
+                Self::Rows { parts: tp }
+            }
             "k_proj" | "v_proj" => Self::Rows {
                 parts: tp.min(c.num_key_value_heads as u32),
             },
@@ -122,7 +124,9 @@ fn check_divisible(c: &ModelConfig, tp: u32) -> Result<()> {
     if kv % tp64 != 0 && tp64 % kv != 0 {
         return Err(invalid(
             "tensor_model_parallel_size",
-            format!("{tp} ranks cannot share the model's {kv} key/value heads (one must divide the other)"),
+            format!(
+                "{tp} ranks cannot share the model's {kv} key/value heads (one must divide the other)"
+            ),
         ));
     }
     Ok(())
@@ -285,12 +289,19 @@ impl TpModel {
         // Sequence parallelism splits the sequence evenly: right padding (masked) is invisible
         // to the real tokens.
         let tp = i64::from(self.comm.tp_size());
-        let pad = if self.sequence_parallel { (tp - s % tp) % tp } else { 0 };
+        let pad = if self.sequence_parallel {
+            (tp - s % tp) % tp
+        } else {
+            0
+        };
         let (ids, mask) = if pad > 0 {
             let zeros = Tensor::zeros([b, pad], (Kind::Int64, ids.device()));
             (
                 Tensor::cat(&[ids, &zeros], 1),
-                Tensor::cat(&[&mask.to_kind(Kind::Int64), &zeros.to_device(mask.device())], 1),
+                Tensor::cat(
+                    &[&mask.to_kind(Kind::Int64), &zeros.to_device(mask.device())],
+                    1,
+                ),
             )
         } else {
             (ids.shallow_clone(), mask.shallow_clone())
@@ -338,9 +349,10 @@ impl TpModel {
         with_entropy: bool,
         tape: Option<&Tape>,
     ) -> Result<ResponseScores> {
-        let head = self.lm_head.as_ref().ok_or_else(|| {
-            invalid("head", "log-probs need a model built with Head::Lm")
-        })?;
+        let head = self
+            .lm_head
+            .as_ref()
+            .ok_or_else(|| invalid("head", "log-probs need a model built with Head::Lm"))?;
         check_response(ids.size()[1], response_len, temperature)?;
         let hidden = self.hidden_states(ids, mask, tape)?;
         let seq = hidden.size()[1];
@@ -361,16 +373,16 @@ impl TpModel {
         // nothing computed on a shard depends on a reduced value: the reduction's backward is
         // then the identity (each rank's gradient of the replicated result is the whole one).
         let exp = shifted.exp();
-        let sum_exp = all_reduce_identity_backward(
-            &self.comm,
-            &exp.sum_dim_intlist(-1, false, Kind::Float),
-        )?;
+        let sum_exp =
+            all_reduce_identity_backward(&self.comm, &exp.sum_dim_intlist(-1, false, Kind::Float))?;
         let log_sum_exp = sum_exp.log();
         let labels = ids
             .to_device(self.local.device())
             .narrow(1, seq - response_len, response_len);
         let (local, inside) = self.local_ids(&labels);
-        let target = shifted.gather(-1, &local.unsqueeze(-1), false).squeeze_dim(-1)
+        let target = shifted
+            .gather(-1, &local.unsqueeze(-1), false)
+            .squeeze_dim(-1)
             * inside.to_kind(Kind::Float);
         let target = all_reduce_identity_backward(&self.comm, &target)?;
         let response_mask = mask
@@ -388,10 +400,7 @@ impl TpModel {
         } else {
             None
         };
-        Ok(ResponseScores {
-            log_probs,
-            entropy,
-        })
+        Ok(ResponseScores { log_probs, entropy })
     }
 
     /// Per-token values of the response tokens (a value-head model).
@@ -410,8 +419,11 @@ impl TpModel {
         }
         check_response(ids.size()[1], response_len, 1.0)?;
         let hidden = self.hidden_states(ids, mask, tape)?;
-        self.local
-            .response_values_from_hidden(&hidden, &mask.to_device(self.local.device()), response_len)
+        self.local.response_values_from_hidden(
+            &hidden,
+            &mask.to_device(self.local.device()),
+            response_len,
+        )
     }
 
     /// Makes the gradients of shards held by several ranks whole: key/value heads shared by
@@ -476,7 +488,11 @@ impl TpModel {
         for ((_, split), (_, param)) in self.splits.iter().zip(&params) {
             let grad = param.grad();
             if grad.defined() {
-                let sq = grad.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]);
+                let sq = grad
+                    .to_kind(Kind::Double)
+                    .square()
+                    .sum(Kind::Double)
+                    .double_value(&[]);
                 // A shard held by k ranks is counted 1/k times by each.
                 mine += sq * f64::from(split.parts(tp)) / f64::from(tp);
             }
@@ -490,7 +506,10 @@ impl TpModel {
     /// or any tensors named like them (`prefix` + parameter name, shaped as the parameter):
     /// one all-gather.
     pub fn gather_full(&self, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
-        let flat: Vec<Tensor> = tensors.iter().map(|(_, t)| t.detach().reshape([-1])).collect();
+        let flat: Vec<Tensor> = tensors
+            .iter()
+            .map(|(_, t)| t.detach().reshape([-1]))
+            .collect();
         if flat.is_empty() {
             return Ok(Vec::new());
         }
@@ -552,7 +571,10 @@ mod tests {
             ] {
                 let shards: Vec<Tensor> = (0..tp).map(|r| split.shard(&full, r, tp)).collect();
                 let stacked = Tensor::stack(&shards, 0);
-                assert!(split.unshard(&stacked, tp).equal(&full), "{split:?} tp {tp}");
+                assert!(
+                    split.unshard(&stacked, tp).equal(&full),
+                    "{split:?} tp {tp}"
+                );
             }
         }
         // Two key/value heads over four ranks: ranks 0, 1 hold head 0, ranks 2, 3 head 1.

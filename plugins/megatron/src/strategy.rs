@@ -89,7 +89,11 @@ impl TpStrategy {
     }
 
     /// `f`'s value, or `fallback` with the failure kept for the next call.
-    fn or_keep<T>(&mut self, fallback: T, f: impl FnOnce(&mut Self) -> verl_torch_runtime::Result<T>) -> T {
+    fn or_keep<T>(
+        &mut self,
+        fallback: T,
+        f: impl FnOnce(&mut Self) -> verl_torch_runtime::Result<T>,
+    ) -> T {
         if self.failed.is_some() {
             return fallback;
         }
@@ -113,7 +117,10 @@ impl TpStrategy {
 
     /// Reads a checkpoint saved at any tensor-parallel size: this rank's shard of every
     /// parameter and moment, by name.
-    fn read_shards(&self, dir: &Path) -> verl_torch_runtime::Result<(PathBuf, HashMap<String, Tensor>)> {
+    fn read_shards(
+        &self,
+        dir: &Path,
+    ) -> verl_torch_runtime::Result<(PathBuf, HashMap<String, Tensor>)> {
         let path = dir.join(LAYOUT_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| checkpoint_error(&path, e))?;
         let layout: Layout = serde_json::from_str(&text).map_err(|e| checkpoint_error(&path, e))?;
@@ -132,7 +139,9 @@ impl TpStrategy {
             if shape != expected {
                 return Err(checkpoint_error(
                     &path,
-                    format!("parameter {name} was saved with shape {shape:?}, this model's is {expected:?}"),
+                    format!(
+                        "parameter {name} was saved with shape {shape:?}, this model's is {expected:?}"
+                    ),
                 ));
             }
         }
@@ -140,11 +149,18 @@ impl TpStrategy {
         let saved_tp = layout.tensor_model_parallel_size;
         if saved_tp == tp {
             let source = dir.join(shard_file(rank, tp));
-            return Ok((source.clone(), read_safetensors(&source)?.into_iter().collect()));
+            return Ok((
+                source.clone(),
+                read_safetensors(&source)?.into_iter().collect(),
+            ));
         }
         // Another tensor-parallel size: the whole tensors from every saved shard, then ours.
         let files: Vec<HashMap<String, Tensor>> = (0..saved_tp)
-            .map(|r| Ok(read_safetensors(&dir.join(shard_file(r, saved_tp)))?.into_iter().collect()))
+            .map(|r| {
+                Ok(read_safetensors(&dir.join(shard_file(r, saved_tp)))?
+                    .into_iter()
+                    .collect())
+            })
             .collect::<verl_torch_runtime::Result<_>>()?;
         let split_of = |name: &str, tp: u32| {
             layout
@@ -159,7 +175,10 @@ impl TpStrategy {
                 continue;
             };
             let stacked = Tensor::stack(
-                &files.iter().map(|f| f[name].shallow_clone()).collect::<Vec<_>>(),
+                &files
+                    .iter()
+                    .map(|f| f[name].shallow_clone())
+                    .collect::<Vec<_>>(),
                 0,
             );
             let whole = old.unshard(&stacked, saved_tp);
@@ -174,17 +193,29 @@ impl Strategy for TpStrategy {
         self.model.local().device()
     }
 
-    fn scores(&self, rows: &Rows, temperature: f64, with_entropy: bool) -> verl_torch_runtime::Result<ResponseScores> {
+    fn scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<ResponseScores> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
-        self.model
-            .response_scores(ids, mask, rows.response_len, temperature, with_entropy, None)
+        self.model.response_scores(
+            ids,
+            mask,
+            rows.response_len,
+            temperature,
+            with_entropy,
+            None,
+        )
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
-        self.model.response_values(ids, mask, rows.response_len, None)
+        self.model
+            .response_values(ids, mask, rows.response_len, None)
     }
 
     fn backward_scores(
@@ -271,7 +302,10 @@ impl Strategy for TpStrategy {
         let optimizer = self.optimizer();
         let mut tensors = self.model.local().named_tensors();
         tensors.extend(optimizer.state_tensors());
-        write_safetensors(&dir.join(shard_file(comm.tp_rank(), comm.tp_size())), &tensors)?;
+        write_safetensors(
+            &dir.join(shard_file(comm.tp_rank(), comm.tp_size())),
+            &tensors,
+        )?;
         if comm.tp_rank() == 0 {
             let full = self.model.full_config();
             let layout = Layout {
@@ -310,7 +344,8 @@ impl Strategy for TpStrategy {
             .optimizer
             .as_mut()
             .expect("the worker only loads roles that have an optimizer");
-        let state = load_training_state_from(dir, &source, &tensors, self.model.local(), optimizer)?;
+        let state =
+            load_training_state_from(dir, &source, &tensors, self.model.local(), optimizer)?;
         Ok((state.schedule, state.rng))
     }
 

@@ -13,7 +13,11 @@
 //!
 //! A collective whose backward is the identity (Megatron's `g`, the all-reduce after a
 //! row-parallel layer) needs no cut: `sum.detach() + (x − x.detach())` has the all-reduced value
-//! exactly (the difference is exactly zero) and passes the gradient straight to `x`.
+//! exactly (the difference is exactly zero) and passes the gradient straight to `x`. That is
+//! right only when everything computed from the sum is replicated (every rank's gradient of the
+//! sum is the whole gradient): a shard's own computation must not depend on a reduced value
+//! (the vocab-parallel entropy therefore reduces `Σ e^z` and `Σ e^z·z` separately and divides
+//! afterwards).
 
 use std::cell::RefCell;
 

@@ -19,9 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use serde_json::{Value, json};
-use verl_plugin_api::{
-    Batch, ComponentInit, ComponentKind, NamedTensor, RunContext, Tensor, keys,
-};
+use verl_plugin_api::{Batch, ComponentInit, ComponentKind, NamedTensor, RunContext, Tensor, keys};
 use verl_plugin_host::EngineHandle;
 use verl_testkit::{PluginHarness, built_plugin};
 use verl_torch_runtime::interop::{from_tch, to_tch};
@@ -180,7 +178,10 @@ fn global_batch(vocab: i64, rows: usize) -> Batch {
         })
         .collect();
     let (mut batch, _) = common::layout(&seqs);
-    common::set_meta(&mut batch, json!({"temperature": 0.7, "calculate_entropy": true}));
+    common::set_meta(
+        &mut batch,
+        json!({"temperature": 0.7, "calculate_entropy": true}),
+    );
     batch
 }
 
@@ -251,7 +252,9 @@ fn play_parity(model: &Path, megatron: Value, dir: &Path) {
         let (start, len) = part(rows, rank, world);
         let batch = global_batch(vocab, rows);
         let want = reference.compute_log_prob(&batch).unwrap();
-        let got = engine.compute_log_prob(&narrow_batch(&batch, start, len)).unwrap();
+        let got = engine
+            .compute_log_prob(&narrow_batch(&batch, start, len))
+            .unwrap();
         for key in [keys::LOG_PROBS, keys::ENTROPYS] {
             let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
             assert_close(key, max_diff(g, &narrow(w, start, len)));
@@ -280,16 +283,24 @@ fn play_parity(model: &Path, megatron: Value, dir: &Path) {
         );
     }
     // The export: what the fsdp engine writes for the same weights.
-    engine.export_hf(dir.join("megatron").to_str().unwrap()).unwrap();
+    engine
+        .export_hf(dir.join("megatron").to_str().unwrap())
+        .unwrap();
     if rank == 0 {
-        reference.export_hf(dir.join("fsdp").to_str().unwrap()).unwrap();
+        reference
+            .export_hf(dir.join("fsdp").to_str().unwrap())
+            .unwrap();
         let read = |engine: &str| {
             let config = std::fs::read_to_string(dir.join(engine).join("config.json")).unwrap();
-            (config, read_safetensors(&dir.join(engine).join("model.safetensors")).unwrap())
+            (
+                config,
+                read_safetensors(&dir.join(engine).join("model.safetensors")).unwrap(),
+            )
         };
         let ((config, got), (want_config, want)) = (read("megatron"), read("fsdp"));
         assert_eq!(config, want_config, "config.json");
-        let names = |w: &[(String, tch::Tensor)]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        let names =
+            |w: &[(String, tch::Tensor)]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
         assert_eq!(names(&got), names(&want), "exported names");
         for ((name, a), (_, b)) in got.iter().zip(&want) {
             let diff = (a - b).abs().max().double_value(&[]);
@@ -332,7 +343,10 @@ fn play_load(model: &Path, megatron: Value, dir: &Path) {
     let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
     let mut reference = common::engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
-    assert_eq!(engine.load_checkpoint(dir.to_str().unwrap()).unwrap(), UPDATES - 1);
+    assert_eq!(
+        engine.load_checkpoint(dir.to_str().unwrap()).unwrap(),
+        UPDATES - 1
+    );
     let batch = ppo_batch(&mut reference, UPDATES - 1, vocab_of(model));
     common::update(&mut engine, &narrow_batch(&batch, start, len));
     let got = common::weights(&mut engine);
@@ -437,12 +451,20 @@ fn main() {
     let tests: &[(&str, fn())] = &[
         ("tp2_qwen2_gqa_bias", || parity("qwen2-gqa", 2, 2, false)),
         ("tp2_sp_qwen2_gqa_bias", || parity("qwen2-gqa", 2, 2, true)),
-        ("tp2_qwen2_kv_heads_replicated", || parity("qwen2-kv1", 2, 2, false)),
-        ("tp2_sp_qwen2_kv_heads_replicated", || parity("qwen2-kv1", 2, 2, true)),
+        ("tp2_qwen2_kv_heads_replicated", || {
+            parity("qwen2-kv1", 2, 2, false)
+        }),
+        ("tp2_sp_qwen2_kv_heads_replicated", || {
+            parity("qwen2-kv1", 2, 2, true)
+        }),
         ("tp2_llama_tied", || parity("llama-tied", 2, 2, false)),
         ("tp2_sp_llama_tied", || parity("llama-tied", 2, 2, true)),
-        ("tp2_sp_fixture_tiny_qwen2", || parity("tiny-qwen2", 2, 2, true)),
-        ("tp2_sp_fixture_tiny_llama", || parity("tiny-llama", 2, 2, true)),
+        ("tp2_sp_fixture_tiny_qwen2", || {
+            parity("tiny-qwen2", 2, 2, true)
+        }),
+        ("tp2_sp_fixture_tiny_llama", || {
+            parity("tiny-llama", 2, 2, true)
+        }),
         ("dp2_tp2_sp_qwen2_gqa", || parity("qwen2-gqa", 4, 2, true)),
         ("tp1_one_rank", || parity("llama-tied", 1, 1, true)),
         ("reshard_tp2_to_tp1", || reshard(2, 1)),

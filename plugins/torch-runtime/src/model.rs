@@ -1136,35 +1136,35 @@ fn is_value_head(name: &str) -> bool {
 /// `[B, T]` int64 token ids within `[0, vocab_size)` and a matching mask.
 fn check_batch(input_ids: &Tensor, attention_mask: &Tensor, vocab_size: i64) -> Result<()> {
     let size = input_ids.size();
-        if size.len() != 2 || input_ids.kind() != Kind::Int64 {
+    if size.len() != 2 || input_ids.kind() != Kind::Int64 {
+        return Err(ModelError::invalid_input(
+            "input_ids",
+            format!(
+                "must be an int64 [batch, seq] tensor, got {:?} {size:?}",
+                input_ids.kind()
+            ),
+        ));
+    }
+    if attention_mask.size() != size {
+        return Err(ModelError::invalid_input(
+            "attention_mask",
+            format!(
+                "shape {:?} differs from input_ids {size:?}",
+                attention_mask.size()
+            ),
+        ));
+    }
+    if input_ids.numel() > 0 {
+        let (lo, hi) = (
+            input_ids.min().int64_value(&[]),
+            input_ids.max().int64_value(&[]),
+        );
+        if lo < 0 || hi >= vocab_size {
             return Err(ModelError::invalid_input(
                 "input_ids",
-                format!(
-                    "must be an int64 [batch, seq] tensor, got {:?} {size:?}",
-                    input_ids.kind()
-                ),
+                format!("ids must lie in [0, {vocab_size}), found {lo}..={hi}"),
             ));
         }
-        if attention_mask.size() != size {
-            return Err(ModelError::invalid_input(
-                "attention_mask",
-                format!(
-                    "shape {:?} differs from input_ids {size:?}",
-                    attention_mask.size()
-                ),
-            ));
-        }
-        if input_ids.numel() > 0 {
-            let (lo, hi) = (
-                input_ids.min().int64_value(&[]),
-                input_ids.max().int64_value(&[]),
-            );
-            if lo < 0 || hi >= vocab_size {
-                return Err(ModelError::invalid_input(
-                    "input_ids",
-                    format!("ids must lie in [0, {vocab_size}), found {lo}..={hi}"),
-                ));
-            }
-        }
-        Ok(())
+    }
+    Ok(())
 }

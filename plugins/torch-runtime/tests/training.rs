@@ -309,8 +309,15 @@ fn tensor_parallel_halves_are_the_layer() {
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains(&format!("ids must lie in [0, {top})")), "{err}");
+        assert!(
+            err.contains(&format!("ids must lie in [0, {top})")),
+            "{err}"
+        );
         let beyond = ids.ones_like() * (vocab + 1);
-        assert!(model.block_context_for_vocab(&beyond, &mask, vocab * 2).is_ok());
+        assert!(
+            model
+                .block_context_for_vocab(&beyond, &mask, vocab * 2)
+                .is_ok()
+        );
     }
 }

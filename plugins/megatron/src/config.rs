@@ -161,8 +161,11 @@ impl MegatronConfig {
     }
 
     /// The parallel layout on `world_size` ranks: tensor-parallel size and sequence
-    /// parallelism (Megatron turns it off at tensor-parallel size 1). Sizes this engine does not
-    /// build are errors naming the key, whoever launched it (the host's audit reports them too).
+    /// parallelism (Megatron turns it off at tensor-parallel size 1). One process holds the whole
+    /// model whatever the size asked (a config sized for a cluster runs in one process, as the
+    /// trainer allows; the quickstart's warm-up runs on rank 0 alone). Sizes this engine does
+    /// not build are errors naming the key, whoever launched it (the host's audit reports them
+    /// too).
     pub fn layout(&self, path: &str, world_size: u32) -> Result<(u32, bool), PluginError> {
         let error = |key: &str, reason: String| {
             Err(PluginError::invalid_config(format!(
@@ -203,6 +206,9 @@ impl MegatronConfig {
         }
         let tp = self.tensor_model_parallel_size;
         let world = world_size.max(1);
+        if world == 1 && tp > 0 {
+            return Ok((1, false));
+        }
         if tp == 0 || world % tp != 0 {
             return error(
                 "tensor_model_parallel_size",
@@ -254,6 +260,8 @@ mod tests {
         );
         // Megatron has no sequence parallelism without tensor parallelism.
         assert_eq!(layout(json!({}), 2), Ok((1, false)));
+        // One process holds the whole model.
+        assert_eq!(layout(json!({"tensor_model_parallel_size": 2}), 1), Ok((1, false)));
         for (extra, key) in [
             (
                 json!({"pipeline_model_parallel_size": 2}),

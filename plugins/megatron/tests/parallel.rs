@@ -117,8 +117,12 @@ fn model_dir(name: &str, root: &Path) -> PathBuf {
 // The rank side.
 
 fn actor_config(model: &Path, megatron: Option<Value>) -> Value {
+    role_config("actor", model, megatron)
+}
+
+fn role_config(role: &str, model: &Path, megatron: Option<Value>) -> Value {
     let mut config = json!({
-        "role": "actor",
+        "role": role,
         "model": {"path": model},
         "optim": {"lr": 1e-3},
         "ppo_mini_batch_size": ROWS,
@@ -309,6 +313,48 @@ fn play_parity(model: &Path, megatron: Value, dir: &Path) {
     }
 }
 
+/// A critic (value head, replicated): values and 3 updates against the one-rank engine's.
+fn play_critic(model: &Path, megatron: Value) {
+    let run = run_context();
+    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
+    let mut reference = common::engine(&role_config("critic", model, None));
+    let mut engine = megatron_engine(&role_config("critic", model, Some(megatron)));
+    for step in 0..UPDATES {
+        let mut batch = global_batch(vocab_of(model), ROWS);
+        let values = reference.compute_values(&batch).unwrap();
+        let values = values.require(keys::VALUES).unwrap().clone();
+        let got = engine.compute_values(&narrow_batch(&batch, start, len)).unwrap();
+        assert_close(
+            &format!("values before update {step}"),
+            max_diff(got.require(keys::VALUES).unwrap(), &narrow(&values, start, len)),
+        );
+        let returns: Vec<f32> = floats(&values)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + [0.5f32, -1.0, 0.25][i % 3])
+            .collect();
+        let shape = values.shape.to_vec();
+        batch.insert(keys::RETURNS, Tensor::from_slice(&shape, &returns).unwrap());
+        batch.insert(keys::VALUES, values);
+        let want = reference.update_critic(&batch).unwrap();
+        let got = engine
+            .update_critic(&narrow_batch(&batch, start, len))
+            .unwrap();
+        for m in &want {
+            let mine = common::metric(&got, &m.key);
+            assert_close(
+                &format!("critic update {step} {}: {mine} vs {}", m.key, m.value),
+                (mine - m.value).abs() / m.value.abs().max(1.0),
+            );
+        }
+        compare_weights(
+            &format!("critic weights after update {step}"),
+            &common::weights(&mut engine),
+            &common::weights(&mut reference),
+        );
+    }
+}
+
 /// Two updates, a checkpoint in DIR, then a third update whose weights rank 0 saves.
 fn play_save(model: &Path, megatron: Value, dir: &Path) {
     let run = run_context();
@@ -364,6 +410,7 @@ fn rank_main(case: &str) {
     let dir = PathBuf::from(env(DIR));
     match case {
         "parity" => play_parity(&model, megatron, &dir),
+        "critic" => play_critic(&model, megatron),
         "save" => play_save(&model, megatron, &dir),
         "load" => play_load(&model, megatron, &dir),
         other => panic!("unknown case {other}"),
@@ -432,6 +479,36 @@ fn parity(model: &str, world: u32, tp: u32, sp: bool) {
     run("parity", world, &path, &parallel, dir.path());
 }
 
+fn critic(model: &str, sp: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_dir(model, dir.path());
+    let parallel = json!({"tensor_model_parallel_size": 2, "sequence_parallel": sp});
+    run("critic", 2, &path, &parallel, dir.path());
+}
+
+/// Layouts the engine does not build are refused at `init`, naming the key (one process).
+fn unbuilt_layouts_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model_dir("qwen2-gqa", dir.path());
+    let harness = PluginHarness::load_alone(built_plugin("verl_plugin_megatron")).unwrap();
+    let path = "actor_rollout_ref.actor.megatron";
+    for (section, key) in [
+        (json!({"pipeline_model_parallel_size": 2}), "pipeline_model_parallel_size"),
+        (json!({"context_parallel_size": 2}), "context_parallel_size"),
+        (json!({"optimizer_offload": true}), "optimizer_offload"),
+        (json!({"tensor_model_parallel_size": 0}), "tensor_model_parallel_size"),
+        (json!({"tensor_model_parallel_size": 1, "sequence_paralel": true}), "sequence_paralel"),
+    ] {
+        let mut engine = harness
+            .component(ComponentKind::ENGINE, "megatron")
+            .create_engine()
+            .unwrap();
+        let init = ComponentInit::new(actor_config(&model, Some(section)), RunContext::default());
+        let err = engine.init(&init).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{path}.{key}`")), "{err}");
+    }
+}
+
 /// Saved at tensor-parallel size `from` (2 ranks), loaded at `to`.
 fn reshard(from: u32, to: u32) {
     let dir = tempfile::tempdir().unwrap();
@@ -467,14 +544,28 @@ fn main() {
         }),
         ("dp2_tp2_sp_qwen2_gqa", || parity("qwen2-gqa", 4, 2, true)),
         ("tp1_one_rank", || parity("llama-tied", 1, 1, true)),
+        ("tp2_critic_qwen2_gqa", || critic("qwen2-gqa", false)),
+        ("tp2_sp_critic_llama_tied", || critic("llama-tied", true)),
+        ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
         ("reshard_tp2_to_tp1", || reshard(2, 1)),
         ("reshard_tp1_to_tp2", || reshard(1, 2)),
     ];
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    // libtest's filter and `--skip PATTERN` (the workspace run passes `--skip vllm::`).
+    let (mut filter, mut skip) = (None, Vec::new());
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if arg == "--skip" {
+            skip.extend(args.next());
+        } else if !arg.starts_with('-') {
+            filter = Some(arg);
+        }
+    }
     let mut failed = Vec::new();
     let mut ran = 0;
     for (name, test) in tests {
-        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str()))
+            || skip.iter().any(|s| name.contains(s.as_str()))
+        {
             continue;
         }
         ran += 1;

@@ -527,7 +527,7 @@ fn play_subgroups(group: &mut ProcessGroup) -> Result<(), DistError> {
     assert_eq!(floats(&t), [if r < 2 { 1.0 } else { 5.0 }]);
     let mut t = Tensor::from_slice(&[f64::from(r)]);
     group.all_reduce_in(cols, &mut t, ReduceOp::Avg)?;
-    assert_eq!(floats(&t), [if r % 2 == 0 { 1.0 } else { 2.0 }]);
+    assert_eq!(floats(&t), [if r.is_multiple_of(2) { 1.0 } else { 2.0 }]);
     let mut all = Tensor::zeros([4], (Kind::Float, Device::Cpu));
     group.all_gather_into(&mut all, &Tensor::from_slice(&[r as f32]))?;
     assert_eq!(floats(&all), [0.0, 1.0, 2.0, 3.0]);

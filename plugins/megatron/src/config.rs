@@ -209,7 +209,7 @@ impl MegatronConfig {
         if world == 1 && tp > 0 {
             return Ok((1, false));
         }
-        if tp == 0 || world % tp != 0 {
+        if tp == 0 || !world.is_multiple_of(tp) {
             return error(
                 "tensor_model_parallel_size",
                 format!(
@@ -261,7 +261,10 @@ mod tests {
         // Megatron has no sequence parallelism without tensor parallelism.
         assert_eq!(layout(json!({}), 2), Ok((1, false)));
         // One process holds the whole model.
-        assert_eq!(layout(json!({"tensor_model_parallel_size": 2}), 1), Ok((1, false)));
+        assert_eq!(
+            layout(json!({"tensor_model_parallel_size": 2}), 1),
+            Ok((1, false))
+        );
         for (extra, key) in [
             (
                 json!({"pipeline_model_parallel_size": 2}),

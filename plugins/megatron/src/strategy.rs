@@ -106,7 +106,7 @@ impl TpStrategy {
         }
     }
 
-    fn rows<'a>(rows: &'a Rows) -> (&'a Tensor, &'a Tensor) {
+    fn rows(rows: &Rows) -> (&Tensor, &Tensor) {
         (rows.get(keys::INPUT_IDS), rows.get(keys::ATTENTION_MASK))
     }
 

@@ -151,7 +151,7 @@ fn run_context() -> RunContext {
     run.seed = 7;
     run.rank = number("RANK");
     run.world_size = number("WORLD_SIZE");
-    run.master_addr = env("MASTER_ADDR").into();
+    run.master_addr = env("MASTER_ADDR");
     run.master_port = number("MASTER_PORT") as u16;
     run
 }
@@ -323,10 +323,15 @@ fn play_critic(model: &Path, megatron: Value) {
         let mut batch = global_batch(vocab_of(model), ROWS);
         let values = reference.compute_values(&batch).unwrap();
         let values = values.require(keys::VALUES).unwrap().clone();
-        let got = engine.compute_values(&narrow_batch(&batch, start, len)).unwrap();
+        let got = engine
+            .compute_values(&narrow_batch(&batch, start, len))
+            .unwrap();
         assert_close(
             &format!("values before update {step}"),
-            max_diff(got.require(keys::VALUES).unwrap(), &narrow(&values, start, len)),
+            max_diff(
+                got.require(keys::VALUES).unwrap(),
+                &narrow(&values, start, len),
+            ),
         );
         let returns: Vec<f32> = floats(&values)
             .iter()
@@ -493,11 +498,20 @@ fn unbuilt_layouts_are_errors() {
     let harness = PluginHarness::load_alone(built_plugin("verl_plugin_megatron")).unwrap();
     let path = "actor_rollout_ref.actor.megatron";
     for (section, key) in [
-        (json!({"pipeline_model_parallel_size": 2}), "pipeline_model_parallel_size"),
+        (
+            json!({"pipeline_model_parallel_size": 2}),
+            "pipeline_model_parallel_size",
+        ),
         (json!({"context_parallel_size": 2}), "context_parallel_size"),
         (json!({"optimizer_offload": true}), "optimizer_offload"),
-        (json!({"tensor_model_parallel_size": 0}), "tensor_model_parallel_size"),
-        (json!({"tensor_model_parallel_size": 1, "sequence_paralel": true}), "sequence_paralel"),
+        (
+            json!({"tensor_model_parallel_size": 0}),
+            "tensor_model_parallel_size",
+        ),
+        (
+            json!({"tensor_model_parallel_size": 1, "sequence_paralel": true}),
+            "sequence_paralel",
+        ),
     ] {
         let mut engine = harness
             .component(ComponentKind::ENGINE, "megatron")

@@ -298,6 +298,7 @@ impl Strategy for TpStrategy {
     /// layout and the training state.
     fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
         self.check()?;
+        std::fs::create_dir_all(dir).map_err(|e| checkpoint_error(dir, e))?;
         let comm = self.model.comm();
         let optimizer = self.optimizer();
         let mut tensors = self.model.local().named_tensors();

@@ -71,10 +71,6 @@ impl TpStrategy {
         }
     }
 
-    pub fn model(&self) -> &TpModel {
-        &self.model
-    }
-
     fn optimizer(&self) -> &AdamW {
         self.optimizer
             .as_ref()
@@ -111,7 +107,7 @@ impl TpStrategy {
     }
 
     /// The whole model's parameters (every tensor-parallel rank calls it).
-    pub fn full_weights(&self) -> verl_torch_runtime::Result<Vec<(String, Tensor)>> {
+    fn full_weights(&self) -> verl_torch_runtime::Result<Vec<(String, Tensor)>> {
         self.model.gather_full(&self.model.local().named_tensors())
     }
 

@@ -173,10 +173,10 @@ fn rank_main(case: &str, model: &Path) -> Report {
     let (mut worker, comm): (_, Comm) = new_worker(&init(model, Some(section))).unwrap();
     let mut sent = Vec::new();
     let update_ms = timed(|| {
-        let before = comm.traffic().tensor_parallel.load(Ordering::Relaxed);
+        let before = comm.traffic().model_parallel.load(Ordering::Relaxed);
         let (rows, _, _) = group_rows(&comm, &batch).unwrap();
         worker.update_actor(&rows).unwrap();
-        sent.push(comm.traffic().tensor_parallel.load(Ordering::Relaxed) - before);
+        sent.push(comm.traffic().model_parallel.load(Ordering::Relaxed) - before);
     });
     assert!(
         sent.windows(2).all(|w| w[0] == w[1]),

@@ -73,13 +73,22 @@ impl Default for MegatronConfig {
 }
 
 const PIPELINE: &str = "pipeline parallelism is not implemented by the megatron engine yet; use 1";
-const CONTEXT: &str = "context parallelism is not implemented by the megatron engine yet; use 1";
 const EXPERTS: &str = "the engine's models (Llama, Qwen2) have no experts";
 const OFFLOAD: &str = "CPU offloading is not implemented by the megatron engine; the fsdp engine offloads (fsdp_config.param_offload)";
 const DTYPE: &str = "the engine computes in actor_rollout_ref.model.dtype (float32 by default); mixed precision is not implemented";
 const DIST_CKPT: &str = "checkpoints are the engine's own per-rank shards (megatron_layout.json); Megatron dist-checkpointing is not read or written";
 const MODEL_OVERRIDE: &str =
     "the model is built from its Hugging Face config.json; mcore model overrides are not applied";
+
+/// How the engine splits the model and the sequences over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Tensor-parallel size.
+    pub tp: u32,
+    /// Context-parallel size.
+    pub cp: u32,
+    pub sequence_parallel: bool,
+}
 
 impl MegatronConfig {
     /// The keys of the section as the host's audit sees them: the two acted on, the ones that
@@ -90,7 +99,6 @@ impl MegatronConfig {
         let unsupported = [
             ("pipeline_model_parallel_size", PIPELINE),
             ("virtual_pipeline_model_parallel_size", PIPELINE),
-            ("context_parallel_size", CONTEXT),
             ("expert_model_parallel_size", EXPERTS),
             ("expert_tensor_parallel_size", EXPERTS),
             ("param_offload", OFFLOAD),
@@ -126,7 +134,12 @@ impl MegatronConfig {
             ),
             ("forward_only", "the role decides whether the engine trains"),
         ];
-        let acted_on = ["tensor_model_parallel_size", "sequence_parallel"].map(|name| key(name).0);
+        let acted_on = [
+            "tensor_model_parallel_size",
+            "context_parallel_size",
+            "sequence_parallel",
+        ]
+        .map(|name| key(name).0);
         let keys = unsupported.into_iter().fold(
             ConfigKeys::default().acts_on(acted_on),
             |keys, (name, why)| {
@@ -160,13 +173,13 @@ impl MegatronConfig {
         }
     }
 
-    /// The parallel layout on `world_size` ranks: tensor-parallel size and sequence
+    /// The parallel layout on `world_size` ranks: tensor- and context-parallel sizes and sequence
     /// parallelism (Megatron turns it off at tensor-parallel size 1). One process holds the whole
     /// model whatever the size asked (a config sized for a cluster runs in one process, as the
     /// trainer allows; the quickstart's warm-up runs on rank 0 alone). Sizes this engine does
     /// not build are errors naming the key, whoever launched it (the host's audit reports them
     /// too).
-    pub fn layout(&self, path: &str, world_size: u32) -> Result<(u32, bool), PluginError> {
+    pub fn layout(&self, path: &str, world_size: u32) -> Result<Layout, PluginError> {
         let error = |key: &str, reason: String| {
             Err(PluginError::invalid_config(format!(
                 "config key `{path}.{key}`: {reason}"
@@ -178,7 +191,6 @@ impl MegatronConfig {
                 self.pipeline_model_parallel_size,
                 PIPELINE,
             ),
-            ("context_parallel_size", self.context_parallel_size, CONTEXT),
             (
                 "expert_model_parallel_size",
                 self.expert_model_parallel_size,
@@ -204,20 +216,40 @@ impl MegatronConfig {
                 return error(key, OFFLOAD.to_owned());
             }
         }
-        let tp = self.tensor_model_parallel_size;
+        let (tp, cp) = (self.tensor_model_parallel_size, self.context_parallel_size);
         let world = world_size.max(1);
-        if world == 1 && tp > 0 {
-            return Ok((1, false));
+        for (key, size) in [
+            ("tensor_model_parallel_size", tp),
+            ("context_parallel_size", cp),
+        ] {
+            if size == 0 {
+                return error(key, "0 ranks; the smallest size is 1".to_owned());
+            }
         }
-        if tp == 0 || !world.is_multiple_of(tp) {
+        if world == 1 {
+            return Ok(Layout {
+                tp: 1,
+                cp: 1,
+                sequence_parallel: false,
+            });
+        }
+        if !world.is_multiple_of(tp * cp) {
             return error(
-                "tensor_model_parallel_size",
+                if world.is_multiple_of(tp) {
+                    "context_parallel_size"
+                } else {
+                    "tensor_model_parallel_size"
+                },
                 format!(
-                    "{tp} does not divide the {world} ranks (data-parallel size × tensor-parallel size must be the world size)"
+                    "tensor-parallel size {tp} × context-parallel size {cp} does not divide the {world} ranks (data-parallel size × context-parallel size × tensor-parallel size is the world size)"
                 ),
             );
         }
-        Ok((tp, self.sequence_parallel && tp > 1))
+        Ok(Layout {
+            tp,
+            cp,
+            sequence_parallel: self.sequence_parallel && tp > 1,
+        })
     }
 }
 
@@ -252,25 +284,37 @@ mod tests {
         let path = "actor_rollout_ref.actor.megatron";
         let layout = |extra: Value, world| {
             let c: MegatronConfig = serde_json::from_value(extra).unwrap();
-            c.layout(path, world).map_err(|e| e.to_string())
+            c.layout(path, world)
+                .map(|l| (l.tp, l.cp, l.sequence_parallel))
+                .map_err(|e| e.to_string())
         };
         assert_eq!(
             layout(json!({"tensor_model_parallel_size": 2}), 4),
-            Ok((2, true))
+            Ok((2, 1, true))
+        );
+        assert_eq!(
+            layout(
+                json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2}),
+                4
+            ),
+            Ok((2, 2, true))
         );
         // Megatron has no sequence parallelism without tensor parallelism.
-        assert_eq!(layout(json!({}), 2), Ok((1, false)));
+        assert_eq!(layout(json!({}), 2), Ok((1, 1, false)));
         // One process holds the whole model.
         assert_eq!(
             layout(json!({"tensor_model_parallel_size": 2}), 1),
-            Ok((1, false))
+            Ok((1, 1, false))
         );
         for (extra, key) in [
             (
                 json!({"pipeline_model_parallel_size": 2}),
                 "pipeline_model_parallel_size",
             ),
-            (json!({"context_parallel_size": 2}), "context_parallel_size"),
+            (
+                json!({"tensor_model_parallel_size": 2, "context_parallel_size": 3}),
+                "context_parallel_size",
+            ),
             (
                 json!({"virtual_pipeline_model_parallel_size": 2}),
                 "virtual_pipeline_model_parallel_size",

@@ -40,7 +40,7 @@ use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role};
 use verl_torch_runtime::interop::{from_tch, to_tch};
 use verl_torch_runtime::{Head, parse_device};
 
-pub use comm::{Comm, Traffic};
+pub use comm::{Comm, Scope, Traffic};
 use config::MegatronConfig;
 use model::TpModel;
 use strategy::{TpStrategy, Worker};
@@ -60,10 +60,9 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Comm), ActorError> {
     let run = &init.run;
     let mut settings = init.config::<ActorConfig>("megatron")?.validate()?;
     let megatron = MegatronConfig::of(init, settings.role)?;
-    let (tp, sequence_parallel) =
-        megatron.layout(&MegatronConfig::path(init, settings.role), run.world_size)?;
+    let layout = megatron.layout(&MegatronConfig::path(init, settings.role), run.world_size)?;
     // As verl's workers: the (global) mini-batch is split over the data-parallel ranks.
-    let dp = (run.world_size.max(1) / tp) as usize;
+    let dp = (run.world_size.max(1) / (layout.tp * layout.cp)) as usize;
     if settings.mini_batch % dp != 0 {
         return Err(ActorError::Config {
             key: "ppo_mini_batch_size".into(),
@@ -79,7 +78,12 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Comm), ActorError> {
         .get("nccl_timeout")
         .and_then(serde_json::Value::as_u64)
         .unwrap_or(DEFAULT_COLLECTIVE_TIMEOUT_S);
-    let comm = Comm::join(run, tp, Duration::from_secs(timeout.max(1)))?;
+    let comm = Comm::join(
+        run,
+        layout.tp,
+        layout.cp,
+        Duration::from_secs(timeout.max(1)),
+    )?;
     let head = if settings.role == Role::Critic {
         Head::Value
     } else {
@@ -88,7 +92,7 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Comm), ActorError> {
     let full = settings
         .model
         .load(parse_device(&run.device)?, head, run.seed)?;
-    let mut model = TpModel::new(full, comm.clone(), sequence_parallel)?;
+    let mut model = TpModel::new(full, comm.clone(), layout.sequence_parallel)?;
     let optimizer = (settings.role != Role::Ref).then_some(settings.optimizer);
     if optimizer.is_none() {
         model.local_mut().set_trainable(false);
@@ -98,20 +102,20 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Comm), ActorError> {
     Ok((ActorWorker::new(settings, strategy, run.seed), comm))
 }
 
-/// The rows of this rank's tensor-parallel group, whose ranks each received a slice of the
-/// batch: every slice gathered in rank order. Returns them with the first row of this rank's
-/// slice and its length.
+/// The rows of this rank's model-parallel group (tensor × context ranks, adjacent), whose ranks
+/// each received a slice of the batch: every slice gathered in rank order. Returns them with the
+/// first row of this rank's slice and its length.
 pub fn group_rows(comm: &Comm, batch: &Batch) -> Result<(Batch, i64, i64), ActorError> {
     let rows = batch.tensors.first().map_or(0, |t| t.tensor.shape[0]);
-    if comm.tp_size() == 1 {
+    if comm.size(Scope::Model) == 1 {
         return Ok((batch.clone(), 0, rows));
     }
-    let counts = comm.all_gather_tp(&Tensor::from_slice(&[rows]))?;
+    let counts = comm.all_gather(Scope::Model, &Tensor::from_slice(&[rows]))?;
     let counts: Vec<i64> = (0..counts.size()[0])
         .map(|r| counts.int64_value(&[r, 0]))
         .collect();
     let longest = counts.iter().copied().max().unwrap_or(0);
-    let start = counts[..comm.tp_rank() as usize].iter().sum();
+    let start = counts[..comm.rank_in(Scope::Model) as usize].iter().sum();
     let mut out = Batch {
         meta_json: batch.meta_json.clone(),
         ..Batch::default()
@@ -129,7 +133,7 @@ pub fn group_rows(comm: &Comm, batch: &Batch) -> Result<(Batch, i64, i64), Actor
         pad[0] = longest - rows;
         let zeros = Tensor::zeros(pad.as_slice(), (tensor.kind(), Device::Cpu));
         let padded = Tensor::cat(&[tensor, zeros], 0);
-        let stacked = comm.all_gather_tp(&padded)?;
+        let stacked = comm.all_gather(Scope::Model, &padded)?;
         let parts: Vec<Tensor> = counts
             .iter()
             .enumerate()
@@ -209,10 +213,10 @@ impl Engine for MegatronEngine {
     fn update_critic(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
         Ok(self.update(batch, |w, rows| w.update_critic(rows))?)
     }
-    /// The first data-parallel replica writes: one file per tensor-parallel rank.
+    /// The first data- and context-parallel replica writes: one file per tensor-parallel rank.
     fn save_checkpoint(&mut self, dir: &str, global_step: u64) -> Result<(), PluginError> {
         let (worker, comm) = self.worker()?;
-        if comm.dp_rank() != 0 {
+        if comm.rank_in(Scope::DataContext) != 0 {
             return Ok(());
         }
         Ok(worker.save_checkpoint(Path::new(dir), global_step)?)

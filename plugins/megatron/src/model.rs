@@ -18,7 +18,7 @@ use verl_torch_runtime::{
     CausalLM, Head, ModelConfig, ModelError, ModelOptions, ResponseScores, Result, TensorParallel,
 };
 
-use crate::comm::Comm;
+use crate::comm::{Comm, Scope};
 use crate::seq;
 use crate::tape::{Backward, Tape, all_reduce_identity_backward};
 
@@ -153,6 +153,8 @@ pub struct TpModel {
     embed: Tensor,
     /// The LM head's shard (the embedding's when tied); `None` with a value head.
     lm_head: Option<Tensor>,
+    /// The value head's weight and bias (replicated); `None` with an LM head.
+    value_head: Option<(Tensor, Tensor)>,
     comm: Comm,
     sequence_parallel: bool,
 }
@@ -189,8 +191,19 @@ impl TensorParallel for Hooks<'_> {
             let mine = seq::reduce_scatter(self.comm, &y.detach())?;
             Ok(self.cut(y, &mine, Backward::GatherSeq))
         } else {
-            all_reduce_identity_backward(self.comm, y)
+            all_reduce_identity_backward(self.comm, Scope::Tensor, y)
         }
+    }
+
+    fn keys_values(&self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        if self.comm.cp_size() == 1 {
+            return Ok((k, v));
+        }
+        let gather = |x: &Tensor| -> Result<Tensor> {
+            let all = seq::gather_context(self.comm, &x.detach())?;
+            Ok(self.cut(x, &all, Backward::ReduceScatterContext))
+        };
+        Ok((gather(&k)?, gather(&v)?))
     }
 }
 
@@ -227,9 +240,12 @@ impl TpModel {
                 .map(|(_, t)| t.shallow_clone())
         };
         let embed = find("model.embed_tokens.weight").expect("every model has an embedding");
-        let lm_head = match options.head {
-            Head::Lm => Some(find("lm_head.weight").unwrap_or_else(|| embed.shallow_clone())),
-            Head::Value => None,
+        let (lm_head, value_head) = match options.head {
+            Head::Lm => (
+                Some(find("lm_head.weight").unwrap_or_else(|| embed.shallow_clone())),
+                None,
+            ),
+            Head::Value => (None, find("score.weight").zip(find("score.bias"))),
         };
         Ok(Self {
             local,
@@ -237,6 +253,7 @@ impl TpModel {
             splits,
             embed,
             lm_head,
+            value_head,
             comm,
             sequence_parallel,
         })
@@ -276,24 +293,31 @@ impl TpModel {
         (local.clamp(0, rows - 1), inside)
     }
 
-    /// Final hidden states `[B, T, H]` of the whole sequence (the sequence-parallel slices
-    /// gathered), through the cut the head needs: the LM head's vocabulary shards each see part
-    /// of the gradient (all-reduced), a replicated value head the whole of it.
-    fn hidden_states(&self, ids: &Tensor, mask: &Tensor, tape: Option<&Tape>) -> Result<Tensor> {
+    /// Final hidden states `[B, T, H]` of this rank's tokens — the whole sequence, or with
+    /// context parallelism its two chunks, whose sequence positions come along — through the
+    /// cut the head needs: the LM head's vocabulary shards each see part of the gradient
+    /// (all-reduced), a replicated value head the whole of it. Sequences are padded on the
+    /// right (masked, invisible to the real tokens) to a multiple of `2·cp` chunks of `tp`
+    /// slices as the layout needs; positions past `ids`' own length are padding.
+    fn hidden_states(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        tape: Option<&Tape>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let hooks = Hooks {
             comm: &self.comm,
             tape,
             sequence_parallel: self.sequence_parallel,
         };
         let (b, s) = ids.size2()?;
-        // Sequence parallelism splits the sequence evenly: right padding (masked) is invisible
-        // to the real tokens.
-        let tp = i64::from(self.comm.tp_size());
-        let pad = if self.sequence_parallel {
-            (tp - s % tp) % tp
-        } else {
-            0
-        };
+        let (tp, cp) = (
+            i64::from(self.comm.tp_size()),
+            i64::from(self.comm.cp_size()),
+        );
+        let multiple =
+            if cp > 1 { 2 * cp } else { 1 } * if self.sequence_parallel { tp } else { 1 };
+        let pad = (multiple - s % multiple) % multiple;
         let (ids, mask) = if pad > 0 {
             let zeros = Tensor::zeros([b, pad], (Kind::Int64, ids.device()));
             (
@@ -306,11 +330,23 @@ impl TpModel {
         } else {
             (ids.shallow_clone(), mask.shallow_clone())
         };
-        let context = self
-            .local
-            .block_context_for_vocab(&ids, &mask, self.full.vocab_size)?;
-        let ids = ids.to_device(self.local.device());
-        let (local, inside) = self.local_ids(&ids);
+        let vocab = self.full.vocab_size;
+        let (context, tokens) = if cp > 1 {
+            let tokens = seq::context_tokens(
+                self.comm.cp_size(),
+                self.comm.cp_rank(),
+                s + pad,
+                self.local.device(),
+            );
+            let context = self
+                .local
+                .block_context_for_tokens(&ids, &mask, vocab, &tokens)?;
+            (context, Some(tokens))
+        } else {
+            let context = self.local.block_context_for_vocab(&ids, &mask, vocab)?;
+            (context, None)
+        };
+        let (local, inside) = self.local_ids(context.input_ids());
         let embedded = Tensor::embedding(&self.embed, &local, -1, false, false)
             * inside.unsqueeze(-1).to_kind(self.local.kind());
         let mut x = hooks.exit(&embedded)?;
@@ -334,7 +370,64 @@ impl TpModel {
             (false, true) => hooks.cut(&hidden, &hidden, Backward::AllReduce),
             (false, false) => hidden,
         };
-        Ok(whole.narrow(1, 0, s))
+        Ok(match tokens {
+            Some(tokens) => (whole, Some(tokens)),
+            None => (whole.narrow(1, 0, s), None),
+        })
+    }
+
+    /// The response's predictors among this rank's final hidden states: their hidden states
+    /// `[B, n, H]`, the tokens they predict `[B, n]` and their columns among the response's
+    /// `response_len` (`None`: all of them, in order).
+    fn predictors(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        response_len: i64,
+        tape: Option<&Tape>,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let seq = ids.size()[1];
+        let ids = ids.to_device(self.local.device());
+        let (hidden, tokens) = self.hidden_states(&ids, mask, tape)?;
+        // Position t predicts token t + 1: the predictors are positions seq − R − 1 .. seq − 2.
+        let first = seq - response_len - 1;
+        match tokens {
+            None => Ok((
+                hidden.narrow(1, first, response_len),
+                ids.narrow(1, seq - response_len, response_len),
+                None,
+            )),
+            Some(tokens) => {
+                let mine = tokens.ge(first).logical_and(&tokens.lt(seq - 1));
+                let at = mine.nonzero().squeeze_dim(-1);
+                let positions = tokens.index_select(0, &at);
+                Ok((
+                    hidden.index_select(1, &at),
+                    ids.index_select(1, &(&positions + 1)),
+                    Some(positions - first),
+                ))
+            }
+        }
+    }
+
+    /// Per-column values of this rank's predictors `[B, n]` as the response's `[B, R]`: with
+    /// context parallelism each rank holds some columns, zero elsewhere, summed over the ranks
+    /// (every rank then computes the same loss, so the gradient passes back unchanged).
+    fn response_columns(
+        &self,
+        values: Tensor,
+        columns: &Option<Tensor>,
+        response_len: i64,
+    ) -> Result<Tensor> {
+        match columns {
+            None => Ok(values),
+            Some(columns) => {
+                let b = values.size()[0];
+                let spread = Tensor::zeros([b, response_len], (values.kind(), values.device()))
+                    .index_copy(1, columns, &values);
+                all_reduce_identity_backward(&self.comm, Scope::Context, &spread)
+            }
+        }
     }
 
     /// Per-token log-probs (and entropy) of the last `response_len` tokens of each row, as
@@ -354,12 +447,8 @@ impl TpModel {
             .as_ref()
             .ok_or_else(|| invalid("head", "log-probs need a model built with Head::Lm"))?;
         check_response(ids.size()[1], response_len, temperature)?;
-        let hidden = self.hidden_states(ids, mask, tape)?;
-        let seq = hidden.size()[1];
-        let logits = hidden
-            .narrow(1, seq - response_len - 1, response_len)
-            .linear(head, None::<&Tensor>)
-            .to_kind(Kind::Float);
+        let (hidden, labels, columns) = self.predictors(ids, mask, response_len, tape)?;
+        let logits = hidden.linear(head, None::<&Tensor>).to_kind(Kind::Float);
         let logits = if temperature == 1.0 {
             logits
         } else {
@@ -367,40 +456,47 @@ impl TpModel {
         };
         // The row maximum over every shard only keeps exp() in range: no gradient needed.
         let mut max = logits.detach().amax([-1], true);
-        self.comm.all_reduce_tp(&mut max, ReduceOp::Max)?;
+        self.comm
+            .all_reduce(Scope::Tensor, &mut max, ReduceOp::Max)?;
         let shifted = logits - max;
         // Every shard's partial sums are all-reduced and only combined afterwards, so that
         // nothing computed on a shard depends on a reduced value: the reduction's backward is
         // then the identity (each rank's gradient of the replicated result is the whole one).
         let exp = shifted.exp();
-        let sum_exp =
-            all_reduce_identity_backward(&self.comm, &exp.sum_dim_intlist(-1, false, Kind::Float))?;
+        let sum_exp = all_reduce_identity_backward(
+            &self.comm,
+            Scope::Tensor,
+            &exp.sum_dim_intlist(-1, false, Kind::Float),
+        )?;
         let log_sum_exp = sum_exp.log();
-        let labels = ids
-            .to_device(self.local.device())
-            .narrow(1, seq - response_len, response_len);
         let (local, inside) = self.local_ids(&labels);
         let target = shifted
             .gather(-1, &local.unsqueeze(-1), false)
             .squeeze_dim(-1)
             * inside.to_kind(Kind::Float);
-        let target = all_reduce_identity_backward(&self.comm, &target)?;
+        let target = all_reduce_identity_backward(&self.comm, Scope::Tensor, &target)?;
+        let seq = ids.size()[1];
         let response_mask = mask
             .to_device(self.local.device())
             .narrow(1, seq - response_len, response_len)
             .to_kind(Kind::Float);
-        let log_probs = (target - &log_sum_exp) * &response_mask;
+        let log_probs = self.response_columns(target - &log_sum_exp, &columns, response_len)?;
         let entropy = if with_entropy {
             // H = logsumexp(z) − Σ softmax(z)·z = log S − (Σ e^z·z) / S on the shifted logits.
             let weighted = all_reduce_identity_backward(
                 &self.comm,
+                Scope::Tensor,
                 &(exp * &shifted).sum_dim_intlist(-1, false, Kind::Float),
             )?;
-            Some((log_sum_exp - weighted / sum_exp) * response_mask)
+            let entropy = log_sum_exp - weighted / sum_exp;
+            Some(self.response_columns(entropy, &columns, response_len)? * &response_mask)
         } else {
             None
         };
-        Ok(ResponseScores { log_probs, entropy })
+        Ok(ResponseScores {
+            log_probs: log_probs * response_mask,
+            entropy,
+        })
     }
 
     /// Per-token values of the response tokens (a value-head model).
@@ -411,19 +507,22 @@ impl TpModel {
         response_len: i64,
         tape: Option<&Tape>,
     ) -> Result<Tensor> {
-        if self.lm_head.is_some() {
-            return Err(invalid(
-                "head",
-                "values need a model built with Head::Value",
-            ));
-        }
         check_response(ids.size()[1], response_len, 1.0)?;
-        let hidden = self.hidden_states(ids, mask, tape)?;
-        self.local.response_values_from_hidden(
-            &hidden,
-            &mask.to_device(self.local.device()),
-            response_len,
-        )
+        let (hidden, _, columns) = self.predictors(ids, mask, response_len, tape)?;
+        let (weight, bias) = self
+            .value_head
+            .as_ref()
+            .ok_or_else(|| invalid("head", "values need a model built with Head::Value"))?;
+        let values = hidden
+            .linear(weight, Some(bias))
+            .squeeze_dim(-1)
+            .to_kind(Kind::Float);
+        let seq = ids.size()[1];
+        let response_mask = mask
+            .to_device(self.local.device())
+            .narrow(1, seq - response_len, response_len)
+            .to_kind(Kind::Float);
+        Ok(self.response_columns(values, &columns, response_len)? * response_mask)
     }
 
     /// Makes the gradients of shards held by several ranks whole: key/value heads shared by
@@ -466,7 +565,8 @@ impl TpModel {
             })
             .collect();
         let mut buffer = Tensor::cat(&slots, 0);
-        self.comm.all_reduce_tp(&mut buffer, ReduceOp::Sum)?;
+        self.comm
+            .all_reduce(Scope::Tensor, &mut buffer, ReduceOp::Sum)?;
         let mut offset = 0;
         tch::no_grad(|| {
             for (grad, part, parts) in &mut shared {
@@ -498,7 +598,8 @@ impl TpModel {
             }
         }
         let mut total = Tensor::from_slice(&[mine]);
-        self.comm.all_reduce_tp(&mut total, ReduceOp::Sum)?;
+        self.comm
+            .all_reduce(Scope::Tensor, &mut total, ReduceOp::Sum)?;
         Ok(total.double_value(&[0]))
     }
 
@@ -514,7 +615,9 @@ impl TpModel {
             return Ok(Vec::new());
         }
         let tp = self.comm.tp_size();
-        let stacked = self.comm.all_gather_tp(&Tensor::cat(&flat, 0))?;
+        let stacked = self
+            .comm
+            .all_gather(Scope::Tensor, &Tensor::cat(&flat, 0))?;
         let mut offset = 0;
         let mut out = Vec::with_capacity(tensors.len());
         for (name, tensor) in tensors {

@@ -21,6 +21,7 @@ use verl_torch_runtime::{
     write_safetensors,
 };
 
+use crate::comm::Scope;
 use crate::model::{Split, TpModel};
 use crate::tape::Tape;
 
@@ -380,7 +381,7 @@ impl Strategy for TpStrategy {
     }
 
     /// Shards held by several tensor-parallel ranks made whole, then every gradient summed over
-    /// the data-parallel ranks.
+    /// the data-parallel and context-parallel ranks (each saw its rows, its chunks).
     fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
         self.check()?;
         self.model.reduce_shared_gradients()?;
@@ -393,7 +394,9 @@ impl Strategy for TpStrategy {
             .map(|(_, p)| p.grad())
             .filter(Tensor::defined)
             .collect();
-        self.model.comm().all_reduce_dp_tensors(&mut grads)
+        self.model
+            .comm()
+            .all_reduce_tensors(Scope::DataContext, &mut grads)
     }
 }
 

@@ -23,7 +23,7 @@ use std::cell::RefCell;
 
 use tch::{Kind, Tensor};
 
-use crate::comm::Comm;
+use crate::comm::{Comm, Scope};
 use crate::seq;
 
 /// What a cut's backward does with the leaf's gradient.
@@ -41,6 +41,9 @@ pub enum Backward {
     /// The leaf is this rank's slice of a reduce-scattered sequence: the gradients of every
     /// slice are gathered (reduce-scatter's conjugate).
     GatherSeq,
+    /// The leaf is every context-parallel rank's keys or values in sequence order: each rank's
+    /// gradient (from its queries) is partial, and each keeps the sum over its own chunks.
+    ReduceScatterContext,
 }
 
 struct Cut {
@@ -84,12 +87,13 @@ impl Tape {
                 Backward::Identity => grad,
                 Backward::AllReduce => {
                     let mut grad = grad.contiguous();
-                    comm.all_reduce_tp(&mut grad, verl_distributed::ReduceOp::Sum)?;
+                    comm.all_reduce(Scope::Tensor, &mut grad, verl_distributed::ReduceOp::Sum)?;
                     grad
                 }
                 Backward::ReduceScatterSeq => seq::reduce_scatter(comm, &grad)?,
                 Backward::SliceSeq => seq::slice(comm, &grad),
                 Backward::GatherSeq => seq::all_gather(comm, &grad)?,
+                Backward::ReduceScatterContext => seq::reduce_scatter_context(comm, &grad)?,
             };
             (&cut.source * grad).sum(Kind::Float).f_backward()?;
         }
@@ -97,11 +101,15 @@ impl Tape {
     }
 }
 
-/// Megatron's `g` without a cut: the sum of `x` over the tensor-parallel ranks, with the
-/// gradient passing to `x` unchanged.
-pub fn all_reduce_identity_backward(comm: &Comm, x: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+/// Megatron's `g` without a cut: the sum of `x` over `scope`'s ranks, with the gradient passing
+/// to `x` unchanged.
+pub fn all_reduce_identity_backward(
+    comm: &Comm,
+    scope: Scope,
+    x: &Tensor,
+) -> verl_torch_runtime::Result<Tensor> {
     let mut sum = x.detach().contiguous();
-    comm.all_reduce_tp(&mut sum, verl_distributed::ReduceOp::Sum)?;
+    comm.all_reduce(scope, &mut sum, verl_distributed::ReduceOp::Sum)?;
     if !x.requires_grad() {
         return Ok(sum);
     }

@@ -478,17 +478,26 @@ fn run(case: &str, world: u32, model: &Path, parallel: &Value, dir: &Path) {
 }
 
 fn parity(model: &str, world: u32, tp: u32, sp: bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = model_dir(model, dir.path());
     let parallel = json!({"tensor_model_parallel_size": tp, "sequence_parallel": sp});
-    run("parity", world, &path, &parallel, dir.path());
+    parity_with(model, world, &parallel);
 }
 
-fn critic(model: &str, sp: bool) {
+fn parity_with(model: &str, world: u32, parallel: &Value) {
     let dir = tempfile::tempdir().unwrap();
     let path = model_dir(model, dir.path());
-    let parallel = json!({"tensor_model_parallel_size": 2, "sequence_parallel": sp});
-    run("critic", 2, &path, &parallel, dir.path());
+    run("parity", world, &path, parallel, dir.path());
+}
+
+/// Context parallelism `cp` with tensor parallelism `tp` (sequence parallel) on `world` ranks.
+fn context(model: &str, world: u32, tp: u32, cp: u32) {
+    let parallel = json!({"tensor_model_parallel_size": tp, "context_parallel_size": cp});
+    parity_with(model, world, &parallel);
+}
+
+fn critic(model: &str, world: u32, parallel: Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_dir(model, dir.path());
+    run("critic", world, &path, &parallel, dir.path());
 }
 
 /// Layouts the engine does not build are refused at `init`, naming the key (one process).
@@ -502,7 +511,7 @@ fn unbuilt_layouts_are_errors() {
             json!({"pipeline_model_parallel_size": 2}),
             "pipeline_model_parallel_size",
         ),
-        (json!({"context_parallel_size": 2}), "context_parallel_size"),
+        (json!({"context_parallel_size": 0}), "context_parallel_size"),
         (json!({"optimizer_offload": true}), "optimizer_offload"),
         (
             json!({"tensor_model_parallel_size": 0}),
@@ -558,8 +567,27 @@ fn main() {
         }),
         ("dp2_tp2_sp_qwen2_gqa", || parity("qwen2-gqa", 4, 2, true)),
         ("tp1_one_rank", || parity("llama-tied", 1, 1, true)),
-        ("tp2_critic_qwen2_gqa", || critic("qwen2-gqa", false)),
-        ("tp2_sp_critic_llama_tied", || critic("llama-tied", true)),
+        ("tp2_critic_qwen2_gqa", || {
+            critic(
+                "qwen2-gqa",
+                2,
+                json!({"tensor_model_parallel_size": 2, "sequence_parallel": false}),
+            )
+        }),
+        ("tp2_sp_critic_llama_tied", || {
+            critic("llama-tied", 2, json!({"tensor_model_parallel_size": 2}))
+        }),
+        ("cp2_qwen2_gqa_bias", || context("qwen2-gqa", 2, 1, 2)),
+        ("cp2_llama_tied", || context("llama-tied", 2, 1, 2)),
+        ("tp2_sp_cp2_qwen2_gqa_4_ranks", || {
+            context("qwen2-gqa", 4, 2, 2)
+        }),
+        ("tp2_sp_cp2_llama_tied_4_ranks", || {
+            context("llama-tied", 4, 2, 2)
+        }),
+        ("cp2_critic_qwen2_gqa", || {
+            critic("qwen2-gqa", 2, json!({"context_parallel_size": 2}))
+        }),
         ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
         ("reshard_tp2_to_tp1", || reshard(2, 1)),
         ("reshard_tp1_to_tp2", || reshard(1, 2)),

@@ -447,6 +447,19 @@ impl Attention {
         cache: Option<(&mut KvCache, usize)>,
         weights: Option<&LayerWeights>,
     ) -> Tensor {
+        let (q, k, v) = self.project(x, context, cache, weights);
+        self.attention(&q, k, v, context)
+    }
+
+    /// Queries `[B, T, heads, head_dim]` and the keys and values `[B, kv_heads, S, head_dim]`
+    /// they attend (with a cache, everything cached so far), rotated.
+    fn project(
+        &self,
+        x: &Tensor,
+        context: &Context,
+        cache: Option<(&mut KvCache, usize)>,
+        weights: Option<&LayerWeights>,
+    ) -> (Tensor, Tensor, Tensor) {
         let (b, t, _) = x.size3().expect("hidden states are [B, T, H]");
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let rope = &context.rope;
@@ -476,6 +489,14 @@ impl Attention {
             Some((cache, layer)) => cache.append(layer, &k, &v),
             None => (k, v),
         };
+        (q, k, v)
+    }
+
+    /// Scaled dot-product attention of `q` over `k`, `v` under the context's mask, `[B, T,
+    /// heads × head_dim]`.
+    fn attention(&self, q: &Tensor, k: Tensor, v: Tensor, context: &Context) -> Tensor {
+        let (b, t) = (q.size()[0], q.size()[1]);
+        let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         // Grouped-query attention: each key/value head serves `heads / kv_heads` query heads.
         let groups = h / kv;
         let (k, v) = if groups > 1 {
@@ -558,6 +579,12 @@ pub trait TensorParallel {
     /// The partial output of a row-parallel projection, before its bias (Megatron's `g`:
     /// all-reduce; with sequence parallelism the reduce-scatter along the sequence).
     fn exit(&self, y: &Tensor) -> Result<Tensor>;
+    /// The rotated keys and values `[B, kv_heads, T, head_dim]` of this rank's tokens → those
+    /// its queries attend (context parallelism: every rank's, in sequence order). By default
+    /// the same.
+    fn keys_values(&self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((k, v))
+    }
 }
 
 struct DecoderLayer {
@@ -898,17 +925,26 @@ impl CausalLM {
     /// Rotary tables and the attention mask for the last `t` tokens of the sequences that
     /// `attention_mask` (`[B, S]`) describes.
     fn context(&self, attention_mask: &Tensor, t: i64) -> Context {
+        let s = attention_mask.size()[1];
+        let queries = Tensor::arange_start(s - t, s, (Kind::Int64, self.device()));
+        self.context_at(attention_mask, &queries)
+    }
+
+    /// Rotary tables and the attention mask for the tokens at `queries` (`[T]` indices) of the
+    /// sequences `attention_mask` (`[B, S]`) describes, attending all `S` positions.
+    fn context_at(&self, attention_mask: &Tensor, queries: &Tensor) -> Context {
         let (b, s) = attention_mask.size2().expect("checked [B, S]");
         let device = self.device();
+        let t = queries.size()[0];
         let valid = attention_mask.to_kind(Kind::Bool);
         // Real-token positions: padding on either side does not shift them.
         let positions = (valid.cumsum(-1, Kind::Int64) - 1)
             .clamp_min(0)
-            .narrow(1, s - t, t);
+            .index_select(1, queries);
         let rope = RopeTable::new(&self.inv_freq, s, self.kind()).at(&positions);
         // Causal and padding mask, [B, 1, T, S]. The diagonal stays open so that a padding query
         // (whose output is never used) has one key and its softmax stays finite.
-        let query = Tensor::arange_start(s - t, s, (Kind::Int64, device)).view([t, 1]);
+        let query = queries.view([t, 1]);
         let key = Tensor::arange(s, (Kind::Int64, device)).view([1, s]);
         let mask = key
             .le_tensor(&query)
@@ -1002,6 +1038,26 @@ impl CausalLM {
         })
     }
 
+    /// [`Self::block_context_for_vocab`] for the tokens at `tokens` (`[T]` int64, increasing
+    /// indices into the sequence) of the batch: rotary tables at their positions and the mask
+    /// of what each may attend among all the sequence's tokens (context parallelism: a rank's
+    /// queries attend every rank's keys, see [`TensorParallel::keys_values`]).
+    pub fn block_context_for_tokens(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        vocab_size: i64,
+        tokens: &Tensor,
+    ) -> Result<BlockContext> {
+        check_batch(input_ids, attention_mask, vocab_size)?;
+        let device = self.device();
+        let tokens = tokens.to_device(device);
+        Ok(BlockContext {
+            context: self.context_at(&attention_mask.to_device(device), &tokens),
+            input_ids: input_ids.to_device(device).index_select(1, &tokens),
+        })
+    }
+
     /// The attention half of decoder layer `layer` on a tensor-parallel shard of the model:
     /// `x + tp.exit(o(attention(tp.enter(norm(x))))) + o.bias`, with this shard's heads.
     /// `x` may be a slice of the sequence (sequence parallelism) as long as `tp.enter` returns
@@ -1016,7 +1072,9 @@ impl CausalLM {
         let block = self.layer(layer)?;
         let attn = &block.self_attn;
         let input = tp.enter(&block.input_layernorm.forward(x))?;
-        let out = attn.attend(&input, &context.context, None, None);
+        let (q, k, v) = attn.project(&input, &context.context, None, None);
+        let (k, v) = tp.keys_values(k, v)?;
+        let out = attn.attention(&q, k, v, &context.context);
         Ok(x + row_parallel(&attn.o_proj, &out, tp)?)
     }
 
@@ -1095,6 +1153,13 @@ impl CausalLM {
 pub struct BlockContext {
     context: Context,
     input_ids: Tensor,
+}
+
+impl BlockContext {
+    /// The token ids of the context's tokens `[B, T]` (for an engine that embeds them itself).
+    pub fn input_ids(&self) -> &Tensor {
+        &self.input_ids
+    }
 }
 
 /// RoPE frequencies `[head_dim / 2]` in fp32, computed as transformers computes them.

@@ -303,6 +303,15 @@ fn tensor_parallel_halves_are_the_layer() {
             let halves = model.mlp_block(layer, &half, &Alone).unwrap();
             assert!(halves.equal(&whole), "{name} layer {layer}");
         }
+        // Every token named: the same context.
+        let every = Tensor::arange(ids.size()[1], (tch::Kind::Int64, tch::Device::Cpu));
+        let named = model
+            .block_context_for_tokens(&ids, &mask, vocab, &every)
+            .unwrap();
+        assert!(named.input_ids().equal(&ids), "{name}");
+        let a = model.attention_block(0, &x, &context, &Alone).unwrap();
+        let b = model.attention_block(0, &x, &named, &Alone).unwrap();
+        assert!(a.equal(&b), "{name}: a context of every token");
         let top = ids.max().int64_value(&[]);
         let err = model
             .block_context_for_vocab(&ids, &mask, top)

@@ -360,6 +360,74 @@ fn play_critic(model: &Path, megatron: Value) {
     }
 }
 
+/// A batch of `rows` rows `width` tokens wide: prompts of `width / 2` tokens (row `i` with
+/// `i % prompt` of them padding), responses of the rest (row `i` ending up to `i` tokens early).
+fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
+    let mut rng = Rng::stream(13, width as u64);
+    let prompt = (width / 2).max(1);
+    let response = width - prompt;
+    let (mut ids, mut mask, mut responses) =
+        (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
+    let mut response_mask = Vec::<f32>::new();
+    for i in 0..rows {
+        let row: Vec<i64> = (0..width)
+            .map(|_| (rng.next_u64() % vocab as u64) as i64)
+            .collect();
+        let left = i % prompt;
+        let short = i.min(response - 1);
+        let real = |c: usize| c >= left && c < width - short;
+        ids.extend(&row);
+        mask.extend((0..width).map(|c| i64::from(real(c))));
+        responses.extend(&row[prompt..]);
+        response_mask.extend((prompt..width).map(|c| if real(c) { 1f32 } else { 0.0 }));
+    }
+    let (b, w, r) = (rows as i64, width as i64, response as i64);
+    let mut batch = Batch::default();
+    batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[b, w], &ids).unwrap());
+    batch.insert(
+        keys::ATTENTION_MASK,
+        Tensor::from_slice(&[b, w], &mask).unwrap(),
+    );
+    batch.insert(
+        keys::RESPONSES,
+        Tensor::from_slice(&[b, r], &responses).unwrap(),
+    );
+    batch.insert(
+        keys::RESPONSE_MASK,
+        Tensor::from_slice(&[b, r], &response_mask).unwrap(),
+    );
+    common::set_meta(
+        &mut batch,
+        json!({"temperature": 1.0, "calculate_entropy": true}),
+    );
+    batch
+}
+
+/// Every sequence width from 2 to `2·tp·cp·2 + 1` tokens (each padded to the layout's
+/// multiple inside the engine): the log-probs and entropy of the one-rank engine.
+fn play_widths(model: &Path, megatron: Value) {
+    let run = run_context();
+    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
+    let tp = megatron["tensor_model_parallel_size"].as_u64().unwrap_or(1) as usize;
+    let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
+    let mut reference = common::engine(&actor_config(model, None));
+    let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
+    for width in 2..=2 * tp * cp * 2 + 1 {
+        let batch = batch_of_width(vocab_of(model), ROWS, width);
+        let want = reference.compute_log_prob(&batch).unwrap();
+        let got = engine
+            .compute_log_prob(&narrow_batch(&batch, start, len))
+            .unwrap();
+        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
+            assert_close(
+                &format!("{key} at width {width}"),
+                max_diff(g, &narrow(w, start, len)),
+            );
+        }
+    }
+}
+
 /// Two updates, a checkpoint in DIR, then a third update whose weights rank 0 saves.
 fn play_save(model: &Path, megatron: Value, dir: &Path) {
     let run = run_context();
@@ -416,6 +484,7 @@ fn rank_main(case: &str) {
     match case {
         "parity" => play_parity(&model, megatron, &dir),
         "critic" => play_critic(&model, megatron),
+        "widths" => play_widths(&model, megatron),
         "save" => play_save(&model, megatron, &dir),
         "load" => play_load(&model, megatron, &dir),
         other => panic!("unknown case {other}"),
@@ -587,6 +656,12 @@ fn main() {
         }),
         ("cp2_critic_qwen2_gqa", || {
             critic("qwen2-gqa", 2, json!({"context_parallel_size": 2}))
+        }),
+        ("every_width_tp2_sp_cp2_4_ranks", || {
+            let dir = tempfile::tempdir().unwrap();
+            let path = model_dir("qwen2-gqa", dir.path());
+            let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
+            run("widths", 4, &path, &parallel, dir.path());
         }),
         ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
         ("reshard_tp2_to_tp1", || reshard(2, 1)),

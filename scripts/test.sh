@@ -7,7 +7,7 @@
 #   bash scripts/test.sh lint   rustfmt, clippy (-D warnings, all targets), rustdoc (-D warnings),
 #                               cargo-semver-checks on plugin-api against its 2.0.0 release
 #   bash scripts/test.sh full   every test: the workspace's (unit, integration, verl-distributed's
-#                               ranks as processes, the tracker plugin's against the real tracking
+#                               and the megatron engine's ranks as processes, the tracker plugin's against the real tracking
 #                               tools, the vllm rollout's against a real vLLM server) and the
 #                               out-of-tree vendor example's own suite, built separately as a vendor would
 #   bash scripts/test.sh        (CI) lint, then fast, then the rest of full (the fast tier's tests

@@ -38,6 +38,22 @@ pub struct ProcessGroup {
     broken: Option<String>,
     /// A collective was left running: c10d's group cannot be freed without waiting for it.
     stuck: bool,
+    /// The subgroups this rank belongs to ([`Self::split`]).
+    subgroups: Vec<Member>,
+}
+
+/// A subgroup of the job's ranks made by [`ProcessGroup::split`]; its collectives go through
+/// the [`ProcessGroup`] that made it (`*_in` methods), which watches every rank's liveness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubGroup(usize);
+
+/// This rank's membership of one subgroup.
+struct Member {
+    group: Group,
+    /// The job ranks of the subgroup, in subgroup-rank order.
+    ranks: Vec<u32>,
+    /// This rank's position in `ranks`.
+    rank: u32,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -169,7 +185,119 @@ impl ProcessGroup {
             described,
             broken: None,
             stuck: false,
+            subgroups: Vec::new(),
         })
+    }
+
+    /// Splits the job's ranks into disjoint subgroups (`partition` lists every rank once, the
+    /// same on every rank, as torch's `new_subgroups_by_enumeration`) and joins the one holding
+    /// this rank: a c10d group of its own under `name` over the job's store. Every rank calls it
+    /// at the same point. Tensor parallelism splits into tensor-parallel and data-parallel
+    /// groups this way.
+    pub fn split(&mut self, name: &str, partition: &[Vec<u32>]) -> Result<SubGroup, DistError> {
+        const OP: &str = "split";
+        let world = self.world_size();
+        let mut seen = vec![false; world as usize];
+        for &rank in partition.iter().flatten() {
+            match seen.get_mut(rank as usize) {
+                Some(slot) if !*slot => *slot = true,
+                Some(_) => {
+                    return Err(invalid(
+                        OP,
+                        format!("rank {rank} is in two subgroups of `{name}`"),
+                    ));
+                }
+                None => {
+                    return Err(invalid(
+                        OP,
+                        format!(
+                            "rank {rank} of subgroup `{name}` is not below the world size {world}"
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some(missing) = seen.iter().position(|s| !s) {
+            return Err(invalid(
+                OP,
+                format!("rank {missing} is in no subgroup of `{name}`"),
+            ));
+        }
+        let me = self.rank();
+        let (index, ranks) = partition
+            .iter()
+            .enumerate()
+            .find(|(_, ranks)| ranks.contains(&me))
+            .expect("every rank was checked to be in one subgroup");
+        let rank = ranks.iter().position(|&r| r == me).expect("found above") as u32;
+        let group_timeout =
+            self.options.timeout + self.options.peer_lost_after + Duration::from_secs(1);
+        let group = Group::new(
+            &self.store,
+            &format!("{GROUP_PREFIX}/{name}/{index}"),
+            self.backend.code(),
+            rank,
+            ranks.len() as u32,
+            group_timeout,
+        )
+        .map_err(|e| DistError::Collective {
+            op: format!("{OP} `{name}`"),
+            message: trim_source(&e).to_owned(),
+        })?;
+        self.subgroups.push(Member {
+            group,
+            ranks: ranks.clone(),
+            rank,
+        });
+        Ok(SubGroup(self.subgroups.len() - 1))
+    }
+
+    /// The job ranks of `sub`, in subgroup-rank order.
+    pub fn subgroup_ranks(&self, sub: SubGroup) -> &[u32] {
+        &self.subgroups[sub.0].ranks
+    }
+
+    /// This rank's position in `sub`.
+    pub fn subgroup_rank(&self, sub: SubGroup) -> u32 {
+        self.subgroups[sub.0].rank
+    }
+
+    /// Ranks in `sub` (`None`: the whole job).
+    fn size_of(&self, sub: Option<SubGroup>) -> u32 {
+        sub.map_or(self.world_size(), |s| {
+            self.subgroups[s.0].ranks.len() as u32
+        })
+    }
+
+    /// [`Self::all_reduce`] over the ranks of `sub`.
+    pub fn all_reduce_in(
+        &mut self,
+        sub: SubGroup,
+        tensor: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
+        self.all_reduce_on(Some(sub), tensor, op)
+    }
+
+    /// [`Self::all_gather_into`] over the ranks of `sub` (`output` holds its size × `input`).
+    pub fn all_gather_into_in(
+        &mut self,
+        sub: SubGroup,
+        output: &mut Tensor,
+        input: &Tensor,
+    ) -> Result<(), DistError> {
+        self.all_gather_into_on(Some(sub), output, input)
+    }
+
+    /// [`Self::reduce_scatter`] over the ranks of `sub` (`input` holds its size × `output`).
+    pub fn reduce_scatter_in(
+        &mut self,
+        sub: SubGroup,
+        output: &mut Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
+        self.reduce_scatter_on(Some(sub), output, input, op)
     }
 
     pub fn rank(&self) -> u32 {
@@ -190,10 +318,19 @@ impl ProcessGroup {
 
     /// Reduces `tensor` over every rank, in place.
     pub fn all_reduce(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), DistError> {
+        self.all_reduce_on(None, tensor, op)
+    }
+
+    fn all_reduce_on(
+        &mut self,
+        sub: Option<SubGroup>,
+        tensor: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
         const OP: &str = "all_reduce";
         check_avg(OP, tensor, op)?;
-        self.collective(OP, |group| group.all_reduce(tensor, op.code()))?;
-        self.finish_avg(tensor, op);
+        self.collective_on(sub, OP, |group| group.all_reduce(tensor, op.code()))?;
+        self.finish_avg(sub, tensor, op);
         Ok(())
     }
 
@@ -220,9 +357,18 @@ impl ProcessGroup {
         output: &mut Tensor,
         input: &Tensor,
     ) -> Result<(), DistError> {
+        self.all_gather_into_on(None, output, input)
+    }
+
+    fn all_gather_into_on(
+        &mut self,
+        sub: Option<SubGroup>,
+        output: &mut Tensor,
+        input: &Tensor,
+    ) -> Result<(), DistError> {
         const OP: &str = "all_gather_into";
-        self.check_flat(OP, "output", output, input)?;
-        self.collective(OP, |group| group.all_gather_flat(output, input))
+        self.check_flat(sub, OP, "output", output, input)?;
+        self.collective_on(sub, OP, |group| group.all_gather_flat(output, input))
     }
 
     /// Reduces `input` (world size × `output`'s elements) over every rank and leaves slice
@@ -233,13 +379,23 @@ impl ProcessGroup {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<(), DistError> {
+        self.reduce_scatter_on(None, output, input, op)
+    }
+
+    fn reduce_scatter_on(
+        &mut self,
+        sub: Option<SubGroup>,
+        output: &mut Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
         const OP: &str = "reduce_scatter";
         check_avg(OP, input, op)?;
-        self.check_flat(OP, "input", input, output)?;
-        self.collective(OP, |group| {
+        self.check_flat(sub, OP, "input", input, output)?;
+        self.collective_on(sub, OP, |group| {
             group.reduce_scatter_flat(output, input, op.code())
         })?;
-        self.finish_avg(output, op);
+        self.finish_avg(sub, output, op);
         Ok(())
     }
 
@@ -325,23 +481,29 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// `flat` must hold world size × `part`'s elements, of `part`'s kind.
+    /// `flat` must hold the group's size × `part`'s elements, of `part`'s kind.
     fn check_flat(
         &self,
+        sub: Option<SubGroup>,
         op: &str,
         name: &str,
         flat: &Tensor,
         part: &Tensor,
     ) -> Result<(), DistError> {
-        let expected = part.numel() * self.world_size() as usize;
+        let size = self.size_of(sub);
+        let expected = part.numel() * size as usize;
         if flat.numel() != expected || flat.kind() != part.kind() {
             return Err(invalid(
                 op,
                 format!(
-                    "{name} has {} {:?} elements; expected world size {} × {} = {expected} {:?}",
+                    "{name} has {} {:?} elements; expected {} {size} × {} = {expected} {:?}",
                     flat.numel(),
                     flat.kind(),
-                    self.world_size(),
+                    if sub.is_some() {
+                        "subgroup size"
+                    } else {
+                        "world size"
+                    },
                     part.numel(),
                     part.kind()
                 ),
@@ -351,15 +513,27 @@ impl ProcessGroup {
     }
 
     /// The sum becomes the mean.
-    fn finish_avg(&self, tensor: &mut Tensor, op: ReduceOp) {
+    fn finish_avg(&self, sub: Option<SubGroup>, tensor: &mut Tensor, op: ReduceOp) {
         if op == ReduceOp::Avg {
-            let _ = tensor.g_div_scalar_(f64::from(self.world_size()));
+            let _ = tensor.g_div_scalar_(f64::from(self.size_of(sub)));
         }
     }
 
-    /// Starts one collective and waits for it (see [`Self::wait`]).
+    /// Starts one collective over every rank and waits for it (see [`Self::wait`]).
     fn collective(
         &mut self,
+        op: &str,
+        launch: impl FnOnce(&Group) -> Result<Work, String>,
+    ) -> Result<(), DistError> {
+        self.collective_on(None, op, launch)
+    }
+
+    /// Starts one collective over `sub` (`None`: every rank) and waits for it. Subgroup
+    /// collectives count in the same sequence as the others: SPMD ranks run every subgroup's
+    /// collectives at the same points, so the count still tells which rank is behind.
+    fn collective_on(
+        &mut self,
+        sub: Option<SubGroup>,
         op: &str,
         launch: impl FnOnce(&Group) -> Result<Work, String>,
     ) -> Result<(), DistError> {
@@ -367,7 +541,10 @@ impl ProcessGroup {
             return Err(DistError::Broken(first.clone()));
         }
         let started = self.started.fetch_add(1, Ordering::Relaxed) + 1;
-        let group = self.group.as_ref().expect("the group lives until drop");
+        let group = match sub {
+            Some(s) => &self.subgroups[s.0].group,
+            None => self.group.as_ref().expect("the group lives until drop"),
+        };
         let outcome = match launch(group) {
             Ok(work) => self.wait(op, started, &work),
             Err(message) => Err(DistError::Collective {
@@ -532,6 +709,11 @@ impl Drop for ProcessGroup {
         }
         // With a stuck collective c10d's destructor would join the worker blocked in it, so the
         // group is left to the process's exit (which is about to report the failure).
+        if !self.stuck {
+            for member in self.subgroups.drain(..) {
+                member.group.close();
+            }
+        }
         if let Some(group) = self.group.take().filter(|_| !self.stuck) {
             group.close();
         }

@@ -27,7 +27,7 @@ mod shim;
 
 use std::time::Duration;
 
-pub use group::ProcessGroup;
+pub use group::{ProcessGroup, SubGroup};
 use verl_plugin_api::RunContext;
 
 /// A collective backend this build can create.

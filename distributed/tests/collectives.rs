@@ -180,6 +180,7 @@ fn rank_main(case: &str) {
     let result = match case {
         "collectives" => join_group().and_then(|mut g| play_collectives(&mut g)),
         "objects" => join_group().and_then(|mut g| play_objects(&mut g)),
+        "subgroups" => join_group().and_then(|mut g| play_subgroups(&mut g)),
         "join" => join_group().and_then(|mut g| g.barrier()),
         // The victim joins, says so and waits to be killed; the others wait in a collective.
         "killed" => join_group().and_then(|mut g| {
@@ -501,6 +502,64 @@ fn world_size_mismatch() {
     );
 }
 
+/// 4 ranks as a 2 × 2 grid: rows `[[0, 1], [2, 3]]` and columns `[[0, 2], [1, 3]]` (tensor-
+/// and data-parallel groups); each subgroup's collectives against hand values, interleaved
+/// with a whole-group one; a partition that misses a rank is refused.
+fn play_subgroups(group: &mut ProcessGroup) -> Result<(), DistError> {
+    let r = group.rank();
+    let err = group.split("bad", &[vec![0, 1], vec![2]]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("rank 3 is in no subgroup of `bad`"),
+        "{err}"
+    );
+    let rows = group.split("rows", &[vec![0, 1], vec![2, 3]])?;
+    let cols = group.split("cols", &[vec![0, 2], vec![1, 3]])?;
+    assert_eq!(
+        group.subgroup_ranks(rows),
+        if r < 2 { [0, 1] } else { [2, 3] }
+    );
+    assert_eq!(group.subgroup_rank(cols), r / 2);
+    let mut t = Tensor::from_slice(&[f64::from(r)]);
+    group.all_reduce_in(rows, &mut t, ReduceOp::Sum)?;
+    // Rows {0, 1} sum to 1, rows {2, 3} to 5.
+    assert_eq!(floats(&t), [if r < 2 { 1.0 } else { 5.0 }]);
+    let mut t = Tensor::from_slice(&[f64::from(r)]);
+    group.all_reduce_in(cols, &mut t, ReduceOp::Avg)?;
+    assert_eq!(floats(&t), [if r.is_multiple_of(2) { 1.0 } else { 2.0 }]);
+    let mut all = Tensor::zeros([4], (Kind::Float, Device::Cpu));
+    group.all_gather_into(&mut all, &Tensor::from_slice(&[r as f32]))?;
+    assert_eq!(floats(&all), [0.0, 1.0, 2.0, 3.0]);
+    let mut gathered = Tensor::zeros([4], (Kind::Int64, Device::Cpu));
+    let mine = Tensor::from_slice(&[i64::from(r), 10 * i64::from(r)]);
+    group.all_gather_into_in(cols, &mut gathered, &mine)?;
+    let other = i64::from(r % 2 + 2);
+    let first = i64::from(r % 2);
+    assert_eq!(ints(&gathered), [first, 10 * first, other, 10 * other]);
+    // Rank r contributes [r, 2r]; each row member keeps its slot of the row's sum.
+    let mut out = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+    let input = Tensor::from_slice(&[r as f32, 2.0 * r as f32]);
+    group.reduce_scatter_in(rows, &mut out, &input, ReduceOp::Sum)?;
+    let row_sum = if r < 2 { 1.0 } else { 5.0 };
+    assert_eq!(floats(&out), [row_sum * f64::from(r % 2 + 1)]);
+    let err = group
+        .all_gather_into_in(
+            rows,
+            &mut Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+            &out,
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("expected subgroup size 2"),
+        "{err}"
+    );
+    group.barrier()
+}
+
+fn subgroups_4_ranks() {
+    all_pass("subgroups", 4);
+}
+
 fn main() {
     if let Ok(case) = std::env::var(CASE) {
         rank_main(&case);
@@ -512,6 +571,7 @@ fn main() {
         ("collectives_4_ranks", collectives_4_ranks),
         ("objects_2_ranks", objects_2_ranks),
         ("objects_4_ranks", objects_4_ranks),
+        ("subgroups_4_ranks", subgroups_4_ranks),
         ("missing_rank_times_out", missing_rank_times_out),
         ("missing_store_host_times_out", missing_store_host_times_out),
         ("killed_peer_2_ranks", killed_peer_2_ranks),

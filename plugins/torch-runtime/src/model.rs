@@ -432,6 +432,34 @@ impl Attention {
         cache: Option<(&mut KvCache, usize)>,
         weights: Option<&LayerWeights>,
     ) -> Tensor {
+        let out = self.attend(x, context, cache, weights);
+        match weights {
+            Some(w) => w.o.forward(&out),
+            None => self.o_proj.forward(&out),
+        }
+    }
+
+    /// The attention's output `[B, T, heads × head_dim]` before the output projection.
+    fn attend(
+        &self,
+        x: &Tensor,
+        context: &Context,
+        cache: Option<(&mut KvCache, usize)>,
+        weights: Option<&LayerWeights>,
+    ) -> Tensor {
+        let (q, k, v) = self.project(x, context, cache, weights);
+        self.attention(&q, k, v, context)
+    }
+
+    /// Queries `[B, T, heads, head_dim]` and the keys and values `[B, kv_heads, S, head_dim]`
+    /// they attend (with a cache, everything cached so far), rotated.
+    fn project(
+        &self,
+        x: &Tensor,
+        context: &Context,
+        cache: Option<(&mut KvCache, usize)>,
+        weights: Option<&LayerWeights>,
+    ) -> (Tensor, Tensor, Tensor) {
         let (b, t, _) = x.size3().expect("hidden states are [B, T, H]");
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let rope = &context.rope;
@@ -461,6 +489,14 @@ impl Attention {
             Some((cache, layer)) => cache.append(layer, &k, &v),
             None => (k, v),
         };
+        (q, k, v)
+    }
+
+    /// Scaled dot-product attention of `q` over `k`, `v` under the context's mask, `[B, T,
+    /// heads × head_dim]`.
+    fn attention(&self, q: &Tensor, k: Tensor, v: Tensor, context: &Context) -> Tensor {
+        let (b, t) = (q.size()[0], q.size()[1]);
+        let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         // Grouped-query attention: each key/value head serves `heads / kv_heads` query heads.
         let groups = h / kv;
         let (k, v) = if groups > 1 {
@@ -472,7 +508,7 @@ impl Attention {
             (k, v)
         };
         let scale = (d as f64).powf(-0.5);
-        let out = Tensor::scaled_dot_product_attention(
+        Tensor::scaled_dot_product_attention(
             &q.transpose(1, 2),
             &k,
             &v,
@@ -483,11 +519,7 @@ impl Attention {
             false,
         )
         .transpose(1, 2)
-        .reshape([b, t, h * d]);
-        match weights {
-            Some(w) => w.o.forward(&out),
-            None => self.o_proj.forward(&out),
-        }
+        .reshape([b, t, h * d])
     }
 }
 
@@ -516,10 +548,42 @@ impl Mlp {
                 w.down
                     .forward(&(gate_up.narrow(-1, 0, i).silu() * gate_up.narrow(-1, i, i)))
             }
-            None => self
-                .down_proj
-                .forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x))),
+            None => self.down_proj.forward(&self.inner(x)),
         }
+    }
+
+    /// `silu(gate(x)) * up(x)`: the down projection's input.
+    fn inner(&self, x: &Tensor) -> Tensor {
+        self.gate_proj.forward(x).silu() * self.up_proj.forward(x)
+    }
+}
+
+/// A row-parallel projection: `tp.exit` of `x·Wᵀ` (partial sums over the shards of the input
+/// features), then the bias, which only the whole sum gets.
+fn row_parallel(linear: &Linear, x: &Tensor, tp: &dyn TensorParallel) -> Result<Tensor> {
+    let y = tp.exit(&x.linear(&linear.weight, None::<&Tensor>))?;
+    Ok(match &linear.bias {
+        Some(bias) => y + bias,
+        None => y,
+    })
+}
+
+/// How a tensor-parallel engine joins a model holding its shard of every projection — q/k/v and
+/// gate/up split by output features (column-parallel), o and down by input features
+/// (row-parallel) — to the others: Megatron-LM's conjugate operators around each sub-layer.
+/// [`CausalLM::attention_block`] and [`CausalLM::mlp_block`] call them.
+pub trait TensorParallel {
+    /// The normed input of a column-parallel group (Megatron's `f`: identity forward, gradient
+    /// all-reduced; with sequence parallelism the all-gather along the sequence).
+    fn enter(&self, x: &Tensor) -> Result<Tensor>;
+    /// The partial output of a row-parallel projection, before its bias (Megatron's `g`:
+    /// all-reduce; with sequence parallelism the reduce-scatter along the sequence).
+    fn exit(&self, y: &Tensor) -> Result<Tensor>;
+    /// The rotated keys and values `[B, kv_heads, T, head_dim]` of this rank's tokens → those
+    /// its queries attend (context parallelism: every rank's, in sequence order). By default
+    /// the same.
+    fn keys_values(&self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((k, v))
     }
 }
 
@@ -613,6 +677,13 @@ impl std::fmt::Debug for CausalLM {
 }
 
 impl CausalLM {
+    /// The model with all parameters zero (norms one) in the requested dtype, for callers that
+    /// fill them (a tensor-parallel engine builds its shard this way, with the shard's sizes in
+    /// `config`). Refused before allocating when the parameters exceed host memory.
+    pub fn zeroed(config: ModelConfig, options: &ModelOptions) -> Result<Self> {
+        Self::build(config, options)
+    }
+
     /// The model with all parameters zero (norms one) in the requested dtype; callers fill them.
     /// Refused before allocating when the parameters (created in fp32) exceed host memory.
     fn build(config: ModelConfig, options: &ModelOptions) -> Result<Self> {
@@ -848,57 +919,32 @@ impl CausalLM {
 
     /// Validates `[B, T]` int64 token ids within the vocabulary and a matching mask.
     pub(crate) fn check_batch(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<()> {
-        let size = input_ids.size();
-        if size.len() != 2 || input_ids.kind() != Kind::Int64 {
-            return Err(ModelError::invalid_input(
-                "input_ids",
-                format!(
-                    "must be an int64 [batch, seq] tensor, got {:?} {size:?}",
-                    input_ids.kind()
-                ),
-            ));
-        }
-        if attention_mask.size() != size {
-            return Err(ModelError::invalid_input(
-                "attention_mask",
-                format!(
-                    "shape {:?} differs from input_ids {size:?}",
-                    attention_mask.size()
-                ),
-            ));
-        }
-        if input_ids.numel() > 0 {
-            let (lo, hi) = (
-                input_ids.min().int64_value(&[]),
-                input_ids.max().int64_value(&[]),
-            );
-            if lo < 0 || hi >= self.config.vocab_size {
-                return Err(ModelError::invalid_input(
-                    "input_ids",
-                    format!(
-                        "ids must lie in [0, {}), found {lo}..={hi}",
-                        self.config.vocab_size
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        check_batch(input_ids, attention_mask, self.config.vocab_size)
     }
 
     /// Rotary tables and the attention mask for the last `t` tokens of the sequences that
     /// `attention_mask` (`[B, S]`) describes.
     fn context(&self, attention_mask: &Tensor, t: i64) -> Context {
+        let s = attention_mask.size()[1];
+        let queries = Tensor::arange_start(s - t, s, (Kind::Int64, self.device()));
+        self.context_at(attention_mask, &queries)
+    }
+
+    /// Rotary tables and the attention mask for the tokens at `queries` (`[T]` indices) of the
+    /// sequences `attention_mask` (`[B, S]`) describes, attending all `S` positions.
+    fn context_at(&self, attention_mask: &Tensor, queries: &Tensor) -> Context {
         let (b, s) = attention_mask.size2().expect("checked [B, S]");
         let device = self.device();
+        let t = queries.size()[0];
         let valid = attention_mask.to_kind(Kind::Bool);
         // Real-token positions: padding on either side does not shift them.
         let positions = (valid.cumsum(-1, Kind::Int64) - 1)
             .clamp_min(0)
-            .narrow(1, s - t, t);
+            .index_select(1, queries);
         let rope = RopeTable::new(&self.inv_freq, s, self.kind()).at(&positions);
         // Causal and padding mask, [B, 1, T, S]. The diagonal stays open so that a padding query
         // (whose output is never used) has one key and its softmax stays finite.
-        let query = Tensor::arange_start(s - t, s, (Kind::Int64, device)).view([t, 1]);
+        let query = queries.view([t, 1]);
         let key = Tensor::arange(s, (Kind::Int64, device)).view([1, s]);
         let mask = key
             .le_tensor(&query)
@@ -959,7 +1005,11 @@ impl CausalLM {
 
     /// Decoder layer `layer` applied to hidden states `x` `[B, T, hidden]`.
     pub fn layer_block(&self, layer: usize, x: &Tensor, context: &BlockContext) -> Result<Tensor> {
-        let block = self.layers.get(layer).ok_or_else(|| {
+        Ok(self.layer(layer)?.forward(x, &context.context, None, None))
+    }
+
+    fn layer(&self, layer: usize) -> Result<&DecoderLayer> {
+        self.layers.get(layer).ok_or_else(|| {
             ModelError::invalid_input(
                 "layer",
                 format!(
@@ -968,8 +1018,74 @@ impl CausalLM {
                     layer + 1
                 ),
             )
-        })?;
-        Ok(block.forward(x, &context.context, None, None))
+        })
+    }
+
+    /// [`Self::block_context`] for a model holding a shard of the vocabulary (tensor
+    /// parallelism, whose engine embeds the tokens itself): the ids are checked against
+    /// `vocab_size`, the whole vocabulary's.
+    pub fn block_context_for_vocab(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        vocab_size: i64,
+    ) -> Result<BlockContext> {
+        check_batch(input_ids, attention_mask, vocab_size)?;
+        let mask = attention_mask.to_device(self.device());
+        Ok(BlockContext {
+            context: self.context(&mask, mask.size()[1]),
+            input_ids: input_ids.to_device(self.device()),
+        })
+    }
+
+    /// [`Self::block_context_for_vocab`] for the tokens at `tokens` (`[T]` int64, increasing
+    /// indices into the sequence) of the batch: rotary tables at their positions and the mask
+    /// of what each may attend among all the sequence's tokens (context parallelism: a rank's
+    /// queries attend every rank's keys, see [`TensorParallel::keys_values`]).
+    pub fn block_context_for_tokens(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        vocab_size: i64,
+        tokens: &Tensor,
+    ) -> Result<BlockContext> {
+        check_batch(input_ids, attention_mask, vocab_size)?;
+        let device = self.device();
+        let tokens = tokens.to_device(device);
+        Ok(BlockContext {
+            context: self.context_at(&attention_mask.to_device(device), &tokens),
+            input_ids: input_ids.to_device(device).index_select(1, &tokens),
+        })
+    }
+
+    /// The attention half of decoder layer `layer` on a tensor-parallel shard of the model:
+    /// `x + tp.exit(o(attention(tp.enter(norm(x))))) + o.bias`, with this shard's heads.
+    /// `x` may be a slice of the sequence (sequence parallelism) as long as `tp.enter` returns
+    /// the context's whole sequence.
+    pub fn attention_block(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        context: &BlockContext,
+        tp: &dyn TensorParallel,
+    ) -> Result<Tensor> {
+        let block = self.layer(layer)?;
+        let attn = &block.self_attn;
+        let input = tp.enter(&block.input_layernorm.forward(x))?;
+        let (q, k, v) = attn.project(&input, &context.context, None, None);
+        let (k, v) = tp.keys_values(k, v)?;
+        let out = attn.attention(&q, k, v, &context.context);
+        Ok(x + row_parallel(&attn.o_proj, &out, tp)?)
+    }
+
+    /// The MLP half of decoder layer `layer` on a tensor-parallel shard of the model (see
+    /// [`Self::attention_block`]): `x + tp.exit(down(silu(gate(h)) · up(h))) + down.bias` with
+    /// `h = tp.enter(norm(x))`. Together the two halves are [`Self::layer_block`] when `tp` is
+    /// the identity.
+    pub fn mlp_block(&self, layer: usize, x: &Tensor, tp: &dyn TensorParallel) -> Result<Tensor> {
+        let block = self.layer(layer)?;
+        let input = tp.enter(&block.post_attention_layernorm.forward(x))?;
+        Ok(x + row_parallel(&block.mlp.down_proj, &block.mlp.inner(&input), tp)?)
     }
 
     /// The final norm: its output is the model's final hidden states.
@@ -1039,6 +1155,13 @@ pub struct BlockContext {
     input_ids: Tensor,
 }
 
+impl BlockContext {
+    /// The token ids of the context's tokens `[B, T]` (for an engine that embeds them itself).
+    pub fn input_ids(&self) -> &Tensor {
+        &self.input_ids
+    }
+}
+
 /// RoPE frequencies `[head_dim / 2]` in fp32, computed as transformers computes them.
 fn inv_freq(c: &ModelConfig, device: Device) -> Tensor {
     let half =
@@ -1073,4 +1196,40 @@ fn inv_freq(c: &ModelConfig, device: Device) -> Tensor {
 fn is_value_head(name: &str) -> bool {
     name.strip_prefix(VALUE_HEAD)
         .is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// `[B, T]` int64 token ids within `[0, vocab_size)` and a matching mask.
+fn check_batch(input_ids: &Tensor, attention_mask: &Tensor, vocab_size: i64) -> Result<()> {
+    let size = input_ids.size();
+    if size.len() != 2 || input_ids.kind() != Kind::Int64 {
+        return Err(ModelError::invalid_input(
+            "input_ids",
+            format!(
+                "must be an int64 [batch, seq] tensor, got {:?} {size:?}",
+                input_ids.kind()
+            ),
+        ));
+    }
+    if attention_mask.size() != size {
+        return Err(ModelError::invalid_input(
+            "attention_mask",
+            format!(
+                "shape {:?} differs from input_ids {size:?}",
+                attention_mask.size()
+            ),
+        ));
+    }
+    if input_ids.numel() > 0 {
+        let (lo, hi) = (
+            input_ids.min().int64_value(&[]),
+            input_ids.max().int64_value(&[]),
+        );
+        if lo < 0 || hi >= vocab_size {
+            return Err(ModelError::invalid_input(
+                "input_ids",
+                format!("ids must lie in [0, {vocab_size}), found {lo}..={hi}"),
+            ));
+        }
+    }
+    Ok(())
 }

@@ -275,7 +275,8 @@ impl LrSchedule {
     }
 }
 
-const TRAIN_STATE_FILE: &str = "train_state.json";
+/// The [`TrainState`] of a checkpoint, next to the weights and moments.
+pub const TRAIN_STATE_FILE: &str = "train_state.json";
 /// AdamW's moments in a training checkpoint, named as [`AdamW::state_tensors`] names them.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 

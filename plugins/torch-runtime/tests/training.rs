@@ -257,3 +257,64 @@ fn blocks_in_order_are_the_forward_pass() {
         );
     }
 }
+
+/// The identity hooks: a tensor-parallel group of one.
+struct Alone;
+
+impl verl_torch_runtime::TensorParallel for Alone {
+    fn enter(&self, x: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+        Ok(x.shallow_clone())
+    }
+    fn exit(&self, y: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+        Ok(y.shallow_clone())
+    }
+}
+
+/// The two tensor-parallel halves of a layer with identity hooks are the layer, exactly; a
+/// vocabulary shard's context checks ids against the whole vocabulary.
+#[test]
+fn tensor_parallel_halves_are_the_layer() {
+    for name in common::MODELS {
+        let model = load(name);
+        let seqs: Vec<Vec<i64>> = expected(name)
+            .sequences
+            .into_iter()
+            .map(|s| s.ids)
+            .collect();
+        let (ids, mask) = batch(&seqs, Padding::Left);
+        let vocab = model.config().vocab_size;
+        let context = model.block_context_for_vocab(&ids, &mask, vocab).unwrap();
+        let x = model.embed_block(&context);
+        for layer in 0..model.config().num_hidden_layers as usize {
+            let whole = model.layer_block(layer, &x, &context).unwrap();
+            let half = model.attention_block(layer, &x, &context, &Alone).unwrap();
+            let halves = model.mlp_block(layer, &half, &Alone).unwrap();
+            assert!(halves.equal(&whole), "{name} layer {layer}");
+        }
+        // Every token named: the same context.
+        let every = Tensor::arange(ids.size()[1], (tch::Kind::Int64, tch::Device::Cpu));
+        let named = model
+            .block_context_for_tokens(&ids, &mask, vocab, &every)
+            .unwrap();
+        assert!(named.input_ids().equal(&ids), "{name}");
+        let a = model.attention_block(0, &x, &context, &Alone).unwrap();
+        let b = model.attention_block(0, &x, &named, &Alone).unwrap();
+        assert!(a.equal(&b), "{name}: a context of every token");
+        let top = ids.max().int64_value(&[]);
+        let err = model
+            .block_context_for_vocab(&ids, &mask, top)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(&format!("ids must lie in [0, {top})")),
+            "{err}"
+        );
+        let beyond = ids.ones_like() * (vocab + 1);
+        assert!(
+            model
+                .block_context_for_vocab(&beyond, &mask, vocab * 2)
+                .is_ok()
+        );
+    }
+}

@@ -1,0 +1,710 @@
+//! The `megatron` engine through the plugin ABI, with ranks as real processes over Gloo, against
+//! the `fsdp` engine on one rank with the whole batch. The test binary runs itself once per rank
+//! (the case in VERL_MEGATRON_TEST_CASE, torchrun's variables on a free port); every rank gets
+//! its contiguous slice of the global batch as the trainer hands it out, and checks per-token
+//! log-probs and entropy, the update metrics (losses, grad-norm) and the weights after each of 3
+//! AdamW updates against the one-rank engine's. `harness = false`: `main` is both the runner and
+//! the rank.
+//!
+//! `cargo test -p verl-plugin-megatron --test parallel [NAME-FILTER]`
+
+#[allow(dead_code, reason = "the fsdp engine tests' helpers, some used here")]
+#[path = "../../fsdp/tests/common/mod.rs"]
+mod common;
+
+use std::io::Read;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use serde_json::{Value, json};
+use verl_plugin_api::{Batch, ComponentInit, ComponentKind, NamedTensor, RunContext, Tensor, keys};
+use verl_plugin_host::EngineHandle;
+use verl_testkit::{PluginHarness, built_plugin};
+use verl_torch_runtime::interop::{from_tch, to_tch};
+use verl_torch_runtime::{
+    Architecture, CausalLM, ModelConfig, ModelOptions, Rng, read_safetensors, write_safetensors,
+};
+
+const CASE: &str = "VERL_MEGATRON_TEST_CASE";
+const MODEL: &str = "VERL_MEGATRON_TEST_MODEL";
+const PARALLEL: &str = "VERL_MEGATRON_TEST_PARALLEL";
+const DIR: &str = "VERL_MEGATRON_TEST_DIR";
+/// fp32 agreement asked of the tensor-parallel engine.
+const TOLERANCE: f64 = 1e-5;
+/// Global batch rows: they split evenly over 2 and 4 ranks, as the trainer requires of updates.
+const ROWS: usize = 8;
+const UPDATES: u64 = 3;
+/// How rank 0 reports the largest difference it checked (the runner prints it).
+const WORST_LINE: &str = "largest |megatron - fsdp|:";
+const EXPECTED_FILE: &str = "expected.safetensors";
+
+thread_local! {
+    static WORST: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+fn assert_close(what: &str, diff: f64) {
+    WORST.with(|w| w.set(w.get().max(diff)));
+    assert!(diff <= TOLERANCE, "{what}: differs by {diff:e}");
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by the parent"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models: small, with every feature the layout must respect.
+
+/// Qwen2 with q/k/v biases and grouped-query attention (`kv` key/value heads for 4 query heads;
+/// 1 is replicated over 2 ranks), or Llama with tied embeddings and biases on o and the MLP.
+fn model_config(name: &str) -> ModelConfig {
+    let qwen2 = |kv| ModelConfig {
+        architecture: Architecture::Qwen2,
+        vocab_size: 64,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: kv,
+        head_dim: 4,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 64,
+        tie_word_embeddings: false,
+        qkv_bias: true,
+        o_bias: false,
+        mlp_bias: false,
+        initializer_range: 0.2,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        pad_token_id: None,
+    };
+    match name {
+        "qwen2-gqa" => qwen2(2),
+        "qwen2-kv1" => qwen2(1),
+        "llama-tied" => ModelConfig {
+            architecture: Architecture::Llama,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            ..qwen2(4)
+        },
+        other => panic!("unknown model {other}"),
+    }
+}
+
+/// A Hugging Face directory for `name`: a generated model, or a committed fixture.
+fn model_dir(name: &str, root: &Path) -> PathBuf {
+    if name.starts_with("tiny-") {
+        return common::fixture(name);
+    }
+    let dir = root.join(name);
+    let options = ModelOptions {
+        seed: 3,
+        ..ModelOptions::default()
+    };
+    CausalLM::random(model_config(name), &options)
+        .unwrap()
+        .save_pretrained(&dir, None)
+        .unwrap();
+    dir
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rank side.
+
+fn actor_config(model: &Path, megatron: Option<Value>) -> Value {
+    role_config("actor", model, megatron)
+}
+
+fn role_config(role: &str, model: &Path, megatron: Option<Value>) -> Value {
+    let mut config = json!({
+        "role": role,
+        "model": {"path": model},
+        "optim": {"lr": 1e-3},
+        "ppo_mini_batch_size": ROWS,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "use_kl_loss": true,
+        "entropy_coeff": 0.01,
+        // Below the gradients' norm: clipping scales every update.
+        "grad_clip": 0.05,
+    });
+    if let Some(section) = megatron {
+        config["megatron"] = section;
+    }
+    config
+}
+
+fn vocab_of(model: &Path) -> i64 {
+    ModelConfig::from_dir(model).unwrap().vocab_size
+}
+
+fn number(name: &str) -> u32 {
+    env(name).parse().unwrap()
+}
+
+fn run_context() -> RunContext {
+    let mut run = RunContext::default();
+    run.seed = 7;
+    run.rank = number("RANK");
+    run.world_size = number("WORLD_SIZE");
+    run.master_addr = env("MASTER_ADDR");
+    run.master_port = number("MASTER_PORT") as u16;
+    run
+}
+
+fn megatron_engine(config: &Value) -> EngineHandle {
+    let harness = PluginHarness::load_alone(built_plugin("verl_plugin_megatron"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    harness.assert_registers(ComponentKind::ENGINE, "megatron", 100);
+    let mut engine = harness
+        .component(ComponentKind::ENGINE, "megatron")
+        .create_engine()
+        .unwrap_or_else(|e| panic!("{e}"));
+    engine
+        .init(&ComponentInit::new(config.clone(), run_context()))
+        .unwrap_or_else(|e| panic!("megatron init: {e}"));
+    engine
+}
+
+/// A global batch of `rows` sequences of 9–13 tokens (prompts left-padded, responses
+/// right-padded to different lengths), the same on every rank.
+fn global_batch(vocab: i64, rows: usize) -> Batch {
+    let mut rng = Rng::stream(5, 0);
+    let seqs: Vec<Vec<i64>> = (0..rows)
+        .map(|i| {
+            (0..9 + i % 5)
+                .map(|_| (rng.next_u64() % vocab as u64) as i64)
+                .collect()
+        })
+        .collect();
+    let (mut batch, _) = common::layout(&seqs);
+    common::set_meta(
+        &mut batch,
+        json!({"temperature": 0.7, "calculate_entropy": true}),
+    );
+    batch
+}
+
+/// This rank's contiguous rows of `len`, as the trainer splits them: the first `len % world`
+/// ranks take one more.
+fn part(len: usize, rank: usize, world: usize) -> (usize, usize) {
+    let (base, extra) = (len / world, len % world);
+    let start = rank * base + rank.min(extra);
+    (start, base + usize::from(rank < extra))
+}
+
+fn narrow(tensor: &Tensor, start: usize, len: usize) -> Tensor {
+    let t = to_tch("rows", tensor, tch::Device::Cpu).unwrap();
+    from_tch("rows", &t.narrow(0, start as i64, len as i64)).unwrap()
+}
+
+fn narrow_batch(batch: &Batch, start: usize, len: usize) -> Batch {
+    let mut out = Batch {
+        meta_json: batch.meta_json.clone(),
+        ..Batch::default()
+    };
+    for named in &batch.tensors {
+        out.insert(named.name.as_str(), narrow(&named.tensor, start, len));
+    }
+    out
+}
+
+fn floats(tensor: &Tensor) -> Vec<f32> {
+    tensor.to_vec::<f32>().unwrap()
+}
+
+/// The PPO batch of update `step`: old log-probs from the reference engine (so the ratio starts
+/// at 1 and moves with later updates), advantages of both signs, the reference policy = old.
+fn ppo_batch(reference: &mut EngineHandle, step: u64, vocab: i64) -> Batch {
+    let mut batch = global_batch(vocab, ROWS);
+    let old = common::log_probs(reference, &batch);
+    let shape = old.shape.to_vec();
+    let (b, r) = (shape[0] as usize, shape[1] as usize);
+    let adv: Vec<f32> = (0..b)
+        .flat_map(|i| std::iter::repeat_n([1.0f32, -0.5, 0.25, -1.0][(i + step as usize) % 4], r))
+        .collect();
+    batch.insert(keys::ADVANTAGES, Tensor::from_slice(&shape, &adv).unwrap());
+    batch.insert(keys::REF_LOG_PROB, old.clone());
+    batch.insert(keys::OLD_LOG_PROBS, old);
+    batch
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    common::max_abs_diff(&floats(a), &floats(b))
+}
+
+fn compare_weights(what: &str, got: &[NamedTensor], want: &[NamedTensor]) {
+    let names = |w: &[NamedTensor]| w.iter().map(|t| t.name.to_string()).collect::<Vec<_>>();
+    assert_eq!(names(got), names(want), "{what}: parameter names");
+    assert_close(what, common::weights_diff(got, want));
+}
+
+/// Log-probs, entropy, 3 updates (metrics and weights after each) and the export, against
+/// the one-rank `fsdp` engine.
+fn play_parity(model: &Path, megatron: Value, dir: &Path) {
+    let run = run_context();
+    let (rank, world) = (run.rank as usize, run.world_size as usize);
+    let vocab = vocab_of(model);
+    let mut reference = common::engine(&actor_config(model, None));
+    let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
+    // Forward only, also with slices of different sizes (7 rows).
+    for rows in [ROWS, ROWS - 1] {
+        let (start, len) = part(rows, rank, world);
+        let batch = global_batch(vocab, rows);
+        let want = reference.compute_log_prob(&batch).unwrap();
+        let got = engine
+            .compute_log_prob(&narrow_batch(&batch, start, len))
+            .unwrap();
+        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
+            assert_close(key, max_diff(g, &narrow(w, start, len)));
+        }
+    }
+    let (start, len) = part(ROWS, rank, world);
+    for step in 0..UPDATES {
+        let batch = ppo_batch(&mut reference, step, vocab);
+        let want = common::update(&mut reference, &batch);
+        let got = common::update(&mut engine, &narrow_batch(&batch, start, len));
+        for m in &want {
+            let mine = common::metric(&got, &m.key);
+            assert_close(
+                &format!("update {step} {}: {mine} vs {}", m.key, m.value),
+                (mine - m.value).abs() / m.value.abs().max(1.0),
+            );
+        }
+        assert!(
+            common::metric(&want, "actor/grad_norm") > 0.05,
+            "clipping is active"
+        );
+        compare_weights(
+            &format!("weights after update {step}"),
+            &common::weights(&mut engine),
+            &common::weights(&mut reference),
+        );
+    }
+    // The export: what the fsdp engine writes for the same weights.
+    engine
+        .export_hf(dir.join("megatron").to_str().unwrap())
+        .unwrap();
+    if rank == 0 {
+        reference
+            .export_hf(dir.join("fsdp").to_str().unwrap())
+            .unwrap();
+        let read = |engine: &str| {
+            let config = std::fs::read_to_string(dir.join(engine).join("config.json")).unwrap();
+            (
+                config,
+                read_safetensors(&dir.join(engine).join("model.safetensors")).unwrap(),
+            )
+        };
+        let ((config, got), (want_config, want)) = (read("megatron"), read("fsdp"));
+        assert_eq!(config, want_config, "config.json");
+        let names =
+            |w: &[(String, tch::Tensor)]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&got), names(&want), "exported names");
+        for ((name, a), (_, b)) in got.iter().zip(&want) {
+            let diff = (a - b).abs().max().double_value(&[]);
+            assert_close(&format!("exported {name}"), diff);
+        }
+    }
+}
+
+/// A critic (value head, replicated): values and 3 updates against the one-rank engine's.
+fn play_critic(model: &Path, megatron: Value) {
+    let run = run_context();
+    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
+    let mut reference = common::engine(&role_config("critic", model, None));
+    let mut engine = megatron_engine(&role_config("critic", model, Some(megatron)));
+    for step in 0..UPDATES {
+        let mut batch = global_batch(vocab_of(model), ROWS);
+        let values = reference.compute_values(&batch).unwrap();
+        let values = values.require(keys::VALUES).unwrap().clone();
+        let got = engine
+            .compute_values(&narrow_batch(&batch, start, len))
+            .unwrap();
+        assert_close(
+            &format!("values before update {step}"),
+            max_diff(
+                got.require(keys::VALUES).unwrap(),
+                &narrow(&values, start, len),
+            ),
+        );
+        let returns: Vec<f32> = floats(&values)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + [0.5f32, -1.0, 0.25][i % 3])
+            .collect();
+        let shape = values.shape.to_vec();
+        batch.insert(keys::RETURNS, Tensor::from_slice(&shape, &returns).unwrap());
+        batch.insert(keys::VALUES, values);
+        let want = reference.update_critic(&batch).unwrap();
+        let got = engine
+            .update_critic(&narrow_batch(&batch, start, len))
+            .unwrap();
+        for m in &want {
+            let mine = common::metric(&got, &m.key);
+            assert_close(
+                &format!("critic update {step} {}: {mine} vs {}", m.key, m.value),
+                (mine - m.value).abs() / m.value.abs().max(1.0),
+            );
+        }
+        compare_weights(
+            &format!("critic weights after update {step}"),
+            &common::weights(&mut engine),
+            &common::weights(&mut reference),
+        );
+    }
+}
+
+/// A batch of `rows` rows `width` tokens wide: prompts of `width / 2` tokens (row `i` with
+/// `i % prompt` of them padding), responses of the rest (row `i` ending up to `i` tokens early).
+fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
+    let mut rng = Rng::stream(13, width as u64);
+    let prompt = (width / 2).max(1);
+    let response = width - prompt;
+    let (mut ids, mut mask, mut responses) =
+        (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
+    let mut response_mask = Vec::<f32>::new();
+    for i in 0..rows {
+        let row: Vec<i64> = (0..width)
+            .map(|_| (rng.next_u64() % vocab as u64) as i64)
+            .collect();
+        let left = i % prompt;
+        let short = i.min(response - 1);
+        let real = |c: usize| c >= left && c < width - short;
+        ids.extend(&row);
+        mask.extend((0..width).map(|c| i64::from(real(c))));
+        responses.extend(&row[prompt..]);
+        response_mask.extend((prompt..width).map(|c| if real(c) { 1f32 } else { 0.0 }));
+    }
+    let (b, w, r) = (rows as i64, width as i64, response as i64);
+    let mut batch = Batch::default();
+    batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[b, w], &ids).unwrap());
+    batch.insert(
+        keys::ATTENTION_MASK,
+        Tensor::from_slice(&[b, w], &mask).unwrap(),
+    );
+    batch.insert(
+        keys::RESPONSES,
+        Tensor::from_slice(&[b, r], &responses).unwrap(),
+    );
+    batch.insert(
+        keys::RESPONSE_MASK,
+        Tensor::from_slice(&[b, r], &response_mask).unwrap(),
+    );
+    common::set_meta(
+        &mut batch,
+        json!({"temperature": 1.0, "calculate_entropy": true}),
+    );
+    batch
+}
+
+/// Every sequence width from 2 to `2·tp·cp·2 + 1` tokens (each padded to the layout's
+/// multiple inside the engine): the log-probs and entropy of the one-rank engine.
+fn play_widths(model: &Path, megatron: Value) {
+    let run = run_context();
+    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
+    let tp = megatron["tensor_model_parallel_size"].as_u64().unwrap_or(1) as usize;
+    let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
+    let mut reference = common::engine(&actor_config(model, None));
+    let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
+    for width in 2..=2 * tp * cp * 2 + 1 {
+        let batch = batch_of_width(vocab_of(model), ROWS, width);
+        let want = reference.compute_log_prob(&batch).unwrap();
+        let got = engine
+            .compute_log_prob(&narrow_batch(&batch, start, len))
+            .unwrap();
+        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
+            assert_close(
+                &format!("{key} at width {width}"),
+                max_diff(g, &narrow(w, start, len)),
+            );
+        }
+    }
+}
+
+/// Two updates, a checkpoint in DIR, then a third update whose weights rank 0 saves.
+fn play_save(model: &Path, megatron: Value, dir: &Path) {
+    let run = run_context();
+    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
+    let mut reference = common::engine(&actor_config(model, None));
+    let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
+    let vocab = vocab_of(model);
+    for step in 0..UPDATES {
+        if step == UPDATES - 1 {
+            engine.save_checkpoint(dir.to_str().unwrap(), step).unwrap();
+        }
+        let batch = ppo_batch(&mut reference, step, vocab);
+        common::update(&mut engine, &narrow_batch(&batch, start, len));
+    }
+    let weights = common::weights(&mut engine);
+    if run.rank == 0 {
+        let tensors: Vec<(String, tch::Tensor)> = weights
+            .iter()
+            .map(|w| {
+                let t = to_tch(&w.name, &w.tensor, tch::Device::Cpu).unwrap();
+                (w.name.to_string(), t)
+            })
+            .collect();
+        write_safetensors(&dir.join(EXPECTED_FILE), &tensors).unwrap();
+    }
+}
+
+/// The checkpoint of `play_save` (any tensor-parallel size) loaded, the last update made: the
+/// weights of the uninterrupted run.
+fn play_load(model: &Path, megatron: Value, dir: &Path) {
+    let run = run_context();
+    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
+    let mut reference = common::engine(&actor_config(model, None));
+    let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
+    assert_eq!(
+        engine.load_checkpoint(dir.to_str().unwrap()).unwrap(),
+        UPDATES - 1
+    );
+    let batch = ppo_batch(&mut reference, UPDATES - 1, vocab_of(model));
+    common::update(&mut engine, &narrow_batch(&batch, start, len));
+    let got = common::weights(&mut engine);
+    let want: Vec<NamedTensor> = read_safetensors(&dir.join(EXPECTED_FILE))
+        .unwrap()
+        .into_iter()
+        .map(|(name, t)| NamedTensor::new(name.clone(), from_tch(&name, &t).unwrap()))
+        .collect();
+    compare_weights("weights after resuming", &got, &want);
+}
+
+fn rank_main(case: &str) {
+    let model = PathBuf::from(env(MODEL));
+    let megatron: Value = serde_json::from_str(&env(PARALLEL)).unwrap();
+    let dir = PathBuf::from(env(DIR));
+    match case {
+        "parity" => play_parity(&model, megatron, &dir),
+        "critic" => play_critic(&model, megatron),
+        "widths" => play_widths(&model, megatron),
+        "save" => play_save(&model, megatron, &dir),
+        "load" => play_load(&model, megatron, &dir),
+        other => panic!("unknown case {other}"),
+    }
+    if number("RANK") == 0 {
+        eprintln!("{WORST_LINE} {:e}", WORST.with(std::cell::Cell::get));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The runner side.
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `case` on `world` ranks with the `megatron` section `parallel` and asserts that every
+/// rank succeeds.
+fn run(case: &str, world: u32, model: &Path, parallel: &Value, dir: &Path) {
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .env(CASE, case)
+                .env(MODEL, model)
+                .env(PARALLEL, parallel.to_string())
+                .env(DIR, dir)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                // Ranks share 2 cores: one thread each.
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut failures = Vec::new();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        let mut stderr = String::new();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+        let status = child.wait().unwrap();
+        if !status.success() {
+            failures.push(format!("rank {rank} ({status}):\n{stderr}"));
+        } else if let Some(line) = stderr.lines().find(|l| l.starts_with(WORST_LINE)) {
+            eprintln!("  {case} {parallel} on {world} ranks: {line}");
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{case} {parallel} on {world} ranks:\n{}",
+        failures.join("\n")
+    );
+}
+
+fn parity(model: &str, world: u32, tp: u32, sp: bool) {
+    let parallel = json!({"tensor_model_parallel_size": tp, "sequence_parallel": sp});
+    parity_with(model, world, &parallel);
+}
+
+fn parity_with(model: &str, world: u32, parallel: &Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_dir(model, dir.path());
+    run("parity", world, &path, parallel, dir.path());
+}
+
+/// Context parallelism `cp` with tensor parallelism `tp` (sequence parallel) on `world` ranks.
+fn context(model: &str, world: u32, tp: u32, cp: u32) {
+    let parallel = json!({"tensor_model_parallel_size": tp, "context_parallel_size": cp});
+    parity_with(model, world, &parallel);
+}
+
+fn critic(model: &str, world: u32, parallel: Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_dir(model, dir.path());
+    run("critic", world, &path, &parallel, dir.path());
+}
+
+/// Layouts the engine does not build are refused at `init`, naming the key (one process).
+fn unbuilt_layouts_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model_dir("qwen2-gqa", dir.path());
+    let harness = PluginHarness::load_alone(built_plugin("verl_plugin_megatron")).unwrap();
+    let path = "actor_rollout_ref.actor.megatron";
+    for (section, key) in [
+        (
+            json!({"pipeline_model_parallel_size": 2}),
+            "pipeline_model_parallel_size",
+        ),
+        (json!({"context_parallel_size": 0}), "context_parallel_size"),
+        (json!({"optimizer_offload": true}), "optimizer_offload"),
+        (
+            json!({"tensor_model_parallel_size": 0}),
+            "tensor_model_parallel_size",
+        ),
+        (
+            json!({"tensor_model_parallel_size": 1, "sequence_paralel": true}),
+            "sequence_paralel",
+        ),
+    ] {
+        let mut engine = harness
+            .component(ComponentKind::ENGINE, "megatron")
+            .create_engine()
+            .unwrap();
+        let init = ComponentInit::new(actor_config(&model, Some(section)), RunContext::default());
+        let err = engine.init(&init).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{path}.{key}`")), "{err}");
+    }
+}
+
+/// Saved at tensor-parallel size `from` (2 ranks), loaded at `to`.
+fn reshard(from: u32, to: u32) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_dir("qwen2-gqa", dir.path());
+    // Made by the engine, as the trainer expects.
+    let ckpt = dir.path().join("ckpt");
+    let section = |tp: u32| json!({"tensor_model_parallel_size": tp});
+    run("save", from, &path, &section(from), &ckpt);
+    run("load", to, &path, &section(to), &ckpt);
+}
+
+fn main() {
+    if let Ok(case) = std::env::var(CASE) {
+        rank_main(&case);
+        return;
+    }
+    let tests: &[(&str, fn())] = &[
+        ("tp2_qwen2_gqa_bias", || parity("qwen2-gqa", 2, 2, false)),
+        ("tp2_sp_qwen2_gqa_bias", || parity("qwen2-gqa", 2, 2, true)),
+        ("tp2_qwen2_kv_heads_replicated", || {
+            parity("qwen2-kv1", 2, 2, false)
+        }),
+        ("tp2_sp_qwen2_kv_heads_replicated", || {
+            parity("qwen2-kv1", 2, 2, true)
+        }),
+        ("tp2_llama_tied", || parity("llama-tied", 2, 2, false)),
+        ("tp2_sp_llama_tied", || parity("llama-tied", 2, 2, true)),
+        ("tp2_sp_fixture_tiny_qwen2", || {
+            parity("tiny-qwen2", 2, 2, true)
+        }),
+        ("tp2_sp_fixture_tiny_llama", || {
+            parity("tiny-llama", 2, 2, true)
+        }),
+        ("dp2_tp2_sp_qwen2_gqa", || parity("qwen2-gqa", 4, 2, true)),
+        ("tp1_one_rank", || parity("llama-tied", 1, 1, true)),
+        ("tp2_critic_qwen2_gqa", || {
+            critic(
+                "qwen2-gqa",
+                2,
+                json!({"tensor_model_parallel_size": 2, "sequence_parallel": false}),
+            )
+        }),
+        ("tp2_sp_critic_llama_tied", || {
+            critic("llama-tied", 2, json!({"tensor_model_parallel_size": 2}))
+        }),
+        ("cp2_qwen2_gqa_bias", || context("qwen2-gqa", 2, 1, 2)),
+        ("cp2_llama_tied", || context("llama-tied", 2, 1, 2)),
+        ("tp2_sp_cp2_qwen2_gqa_4_ranks", || {
+            context("qwen2-gqa", 4, 2, 2)
+        }),
+        ("tp2_sp_cp2_llama_tied_4_ranks", || {
+            context("llama-tied", 4, 2, 2)
+        }),
+        ("cp2_critic_qwen2_gqa", || {
+            critic("qwen2-gqa", 2, json!({"context_parallel_size": 2}))
+        }),
+        ("every_width_tp2_sp_cp2_4_ranks", || {
+            let dir = tempfile::tempdir().unwrap();
+            let path = model_dir("qwen2-gqa", dir.path());
+            let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
+            run("widths", 4, &path, &parallel, dir.path());
+        }),
+        ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
+        ("reshard_tp2_to_tp1", || reshard(2, 1)),
+        ("reshard_tp1_to_tp2", || reshard(1, 2)),
+    ];
+    // libtest's filter and `--skip PATTERN` (the workspace run passes `--skip vllm::`).
+    let (mut filter, mut skip) = (None, Vec::new());
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if arg == "--skip" {
+            skip.extend(args.next());
+        } else if !arg.starts_with('-') {
+            filter = Some(arg);
+        }
+    }
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in tests {
+        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str()))
+            || skip.iter().any(|s| name.contains(s.as_str()))
+        {
+            continue;
+        }
+        ran += 1;
+        eprintln!("test {name} ...");
+        let started = Instant::now();
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(test));
+        let seconds = started.elapsed().as_secs_f64();
+        if outcome.is_ok() {
+            eprintln!("test {name} ... ok ({seconds:.1} s)");
+        } else {
+            eprintln!("test {name} ... FAILED ({seconds:.1} s)");
+            failed.push(*name);
+        }
+    }
+    eprintln!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if !failed.is_empty() {
+        eprintln!("failures: {}", failed.join(", "));
+        std::process::exit(1);
+    }
+}

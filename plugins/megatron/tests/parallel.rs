@@ -13,10 +13,8 @@
 mod common;
 
 use std::io::Read;
-use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
 
 use serde_json::{Value, json};
 use verl_plugin_api::{Batch, ComponentInit, ComponentKind, NamedTensor, RunContext, Tensor, keys};
@@ -667,44 +665,12 @@ fn main() {
         ("reshard_tp2_to_tp1", || reshard(2, 1)),
         ("reshard_tp1_to_tp2", || reshard(1, 2)),
     ];
-    // libtest's filter and `--skip PATTERN` (the workspace run passes `--skip vllm::`).
-    let (mut filter, mut skip) = (None, Vec::new());
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        if arg == "--skip" {
-            skip.extend(args.next());
-        } else if !arg.starts_with('-') {
-            filter = Some(arg);
-        }
-    }
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str()))
-            || skip.iter().any(|s| name.contains(s.as_str()))
-        {
-            continue;
-        }
-        ran += 1;
-        eprintln!("test {name} ...");
-        let started = Instant::now();
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(test));
-        let seconds = started.elapsed().as_secs_f64();
-        if outcome.is_ok() {
-            eprintln!("test {name} ... ok ({seconds:.1} s)");
-        } else {
-            eprintln!("test {name} ... FAILED ({seconds:.1} s)");
-            failed.push(*name);
-        }
-    }
-    eprintln!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        eprintln!("failures: {}", failed.join(", "));
-        std::process::exit(1);
-    }
+    let mut args = libtest_mimic::Arguments::from_args();
+    // Each test runs its ranks as processes: one test at a time unless told otherwise.
+    args.test_threads.get_or_insert(1);
+    let trials = tests
+        .iter()
+        .map(|&(name, test)| libtest_mimic::Trial::test(name, move || Ok(test())))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
 }

@@ -721,12 +721,5 @@ fn main() {
             run("load", 2, "wide", Some(dir.path()));
         }),
     ];
-    let mut args = libtest_mimic::Arguments::from_args();
-    // Each test runs its ranks as processes: one test at a time unless told otherwise.
-    args.test_threads.get_or_insert(1);
-    let trials = tests
-        .iter()
-        .map(|&(name, test)| libtest_mimic::Trial::test(name, move || Ok(test())))
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    verl_testkit::run_rank_tests(tests);
 }

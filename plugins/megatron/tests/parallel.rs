@@ -665,12 +665,5 @@ fn main() {
         ("reshard_tp2_to_tp1", || reshard(2, 1)),
         ("reshard_tp1_to_tp2", || reshard(1, 2)),
     ];
-    let mut args = libtest_mimic::Arguments::from_args();
-    // Each test runs its ranks as processes: one test at a time unless told otherwise.
-    args.test_threads.get_or_insert(1);
-    let trials = tests
-        .iter()
-        .map(|&(name, test)| libtest_mimic::Trial::test(name, move || Ok(test())))
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    verl_testkit::run_rank_tests(tests);
 }

@@ -276,11 +276,7 @@ impl verl_torch_runtime::TensorParallel for Alone {
 fn tensor_parallel_halves_are_the_layer() {
     for name in common::MODELS {
         let model = load(name);
-        let seqs: Vec<Vec<i64>> = expected(name)
-            .sequences
-            .into_iter()
-            .map(|s| s.ids)
-            .collect();
+        let seqs = sequence_ids(name);
         let (ids, mask) = batch(&seqs, Padding::Left);
         let vocab = model.config().vocab_size;
         let context = model.block_context_for_vocab(&ids, &mask, vocab).unwrap();

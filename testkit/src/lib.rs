@@ -30,7 +30,7 @@ pub use exported::detect_exported_device;
 pub use fake::{FakeEnv, FakeRoot, IntelGpu, KfdGpu};
 #[cfg(feature = "host")]
 pub use harness::{PluginHarness, Selection, built_plugin, registry_with, select_platform};
-pub use rank_tests::run_rank_tests;
+pub use rank_tests::{join_ranks, run_rank_tests};
 /// The host crate the harness drives, for tests that need more of it.
 #[cfg(feature = "host")]
 pub use verl_plugin_host as host;

@@ -9,7 +9,6 @@
 #[allow(dead_code, reason = "the helpers of the engine tests, some used here")]
 mod common;
 
-use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -601,21 +600,10 @@ fn run(case: &str, world: u32, variant: &str, dir: Option<&Path>) {
             command.spawn().unwrap()
         })
         .collect();
-    let mut failures = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        let mut stderr = String::new();
-        let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
-        let status = child.wait().unwrap();
-        if !status.success() {
-            failures.push(format!("rank {rank} ({status}):\n{stderr}"));
-        } else if let Some(line) = stderr.lines().find(|l| l.starts_with(WORST_LINE)) {
-            eprintln!("  {case} [{variant}] on {world} ranks: {line}");
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{case} [{variant}] on {world} ranks:\n{}",
-        failures.join("\n")
+    verl_testkit::join_ranks(
+        &format!("{case} [{variant}] on {world} ranks"),
+        children,
+        WORST_LINE,
     );
 }
 

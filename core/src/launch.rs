@@ -395,12 +395,19 @@ fn start(
         // Its own process group: signals reach a rank once, forwarded from here.
         .process_group(0)
         .stdin(Stdio::null());
-    // SAFETY: prctl is async-signal-safe; the closure allocates nothing.
+    // SAFETY: prctl and signal are async-signal-safe; the closure allocates nothing.
     unsafe {
         command.pre_exec(|| {
             // The rank gets SIGTERM if the launcher dies (even by SIGKILL).
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            // The signals the launcher forwards must reach the rank, also when the launcher was
+            // started with them ignored (`verl-core launch … &` from a script ignores SIGINT).
+            for signal in [libc::SIGINT, libc::SIGTERM] {
+                if libc::signal(signal, libc::SIG_DFL) == libc::SIG_ERR {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

@@ -401,6 +401,15 @@ fn error_chain(error: &anyhow::Error) -> String {
     out
 }
 
+/// `--plugin-allowlist`, read.
+fn allow_list(args: &PluginArgs) -> anyhow::Result<Option<verl_plugin_host::vet::AllowList>> {
+    Ok(args
+        .plugin_allowlist
+        .as_deref()
+        .map(verl_plugin_host::vet::AllowList::from_file)
+        .transpose()?)
+}
+
 fn load_registry(args: &PluginArgs) -> anyhow::Result<Registry> {
     let search = PluginSearch::standard(&args.plugin_dirs, args.plugin_allowlist.as_deref())?;
     let mut registry = Registry::with_builtins();
@@ -589,12 +598,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugins(PluginsCommand::Check { file, json }) => {
-            let allow_list = cli
-                .plugins
-                .plugin_allowlist
-                .as_deref()
-                .map(verl_plugin_host::vet::AllowList::from_file)
-                .transpose()?;
+            let allow_list = allow_list(&cli.plugins)?;
             let mut registry = Registry::with_builtins();
             let loaded = registry
                 .load_file(&file, allow_list.as_ref())
@@ -640,12 +644,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             options.check_timeout = Duration::from_secs(check_timeout_s);
             let report = match (file, builtin) {
                 (Some(file), _) => {
-                    let allow_list = cli
-                        .plugins
-                        .plugin_allowlist
-                        .as_deref()
-                        .map(verl_plugin_host::vet::AllowList::from_file)
-                        .transpose()?;
+                    let allow_list = allow_list(&cli.plugins)?;
                     conformance::certify_file(&file, allow_list.as_ref(), &options)?
                 }
                 (None, _) => conformance::certify_builtins(&options),
@@ -692,8 +691,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Run(args) => {
-            let registry = load_registry(&cli.plugins)?;
+            let mut registry = load_registry(&cli.plugins)?;
             let config = load_config(&args, true, &registry)?;
+            // A reward plugin named by custom_reward_function.path joins the registry.
+            let allow_list = allow_list(&cli.plugins)?;
+            verl_core::reward::select::load_library(&mut registry, &config, allow_list.as_ref())?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
             config_audit::check(&config, &registry, placement.run().world_size)?;

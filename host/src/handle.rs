@@ -6,8 +6,8 @@ use verl_plugin_api::abi_stable::std_types::RResult;
 use verl_plugin_api::wire::{decode, encode};
 use verl_plugin_api::{
     Batch, CheckpointBox, ComponentInit, Detection, DeviceBox, DeviceInfo, EngineBox,
-    GenerateOutput, GenerateRequest, Handover, Metric, PluginError, ProbeContext, RolloutBox,
-    Table, TensorRef, TrackerBox, WeightSource,
+    GenerateOutput, GenerateRequest, Handover, Metric, PluginError, ProbeContext, RewardBox,
+    RewardOutput, RewardRequest, RolloutBox, Table, TensorRef, TrackerBox, WeightSource,
 };
 
 fn done<T>(r: RResult<T, PluginError>) -> Result<T, PluginError> {
@@ -115,5 +115,28 @@ impl TrackerHandle {
     }
     pub fn finish(&mut self, exit_code: i32) -> Result<(), PluginError> {
         done(self.0.finish(exit_code))
+    }
+}
+
+pub struct RewardHandle(pub(crate) RewardBox);
+
+impl RewardHandle {
+    pub fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        done(self.0.init(encode(init).as_rstr()))
+    }
+    /// The scores of `request`'s items; a reply with another number of scores is an error.
+    pub fn compute(&mut self, request: &RewardRequest) -> Result<RewardOutput, PluginError> {
+        let output: RewardOutput = decode(
+            "reward output",
+            &done(self.0.compute(encode(request).as_rstr()))?,
+        )?;
+        if output.scores.len() != request.items.len() {
+            return Err(PluginError::other(format!(
+                "returned {} scores for {} items",
+                output.scores.len(),
+                request.items.len()
+            )));
+        }
+        Ok(output)
     }
 }

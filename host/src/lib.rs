@@ -21,7 +21,9 @@ pub use discovery::{
     ALLOW_LIST_ENV, Candidate, DEFAULT_DIR_ENV, DirSource, PLUGIN_PATH_ENV, PluginSearch,
     default_plugin_dir,
 };
-pub use handle::{CheckpointHandle, DeviceHandle, EngineHandle, RolloutHandle, TrackerHandle};
+pub use handle::{
+    CheckpointHandle, DeviceHandle, EngineHandle, RewardHandle, RolloutHandle, TrackerHandle,
+};
 pub use load::load_manifest;
 pub use platform::{
     DEFAULT_DETECT_TIMEOUT, DeviceReport, PLATFORM_ENV, PROBE_ROOT_ENV, PlatformError,

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use verl_plugin_api::{ComponentKind, FactoryBox, PluginBuilder, PluginError, PluginInfo};
 
 use crate::discovery::{Candidate, PluginSearch};
-use crate::handle::{CheckpointHandle, DeviceHandle, EngineHandle, RolloutHandle, TrackerHandle};
+use crate::handle::{
+    CheckpointHandle, DeviceHandle, EngineHandle, RewardHandle, RolloutHandle, TrackerHandle,
+};
 use crate::{LoadError, load, vet};
 
 /// A host's built-in components, registered from any crate linked into the binary with
@@ -456,6 +458,10 @@ impl Component {
     pub fn create_tracker(&self) -> Result<TrackerHandle, LookupError> {
         self.created(self.factory.create_tracker(self.name.as_str().into()))
             .map(TrackerHandle)
+    }
+    pub fn create_reward(&self) -> Result<RewardHandle, LookupError> {
+        self.created(self.factory.create_reward(self.name.as_str().into()))
+            .map(RewardHandle)
     }
 
     /// The declared capabilities as the kind's record (defaults where the plugin declared none

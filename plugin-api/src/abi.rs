@@ -1,4 +1,4 @@
-//! The FFI-safe side: `#[sabi_trait]` objects for the five component kinds, the adapters that wrap a
+//! The FFI-safe side: `#[sabi_trait]` objects for the six component kinds, the adapters that wrap a
 //! plugin author's plain Rust trait impls (catching panics), the factory, and the root module.
 #![allow(non_camel_case_types, non_local_definitions)] // both come from abi_stable's generated code
 
@@ -13,6 +13,7 @@ use crate::components::{
 };
 use crate::device::{Device, ProbeContext};
 use crate::error::{PluginError, guard};
+use crate::reward::{Reward, RewardRequest};
 use crate::wire::{decode, encode};
 use crate::{Batch, Metric, TensorRef, WeightSource};
 
@@ -80,11 +81,22 @@ pub trait StableTracker: Send {
     fn finish(&mut self, exit_code: i32) -> RResult<(), PluginError>;
 }
 
+/// Since 2.2.0.
+#[sabi_trait]
+pub trait StableReward: Send {
+    /// `ComponentInit` JSON.
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError>;
+    /// `RewardRequest` JSON in, `RewardOutput` JSON out.
+    #[sabi(last_prefix_field)]
+    fn compute(&mut self, request: RStr<'_>) -> RResult<RString, PluginError>;
+}
+
 pub type DeviceBox = StableDevice_TO<'static, RBox<()>>;
 pub type EngineBox = StableEngine_TO<'static, RBox<()>>;
 pub type RolloutBox = StableRollout_TO<'static, RBox<()>>;
 pub type CheckpointBox = StableCheckpoint_TO<'static, RBox<()>>;
 pub type TrackerBox = StableTracker_TO<'static, RBox<()>>;
+pub type RewardBox = StableReward_TO<'static, RBox<()>>;
 
 /// Wraps a plugin author's component so that every call is panic-guarded and records are decoded
 /// and encoded on the plugin's side.
@@ -201,7 +213,19 @@ impl<T: Tracker> StableTracker for Guarded<T> {
     }
 }
 
-/// The five kinds of component. A newtype so kinds can be added without a layout change; a host
+impl<T: Reward> StableReward for Guarded<T> {
+    fn init(&mut self, init: RStr<'_>) -> RResult<(), PluginError> {
+        guard("init", || self.0.init(&init_record(init)?))
+    }
+    fn compute(&mut self, request: RStr<'_>) -> RResult<RString, PluginError> {
+        guard("compute", || {
+            let request: RewardRequest = decode("reward request", request.as_str())?;
+            self.0.compute(&request).map(|out| encode(&out))
+        })
+    }
+}
+
+/// The kinds of component. A newtype so kinds can be added without a layout change; a host
 /// skips components of a kind it does not know.
 #[repr(transparent)]
 #[derive(
@@ -216,12 +240,15 @@ impl ComponentKind {
     pub const ROLLOUT: Self = Self(2);
     pub const CHECKPOINT: Self = Self(3);
     pub const TRACKER: Self = Self(4);
-    pub const ALL: [Self; 5] = [
+    /// Since 2.2.0.
+    pub const REWARD: Self = Self(5);
+    pub const ALL: [Self; 6] = [
         Self::DEVICE,
         Self::ENGINE,
         Self::ROLLOUT,
         Self::CHECKPOINT,
         Self::TRACKER,
+        Self::REWARD,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -231,6 +258,7 @@ impl ComponentKind {
             Self::ROLLOUT => "rollout",
             Self::CHECKPOINT => "checkpoint",
             Self::TRACKER => "tracker",
+            Self::REWARD => "reward",
             _ => "unknown",
         }
     }
@@ -273,6 +301,12 @@ pub trait StableFactory: Send + Sync {
     fn create_checkpoint(&self, name: RStr<'_>) -> RResult<CheckpointBox, PluginError>;
     #[sabi(last_prefix_field)]
     fn create_tracker(&self, name: RStr<'_>) -> RResult<TrackerBox, PluginError>;
+    /// Since 2.2.0; a plugin built against an older minor has no reward components.
+    fn create_reward(&self, name: RStr<'_>) -> RResult<RewardBox, PluginError> {
+        RResult::RErr(PluginError::unsupported(&format!(
+            "reward component `{name}`"
+        )))
+    }
 }
 
 pub type FactoryBox = StableFactory_TO<'static, RBox<()>>;
@@ -335,6 +369,7 @@ enum Constructor {
     Rollout(Box<dyn Fn() -> RolloutBox + Send + Sync>),
     Checkpoint(Box<dyn Fn() -> CheckpointBox + Send + Sync>),
     Tracker(Box<dyn Fn() -> TrackerBox + Send + Sync>),
+    Reward(Box<dyn Fn() -> RewardBox + Send + Sync>),
 }
 
 impl Constructor {
@@ -345,6 +380,7 @@ impl Constructor {
             Self::Rollout(_) => ComponentKind::ROLLOUT,
             Self::Checkpoint(_) => ComponentKind::CHECKPOINT,
             Self::Tracker(_) => ComponentKind::TRACKER,
+            Self::Reward(_) => ComponentKind::REWARD,
         }
     }
 }
@@ -490,6 +526,26 @@ impl PluginBuilder {
         )
     }
 
+    /// A reward function (since 2.2.0).
+    pub fn reward<T: Reward>(
+        self,
+        name: &str,
+        priority: i32,
+        description: &str,
+        new: impl Fn() -> T + Send + Sync + 'static,
+    ) -> Self {
+        let ctor = Constructor::Reward(Box::new(move || {
+            RewardBox::from_value(Guarded(new()), abi_stable::sabi_trait::TD_Opaque)
+        }));
+        self.add(
+            name,
+            priority,
+            description,
+            capabilities(&T::capabilities()),
+            ctor,
+        )
+    }
+
     pub fn into_manifest(self) -> PluginManifest {
         let info = PluginInfo {
             name: self.name.clone(),
@@ -583,6 +639,15 @@ impl StableFactory for Factory {
     fn create_tracker(&self, name: RStr<'_>) -> RResult<TrackerBox, PluginError> {
         self.create(ComponentKind::TRACKER, name, |c| {
             if let Constructor::Tracker(f) = c {
+                Some(f())
+            } else {
+                None
+            }
+        })
+    }
+    fn create_reward(&self, name: RStr<'_>) -> RResult<RewardBox, PluginError> {
+        self.create(ComponentKind::REWARD, name, |c| {
+            if let Constructor::Reward(f) = c {
                 Some(f())
             } else {
                 None

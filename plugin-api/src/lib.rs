@@ -2,7 +2,7 @@
 //!
 //! The stable ABI between verl-core and its plugins, and the only crate a plugin author depends on.
 //! A plugin is a `cdylib` that implements one or more of the component traits ([`Device`],
-//! [`Engine`], [`Rollout`], [`CheckpointEngine`], [`Tracker`]) in plain Rust and exports them with
+//! [`Engine`], [`Rollout`], [`CheckpointEngine`], [`Tracker`], [`Reward`]) in plain Rust and exports them with
 //! one [`export_plugin!`] call:
 //!
 //! ```
@@ -57,14 +57,15 @@ pub mod config;
 mod device;
 mod error;
 pub mod keys;
+mod reward;
 mod tensor;
 pub mod wire;
 
 pub use abi::{
     __root_module, CheckpointBox, ComponentKind, ComponentMeta, DeviceBox, EngineBox, FactoryBox,
-    PluginBuilder, PluginInfo, PluginManifest, PluginModule, PluginModule_Ref, RolloutBox,
-    StableCheckpoint, StableDevice, StableEngine, StableFactory, StableRollout, StableTracker,
-    TrackerBox,
+    PluginBuilder, PluginInfo, PluginManifest, PluginModule, PluginModule_Ref, RewardBox,
+    RolloutBox, StableCheckpoint, StableDevice, StableEngine, StableFactory, StableReward,
+    StableRollout, StableTracker, TrackerBox,
 };
 pub use capabilities::{
     CheckpointCapabilities, ConfigKeys, EngineCapabilities, KeyNote, RolloutCapabilities,
@@ -76,6 +77,9 @@ pub use components::{
 };
 pub use device::{Detection, Device, DeviceInfo, EnvVar, ProbeContext, visible_devices};
 pub use error::{ErrorKind, PluginError, guard};
+pub use reward::{
+    Reward, RewardCapabilities, RewardItem, RewardOutput, RewardRequest, RewardScore,
+};
 pub use tensor::{Batch, DType, Element, Metric, NamedTensor, Tensor, TensorRef, WeightSource};
 
 /// Re-exported so plugin crates need no direct dependency on abi_stable.

@@ -119,6 +119,9 @@ fn builtin_components_certify() {
         "checkpoint naive round_trip",
         "checkpoint disk round_trip",
         "checkpoint disk finalize_releases",
+        "reward rule one_score_per_item",
+        "reward rule deterministic",
+        "reward rule undeclared_source_refused",
     ] {
         assert_eq!(status(&checks, id), "pass", "{id}");
     }

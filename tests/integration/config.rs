@@ -141,7 +141,7 @@ fn run_stops_on_an_unsupported_key_before_anything_is_made() {
         &[
             "run",
             "actor_rollout_ref.model.lora_rank=32",
-            "custom_reward_function.path=/nonexistent/reward.py",
+            "actor_rollout_ref.model.enable_activation_offload=true",
         ],
         &[("HOME", home_dir)],
     );
@@ -149,7 +149,7 @@ fn run_stops_on_an_unsupported_key_before_anything_is_made() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     for wanted in [
         "config key `actor_rollout_ref.model.lora_rank`=32 (from command-line override `actor_rollout_ref.model.lora_rank=32`) is not supported yet",
-        "config key `custom_reward_function.path`=\"/nonexistent/reward.py\"",
+        "config key `actor_rollout_ref.model.enable_activation_offload`=true",
         "trainer.strict_config=false",
     ] {
         assert!(

@@ -55,7 +55,16 @@ pub fn release() -> &'static Release {
         let mut cmd = cargo();
         cmd.current_dir(workspace_root())
             .args(["build", "--release", "-p", "verl-core"]);
-        for plugin in ["rocm", "ascend", "fsdp", "native", "trackers", "vllm"] {
+        for plugin in [
+            "rocm",
+            "ascend",
+            "fsdp",
+            "native",
+            "trackers",
+            "vllm",
+            "sglang",
+            "reward-http",
+        ] {
             cmd.args(["-p", &format!("verl-plugin-{plugin}")]);
         }
         run_cargo(cmd, "the release binary and plugins");
@@ -142,7 +151,7 @@ pub fn fixture_plugin(features: &[&str], api: Option<Api<'_>>) -> PathBuf {
 }
 
 /// The plugin API version this workspace is at (the tests that build other releases depend on it).
-pub const API_VERSION: &str = "2.1.0";
+pub const API_VERSION: &str = "2.2.0";
 
 /// A copy of plugin-api at `api`, and a copy of the fixture crate `name` (from `fixture`) that
 /// depends on it: what a plugin or host built against another release of the API looks like.

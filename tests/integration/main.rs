@@ -8,6 +8,8 @@ mod config;
 mod helpers;
 mod launch;
 mod platform;
+mod rewards;
+mod sglang;
 mod spmd;
 mod train;
 mod vendor;

@@ -18,6 +18,7 @@ fn shared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
             "verl_plugin_native",
             "verl_plugin_fsdp",
             "verl_plugin_trackers",
+            "verl_plugin_reward_http",
         ]);
         let work = tempfile::tempdir().unwrap();
         (plugins, work)
@@ -61,7 +62,7 @@ fn final_weights(run_dir: &Path) -> Vec<u8> {
 }
 
 /// The uninterrupted reference run: 6 steps, checkpoints at 2, 4 and 6.
-fn reference() -> &'static PathBuf {
+pub(crate) fn reference() -> &'static PathBuf {
     static REFERENCE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
     &REFERENCE
         .get_or_init(|| {
@@ -440,14 +441,14 @@ fn every_example_config_is_valid() {
 }
 
 /// Runs with `extra` overrides appended; returns the output whatever the exit status.
-fn run_with(run_dir: &Path, steps: u64, save_freq: u64, extra: &[&str]) -> Output {
+pub(crate) fn run_with(run_dir: &Path, steps: u64, save_freq: u64, extra: &[&str]) -> Output {
     let mut args = args(run_dir, steps, save_freq);
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     verl_core(&args, &[])
 }
 
-fn assert_no_panic(out: &Output) {
+pub(crate) fn assert_no_panic(out: &Output) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !stderr.contains("panicked") && !stderr.contains("stack backtrace"),

@@ -169,6 +169,73 @@ pub fn validation_metrics(
     Ok(out)
 }
 
+/// verl's `calculate_debug_metrics` (`verl/utils/debug/metrics.py`), logged when the rollout
+/// returned log-probs: over the response tokens of `mask`, `|exp(actor) − exp(rollout)|` (a
+/// difference of probabilities, not of log-probs) as `training/rollout_probs_diff_{max,mean,std}`
+/// (std Bessel-corrected, as `torch.std`), the Pearson correlation of the two probabilities as
+/// `training/rollout_actor_probs_pearson_corr`, and `training/rollout_probs_diff_valid` (0, the
+/// others NaN, when the mask holds no token).
+pub fn rollout_probs_diff(
+    rollout_log_probs: &Matrix,
+    actor_log_probs: &Matrix,
+    mask: &Matrix,
+) -> Result<BTreeMap<String, f64>, AlgoError> {
+    rollout_log_probs.expect_shape("rollout_log_probs", mask.shape())?;
+    actor_log_probs.expect_shape("old_log_probs", mask.shape())?;
+    let (rollout, actor): (Vec<f64>, Vec<f64>) = rollout_log_probs
+        .data()
+        .iter()
+        .zip(actor_log_probs.data())
+        .zip(mask.data())
+        .filter(|&(_, &m)| m != 0.0)
+        .map(|((&r, &a), _)| (f64::from(r).exp(), f64::from(a).exp()))
+        .unzip();
+    let key = |name: &str| format!("training/rollout_{name}");
+    let mut out = BTreeMap::new();
+    if rollout.is_empty() {
+        out.insert(key("probs_diff_valid"), 0.0);
+        for name in [
+            "probs_diff_max",
+            "probs_diff_mean",
+            "probs_diff_std",
+            "actor_probs_pearson_corr",
+        ] {
+            out.insert(key(name), f64::NAN);
+        }
+        return Ok(out);
+    }
+    let diff: Vec<f64> = rollout
+        .iter()
+        .zip(&actor)
+        .map(|(r, a)| (a - r).abs())
+        .collect();
+    out.insert(key("probs_diff_valid"), 1.0);
+    out.insert(
+        key("probs_diff_max"),
+        diff.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
+    out.insert(key("probs_diff_mean"), mean(&diff));
+    out.insert(key("probs_diff_std"), unbiased_var(&diff).sqrt());
+    out.insert(key("actor_probs_pearson_corr"), pearson(&actor, &rollout));
+    Ok(out)
+}
+
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+/// `torch.corrcoef`'s off-diagonal entry: NaN when either side is constant.
+fn pearson(x: &[f64], y: &[f64]) -> f64 {
+    let (mx, my) = (mean(x), mean(y));
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in x.iter().zip(y) {
+        sxy += (a - mx) * (b - my);
+        sxx += (a - mx).powi(2);
+        syy += (b - my).powi(2);
+    }
+    sxy / (sxx * syy).sqrt()
+}
+
 fn put_stats(out: &mut BTreeMap<String, f64>, prefix: &str, values: &[f64]) {
     let mean = values.iter().sum::<f64>() / values.len() as f64;
     let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -257,6 +324,49 @@ mod tests {
         assert_eq!(out["val-core/b/reward/mean@1"], 0.25);
         assert_eq!(out.len(), 3);
         assert!(validation_metrics(&sources, &[1], &[]).is_err());
+    }
+
+    #[test]
+    fn rollout_probs_diff_compares_probabilities_over_response_tokens() {
+        let m = |rows: &[&[f32]]| Matrix::from_rows(rows).unwrap();
+        let ln = |p: f32| p.ln();
+        // Response tokens: row 0 has 2, row 1 has 1; the padded cells differ wildly and must
+        // not count.
+        let mask = m(&[&[1.0, 1.0], &[1.0, 0.0]]);
+        let rollout = m(&[&[ln(0.5), ln(0.25)], &[ln(0.9), -30.0]]);
+        let actor = m(&[&[ln(0.6), ln(0.25)], &[ln(0.6), 0.0]]);
+        let out = rollout_probs_diff(&rollout, &actor, &mask).unwrap();
+        // |Δp| = 0.1, 0, 0.3: max 0.3, mean 0.4/3, unbiased std sqrt(Σ(d−mean)²/2).
+        let d = [0.1, 0.0, 0.3];
+        let mean = 0.4 / 3.0;
+        let std = (d.iter().map(|v: &f64| (v - mean).powi(2)).sum::<f64>() / 2.0).sqrt();
+        let close = |name: &str, want: f64| {
+            let got = out[&format!("training/rollout_{name}")];
+            assert!((got - want).abs() < 1e-6, "{name}: {got} vs {want}");
+        };
+        close("probs_diff_valid", 1.0);
+        close("probs_diff_max", 0.3);
+        close("probs_diff_mean", mean);
+        close("probs_diff_std", std);
+        // Actor 0.6, 0.25, 0.6 against rollout 0.5, 0.25, 0.9: means 29/60 and 33/60.
+        let (x, y) = ([0.6, 0.25, 0.6], [0.5, 0.25, 0.9]);
+        let (mx, my) = (1.45 / 3.0, 1.65 / 3.0);
+        let sxy: f64 = (0..3).map(|i| (x[i] - mx) * (y[i] - my)).sum();
+        let sxx: f64 = x.iter().map(|v| (v - mx).powi(2)).sum();
+        let syy: f64 = y.iter().map(|v| (v - my).powi(2)).sum();
+        close("actor_probs_pearson_corr", sxy / (sxx * syy).sqrt());
+        assert_eq!(out.len(), 5);
+
+        // Equal log-probs: no difference at all.
+        let same = rollout_probs_diff(&actor, &actor, &mask).unwrap();
+        assert_eq!(same["training/rollout_probs_diff_max"], 0.0);
+
+        // No response token: not valid, values NaN (verl's defaults).
+        let none = rollout_probs_diff(&rollout, &actor, &Matrix::zeros(2, 2)).unwrap();
+        assert_eq!(none["training/rollout_probs_diff_valid"], 0.0);
+        assert!(none["training/rollout_probs_diff_mean"].is_nan());
+
+        assert!(rollout_probs_diff(&Matrix::zeros(1, 2), &actor, &mask).is_err());
     }
 
     #[test]

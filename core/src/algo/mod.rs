@@ -15,7 +15,7 @@ pub use advantage::{
 };
 pub use filter::{DynamicSampler, FILTER_STD_TOLERANCE, SamplerProgress, filter_groups};
 pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_penalty, kl_penalty};
-pub use metrics::{DataMetricsInput, compute_data_metrics, validation_metrics};
+pub use metrics::{DataMetricsInput, compute_data_metrics, rollout_probs_diff, validation_metrics};
 pub use tensor::{Matrix, place_scores};
 
 /// What can go wrong in an algorithm call: always a caller's shape or configuration mistake.

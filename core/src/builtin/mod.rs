@@ -1,5 +1,6 @@
 //! Components built into verl-core, registered through `inventory` next to the host's built-in
-//! devices: the `console` and `file` trackers and the `naive` and `disk` weight-sync engines.
+//! devices: the `console` and `file` trackers, the `naive` and `disk` weight-sync engines and the
+//! `rule` reward.
 
 mod console;
 mod file_logger;
@@ -16,7 +17,7 @@ fn builtin_components() -> PluginBuilder {
     PluginBuilder::new(
         "verl-core-trainer",
         env!("CARGO_PKG_VERSION"),
-        "trackers and weight sync built into verl-core",
+        "trackers, weight sync and rule rewards built into verl-core",
     )
     .tracker(
         "console",
@@ -43,6 +44,12 @@ fn builtin_components() -> PluginBuilder {
         DiskWeightSync::default,
     )
     .config_section("disk")
+    .reward(
+        crate::reward::RULE_REWARD,
+        0,
+        "verl's rule rewards by data_source (default_compute_score)",
+        crate::reward::RuleReward::default,
+    )
 }
 
 inventory::submit! { BuiltinPlugin(builtin_components) }

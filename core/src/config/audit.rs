@@ -100,6 +100,7 @@ pub const RULES: &[Rule] = &[
     acted("data.max_prompt_length"),
     acted("data.max_response_length"),
     acted("data.train_batch_size"),
+    acted("data.gen_batch_size"),
     acted("data.val_batch_size"),
     no_effect(
         "data.return_raw_chat",
@@ -293,10 +294,7 @@ pub const RULES: &[Rule] = &[
         "actor_rollout_ref.rollout.disable_log_stats",
         INFERENCE_SERVER,
     ),
-    no_effect(
-        "actor_rollout_ref.rollout.calculate_log_probs",
-        "the rollout's log-probs are not compared with the actor's (verl's training/rollout_probs_diff_* metrics)",
-    ),
+    acted("actor_rollout_ref.rollout.calculate_log_probs"),
     no_effect(
         "actor_rollout_ref.rollout.skip_tokenizer_init",
         INFERENCE_SERVER,
@@ -347,22 +345,15 @@ pub const RULES: &[Rule] = &[
     // reward
     unsupported("reward_model.enable", NO_REWARD_MODEL),
     no_effect("reward_model", "only used with reward_model.enable"),
-    unsupported(
-        "reward_model.reward_manager",
-        "rewards are computed per response by the built-in rule scorers (verl's `naive` manager)",
-    ),
+    acted("reward_model.reward_manager"),
+    acted("reward_model.overlong_buffer"),
     no_effect(
         "reward_model.launch_reward_fn_async",
         "rule rewards are computed in line, in milliseconds",
     ),
-    unsupported(
-        "custom_reward_function.path",
-        "custom reward functions are Python; rewards come from the built-in scorers chosen by data_source (gsm8k, math, addition)",
-    ),
-    no_effect(
-        "custom_reward_function.name",
-        "only used with custom_reward_function.path",
-    ),
+    acted("custom_reward_function.path"),
+    acted("custom_reward_function.name"),
+    acted("custom_reward_function.reward_kwargs"),
     // algorithm
     acted("algorithm.gamma"),
     acted("algorithm.lam"),
@@ -399,13 +390,7 @@ pub const RULES: &[Rule] = &[
     ),
     acted("algorithm.filter_groups.enable"),
     acted("algorithm.filter_groups.max_num_gen_batches"),
-    Rule {
-        also_fine: &["acc", "score", "seq_reward"],
-        ..unsupported(
-            "algorithm.filter_groups.metric",
-            "groups are filtered on the rule score (equal to acc and seq_reward here); seq_final_reward is not implemented",
-        )
-    },
+    acted("algorithm.filter_groups.metric"),
     // trainer
     no_effect(
         "trainer.balance_batch",

@@ -92,8 +92,9 @@ impl Default for Config {
 
 /// verl's pass-through dicts, whose contents are not checked (plugin sections are declared
 /// separately, see [`PluginSections`](super::PluginSections)).
-pub const FREE_FORM: [&str; 9] = [
+pub const FREE_FORM: [&str; 10] = [
     "data.apply_chat_template_kwargs",
+    "custom_reward_function.reward_kwargs",
     "actor_rollout_ref.model.override_config",
     "actor_rollout_ref.actor.profiler",
     "actor_rollout_ref.ref.profiler",
@@ -123,6 +124,9 @@ pub struct DataConfig {
     pub max_response_length: usize,
     /// Prompts per step (each sampled `rollout.n` times).
     pub train_batch_size: usize,
+    /// Prompts per generation round (DAPO); None: `train_batch_size`. Without
+    /// `algorithm.filter_groups` a step trains on the whole round, as verl's trainer does.
+    pub gen_batch_size: Option<usize>,
     /// None: the whole validation set at once.
     pub val_batch_size: Option<usize>,
     pub return_raw_chat: bool,
@@ -153,6 +157,7 @@ impl Default for DataConfig {
             max_prompt_length: 512,
             max_response_length: 512,
             train_batch_size: 1024,
+            gen_batch_size: None,
             val_batch_size: None,
             return_raw_chat: true,
             return_full_prompt: false,
@@ -613,7 +618,8 @@ impl Default for CriticConfig {
     }
 }
 
-/// `reward_model`: only the switches; a model-based reward is not built in.
+/// `reward_model`: the reward manager and DAPO's overlong buffer; a model-based reward is not
+/// built in.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RewardModelConfig {
@@ -623,8 +629,23 @@ pub struct RewardModelConfig {
     pub micro_batch_size: Option<usize>,
     pub micro_batch_size_per_gpu: Option<usize>,
     pub max_length: Option<usize>,
+    /// `naive` | `dapo`.
     pub reward_manager: String,
     pub launch_reward_fn_async: bool,
+    pub overlong_buffer: OverlongBufferConfig,
+}
+
+/// DAPO's overlong reward shaping (`reward_model.overlong_buffer`, read by the `dapo` manager).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OverlongBufferConfig {
+    pub enable: bool,
+    /// Tokens before `data.max_response_length` where the penalty grows from 0.
+    pub len: usize,
+    /// The penalty at `data.max_response_length`.
+    pub penalty_factor: f64,
+    /// Record `overlong_reward` and `overlong` in the reward's extra information.
+    pub log: bool,
 }
 
 impl Default for RewardModelConfig {
@@ -638,6 +659,7 @@ impl Default for RewardModelConfig {
             max_length: None,
             reward_manager: "naive".into(),
             launch_reward_fn_async: false,
+            overlong_buffer: OverlongBufferConfig::default(),
         }
     }
 }
@@ -645,8 +667,13 @@ impl Default for RewardModelConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CustomRewardFunctionConfig {
+    /// A reward plugin library, or the URL of a reward server (`http` plugin); None: the
+    /// built-in rule rewards.
     pub path: Option<String>,
+    /// The reward component (or, through a server, the function) to use.
     pub name: String,
+    /// Handed to the reward component (verl: keyword arguments of the function).
+    pub reward_kwargs: Value,
 }
 
 impl Default for CustomRewardFunctionConfig {
@@ -654,6 +681,7 @@ impl Default for CustomRewardFunctionConfig {
         Self {
             path: None,
             name: "compute_score".into(),
+            reward_kwargs: empty_object(),
         }
     }
 }

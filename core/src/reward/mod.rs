@@ -1,16 +1,35 @@
-//! Rule rewards dispatched on a sample's `data_source`, with verl's score semantics
-//! (`verl.utils.reward_score.default_compute_score`).
+//! Rewards. The rule rewards are dispatched on a sample's `data_source` with verl's names and
+//! score semantics (`verl.utils.reward_score.default_compute_score`) and make up the built-in
+//! `rule` reward component; `custom_reward_function.path` selects another reward component (a
+//! Rust plugin, or the `http` plugin for a reward server) ([`select`]). The reward manager
+//! ([`manager`]) turns the scores into each response's reward, as verl's `naive` and `dapo`
+//! managers do.
 
 pub mod gsm8k;
+pub mod manager;
 pub mod math;
+pub mod math_dapo;
+mod py;
+pub mod search_r1;
+pub mod select;
+
+use serde_json::Value;
+use verl_plugin_api::{
+    ComponentInit, PluginError, Reward, RewardCapabilities, RewardOutput, RewardRequest,
+    RewardScore,
+};
 
 use crate::data::synthetic;
 
 /// The reward of one response could not be computed.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum RewardError {
-    #[error("no rule reward for data_source `{0}`; built-in sources: {known}", known = KNOWN_SOURCES.join(", "))]
+    #[error("no rule reward for data_source `{0}`; built-in sources: {known}; set custom_reward_function.path for others", known = KNOWN_SOURCES.join(", "))]
     UnknownDataSource(String),
+    #[error("data_source `{data_source}`: ground truth: {reason}")]
+    GroundTruth { data_source: String, reason: String },
+    #[error("{0}")]
+    Config(String),
 }
 
 /// `data_source` values that verl scores with the MATH rule.
@@ -20,41 +39,131 @@ const MATH_SOURCES: [&str; 3] = [
     "HuggingFaceH4/MATH-500",
 ];
 
-const KNOWN_SOURCES: [&str; 5] = [
+/// `data_source` values (besides any starting with `aime`) that verl scores with DAPO's rule.
+const DAPO_SOURCES: [&str; 3] = ["math_dapo", "math", "math_dapo_reasoning"];
+
+const SEARCH_R1_SOURCES: [&str; 7] = [
+    "searchR1_nq",
+    "searchR1_triviaqa",
+    "searchR1_popqa",
+    "searchR1_hotpotqa",
+    "searchR1_2wikimultihopqa",
+    "searchR1_musique",
+    "searchR1_bamboogle",
+];
+
+const KNOWN_SOURCES: [&str; 16] = [
     gsm8k::DATA_SOURCE,
     MATH_SOURCES[0],
     MATH_SOURCES[1],
     MATH_SOURCES[2],
+    DAPO_SOURCES[0],
+    DAPO_SOURCES[1],
+    DAPO_SOURCES[2],
+    "aime*",
+    SEARCH_R1_SOURCES[0],
+    SEARCH_R1_SOURCES[1],
+    SEARCH_R1_SOURCES[2],
+    SEARCH_R1_SOURCES[3],
+    SEARCH_R1_SOURCES[4],
+    SEARCH_R1_SOURCES[5],
+    SEARCH_R1_SOURCES[6],
     synthetic::DATA_SOURCE,
 ];
 
-/// The score of `response` against `ground_truth` for a sample from `data_source`.
+/// The ground truth as the text rules compare with.
+fn ground_truth_text(ground_truth: &Value) -> std::borrow::Cow<'_, str> {
+    match ground_truth {
+        Value::String(s) => s.into(),
+        other => other.to_string().into(),
+    }
+}
+
+/// The rule score of `response` for a sample from `data_source`: verl's float, or its result
+/// dict (`math_dapo`: `score`, `acc`, `pred`).
+pub fn rule_score(
+    data_source: &str,
+    response: &str,
+    ground_truth: &Value,
+) -> Result<RewardScore, RewardError> {
+    let truth = ground_truth_text(ground_truth);
+    let gsm8k =
+        |truth: &str| gsm8k::compute_score(response, truth, gsm8k::Method::Strict, 0.0, 1.0);
+    Ok(if data_source == gsm8k::DATA_SOURCE {
+        RewardScore::new(gsm8k(&truth))
+    } else if MATH_SOURCES.contains(&data_source) {
+        RewardScore::new(math::compute_score(response, &truth))
+    } else if DAPO_SOURCES.contains(&data_source) || data_source.starts_with("aime") {
+        let s = math_dapo::compute_score(response, &truth);
+        RewardScore::new(s.score)
+            .with("acc", s.acc)
+            .with("pred", s.pred)
+    } else if SEARCH_R1_SOURCES.contains(&data_source) {
+        let targets =
+            search_r1::targets(ground_truth).map_err(|reason| RewardError::GroundTruth {
+                data_source: data_source.to_owned(),
+                reason,
+            })?;
+        RewardScore::new(search_r1::compute_score(response, &targets))
+    } else if data_source == synthetic::DATA_SOURCE {
+        // The synthetic task answers in GSM8K's `#### <number>` format, so it is scored the same way.
+        RewardScore::new(gsm8k(&truth))
+    } else {
+        return Err(RewardError::UnknownDataSource(data_source.to_owned()));
+    })
+}
+
+/// The score of `response` against a textual `ground_truth` for a sample from `data_source`.
 pub fn compute_score(
     data_source: &str,
     response: &str,
     ground_truth: &str,
 ) -> Result<f64, RewardError> {
-    if data_source == gsm8k::DATA_SOURCE {
-        Ok(gsm8k::compute_score(
-            response,
-            ground_truth,
-            gsm8k::Method::Strict,
-            0.0,
-            1.0,
-        ))
-    } else if MATH_SOURCES.contains(&data_source) {
-        Ok(math::compute_score(response, ground_truth))
-    } else if data_source == synthetic::DATA_SOURCE {
-        // The synthetic task answers in GSM8K's `#### <number>` format, so it is scored the same way.
-        Ok(gsm8k::compute_score(
-            response,
-            ground_truth,
-            gsm8k::Method::Strict,
-            0.0,
-            1.0,
-        ))
-    } else {
-        Err(RewardError::UnknownDataSource(data_source.to_owned()))
+    rule_score(
+        data_source,
+        response,
+        &Value::String(ground_truth.to_owned()),
+    )
+    .map(|s| s.score)
+}
+
+/// The dataset's ground truth as a reward component receives it: the text, or the object it
+/// holds when the column was structured (Search-R1's `{"target": [...]}`; the data layer keeps
+/// such values as their JSON text).
+pub fn ground_truth_value(text: &str) -> Value {
+    match serde_json::from_str::<Value>(text) {
+        Ok(object @ Value::Object(_)) => object,
+        _ => Value::String(text.to_owned()),
+    }
+}
+
+/// The built-in `rule` reward component: verl's `default_compute_score`.
+#[derive(Debug, Default)]
+pub struct RuleReward;
+
+/// The name of the built-in rule reward component.
+pub const RULE_REWARD: &str = "rule";
+
+impl Reward for RuleReward {
+    fn capabilities() -> RewardCapabilities {
+        RewardCapabilities::default().data_sources(KNOWN_SOURCES)
+    }
+
+    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn compute(&mut self, request: &RewardRequest) -> Result<RewardOutput, PluginError> {
+        let scores = request
+            .items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                rule_score(&item.data_source, &item.solution_str, &item.ground_truth)
+                    .map_err(|e| PluginError::other(format!("item {i}: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(RewardOutput::new(scores))
     }
 }
 
@@ -79,7 +188,48 @@ mod tests {
             Ok(1.0)
         );
         assert_eq!(compute_score(synthetic::DATA_SOURCE, "579", "579"), Ok(0.0));
+        assert_eq!(compute_score("aime2025", "Answer: 7", "7"), Ok(1.0));
+        assert_eq!(compute_score("math_dapo", "Answer: 8", "7"), Ok(-1.0));
         let err = compute_score("my/data", "x", "y").unwrap_err();
         assert!(err.to_string().contains("my/data") && err.to_string().contains("openai/gsm8k"));
+    }
+
+    #[test]
+    fn dapo_returns_acc_and_pred() {
+        let s = rule_score("math_dapo", "Answer: 1,000", &Value::from("1000")).unwrap();
+        assert_eq!(
+            s,
+            RewardScore::new(1.0).with("acc", true).with("pred", "1000")
+        );
+    }
+
+    #[test]
+    fn search_r1_reads_structured_ground_truth() {
+        let truth = ground_truth_value(r#"{"target":["Paris","paris city"]}"#);
+        let s = rule_score("searchR1_nq", "<answer> paris </answer>", &truth).unwrap();
+        assert_eq!(s.score, 1.0);
+        // A plain string is no `{"target": ...}` object (verl raises a TypeError).
+        let err = rule_score(
+            "searchR1_nq",
+            "<answer>x</answer>",
+            &ground_truth_value("x"),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("searchR1_nq") && err.to_string().contains("target"));
+        // A text that is not an object stays text, even when it is valid JSON.
+        assert_eq!(ground_truth_value("[1, 2]"), Value::from("[1, 2]"));
+    }
+
+    #[test]
+    fn the_component_names_the_failing_item() {
+        let request = RewardRequest::new(vec![
+            verl_plugin_api::RewardItem::new("openai/gsm8k", "#### 1", "1"),
+            verl_plugin_api::RewardItem::new("nope", "x", "y"),
+        ]);
+        let err = RuleReward.compute(&request).unwrap_err();
+        assert!(
+            err.message().contains("item 1") && err.message().contains("nope"),
+            "{err}"
+        );
     }
 }

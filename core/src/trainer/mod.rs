@@ -25,7 +25,7 @@ use verl_plugin_api::{
     Batch, ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError,
     RolloutCapabilities, RunContext, SamplingParams, Table, keys,
 };
-use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry};
+use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, RewardHandle};
 
 use crate::algo::{
     AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
@@ -40,6 +40,7 @@ use crate::data::{
     expand_home, load_samples,
 };
 use crate::placement::Placement;
+use crate::reward::manager::{RewardManager, Rewards};
 use crate::reward::{self, RewardError};
 use crate::workers::{EngineWorker, RolloutWorker, SyncError, sync_weights};
 use records::{StepRecord, test_pause_point};
@@ -154,6 +155,26 @@ const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// `compute_log_prob` when the meta asks for `calculate_sum_pi_squared`.
 const SUM_PI_SQUARED: &str = "sum_pi_squared";
 
+/// The rollout's log-probs as a `[rows × width]` matrix aligned with the response tokens, when it
+/// returned one per token of every response (`None` when it returned none).
+fn rollout_log_probs(rows: &[Row], width: usize) -> Result<Option<Matrix>, TrainError> {
+    if rows.iter().all(|r| r.rollout_log_probs.is_empty()) {
+        return Ok(None);
+    }
+    let mut matrix = Matrix::zeros(rows.len(), width);
+    for (i, row) in rows.iter().enumerate() {
+        if row.rollout_log_probs.len() != row.response.len() || row.response.len() > width {
+            return Err(TrainError::Invalid(format!(
+                "the rollout returned {} log-probs for a response of {} tokens",
+                row.rollout_log_probs.len(),
+                row.response.len()
+            )));
+        }
+        matrix.row_mut(i)[..row.response.len()].copy_from_slice(&row.rollout_log_probs);
+    }
+    Ok(Some(matrix))
+}
+
 /// One generated response and where it came from.
 #[derive(Serialize, Deserialize)]
 struct Row {
@@ -162,6 +183,14 @@ struct Row {
     /// Prompt group: the `n` responses to one prompt share it.
     group: u64,
     response: Vec<u32>,
+    /// The rollout's log-prob of each response token (empty when it returned none).
+    rollout_log_probs: Vec<f32>,
+}
+
+/// Generated rows with their rewards and the reward's extra information, row by row.
+struct Generated {
+    rows: Vec<Row>,
+    rewards: Rewards,
 }
 
 /// What a finished run reports.
@@ -180,6 +209,10 @@ pub struct Trainer {
     critic: Option<Box<dyn EngineWorker>>,
     rollout: Box<dyn RolloutWorker>,
     weight_sync: CheckpointHandle,
+    reward: RewardHandle,
+    /// The reward component's name, for errors.
+    reward_name: String,
+    reward_manager: RewardManager,
     trackers: Trackers,
     tokenizer: tokenizers::Tokenizer,
     train: Vec<(Sample, TokenizedPrompt)>,
@@ -279,7 +312,7 @@ impl Trainer {
         }
         let loader = DataLoader::new(
             train.len(),
-            data.train_batch_size,
+            data.gen_batch_size.unwrap_or(data.train_batch_size),
             data.shuffle,
             data.seed.unwrap_or(config.trainer.seed),
             true,
@@ -292,11 +325,14 @@ impl Trainer {
             } else if train.is_empty() {
                 format!("data.train_files ({files}) hold no prompts (after filtering)")
             } else {
+                let (key, size) = match data.gen_batch_size {
+                    Some(size) => ("gen_batch_size", size),
+                    None => ("train_batch_size", data.train_batch_size),
+                };
                 format!(
                     "data.train_files ({files}) hold {} prompts (after filtering), fewer than \
-                     data.train_batch_size={}",
+                     data.{key}={size}",
                     train.len(),
-                    data.train_batch_size
                 )
             }));
         }
@@ -372,6 +408,17 @@ impl Trainer {
             .init(&plugin_init(&config, Slot::Checkpoint, sync, kwargs, &run))
             .context(|| format!("initialising the weight sync `{}`", sync.name))?;
 
+        let reward_component = reward::select::resolve(registry, &config)?;
+        let mut reward = reward_component.create_reward()?;
+        reward
+            .init(&reward::select::init(&config, &run))
+            .context(|| format!("initialising the reward `{}`", reward_component.name))?;
+        let reward_manager = RewardManager::new(
+            &config.reward_model.reward_manager,
+            &config.reward_model.overlong_buffer,
+            config.data.max_response_length,
+        )?;
+
         let mut tracker_config = config.to_json();
         tracker_config["trainer"]["total_training_steps"] = json!(total_steps);
         // Rank 0 alone logs (its metrics are every rank's).
@@ -411,6 +458,9 @@ impl Trainer {
             critic,
             rollout: Box::new(rollout),
             weight_sync,
+            reward,
+            reward_name: reward_component.name,
+            reward_manager,
             trackers,
             tokenizer,
             train,
@@ -700,7 +750,8 @@ impl Trainer {
     }
 
     /// Generates `n` responses per prompt of `indices` (into `data`) and scores them; rows come
-    /// back grouped by prompt, with group ids `first_group..`. Each rank generates and scores its
+    /// back grouped by prompt, with group ids `first_group..`, with their rewards and the
+    /// reward's extra information. Each rank generates and scores its
     /// slice of the prompts, each prompt sampled from its own seed (so the samples do not depend
     /// on the number of ranks), and every rank gets every rank's rows.
     fn generate(
@@ -709,7 +760,7 @@ impl Trainer {
         indices: &[usize],
         sampling: SamplingParams,
         first_group: u64,
-    ) -> Result<(Vec<Row>, Vec<f64>), TrainError> {
+    ) -> Result<Generated, TrainError> {
         let part = self.ranks.part(indices.len());
         let mine = &indices[part.clone()];
         let mut rows: Vec<Row> = Vec::new();
@@ -739,49 +790,71 @@ impl Trainer {
                     sample,
                     group: first_group + (part.start + index) as u64,
                     response: c.response_ids.clone(),
+                    rollout_log_probs: c.logprobs.clone(),
                 });
             }
             rows.sort_by_key(|r| r.group);
         }
-        let scores = self.score(val, &rows)?;
+        let rewards = self.score(val, &rows)?;
         if self.ranks.single() {
-            return Ok((rows, scores));
+            return Ok(Generated { rows, rewards });
         }
         let parts = self.all_gather(
             "gathering the generated responses",
-            (rows, score_bits(&scores)),
+            (rows, score_bits(&rewards.rewards), rewards.extra),
         )?;
-        let (mut rows, mut scores) = (Vec::new(), Vec::new());
-        for (part_rows, part_scores) in parts {
-            rows.extend(part_rows);
-            scores.extend(scores_of(&part_scores));
+        let mut all = Generated {
+            rows: Vec::new(),
+            rewards: Rewards::default(),
+        };
+        for (part_rows, part_scores, part_extra) in parts {
+            all.rows.extend(part_rows);
+            all.rewards.append(Rewards {
+                rewards: scores_of(&part_scores),
+                extra: part_extra,
+            });
         }
-        Ok((rows, scores))
+        Ok(all)
     }
 
-    fn score(&self, val: bool, rows: &[Row]) -> Result<Vec<f64>, TrainError> {
+    /// The rows' rewards: the reward component's scores through the reward manager.
+    fn score(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
         let data = if val { &self.val } else { &self.train };
-        rows.iter()
+        let items = rows
+            .iter()
             .map(|row| {
                 let sample = &data[row.sample].0;
                 let text = self
                     .tokenizer
                     .decode(&row.response, true)
                     .map_err(|e| TrainError::Invalid(format!("decoding a response: {e}")))?;
-                Ok(reward::compute_score(
-                    &sample.data_source,
-                    &text,
-                    &sample.reward_model.ground_truth,
-                )?)
+                Ok(verl_plugin_api::RewardItem::new(
+                    sample.data_source.clone(),
+                    text,
+                    reward::ground_truth_value(&sample.reward_model.ground_truth),
+                )
+                .extra_info(sample.extra_info.clone()))
             })
-            .collect()
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        if items.is_empty() {
+            return Ok(Rewards::default());
+        }
+        let name = &self.reward_name;
+        let output = self
+            .reward
+            .compute(&verl_plugin_api::RewardRequest::new(items))
+            .context(|| format!("scoring with the reward `{name}`"))?;
+        let lengths: Vec<usize> = rows.iter().map(|r| r.response.len()).collect();
+        Ok(self.reward_manager.apply(&output.scores, &lengths))
     }
 
-    /// Generates and scores a training batch; with DAPO's `filter_groups` keeps generating until
-    /// `train_batch_size` prompts have responses whose scores differ.
+    /// Generates and scores a training batch, `data.gen_batch_size` prompts a round; with DAPO's
+    /// `filter_groups` keeps generating until `train_batch_size` prompts have responses whose
+    /// metric differs (verl's `ray_dapo_trainer`).
     fn collect_batch(&mut self, step: u64) -> Result<(Vec<Row>, Vec<f64>, usize), TrainError> {
         let filter = self.config.algorithm.filter_groups.clone();
         let target = self.config.data.train_batch_size;
+        let round = self.config.data.gen_batch_size.unwrap_or(target);
         let mut sampler = DynamicSampler::new(target, filter.max_num_gen_batches);
         let (mut rows, mut scores, mut gen_batches) = (Vec::new(), Vec::new(), 0usize);
         loop {
@@ -790,14 +863,19 @@ impl Trainer {
             sampling.seed = sampling
                 .seed
                 .map(|s| s.wrapping_add(gen_batches as u64 * 1_000_003));
-            let first_group = (gen_batches * target) as u64;
-            let (new_rows, new_scores) = self.generate(false, &indices, sampling, first_group)?;
+            let first_group = (gen_batches * round) as u64;
+            let Generated {
+                rows: new_rows,
+                rewards,
+            } = self.generate(false, &indices, sampling, first_group)?;
             gen_batches += 1;
             if !filter.enable {
-                return Ok((new_rows, new_scores, gen_batches));
+                return Ok((new_rows, rewards.rewards, gen_batches));
             }
+            let metric = rewards.filter_metric(filter.metric.as_deref())?;
+            let new_scores = rewards.rewards;
             let groups: Vec<u64> = new_rows.iter().map(|r| r.group).collect();
-            let (kept, kept_groups) = filter_groups(&groups, &new_scores)?;
+            let (kept, kept_groups) = filter_groups(&groups, &metric)?;
             let kept: std::collections::HashSet<usize> = kept.into_iter().collect();
             for (i, (row, score)) in new_rows.into_iter().zip(new_scores).enumerate() {
                 if kept.contains(&i) {
@@ -895,6 +973,10 @@ impl Trainer {
             .context(|| "actor output".to_owned())?;
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
         timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
+        if let Some(rollout_log_probs) = rollout_log_probs(&rows, mask.cols())? {
+            let diff = crate::algo::rollout_probs_diff(&rollout_log_probs, &old_log_probs, &mask)?;
+            metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
+        }
 
         let mut ref_log_probs = None;
         if self.reference.is_some() {
@@ -1085,10 +1167,11 @@ impl Trainer {
         let mut sampling = self.sampling(step, false);
         sampling.n = 1;
         sampling.greedy = true;
-        let (greedy, scores) = self.generate(false, &unique, sampling, 0)?;
+        let greedy = self.generate(false, &unique, sampling, 0)?;
         let by_sample: BTreeMap<usize, f64> = greedy
+            .rows
             .iter()
-            .zip(scores)
+            .zip(greedy.rewards.rewards)
             .map(|(r, s)| (r.sample, s))
             .collect();
         Ok(rows.iter().map(|r| by_sample[&r.sample] as f32).collect())
@@ -1112,8 +1195,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// Mean reward per data source over the validation set (`val-core/<source>/reward/mean@N`),
-    /// plus a table of the first `log_val_generations` samples, for the caller to log.
+    /// Means per data source over the validation set, as verl names them: the reward, and each
+    /// numeric key of the reward's extra information (`val-core/<source>/reward/mean@N`, or
+    /// `val-core/<source>/acc/mean@N` and `val-aux/<source>/reward/mean@N` when there is an
+    /// `acc`), plus a table of the first `log_val_generations` samples, for the caller to log.
     fn validate(&mut self) -> Result<(Vec<Metric>, Option<Table>), TrainError> {
         let sampling = self.sampling(0, true);
         let n = sampling.n;
@@ -1124,30 +1209,25 @@ impl Trainer {
             .unwrap_or(self.val.len())
             .max(1);
         let indices: Vec<usize> = (0..self.val.len()).collect();
-        let (mut rows, mut scores) = (Vec::new(), Vec::new());
+        let mut rows = Vec::new();
+        let mut rewards = Rewards::default();
         for (i, part) in indices.chunks(chunk).enumerate() {
-            let (part_rows, part_scores) =
-                self.generate(true, part, sampling.clone(), (i * chunk) as u64)?;
-            scores.extend(part_scores);
-            rows.extend(part_rows);
+            let part = self.generate(true, part, sampling.clone(), (i * chunk) as u64)?;
+            rows.extend(part.rows);
+            rewards.append(part.rewards);
         }
-        let mut by_source: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
-        for (row, score) in rows.iter().zip(&scores) {
-            let entry = by_source
-                .entry(self.val[row.sample].0.data_source.as_str())
-                .or_default();
-            entry.0 += score;
-            entry.1 += 1;
-        }
-        let metrics: Vec<Metric> = by_source
+        let sources: Vec<&str> = rows
             .iter()
-            .map(|(source, (sum, count))| {
-                Metric::new(
-                    format!("val-core/{source}/reward/mean@{n}"),
-                    sum / *count as f64,
-                )
+            .map(|row| self.val[row.sample].0.data_source.as_str())
+            .collect();
+        let metrics: Vec<Metric> = rewards
+            .validation_means(&sources)
+            .into_iter()
+            .map(|(section, source, var, mean)| {
+                Metric::new(format!("{section}/{source}/{var}/mean@{n}"), mean)
             })
             .collect();
+        let scores = rewards.rewards;
         let shown = self.config.trainer.log_val_generations.min(rows.len());
         let table = (shown > 0).then(|| {
             let table_rows = rows[..shown]
@@ -1407,6 +1487,30 @@ fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
     let arr = &config.actor_rollout_ref;
     if data.train_batch_size == 0 {
         return invalid("data.train_batch_size must be at least 1".to_owned());
+    }
+    match data.gen_batch_size {
+        Some(0) => return invalid("data.gen_batch_size must be at least 1 (or unset)".to_owned()),
+        // verl's trainer trains on the whole generation batch when nothing is filtered.
+        Some(size) if size != data.train_batch_size && !config.algorithm.filter_groups.enable => {
+            return invalid(format!(
+                "data.gen_batch_size={size} differs from data.train_batch_size={} without \
+                 algorithm.filter_groups.enable=true: each step would train on gen_batch_size \
+                 prompts; set data.train_batch_size={size}, or enable filter_groups (DAPO)",
+                data.train_batch_size
+            ));
+        }
+        _ => {}
+    }
+    let filter = &config.algorithm.filter_groups;
+    if filter.enable
+        && filter.metric.as_deref() == Some("seq_final_reward")
+        && config.algorithm.use_kl_in_reward
+    {
+        return invalid(
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: \
+             groups are filtered before the KL penalty is known here; use seq_reward or acc"
+                .to_owned(),
+        );
     }
     if data.val_batch_size == Some(0) {
         return invalid(

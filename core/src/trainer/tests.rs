@@ -335,13 +335,11 @@ impl Rollout for FakeRollout {
             let sum = answer(prompt);
             for j in 0..request.sampling.n {
                 let text = format!("#### {}", if j == 0 { sum } else { sum + 1 });
-                let ids = text.chars().map(char_id).collect();
-                completions.push(Completion::new(
-                    i as u32,
-                    ids,
-                    Vec::new(),
-                    FinishReason::Stop,
-                ));
+                let ids: Vec<u32> = text.chars().map(char_id).collect();
+                // The right answer at the fake engine's log-prob, the others at ln 0.5.
+                let logprob = if j == 0 { -0.5 } else { 0.5f32.ln() };
+                let logprobs = vec![logprob; ids.len()];
+                completions.push(Completion::new(i as u32, ids, logprobs, FinishReason::Stop));
             }
         }
         Ok(GenerateOutput::new(completions, self.version))
@@ -480,6 +478,12 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                 0,
                 "the built-in file logger",
                 crate::builtin::FileTracker::default,
+            )
+            .reward(
+                crate::reward::RULE_REWARD,
+                0,
+                "the built-in rule rewards",
+                crate::reward::RuleReward::default,
             ),
     );
     registry
@@ -739,6 +743,14 @@ fn each_step_runs_in_verls_order() {
             assert_eq!(metrics["actor/pg_loss"], 0.5);
             assert_eq!(metrics.contains_key("critic/vf_loss"), critic);
             assert!(metrics.contains_key("timing_s/update_weights"));
+            // verl's rollout-vs-actor metrics: |e^-0.5 − 0.5| on the wrong answers' tokens, 0 on
+            // the right ones'.
+            let diff = (-0.5f64).exp() - 0.5;
+            assert_eq!(metrics["training/rollout_probs_diff_valid"], 1.0);
+            let max = metrics["training/rollout_probs_diff_max"];
+            assert!((max - diff).abs() < 1e-6, "case {i}: {max}");
+            let mean = metrics["training/rollout_probs_diff_mean"];
+            assert!(mean > 0.0 && mean < diff, "case {i}: {mean}");
         }
         // A response is clipped when it used all of `data.max_response_length` (8 tokens), not
         // when it is merely the batch's longest.
@@ -1493,9 +1505,17 @@ fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
 fn bad_batch_sizes_are_named_before_anything_runs() {
     let s = setup();
     type Change = fn(&mut Config);
-    let cases: [(&str, Change); 6] = [
+    let cases: [(&str, Change); 8] = [
         ("data.train_batch_size must be at least 1", |c| {
             c.data.train_batch_size = 0
+        }),
+        (
+            "data.gen_batch_size=6 differs from data.train_batch_size=4",
+            |c| c.data.gen_batch_size = Some(6),
+        ),
+        ("data.gen_batch_size must be at least 1", |c| {
+            c.algorithm.filter_groups.enable = true;
+            c.data.gen_batch_size = Some(0);
         }),
         ("data.val_batch_size must be at least 1", |c| {
             c.data.val_batch_size = Some(0)
@@ -1554,6 +1574,47 @@ fn bad_batch_sizes_are_named_before_anything_runs() {
         "{err}"
     );
     assert_eq!(log.events(), vec![], "{err}");
+}
+
+/// DAPO: rounds of `gen_batch_size` prompts until `train_batch_size` groups with differing `acc`
+/// are kept, and the `dapo` manager's overlong penalty in the scores. The fake rollout answers
+/// `#### <sum>` (right) and `#### <sum + 1>` (wrong) to each prompt: every group differs.
+#[test]
+fn dapo_samples_gen_batch_size_prompts_a_round_and_penalises_length() {
+    let s = setup();
+    let mut c = s.config("dapo");
+    c.data.gen_batch_size = Some(2);
+    c.algorithm.filter_groups.enable = true;
+    c.algorithm.filter_groups.metric = Some("acc".into());
+    c.reward_model.reward_manager = "dapo".into();
+    let buffer = &mut c.reward_model.overlong_buffer;
+    (buffer.enable, buffer.len, buffer.penalty_factor) = (true, 4, 1.0);
+    c.trainer.total_training_steps = Some(2);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+    let rounds = train_generations(&events);
+    assert_eq!(rounds.len(), 4, "two rounds a step: {rounds:?}");
+    assert!(
+        rounds.iter().all(|(prompts, _)| prompts.len() == 2),
+        "{rounds:?}"
+    );
+    let steps = logs(&events);
+    assert_eq!(steps.len(), 2);
+    for (step, m) in steps {
+        assert_eq!(m["train/num_gen_batches"], 2.0, "step {step}");
+        // Half the responses are right (1), half wrong (0); each of L > 4 tokens loses
+        // (L - 4) / 4: the mean score is 0.5 - (mean L - 4) / 4.
+        let expected = 0.5 - (m["response_length/mean"] - 4.0) / 4.0;
+        assert!(
+            (m["critic/score/mean"] - expected).abs() < 1e-9,
+            "step {step}: {m:?}"
+        );
+        assert!(
+            m["critic/score/max"] < 1.0 && m["critic/score/min"] < 0.0,
+            "step {step}: {m:?}"
+        );
+    }
 }
 
 /// `(version, value)` of every weight update the rollout received.

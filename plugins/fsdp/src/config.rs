@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
 use verl_torch_runtime::AdamWConfig;
-use verl_torch_runtime::actor::Role;
+use verl_torch_runtime::actor::{Role, engine_section_keys};
 
 use crate::shard::ShardOptions;
 
@@ -84,7 +84,6 @@ impl FsdpConfig {
     /// on, or (with its default) unsupported (it would change what is trained) or without effect.
     pub fn declared_keys() -> ConfigKeys {
         let defaults = serde_json::to_value(Self::default()).expect("the section serialises");
-        let key = |name: &str| (format!("fsdp_config.{name}"), defaults[name].clone());
         let unsupported = [
             ("model_dtype", DTYPE),
             ("dtype", DTYPE),
@@ -111,18 +110,13 @@ impl FsdpConfig {
             ("forward_only", "the role decides whether the engine trains"),
         ];
         // They decide where the model lives (see `shard_options`).
-        let acted_on = Self::PLACEMENT_KEYS.map(|name| key(name).0);
-        let keys = unsupported.into_iter().fold(
-            ConfigKeys::default().acts_on(acted_on),
-            |keys, (name, why)| {
-                let (path, default) = key(name);
-                keys.unsupported(&path, default, why)
-            },
-        );
-        no_effect.into_iter().fold(keys, |keys, (name, why)| {
-            let (path, default) = key(name);
-            keys.no_effect(&path, default, why)
-        })
+        engine_section_keys(
+            "fsdp_config",
+            &defaults,
+            &Self::PLACEMENT_KEYS,
+            &unsupported,
+            &no_effect,
+        )
     }
 
     const PLACEMENT_KEYS: [&str; 4] = [
@@ -204,11 +198,7 @@ impl FsdpConfig {
 
     /// The section's full key path: as the host sent it, else the role's place in verl's config.
     pub fn path(init: &ComponentInit, role: Role) -> String {
-        if init.section_path.is_empty() {
-            format!("{}.fsdp_config", role.section_path())
-        } else {
-            init.section_path.clone()
-        }
+        role.engine_section_path(init, "fsdp_config")
     }
 }
 

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
-use verl_torch_runtime::actor::Role;
+use verl_torch_runtime::actor::{Role, engine_section_keys};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
@@ -95,7 +95,6 @@ impl MegatronConfig {
     /// would change what is trained (an error when set) and those without effect here.
     pub fn declared_keys() -> ConfigKeys {
         let defaults = serde_json::to_value(Self::default()).expect("the section serialises");
-        let key = |name: &str| (format!("megatron.{name}"), defaults[name].clone());
         let unsupported = [
             ("pipeline_model_parallel_size", PIPELINE),
             ("virtual_pipeline_model_parallel_size", PIPELINE),
@@ -138,19 +137,8 @@ impl MegatronConfig {
             "tensor_model_parallel_size",
             "context_parallel_size",
             "sequence_parallel",
-        ]
-        .map(|name| key(name).0);
-        let keys = unsupported.into_iter().fold(
-            ConfigKeys::default().acts_on(acted_on),
-            |keys, (name, why)| {
-                let (path, default) = key(name);
-                keys.unsupported(&path, default, why)
-            },
-        );
-        no_effect.into_iter().fold(keys, |keys, (name, why)| {
-            let (path, default) = key(name);
-            keys.no_effect(&path, default, why)
-        })
+        ];
+        engine_section_keys("megatron", &defaults, &acted_on, &unsupported, &no_effect)
     }
 
     /// The section of `init`'s config (`megatron` under the role's section), strictly: an
@@ -166,11 +154,7 @@ impl MegatronConfig {
 
     /// The section's full key path: as the host sent it, else the role's place in verl's config.
     pub fn path(init: &ComponentInit, role: Role) -> String {
-        if init.section_path.is_empty() {
-            format!("{}.megatron", role.section_path())
-        } else {
-            init.section_path.clone()
-        }
+        role.engine_section_path(init, "megatron")
     }
 
     /// The parallel layout on `world_size` ranks: tensor- and context-parallel sizes and sequence

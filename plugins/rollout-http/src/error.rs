@@ -32,6 +32,12 @@ pub enum HttpError {
         log: PathBuf,
         tail: String,
     },
+    /// A started server died once more than `max_restarts` allows.
+    #[error("{died}\n(not started again: `max_restarts` is {max_restarts})")]
+    GaveUp {
+        max_restarts: u32,
+        died: Box<HttpError>,
+    },
     #[error(
         "{server} was not ready within {:.0} s (no answer from {url}); its log {}:\n{tail}",
         waited.as_secs_f64(),
@@ -59,6 +65,16 @@ pub enum HttpError {
         status: u16,
         message: String,
     },
+    /// A server holds other weights than those the rollout last loaded.
+    #[error(
+        "{server} holds weights of version `{reported}`, not `{expected}`: refusing to generate \
+         with stale weights"
+    )]
+    Stale {
+        server: String,
+        reported: String,
+        expected: String,
+    },
     /// The server's answer is not what the protocol says it sends.
     #[error("{url}: unexpected answer: {message}")]
     Protocol { url: String, message: String },
@@ -77,7 +93,10 @@ impl HttpError {
     fn kind(&self) -> ErrorKind {
         match self {
             Self::Spawn { .. } | Self::Io { .. } => ErrorKind::IO,
-            Self::Died { .. } | Self::Unreachable { .. } => ErrorKind::UNAVAILABLE,
+            Self::Died { .. }
+            | Self::GaveUp { .. }
+            | Self::Unreachable { .. }
+            | Self::Stale { .. } => ErrorKind::UNAVAILABLE,
             Self::StartTimeout { .. } | Self::Timeout { .. } => ErrorKind::TIMEOUT,
             Self::Config(_) => ErrorKind::INVALID_CONFIG,
             Self::Status { .. } | Self::Protocol { .. } => ErrorKind::OTHER,

@@ -12,7 +12,9 @@
 //!   picked per request, a bound on requests in flight, retries with exponential backoff on
 //!   connection failures and 503, the server's own message carried into an HTTP error.
 //! - [`Pool::generate`] with a backend's [`Protocol`]: one request per prompt, all concurrent,
-//!   every answer checked and put in its prompt's slot (no prompt lost or duplicated).
+//!   every answer checked and put in its prompt's slot (no prompt lost or duplicated); a started
+//!   server that dies is started again (`max_restarts`), given the rollout's weights back by the
+//!   backend's [`Restore`], and sent exactly the requests that had not completed.
 //!
 //! Everything blocks the caller (the rollout trait is synchronous) on a single-threaded tokio
 //! runtime owned by the pool: the work is waiting on sockets.
@@ -25,13 +27,15 @@ mod pool;
 mod process;
 mod settings;
 mod support;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use error::HttpError;
 pub use generate::{Protocol, Sample, prompt_seed};
-pub use pool::{Method, Pool, Server};
+pub use pool::{Method, Pool, Restore, Server};
 pub use process::{LOG_TAIL_LINES, Launch, ServerProcess, free_port, log_tail};
 pub use settings::ServerSettings;
-pub use support::{check_weights_dir, excerpt, server_section};
+pub use support::{check_weights_dir, excerpt, is_weights_file, link_weights, server_section};
 
 #[cfg(test)]
 mod tests;

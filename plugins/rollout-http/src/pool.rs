@@ -4,20 +4,27 @@
 //! message carried into errors.
 
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
-use crate::process::{Launch, ServerProcess};
-use crate::{HttpError, ServerSettings};
+use verl_plugin_api::{ErrorKind, PluginError};
 
-/// One server: its base URL and, when this plugin started it, its process.
+use crate::process::{Launch, ServerProcess};
+use crate::{HttpError, ServerSettings, link_weights};
+
+/// One server: its base URL and, when this plugin started it, its process and how it was
+/// started (to start it again when it dies).
 #[derive(Debug)]
 pub struct Server {
     url: String,
     process: Option<ServerProcess>,
+    launch: Option<Launch>,
+    /// Times it was started again after it died.
+    restarts: u32,
     inflight: AtomicUsize,
 }
 
@@ -29,7 +36,29 @@ impl Server {
     pub fn process(&self) -> Option<&ServerProcess> {
         self.process.as_ref()
     }
+
+    fn new(url: &str, launch: Option<Launch>) -> Self {
+        Self {
+            url: url.trim_end_matches('/').to_owned(),
+            process: None,
+            launch,
+            restarts: 0,
+            inflight: AtomicUsize::new(0),
+        }
+    }
+
+    /// What messages call it: its process, else its URL.
+    fn name(&self, backend: &str) -> String {
+        self.process.as_ref().map_or_else(
+            || format!("{backend} server {}", self.url),
+            |p| p.name().to_owned(),
+        )
+    }
 }
+
+/// How long a started server whose connections failed gets to be seen dead (its sockets close
+/// before it can be reaped) before the failure is taken as the server's answer.
+const DEATH_GRACE: Duration = Duration::from_secs(3);
 
 /// First delay between attempts of a failed connection; doubled each time, at most
 /// [`MAX_BACKOFF`].
@@ -49,9 +78,18 @@ pub struct Pool {
     limit: Semaphore,
     retries: u32,
     request_timeout: Duration,
+    startup_timeout: Duration,
+    max_restarts: u32,
+    /// The copy of the last weights loaded by file that a restarted server gets back.
+    kept: Option<PathBuf>,
     /// Rotates the tie-break among equally busy servers.
     turn: AtomicUsize,
 }
+
+/// What a backend does to a server the pool started again after it died, before any request
+/// goes to it: give it the weights the rollout last loaded (it comes back with those it was
+/// launched with) and check it reports their version.
+pub type Restore<'a> = dyn Fn(&Pool, usize) -> Result<(), HttpError> + 'a;
 
 /// How a request reads its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +127,9 @@ impl Pool {
             limit: Semaphore::new(settings.max_inflight),
             retries: settings.retries,
             request_timeout: settings.request_timeout(),
+            startup_timeout: settings.startup_timeout(),
+            max_restarts: settings.max_restarts,
+            kept: None,
             turn: AtomicUsize::new(0),
         })
     }
@@ -99,42 +140,47 @@ impl Pool {
         let servers = settings
             .urls
             .iter()
-            .map(|url| Server {
-                url: url.trim_end_matches('/').to_owned(),
-                process: None,
-                inflight: AtomicUsize::new(0),
-            })
+            .map(|url| Server::new(url, None))
             .collect();
         let pool = Self::new(backend, settings, servers)?;
-        for server in &pool.servers {
-            pool.wait_ready(server, settings.startup_timeout())?;
+        for i in 0..pool.servers.len() {
+            pool.wait_ready(i, settings.startup_timeout())?;
         }
         Ok(pool)
     }
 
     /// Starts a server with `launch`, listening at `url`, and waits until it answers `/health`
     /// (printing a progress line on stderr every few seconds). The server is stopped when the pool
-    /// is dropped.
+    /// is dropped, and started again with `launch` when it dies (up to `max_restarts` times; see
+    /// [`Pool::recover`]).
     pub fn spawn(
         backend: &str,
         settings: &ServerSettings,
         launch: &Launch,
         url: &str,
     ) -> Result<Self, HttpError> {
-        let process = ServerProcess::spawn(launch)?;
+        let mut pool = Self::new(backend, settings, vec![Server::new(url, None)])?;
+        pool.relaunch(0, launch.clone())?;
+        Ok(pool)
+    }
+
+    /// Stops started server `i` if it still runs and starts it with `launch` from now on (a
+    /// restart on new weights; its restarts after deaths stay counted).
+    pub fn relaunch(&mut self, i: usize, launch: Launch) -> Result<(), HttpError> {
+        let server = &mut self.servers[i];
+        if let Some(old) = server.process.take() {
+            old.stop();
+        }
+        let process = ServerProcess::spawn(&launch)?;
         eprintln!(
-            "{}: started; waiting for {url}/health (log: {})",
+            "{}: started; waiting for {}/health (log: {})",
             process.name(),
+            server.url,
             launch.log.display()
         );
-        let server = Server {
-            url: url.trim_end_matches('/').to_owned(),
-            process: Some(process),
-            inflight: AtomicUsize::new(0),
-        };
-        let pool = Self::new(backend, settings, vec![server])?;
-        pool.wait_ready(&pool.servers[0], settings.startup_timeout())?;
-        Ok(pool)
+        server.process = Some(process);
+        server.launch = Some(launch);
+        self.wait_ready(i, self.startup_timeout)
     }
 
     pub fn servers(&self) -> &[Server] {
@@ -145,18 +191,28 @@ impl Pool {
         &self.backend
     }
 
+    /// The one weight version all servers report (`versions`, in server order); replicas holding
+    /// different weights are an error naming two of them.
+    pub fn agreed_version(&self, versions: Vec<String>) -> Result<String, HttpError> {
+        match versions.iter().position(|v| *v != versions[0]) {
+            None => Ok(versions[0].clone()),
+            Some(i) => Err(HttpError::Config(format!(
+                "the {} replicas hold different weights: {} reports version `{}`, {} reports `{}`",
+                self.backend, self.servers[0].url, versions[0], self.servers[i].url, versions[i]
+            ))),
+        }
+    }
+
     /// Runs `future` on the pool's runtime, blocking the caller.
     pub fn block_on<F: Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)
     }
 
-    fn wait_ready(&self, server: &Server, timeout: Duration) -> Result<(), HttpError> {
+    fn wait_ready(&self, i: usize, timeout: Duration) -> Result<(), HttpError> {
+        let server = &self.servers[i];
         let start = Instant::now();
         let url = format!("{}/health", server.url);
-        let name = server.process.as_ref().map_or_else(
-            || format!("{} server {}", self.backend, server.url),
-            |p| p.name().to_owned(),
-        );
+        let name = server.name(&self.backend);
         let mut last_progress = start;
         loop {
             if let Some(died) = server
@@ -216,16 +272,110 @@ impl Pool {
         }
     }
 
-    /// An error if a server this pool started has exited.
-    pub fn check_alive(&self) -> Result<(), HttpError> {
-        match self.servers.iter().find_map(|s| {
-            s.process
-                .as_ref()
-                .and_then(|p| p.died("since the last request"))
-        }) {
-            Some(died) => Err(died),
-            None => Ok(()),
+    /// Keeps the weights of `handover` (a weight sync's directory, removed once the update
+    /// returns) for the started servers to be given again if they die: hard links in
+    /// `<log dir>/weights/step_<version>`, the previous step's removed. Nothing for attached
+    /// servers.
+    pub fn keep_weights(&mut self, handover: &Path, version: &str) -> Result<(), PluginError> {
+        let Some(launch) = self.servers.iter().find_map(|s| s.launch.as_ref()) else {
+            return Ok(());
+        };
+        let log_dir = launch.log.parent().unwrap_or(Path::new("."));
+        let dir = log_dir.join("weights").join(format!("step_{version}"));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| {
+                PluginError::new(ErrorKind::IO, format!("removing {}: {e}", dir.display()))
+            })?;
         }
+        link_weights(handover, &dir)?;
+        if let Some(old) = self.kept.take()
+            && old != dir
+        {
+            let _ = std::fs::remove_dir_all(old);
+        }
+        self.kept = Some(dir);
+        Ok(())
+    }
+
+    /// The weights [`Pool::keep_weights`] last kept.
+    pub fn kept_weights(&self) -> Option<&Path> {
+        self.kept.as_deref()
+    }
+
+    /// The started servers that have exited.
+    fn dead(&self) -> Vec<usize> {
+        (0..self.servers.len())
+            .filter(|&i| {
+                self.servers[i]
+                    .process
+                    .as_ref()
+                    .is_some_and(|p| p.exit_status().is_some())
+            })
+            .collect()
+    }
+
+    /// Starts again every started server that has exited, within `max_restarts` per server over
+    /// the pool's life, and has `restore` give each the weights the others hold (a started
+    /// server comes back with the weights it was launched with). A server past its allowance is
+    /// the error of its death, with its log.
+    pub fn recover(&mut self, restore: &Restore<'_>) -> Result<(), HttpError> {
+        for i in self.dead() {
+            self.restart(i, "since the last request")?;
+            restore(self, i)?;
+        }
+        Ok(())
+    }
+
+    /// The started servers that have exited, waiting up to [`DEATH_GRACE`] for one to be seen
+    /// dead when none is yet (a connection fails as a server dies, before it can be reaped).
+    pub(crate) fn dead_after_failure(&self) -> Vec<usize> {
+        let deadline = Instant::now() + DEATH_GRACE;
+        loop {
+            let dead = self.dead();
+            if !dead.is_empty()
+                || Instant::now() >= deadline
+                || self.servers.iter().all(|s| s.process.is_none())
+            {
+                return dead;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub(crate) fn restart(&mut self, i: usize, when: &'static str) -> Result<(), HttpError> {
+        let server = &self.servers[i];
+        let (Some(process), Some(launch)) = (&server.process, &server.launch) else {
+            return Ok(());
+        };
+        let Some(died) = process.died(when) else {
+            return Ok(());
+        };
+        if server.restarts >= self.max_restarts {
+            return Err(HttpError::GaveUp {
+                max_restarts: self.max_restarts,
+                died: Box::new(died),
+            });
+        }
+        let k = server.restarts + 1;
+        let mut again = launch.clone();
+        again.log = restart_log(&launch.log, k);
+        eprintln!(
+            "warning: {} exited ({}) {when}; its log: {}. Starting it again (restart {k} of \
+             max_restarts {}), log: {}",
+            process.name(),
+            process.exit_status().unwrap_or_default(),
+            process.log().display(),
+            self.max_restarts,
+            again.log.display()
+        );
+        let server = &mut self.servers[i];
+        server.restarts = k;
+        if let Some(old) = server.process.take() {
+            // Reaps it and ends what is left of its process group.
+            old.stop();
+        }
+        server.process = Some(ServerProcess::spawn(&again)?);
+        self.wait_ready(i, self.startup_timeout)
     }
 
     /// The least busy server (ties rotate).
@@ -369,6 +519,13 @@ impl Pool {
             Ok(answers)
         })
     }
+}
+
+/// The log of restart `k` of a server whose first log is `log`: `server-8000.log` →
+/// `server-8000.restart-1.log` (the first log keeps why it died).
+fn restart_log(log: &Path, k: u32) -> PathBuf {
+    let stem = log.file_stem().unwrap_or_default().to_string_lossy();
+    log.with_file_name(format!("{stem}.restart-{k}.log"))
 }
 
 /// An error and its sources, joined: reqwest's own message says little ("error sending request").

@@ -100,10 +100,15 @@ impl ServerProcess {
         &self.log
     }
 
-    /// How the process ended, if it has.
+    /// How the process ended, if it has. A multi-threaded server killed shows as a zombie before
+    /// its other threads have exited and it can be reaped: a zombie is dead, and is waited for.
     pub fn exit_status(&self) -> Option<String> {
         let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        match child.try_wait() {
+        let status = match child.try_wait() {
+            Ok(None) if is_zombie(self.pid) => child.wait().map(Some),
+            other => other,
+        };
+        match status {
             Ok(Some(status)) => Some(status.to_string()),
             Ok(None) => None,
             Err(e) => Some(format!("unknown state: {e}")),
@@ -150,6 +155,15 @@ impl Drop for ServerProcess {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Whether process `pid` is a zombie (state `Z` in `/proc/<pid>/stat`).
+pub(crate) fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'))
+    })
 }
 
 /// The last `lines` lines of `path` (at most its last 64 KiB), or why it cannot be read.
@@ -199,14 +213,7 @@ mod tests {
     }
 
     fn alive(pid: u32) -> bool {
-        // A zombie still has a /proc entry; its state letter is Z.
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            !s.rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
+        Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
     }
 
     #[test]

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::HttpError;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ServerSettings {
@@ -36,6 +38,9 @@ pub struct ServerSettings {
     pub max_inflight: usize,
     /// Attempts of a request whose connection failed, with exponential backoff between them.
     pub retries: u32,
+    /// Spawn: times a started server that died is started again (over the rollout's life), its
+    /// weights restored and its unfinished requests sent again; 0: its death is an error.
+    pub max_restarts: u32,
 }
 
 impl Default for ServerSettings {
@@ -53,6 +58,7 @@ impl Default for ServerSettings {
             request_timeout_s: 600.0,
             max_inflight: 64,
             retries: 5,
+            max_restarts: 1,
         }
     }
 }
@@ -88,6 +94,19 @@ impl ServerSettings {
             }
         }
         Ok(())
+    }
+
+    /// Spawn: the port a started server listens on (`port`, else one free now) and its URL.
+    pub fn address(&self) -> Result<(u16, String), HttpError> {
+        let port = match self.port {
+            Some(port) => port,
+            None => crate::free_port(&self.host).map_err(|source| HttpError::Io {
+                server: format!("a server on {}", self.host),
+                what: "finding a free port".into(),
+                source,
+            })?,
+        };
+        Ok((port, format!("http://{}:{port}", self.host)))
     }
 
     pub fn startup_timeout(&self) -> Duration {

@@ -78,3 +78,30 @@ pub fn check_weights_dir(dir: &Path) -> Result<(), PluginError> {
         ))
     }
 }
+
+/// Whether `path` is a weights file of a Hugging Face directory (`*.safetensors`, or the index of
+/// sharded ones).
+pub fn is_weights_file(path: &Path) -> bool {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")
+}
+
+/// Puts the weight files of `from` into `to` (created): hard links, else copies. The weight sync
+/// removes its directory once an update returns, so a server that must read the weights later
+/// (a restart) reads these.
+pub fn link_weights(from: &Path, to: &Path) -> Result<(), PluginError> {
+    let io = |what: &str, path: &Path, e: std::io::Error| {
+        PluginError::new(ErrorKind::IO, format!("{what} {}: {e}", path.display()))
+    };
+    std::fs::create_dir_all(to).map_err(|e| io("creating", to, e))?;
+    for entry in std::fs::read_dir(from).map_err(|e| io("reading", from, e))? {
+        let path = entry.map_err(|e| io("reading", from, e))?.path();
+        if is_weights_file(&path) {
+            let target = to.join(path.file_name().unwrap_or_default());
+            if std::fs::hard_link(&path, &target).is_err() {
+                std::fs::copy(&path, &target).map_err(|e| io("copying", &path, e))?;
+            }
+        }
+    }
+    Ok(())
+}

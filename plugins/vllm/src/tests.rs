@@ -4,34 +4,47 @@
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
-use verl_plugin_api::{
-    ComponentInit, ErrorKind, FinishReason, GenerateRequest, Handover, Rollout, RunContext,
-    SamplingParams, WeightSource,
-};
+use verl_plugin_api::{ComponentInit, GenerateRequest, Rollout, RunContext, WeightSource};
 use verl_rollout_http::mock::{MockServer, Recorded, Reply};
+use verl_rollout_http::testing::{self, Backend, file_handover, flag, init, sampling, weights_dir};
 
 use super::*;
 
 /// A vLLM server's answers; `version` is what `/weight_info` reports.
 fn vllm_mock(version: Arc<Mutex<String>>) -> MockServer {
-    MockServer::start(
-        move |r: &Recorded| match r.path.split('?').next().unwrap() {
-            "/health" => Reply::ok(Value::Null),
-            "/v1/models" => Reply::ok(
-                json!({"object": "list", "data": [{"id": "served", "object": "model", "root": "/m"}]}),
-            ),
-            "/weight_info" => Reply::ok(json!({"weight_version": *version.lock().unwrap()})),
-            "/update_weight_version" => {
-                *version.lock().unwrap() = r.body["new_version"].as_str().unwrap().to_owned();
-                Reply::ok(json!({"success": true}))
-            }
-            "/pause" => Reply::ok(json!({"status": "paused"})),
-            "/resume" => Reply::ok(json!({"status": "resumed"})),
-            "/reset_prefix_cache" | "/collective_rpc" => Reply::Text(200, String::new()),
-            "/v1/completions" => Reply::ok(completion(&r.body)),
-            _ => Reply::Json(404, json!({"detail": "Not Found"})),
-        },
-    )
+    MockServer::start(move |r: &Recorded| vllm_reply(&version, r))
+}
+
+/// A vLLM server's answer to `r`.
+fn vllm_reply(version: &Mutex<String>, r: &Recorded) -> Reply {
+    match r.path.split('?').next().unwrap() {
+        "/health" => Reply::ok(Value::Null),
+        "/v1/models" => Reply::ok(
+            json!({"object": "list", "data": [{"id": "served", "object": "model", "root": "/m"}]}),
+        ),
+        "/weight_info" => Reply::ok(json!({"weight_version": *version.lock().unwrap()})),
+        "/update_weight_version" => {
+            *version.lock().unwrap() = r.body["new_version"].as_str().unwrap().to_owned();
+            Reply::ok(json!({"success": true}))
+        }
+        "/pause" => Reply::ok(json!({"status": "paused"})),
+        "/resume" => Reply::ok(json!({"status": "resumed"})),
+        "/collective_rpc" if r.body["method"] == EXTENSION_RELOAD => {
+            Reply::ok(json!({"results": [{"refreshed": ["lm_head"], "stale": []}]}))
+        }
+        "/reset_prefix_cache" | "/collective_rpc" => Reply::Text(200, String::new()),
+        "/v1/completions" => Reply::ok(completion(&r.body)),
+        _ => Reply::Json(404, json!({"detail": "Not Found"})),
+    }
+}
+
+/// The control requests (not generation) `mock` received, in order.
+fn control(mock: &MockServer) -> Vec<(String, Value)> {
+    mock.requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path != "/v1/completions")
+        .map(|r| (r.path, r.body))
+        .collect()
 }
 
 /// vLLM's answer for `body`: sample `j` continues with `first prompt id + j`, then stops with
@@ -62,44 +75,24 @@ fn completion(body: &Value) -> Value {
            "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}})
 }
 
-fn init(section: Value) -> ComponentInit {
-    let mut run = RunContext::default();
-    run.seed = 3;
-    ComponentInit::new(
-        json!({"name": "vllm", "model": {"path": "/m"}, "engine_kwargs": {"vllm": section}, "ignore_eos": false}),
-        run,
-    )
+/// The shared suite's view of this backend.
+struct Vllm;
+
+impl Backend for Vllm {
+    type Rollout = VllmRollout;
+    const NAME: &'static str = "vllm";
+    const MISSPELLED: (&'static str, &'static str) = ("kv_cache_space", "kv_cache_space_gib");
+    fn mock(version: Arc<Mutex<String>>) -> MockServer {
+        vllm_mock(version)
+    }
+    const GENERATE: &'static str = "/v1/completions";
+    const LOAD: (&'static str, &'static str) = ("/collective_rpc", "/kwargs/weights_path");
 }
+
+verl_rollout_http::backend_tests!(super::Vllm);
 
 fn attached(mock: &MockServer) -> VllmRollout {
-    let mut rollout = VllmRollout::default();
-    rollout
-        .init(&init(json!({"urls": [mock.url()], "startup_timeout_s": 5})))
-        .unwrap();
-    rollout
-}
-
-/// A handover directory as the disk weight sync writes it (contents irrelevant to the mock).
-fn weights_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("model.safetensors"), b"{}").unwrap();
-    dir
-}
-
-fn file_handover(dir: &std::path::Path) -> String {
-    WeightSource::encode_handover(&Handover::file(dir.to_string_lossy())).to_string()
-}
-
-fn sampling(n: u32) -> SamplingParams {
-    let mut s = SamplingParams::default();
-    s.n = n;
-    s.temperature = 0.7;
-    s.top_p = 0.9;
-    s.top_k = -1;
-    s.max_new_tokens = 8;
-    s.stop_token_ids = vec![9];
-    s.seed = Some(11);
-    s
+    testing::attached::<Vllm>(&[mock])
 }
 
 #[test]
@@ -136,38 +129,49 @@ fn requests_carry_every_sampling_setting_in_vllms_names() {
 }
 
 #[test]
-fn answers_become_completions_grouped_by_prompt() {
+fn per_prompt_seeds_seed_each_prompt_whatever_the_split() {
     let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
     let mut rollout = attached(&mock);
-    let out = rollout
-        .generate(&GenerateRequest::new(vec![vec![10], vec![20]], sampling(2)))
+    assert!(VllmRollout::capabilities().prompt_seeds);
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| vec![10 + i]).collect();
+    let seeds = vec![u64::MAX, 7, 7, 1 << 40];
+    let seed_by_prompt = |mock: &MockServer, from: usize| -> Vec<(Value, Value)> {
+        let mut sent: Vec<(Value, Value)> = mock.requests_to("/v1/completions")[from..]
+            .iter()
+            .map(|r| (r.body["prompt"].clone(), r.body["seed"].clone()))
+            .collect();
+        sent.sort_by_key(|(p, _)| p.to_string());
+        sent
+    };
+    rollout
+        .generate(&GenerateRequest::new(prompts.clone(), sampling(2)).with_seeds(seeds.clone()))
         .unwrap();
-    let got: Vec<(u32, Vec<u32>)> = out
-        .completions
-        .iter()
-        .map(|c| (c.prompt_index, c.response_ids.clone()))
-        .collect();
-    assert_eq!(
-        got,
-        [
-            (0, vec![10, 9]),
-            (0, vec![11, 9]),
-            (1, vec![20, 9]),
-            (1, vec![21, 9])
-        ]
-    );
-    for c in &out.completions {
-        assert_eq!(c.logprobs, [-0.25, -0.5]);
-        assert_eq!(c.finish_reason, FinishReason::Stop);
+    let whole = seed_by_prompt(&mock, 0);
+    for range in [0..1, 1..4] {
+        rollout
+            .generate(
+                &GenerateRequest::new(prompts[range.clone()].to_vec(), sampling(2))
+                    .with_seeds(seeds[range].to_vec()),
+            )
+            .unwrap();
     }
-    assert_eq!(out.weight_version, None);
-    // Each prompt has its own seed: equal prompts in one batch get different samples.
-    let seeds: Vec<Value> = mock
-        .requests_to("/v1/completions")
-        .iter()
-        .map(|r| r.body["seed"].clone())
-        .collect();
-    assert_ne!(seeds[0], seeds[1]);
+    assert_eq!(seed_by_prompt(&mock, 4), whole, "a split changed the seeds");
+    // The prompt's own seed, in vLLM's i64 range, not the request's: equal seeds, equal seeds.
+    assert_eq!(whole[0].1, json!(u64::MAX >> 1));
+    assert_eq!(whole[1].1, whole[2].1);
+    assert!(
+        whole
+            .iter()
+            .all(|(_, s)| s.as_u64().unwrap() <= i64::MAX as u64)
+    );
+
+    let err = rollout
+        .generate(&GenerateRequest::new(prompts, sampling(1)).with_seeds(vec![1]))
+        .unwrap_err();
+    assert!(
+        err.message().contains("1 per-prompt seeds for 4 prompts"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -208,19 +212,13 @@ fn a_reload_runs_vllms_sequence_and_tags_the_version() {
     rollout
         .update_weights(&WeightSource::from_handover(4, &[], &handover))
         .unwrap();
-    let control: Vec<(String, Value)> = mock
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == "POST" && r.path != "/v1/completions")
-        .map(|r| (r.path, r.body))
-        .collect();
     assert_eq!(
-        control,
+        control(&mock),
         [
             ("/pause?mode=wait".to_owned(), Value::Null),
             (
                 "/collective_rpc".to_owned(),
-                json!({"method": "reload_weights", "kwargs": {"weights_path": dir.path()}})
+                json!({"method": "verl_reload_weights", "kwargs": {"weights_path": dir.path()}})
             ),
             ("/reset_prefix_cache".to_owned(), Value::Null),
             (
@@ -237,48 +235,78 @@ fn a_reload_runs_vllms_sequence_and_tags_the_version() {
 }
 
 #[test]
-fn a_directory_without_weights_is_refused_before_any_server_is_touched() {
-    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
-    let mut rollout = attached(&mock);
-    let empty = tempfile::tempdir().unwrap();
-    for dir in [empty.path().to_path_buf(), empty.path().join("missing")] {
-        let err = rollout
-            .update_weights(&WeightSource::from_handover(5, &[], &file_handover(&dir)))
-            .unwrap_err();
-        assert_eq!(err.kind, ErrorKind::IO);
-        assert!(err.message().contains(&dir.display().to_string()), "{err}");
-    }
-    assert!(mock.requests_to("/pause").is_empty());
-    // The servers still hold what they held: generation goes on.
-    rollout
-        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
-        .unwrap();
-}
-
-#[test]
-fn stale_weights_are_refused() {
+fn a_server_without_the_extension_is_reloaded_with_vllms_own_reload() {
     let version = Arc::new(Mutex::new("default".to_owned()));
-    let mock = vllm_mock(version.clone());
+    let held = version.clone();
+    // vLLM 0.32's answer when its workers lack the method; everything else as the plain mock.
+    let mock = MockServer::start(move |r: &Recorded| {
+        if r.path == "/collective_rpc" && r.body["method"] == EXTENSION_RELOAD {
+            return Reply::Json(
+                500,
+                json!({"error": {"message": "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute 'verl_reload_weights'', please check the stack trace above for the root cause", "type": "InternalServerError", "code": 500}}),
+            );
+        }
+        vllm_reply(&held, r)
+    });
     let mut rollout = attached(&mock);
     let dir = weights_dir();
     let handover = file_handover(dir.path());
-    rollout
-        .update_weights(&WeightSource::from_handover(2, &[], &handover))
-        .unwrap();
-    // The server restarts (or another client reloads it): it no longer holds step 2.
-    *version.lock().unwrap() = "default".into();
-    let err = rollout
+    for step in [1, 2] {
+        rollout
+            .update_weights(&WeightSource::from_handover(step, &[], &handover))
+            .unwrap();
+    }
+    let methods: Vec<Value> = mock
+        .requests_to("/collective_rpc")
+        .into_iter()
+        .map(|r| r.body["method"].clone())
+        .collect();
+    // The extension is asked once; vLLM's reload loads both steps.
+    assert_eq!(
+        methods,
+        ["verl_reload_weights", "reload_weights", "reload_weights"]
+    );
+    assert_eq!(*version.lock().unwrap(), "2");
+    let out = rollout
         .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap();
+    assert_eq!(out.weight_version, Some(2));
+}
+
+#[test]
+fn stale_kernels_after_a_reload_stop_an_attached_server_from_generating() {
+    let version = Arc::new(Mutex::new("default".to_owned()));
+    let held = version.clone();
+    let mock = MockServer::start(move |r: &Recorded| {
+        if r.path == "/collective_rpc" {
+            return Reply::ok(
+                json!({"results": [{"refreshed": ["lm_head"], "stale": ["lm_head"]}]}),
+            );
+        }
+        vllm_reply(&held, r)
+    });
+    let mut rollout = attached(&mock);
+    let dir = weights_dir();
+    let err = rollout
+        .update_weights(&WeightSource::from_handover(
+            5,
+            &[],
+            &file_handover(dir.path()),
+        ))
         .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::UNAVAILABLE);
     assert!(
-        err.message()
-            .contains("holds weights of version `default`, not `2`")
-            && err.message().contains("global step 2")
+        err.message().contains("left stale weights")
+            && err.message().contains("lm_head")
             && err.message().contains(mock.url()),
         "{err}"
     );
-    assert!(mock.requests_to("/v1/completions").is_empty());
+    // Not tagged with the step, resumed, and generation refused.
+    assert_eq!(*version.lock().unwrap(), "default");
+    assert_eq!(mock.requests_to("/resume").len(), 1);
+    let err = rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap_err();
+    assert!(err.message().contains("refusing to generate"), "{err}");
 }
 
 #[test]
@@ -318,58 +346,9 @@ fn a_server_without_dev_mode_is_explained() {
     });
     let mut rollout = VllmRollout::default();
     let err = rollout
-        .init(&init(json!({"urls": [mock.url()]})))
+        .init(&init::<Vllm>(json!({"urls": [mock.url()]})))
         .unwrap_err();
     assert!(err.message().contains("VLLM_SERVER_DEV_MODE=1"), "{err}");
-}
-
-#[test]
-fn replicas_must_agree() {
-    let a = vllm_mock(Arc::new(Mutex::new("default".into())));
-    let b = vllm_mock(Arc::new(Mutex::new("17".into())));
-    let err = VllmRollout::default()
-        .init(&init(json!({"urls": [a.url(), b.url()]})))
-        .unwrap_err();
-    assert!(
-        err.message().contains("different weights") && err.message().contains("`17`"),
-        "{err}"
-    );
-}
-
-#[test]
-fn memory_handovers_point_at_the_disk_sync() {
-    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
-    let mut rollout = attached(&mock);
-    let err = rollout
-        .update_weights(&WeightSource::memory(1, &[]))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::UNSUPPORTED);
-    assert!(
-        err.message().contains("checkpoint_engine.backend=disk"),
-        "{err}"
-    );
-}
-
-#[test]
-fn the_section_is_parsed_strictly() {
-    let err = VllmRollout::default()
-        .init(&init(
-            json!({"urls": ["http://127.0.0.1:1"], "kv_cache_space": 2}),
-        ))
-        .unwrap_err();
-    assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
-    assert!(
-        err.message().contains(
-            "unknown config key `actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_space`"
-        ) && err.message().contains(
-            "did you mean `actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_space_gib`"
-        ),
-        "{err}"
-    );
-    let err = VllmRollout::default()
-        .init(&init(json!({"urls": ["localhost:8000"]})))
-        .unwrap_err();
-    assert!(err.message().contains("vllm.urls[0]"), "{err}");
 }
 
 fn launch_of(rollout: Value, section: Value, device: &str) -> Launch {
@@ -386,16 +365,11 @@ fn launch_of(rollout: Value, section: Value, device: &str) -> Launch {
     launch(&init, &keys, &server, &vllm, "verl-rollout", 8123).unwrap()
 }
 
-fn flag<'a>(launch: &'a Launch, name: &str) -> Option<&'a str> {
-    let i = launch.args.iter().position(|a| a == name)?;
-    launch.args.get(i + 1).map(String::as_str)
-}
-
 #[test]
 fn a_started_server_follows_verls_rollout_keys() {
     let l = launch_of(
         json!({"model": {"path": "/models/q"}, "dtype": "bfloat16", "prompt_length": 64, "response_length": 32, "enforce_eager": false}),
-        json!({"python": "/venv/bin/python", "kv_cache_space_gib": 2, "extra_args": ["--max-num-seqs", "8"], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}),
+        json!({"python": "/venv/bin/python", "kv_cache_space_gib": 2, "extra_args": ["--max-num-seqs", "8"], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONPATH": "/mine"}}),
         "cpu",
     );
     assert_eq!(l.program, PathBuf::from("/venv/bin/python"));
@@ -416,6 +390,17 @@ fn a_started_server_follows_verls_rollout_keys() {
     assert_eq!(env["VLLM_CPU_KVCACHE_SPACE"], "2");
     assert_eq!(env["VLLM_CPU_OMP_THREADS_BIND"], "0");
     assert_eq!(l.log, PathBuf::from("/runs/r1/vllm/server-8123.log"));
+    // The worker extension, from beside the log, in front of the configured path.
+    assert_eq!(flag(&l, "--worker-extension-cls"), Some(WORKER_EXTENSION));
+    assert_eq!(
+        l.env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "PYTHONPATH")
+            .unwrap()
+            .1,
+        "/runs/r1/vllm/python:/mine"
+    );
 
     // The section wins over verl's keys; a GPU run is not forced eager nor given CPU settings.
     let l = launch_of(
@@ -438,6 +423,24 @@ fn a_started_server_follows_verls_rollout_keys() {
     );
     assert_eq!(flag(&l, "--dtype"), Some("auto"));
     assert_eq!(flag(&l, "--max-model-len"), None);
+}
+
+#[test]
+fn the_worker_extension_is_written_where_the_server_looks() {
+    let root = tempfile::tempdir().unwrap();
+    let launch = Launch {
+        name: "vLLM server on 127.0.0.1:1".into(),
+        program: "python".into(),
+        args: Vec::new(),
+        env: Vec::new(),
+        log: root.path().join("logs/server-1.log"),
+    };
+    write_worker_module(&launch).unwrap();
+    let written = std::fs::read_to_string(root.path().join("logs/python/verl_vllm_worker.py"));
+    assert_eq!(written.unwrap(), WORKER_MODULE_SOURCE);
+    let class = WORKER_EXTENSION.rsplit('.').next().unwrap();
+    assert!(WORKER_MODULE_SOURCE.contains(&format!("class {class}:")));
+    assert!(WORKER_MODULE_SOURCE.contains(&format!("def {EXTENSION_RELOAD}(self, weights_path)")));
 }
 
 #[test]
@@ -470,9 +473,7 @@ fn a_restart_runs_on_the_original_files_and_the_new_weights() {
         log: root.path().join("logs/server-1.log"),
     };
     let mut restart = Restart {
-        settings: ServerSettings::default(),
         launch,
-        url: "http://127.0.0.1:1".into(),
         model: model.clone(),
         current: None,
     };
@@ -516,7 +517,9 @@ fn a_restart_runs_on_the_original_files_and_the_new_weights() {
 fn restart_needs_a_started_server() {
     let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
     let err = VllmRollout::default()
-        .init(&init(json!({"urls": [mock.url()], "reload": "restart"})))
+        .init(&init::<Vllm>(
+            json!({"urls": [mock.url()], "reload": "restart"}),
+        ))
         .unwrap_err();
     assert!(
         err.message().contains("vllm.reload") && err.message().contains("attached"),

@@ -9,6 +9,7 @@
 //! | rollout | `init`, `greedy_matches_reference`, `n_samples`, `stop_token_ids`, `max_new_tokens`, `seeded_reproducibility`, `weight_update_changes_output`, `unsupported_methods` |
 //! | checkpoint | `init`, `handover_as_declared`, `round_trip`, `next_version`, `finalize_releases` |
 //! | tracker | `init`, `log_steps`, `log_table`, `finish`, `nothing_lost` |
+//! | reward | `init`, `one_score_per_item`, `deterministic`, `order_follows_items`, `empty_batch`, `undeclared_source_refused` |
 //!
 //! Every check runs panic-guarded (a failed assertion or a panic is a failure naming it) and
 //! time-bounded: a plugin call that does not return within [`Options::check_timeout`] fails the
@@ -36,6 +37,7 @@ mod checkpoint;
 mod device;
 mod engine;
 mod fixture;
+mod reward;
 mod rollout;
 mod tracker;
 
@@ -71,6 +73,9 @@ pub struct Options {
     pub engine_config: serde_json::Value,
     /// Merged into the rollout's init config.
     pub rollout_config: serde_json::Value,
+    /// A reward component's init config: the `custom_reward_function` section (`path`, `name`,
+    /// `reward_kwargs`), e.g. a reward server's URL for the `http` reward.
+    pub reward_config: serde_json::Value,
 }
 
 impl Default for Options {
@@ -96,6 +101,7 @@ impl Default for Options {
                 .collect(),
             engine_config: serde_json::Value::Null,
             rollout_config: serde_json::Value::Null,
+            reward_config: serde_json::json!({"path": null, "name": "compute_score", "reward_kwargs": {}}),
         }
     }
 }
@@ -110,6 +116,12 @@ impl Options {
 
     pub fn fixture(mut self, dir: Option<PathBuf>) -> Self {
         self.fixture = dir;
+        self
+    }
+
+    /// The `custom_reward_function` section reward components are initialised with.
+    pub fn reward_config(mut self, section: serde_json::Value) -> Self {
+        self.reward_config = section;
         self
     }
 }
@@ -309,6 +321,7 @@ pub fn certify_components(components: &[Component], options: &Options) -> Vec<Ch
             ComponentKind::ROLLOUT => (rollout::CHECKS, Box::new(rollout::run)),
             ComponentKind::CHECKPOINT => (checkpoint::CHECKS, Box::new(checkpoint::run)),
             ComponentKind::TRACKER => (tracker::CHECKS, Box::new(tracker::run)),
+            ComponentKind::REWARD => (reward::CHECKS, Box::new(reward::run)),
             _ => continue,
         };
         checks.extend(run_suite(component, names, body, options));

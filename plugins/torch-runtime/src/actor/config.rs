@@ -4,6 +4,8 @@
 //! type is reported by serde with the key's path, a wrong value by [`ActorConfig::validate`].
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use verl_plugin_api::{ComponentInit, ConfigKeys};
 
 use super::ActorError;
 use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode, PolicyLossOptions};
@@ -38,6 +40,40 @@ impl Role {
             Self::Critic => "critic",
         }
     }
+
+    /// The full key path of the engine's own section `name` (`fsdp_config`, `megatron`): as the
+    /// host sent it, else under the role's place in verl's config.
+    pub fn engine_section_path(self, init: &ComponentInit, name: &str) -> String {
+        if init.section_path.is_empty() {
+            format!("{}.{name}", self.section_path())
+        } else {
+            init.section_path.clone()
+        }
+    }
+}
+
+/// An engine section's keys as the host's audit sees them: `acted_on`, `unsupported` (an error
+/// when set) and `no_effect` ones with their reasons, each under `section` with its default from
+/// `defaults` (the section serialised with its defaults).
+pub fn engine_section_keys(
+    section: &str,
+    defaults: &Value,
+    acted_on: &[&str],
+    unsupported: &[(&str, &str)],
+    no_effect: &[(&str, &str)],
+) -> ConfigKeys {
+    let key = |name: &str| (format!("{section}.{name}"), defaults[name].clone());
+    let keys = unsupported.iter().fold(
+        ConfigKeys::default().acts_on(acted_on.iter().map(|name| key(name).0)),
+        |keys, (name, why)| {
+            let (path, default) = key(name);
+            keys.unsupported(&path, default, why)
+        },
+    );
+    no_effect.iter().fold(keys, |keys, (name, why)| {
+        let (path, default) = key(name);
+        keys.no_effect(&path, default, why)
+    })
 }
 
 fn default_lr() -> f64 {

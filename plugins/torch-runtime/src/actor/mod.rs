@@ -33,7 +33,9 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{Batch, Metric, TensorRef, keys};
 
-pub use config::{ActorConfig, ActorSettings, OptimConfig, PolicyLossConfig, Role};
+pub use config::{
+    ActorConfig, ActorSettings, OptimConfig, PolicyLossConfig, Role, engine_section_keys,
+};
 pub use error::ActorError;
 pub use rows::{Meta, Rows};
 

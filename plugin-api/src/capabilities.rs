@@ -52,6 +52,11 @@ pub struct EngineCapabilities {
     /// (since 2.1.0): the multi-rank trainer gathers scores, metrics and checkpoint agreement
     /// through it.
     pub object_exchange: bool,
+    /// The `strategy` values (verl's engine backends) the engine serves besides its own name, on
+    /// the devices in `devices` (since 2.3.0): an engine named `mindspeed` serving `megatron` on
+    /// `npu` is what `strategy=megatron` resolves to on an Ascend platform, as verl's
+    /// `EngineRegistry` keys engines by backend and device.
+    pub strategies: Vec<String>,
 }
 
 impl Default for EngineCapabilities {
@@ -63,6 +68,7 @@ impl Default for EngineCapabilities {
             devices: Vec::new(),
             config_keys: ConfigKeys::default(),
             object_exchange: false,
+            strategies: Vec::new(),
         }
     }
 }
@@ -90,6 +96,11 @@ impl EngineCapabilities {
     }
     pub fn object_exchange(mut self, yes: bool) -> Self {
         self.object_exchange = yes;
+        self
+    }
+    /// The strategies it serves besides its own name (see [`EngineCapabilities::strategies`]).
+    pub fn strategies<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
+        self.strategies = names.into_iter().map(Into::into).collect();
         self
     }
     pub fn supports_role(&self, role: &str) -> bool {

@@ -59,6 +59,7 @@ pub fn release() -> &'static Release {
             "rocm",
             "ascend",
             "fsdp",
+            "megatron",
             "native",
             "trackers",
             "vllm",
@@ -151,7 +152,7 @@ pub fn fixture_plugin(features: &[&str], api: Option<Api<'_>>) -> PathBuf {
 }
 
 /// The plugin API version this workspace is at (the tests that build other releases depend on it).
-pub const API_VERSION: &str = "2.2.0";
+pub const API_VERSION: &str = "2.3.0";
 
 /// A copy of plugin-api at `api`, and a copy of the fixture crate `name` (from `fixture`) that
 /// depends on it: what a plugin or host built against another release of the API looks like.

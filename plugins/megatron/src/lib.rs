@@ -195,6 +195,10 @@ impl Engine for MegatronEngine {
             .roles(["actor", "ref", "critic"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
+            // libtorch's own devices (ROCm builds expose AMD GPUs as `cuda`); an Ascend NPU needs
+            // MindSpeed, which verl resolves `strategy=megatron` to there (a plugin engine
+            // declaring `strategies(["megatron"])` on `npu`).
+            .devices(["cpu", "cuda"])
             .config_keys(MegatronConfig::declared_keys())
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {

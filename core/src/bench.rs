@@ -176,7 +176,7 @@ pub fn components(bench: &ComponentBench<'_>) -> anyhow::Result<String> {
 
     let mut actor = bench
         .registry
-        .resolve(ComponentKind::ENGINE, bench.engine)?
+        .resolve_engine(bench.engine, &bench.placement.run().device_type)?
         .create_engine()?;
     actor
         .init(&init(

@@ -5,6 +5,7 @@
 
 use verl_plugin_api::{
     CheckpointCapabilities, ComponentKind, ConfigKeys, EngineCapabilities, RolloutCapabilities,
+    RunContext,
 };
 use verl_plugin_host::Registry;
 
@@ -24,11 +25,16 @@ fn unsupported_message(findings: &[Finding]) -> String {
     )
 }
 
-/// The audit's context: `world_size` ranks, and the declarations of the components `config` uses
-/// (a name the registry lacks is left out: the trainer names it when it resolves components).
-pub fn context(config: &Config, registry: &Registry, world_size: u32) -> AuditContext {
+/// The audit's context: `run`'s world size, and the declarations of the components `config` uses
+/// on `run`'s device type (a name the registry lacks is left out: the trainer names it when it
+/// resolves components).
+pub fn context(config: &Config, registry: &Registry, run: &RunContext) -> AuditContext {
     let declared = |kind: ComponentKind, name: &str| {
-        let component = registry.resolve(kind, name).ok()?;
+        let component = match kind {
+            ComponentKind::ENGINE => registry.resolve_engine(name, &run.device_type),
+            _ => registry.resolve(kind, name),
+        }
+        .ok()?;
         Some(match kind {
             ComponentKind::ENGINE => component.capabilities::<EngineCapabilities>().config_keys,
             ComponentKind::ROLLOUT => component.capabilities::<RolloutCapabilities>().config_keys,
@@ -75,19 +81,19 @@ pub fn context(config: &Config, registry: &Registry, world_size: u32) -> AuditCo
         .filter_map(|(section, keys)| Some((section.to_owned(), keys?)))
         .collect();
     AuditContext {
-        world_size,
+        world_size: run.world_size,
         components,
     }
 }
 
-/// Audits `config` for a run on `world_size` ranks: logs each warning once and fails with every
-/// error. Returns the findings (warnings only).
+/// Audits `config` for a run placed as `run`: logs each warning once and fails with every error.
+/// Returns the findings (warnings only).
 pub fn check(
     config: &Config,
     registry: &Registry,
-    world_size: u32,
+    run: &RunContext,
 ) -> Result<Vec<Finding>, Unsupported> {
-    let findings = audit(config, &context(config, registry, world_size));
+    let findings = audit(config, &context(config, registry, run));
     let (errors, warnings): (Vec<&Finding>, Vec<&Finding>) =
         findings.iter().partition(|f| f.severity == Severity::Error);
     for finding in warnings {

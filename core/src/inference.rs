@@ -6,12 +6,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 use verl_plugin_api::{ComponentKind, GenerateRequest, SamplingParams, keys};
 use verl_plugin_host::Registry;
 
 use crate::batch;
+use crate::config::{Config, EngineRole, Slot};
 use crate::limits::ContextWindow;
 use crate::placement::Placement;
+use crate::trainer::plugin_init;
 
 #[derive(Debug, Serialize)]
 pub struct GeneratedText {
@@ -36,18 +39,26 @@ pub fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> anyhow::Result<V
         .to_vec())
 }
 
-/// Generates with the rollout component `rollout` loaded from `model`. The longest prompt and
-/// `--max-new-tokens` must fit the model's context; the rollout checks the rest of the request's
-/// size (`--n` included) against the memory available.
+/// What `verl-core generate` generates with: the rollout component `rollout`, configured with the
+/// verl config's `actor_rollout_ref.rollout` (overrides included) and loaded from `model`.
+pub struct GenerateSpec<'a> {
+    pub registry: &'a Registry,
+    pub config: &'a Config,
+    pub rollout: &'a str,
+    pub model: &'a Path,
+    pub placement: &'a Placement,
+}
+
+/// Generates with `spec`'s rollout. The longest prompt and `--max-new-tokens` must fit the
+/// model's context; the rollout checks the rest of the request's size (`--n` included) against
+/// the memory available.
 pub fn generate(
-    registry: &Registry,
-    rollout: &str,
-    model: &Path,
+    spec: &GenerateSpec<'_>,
     prompts: Vec<Vec<u32>>,
     sampling: SamplingParams,
-    placement: &Placement,
     tokenizer: Option<&tokenizers::Tokenizer>,
 ) -> anyhow::Result<Vec<GeneratedText>> {
+    let (rollout, model) = (spec.rollout, spec.model);
     if let Some(window) = ContextWindow::of_model(model) {
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         window.check(
@@ -58,12 +69,19 @@ pub fn generate(
             longest as u128 + u128::from(sampling.max_new_tokens),
         )?;
     }
-    let mut generator = registry
-        .resolve(ComponentKind::ROLLOUT, rollout)?
-        .create_rollout()?;
-    let config = serde_json::json!({ "model": { "path": model } });
+    let component = spec.registry.resolve(ComponentKind::ROLLOUT, rollout)?;
+    let mut generator = component.create_rollout()?;
+    let mut section = spec.config.rollout_json();
+    section["name"] = json!(rollout);
+    section["model"]["path"] = json!(model);
     generator
-        .init(&placement.init(config))
+        .init(&plugin_init(
+            spec.config,
+            Slot::Rollout,
+            &component,
+            section,
+            spec.placement.run(),
+        ))
         .with_context(|| format!("initialising rollout `{rollout}`"))?;
     let request = GenerateRequest::new(prompts, sampling);
     let output = generator
@@ -140,32 +158,101 @@ pub fn read_score_input(path: &PathBuf, model: &Path) -> anyhow::Result<ScoreInp
     Ok((prompts, responses))
 }
 
-/// Per-token log-probs of each response under `model`, computed by the engine component `engine`.
+/// What `verl-core score` computes with: the verl config (overrides included) whose reference
+/// role's section (`actor_rollout_ref.actor` overlaid with `…ref`, as the trainer's reference
+/// policy) configures the engine, `engine` instead of that role's strategy when given, and the
+/// model directory.
+pub struct ScoreSpec<'a> {
+    pub registry: &'a Registry,
+    pub config: &'a Config,
+    pub engine: Option<&'a str>,
+    pub model: &'a Path,
+    pub placement: &'a Placement,
+}
+
+/// Per-token log-probs of each response under the model, by the engine the strategy resolves to
+/// on this platform. With several ranks (`verl-core launch`), each rank scores its contiguous
+/// part of the lines as the trainer hands an engine its rows (the input padded with copies of the
+/// last line to a multiple of the world size, so every rank runs the same number of
+/// collectives); the parts are gathered over the engine's process group and every rank returns
+/// all the lines' results.
 pub fn score(
-    registry: &Registry,
-    engine: &str,
-    model: &Path,
+    spec: &ScoreSpec<'_>,
     prompts: &[Vec<u32>],
     responses: &[Vec<u32>],
-    placement: &Placement,
 ) -> anyhow::Result<Vec<ScoredResponse>> {
-    let mut scorer = registry
-        .resolve(ComponentKind::ENGINE, engine)?
-        .create_engine()?;
-    let config = serde_json::json!({ "role": "ref", "model": { "path": model } });
+    let (config, run) = (spec.config, spec.placement.run());
+    let role = EngineRole::Ref;
+    let (strategy, key) = match spec.engine {
+        Some(engine) => (engine, "--engine"),
+        None => (config.engine_strategy(role), config.strategy_key(role)),
+    };
+    let component = spec
+        .registry
+        .resolve_engine(strategy, &run.device_type)
+        .with_context(|| format!("{key}={strategy}"))?;
+    let engine = &component.name;
+    let mut section = config.engine_json(role);
+    section["strategy"] = json!(strategy);
+    section["model"]["path"] = json!(spec.model);
+    section["nccl_timeout"] = json!(config.actor_rollout_ref.nccl_timeout);
+    let mut scorer = component.create_engine()?;
     scorer
-        .init(&placement.init(config))
+        .init(&plugin_init(
+            config,
+            Slot::Engine(role),
+            &component,
+            section,
+            run,
+        ))
         .with_context(|| format!("initialising engine `{engine}`"))?;
-    let mut input = batch::build(prompts, responses, 0)?;
+
+    let world = run.world_size.max(1) as usize;
+    let lines = prompts.len();
+    let padded = lines.div_ceil(world) * world;
+    let pad = |rows: &[Vec<u32>]| -> Vec<Vec<u32>> {
+        let mut rows = rows.to_vec();
+        rows.resize(padded, rows.last().cloned().unwrap_or_default());
+        rows
+    };
+    let (prompts, responses) = (pad(prompts), pad(responses));
+    let per_rank = padded / world;
+    let mine = run.rank as usize * per_rank..(run.rank as usize + 1) * per_rank;
+    // Every rank's rows from one batch, so their widths agree (a model-parallel group gathers them).
+    let mut input = batch::slice_rows(&batch::build(&prompts, &responses, 0)?, mine.clone())?;
     input.meta_json = serde_json::json!({ "temperature": 1.0, "calculate_entropy": false })
         .to_string()
         .into();
     let output = scorer
         .compute_log_prob(&input)
         .with_context(|| format!("engine `{engine}`"))?;
-    let lengths: Vec<usize> = responses.iter().map(Vec::len).collect();
-    Ok(batch::response_values(&output, keys::LOG_PROBS, &lengths)?
+    let lengths: Vec<usize> = responses[mine].iter().map(Vec::len).collect();
+    let part = batch::response_values(&output, keys::LOG_PROBS, &lengths)?;
+    let all = if world == 1 {
+        part
+    } else {
+        // f32 bit patterns: exact across ranks.
+        let bits: Vec<Vec<u32>> = part
+            .iter()
+            .map(|row| row.iter().map(|v| v.to_bits()).collect())
+            .collect();
+        let gathered = scorer
+            .all_gather_object(&serde_json::to_vec(&bits)?)
+            .with_context(|| format!("gathering the ranks' log-probs through engine `{engine}`"))?;
+        let mut all = Vec::with_capacity(padded);
+        for (rank, bytes) in gathered.iter().enumerate() {
+            let rows: Vec<Vec<u32>> = serde_json::from_slice(bytes)
+                .with_context(|| format!("rank {rank}'s log-probs"))?;
+            all.extend(
+                rows.into_iter()
+                    .map(|row| row.into_iter().map(f32::from_bits).collect::<Vec<f32>>()),
+            );
+        }
+        all
+    };
+    Ok(all
         .into_iter()
+        .take(lines)
         .map(|logprobs| ScoredResponse { logprobs })
         .collect())
 }

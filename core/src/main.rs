@@ -191,11 +191,15 @@ struct GenerateArgs {
     n: u32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Rollout component to generate with.
-    #[arg(long, default_value = "native")]
-    rollout: String,
+    /// Rollout component to generate with (default: actor_rollout_ref.rollout.name, native).
+    #[arg(long)]
+    rollout: Option<String>,
     #[arg(long)]
     json: bool,
+    /// verl config and `key=value` overrides, as `run` takes them: the rollout gets
+    /// `actor_rollout_ref.rollout` (the model is --model's, sampling the flags').
+    #[command(flatten)]
+    config: RunArgs,
 }
 
 /// One `--prompt-ids` value: a prompt's token ids.
@@ -238,11 +242,16 @@ struct ScoreArgs {
     /// JSONL: one {"prompt_ids": [...], "response_ids": [...]} per line.
     #[arg(long)]
     input: PathBuf,
-    /// Engine component to score with.
-    #[arg(long, default_value = "fsdp")]
-    engine: String,
+    /// Engine strategy to score with (default: the reference role's,
+    /// actor_rollout_ref.actor.strategy unless actor_rollout_ref.ref.strategy is set).
+    #[arg(long)]
+    engine: Option<String>,
     #[arg(long)]
     json: bool,
+    /// verl config and `key=value` overrides, as `run` takes them: the engine gets the reference
+    /// role's section (`actor_rollout_ref.actor` overlaid with `actor_rollout_ref.ref`).
+    #[command(flatten)]
+    config: RunArgs,
 }
 
 #[derive(Subcommand)]
@@ -582,17 +591,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let (platform, _) = detect_platform(&registry, &process_probe(), timeout);
             let plugins = report::plugins_json(&registry);
             let conflicts = report::conflicts_json(&registry);
+            let engines = report::engines_json(&registry, &platform);
             if json {
                 print_json(&report::ListJson {
                     plugins,
                     conflicts,
                     platform: Some(&platform),
+                    engines,
                 })?;
             } else {
                 print!(
-                    "{}\n{}",
+                    "{}\n{}\n{}",
                     report::plugins_text(&plugins, &conflicts),
-                    report::platform_text(&platform)
+                    report::platform_text(&platform),
+                    report::engines_text(&engines)
                 );
             }
             Ok(ExitCode::SUCCESS)
@@ -615,6 +627,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     plugins,
                     conflicts,
                     platform: None,
+                    engines: Vec::new(),
                 })?;
             } else {
                 print!("{}", report::plugins_text(&plugins, &conflicts));
@@ -698,7 +711,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             verl_core::reward::select::load_library(&mut registry, &config, allow_list.as_ref())?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
-            config_audit::check(&config, &registry, placement.run().world_size)?;
+            config_audit::check(&config, &registry, placement.run())?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -728,7 +741,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
             placement.require_single_rank("supervised fine-tuning")?;
-            config_audit::check(&config, &registry, placement.run().world_size)?;
+            config_audit::check(&config, &registry, placement.run())?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -747,7 +760,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // The world size as `run` would see it; the device `trainer.device` names need not be
             // on this machine to check a config.
             let placement = placement(&registry, timeout, config.trainer.seed)?;
-            let context = config_audit::context(&config, &registry, placement.run().world_size);
+            let context = config_audit::context(&config, &registry, placement.run());
             let findings = verl_core::config::audit(&config, &context);
             let errors = findings
                 .iter()
@@ -800,8 +813,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Generate(args) => {
             let registry = load_registry(&cli.plugins)?;
-            let placement = placement(&registry, timeout, args.seed)?;
+            let mut config = load_config(&args.config, false, &registry)?;
+            // --seed seeds the request and the rollout's run, as before overrides existed.
+            if let Some(origin) = config.origin("trainer.seed") {
+                tracing::warn!(
+                    "trainer.seed (from {origin}) has no effect on generate: --seed={} seeds it",
+                    args.seed
+                );
+            }
+            config.trainer.seed = args.seed;
+            let placement = training_placement(&config, &registry, timeout)?;
             placement.require_single_rank("generation")?;
+            config_audit::check(&config, &registry, placement.run())?;
             let tokenizer = if args.prompts.is_empty() && !args.json {
                 None
             } else {
@@ -827,13 +850,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             sampling.top_k = args.top_k.unwrap_or(-1);
             sampling.max_new_tokens = args.max_new_tokens;
             sampling.seed = Some(args.seed);
+            let rollout = args
+                .rollout
+                .as_deref()
+                .unwrap_or(&config.actor_rollout_ref.rollout.name);
             let results = inference::generate(
-                &registry,
-                &args.rollout,
-                &args.model,
+                &inference::GenerateSpec {
+                    registry: &registry,
+                    config: &config,
+                    rollout,
+                    model: &args.model,
+                    placement: &placement,
+                },
                 prompts,
                 sampling,
-                &placement,
                 tokenizer.as_ref(),
             )?;
             if args.json {
@@ -854,17 +884,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Score(args) => {
             let registry = load_registry(&cli.plugins)?;
-            let placement = placement(&registry, timeout, 0)?;
-            placement.require_single_rank("scoring")?;
+            let config = load_config(&args.config, false, &registry)?;
+            let placement = training_placement(&config, &registry, timeout)?;
+            config_audit::check(&config, &registry, placement.run())?;
             let (prompts, responses) = inference::read_score_input(&args.input, &args.model)?;
-            let results = inference::score(
-                &registry,
-                &args.engine,
-                &args.model,
-                &prompts,
-                &responses,
-                &placement,
-            )?;
+            let spec = inference::ScoreSpec {
+                registry: &registry,
+                config: &config,
+                engine: args.engine.as_deref(),
+                model: &args.model,
+                placement: &placement,
+            };
+            let results = inference::score(&spec, &prompts, &responses)?;
+            // Every rank holds every result; rank 0 owns the console.
+            if placement.run().rank > 0 {
+                return Ok(ExitCode::SUCCESS);
+            }
             if args.json {
                 print_json(&serde_json::json!({ "results": results }))?;
             } else {

@@ -6,7 +6,7 @@
 //! torchrun's win when both are set. Every component gets its [`RunContext`] from here, so all
 //! of them agree on it.
 
-use verl_plugin_api::{ComponentInit, RunContext};
+use verl_plugin_api::RunContext;
 use verl_plugin_host::DeviceReport;
 
 /// torchrun's default rendezvous port, used for Slurm steps that set no `MASTER_PORT`.
@@ -312,11 +312,6 @@ impl Placement {
         run.experiment = experiment.to_owned();
         run.run_dir = run_dir.to_owned();
         run
-    }
-
-    /// A component's init record for one-off commands (no run directory).
-    pub fn init(&self, config: serde_json::Value) -> ComponentInit {
-        ComponentInit::new(config, self.run.clone())
     }
 }
 

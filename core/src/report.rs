@@ -43,13 +43,72 @@ pub struct ConflictJson {
     pub error: String,
 }
 
-/// The `plugins list` document: `{"plugins": [...], "conflicts": [...], "platform": {...}}`.
+/// What a `strategy` value runs on the selected platform (see `Registry::resolve_engine`).
+#[derive(Debug, Serialize)]
+pub struct EngineRouteJson {
+    pub strategy: String,
+    pub device_type: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The `plugins list` document: `{"plugins": [...], "conflicts": [...], "platform": {...},
+/// "engines": [...]}`.
 #[derive(Debug, Serialize)]
 pub struct ListJson<'a> {
     pub plugins: Vec<PluginJson>,
     pub conflicts: Vec<ConflictJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub platform: Option<&'a PlatformReport>,
+    /// Each strategy's engine on the selected platform (none without a selection).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub engines: Vec<EngineRouteJson>,
+}
+
+/// Each strategy's engine on the platform `platform` selected (empty when it selected none).
+pub fn engines_json(registry: &Registry, platform: &PlatformReport) -> Vec<EngineRouteJson> {
+    let Some(device_type) = platform.selected_device().map(|d| d.device_type.as_str()) else {
+        return Vec::new();
+    };
+    registry
+        .engine_routes(device_type)
+        .into_iter()
+        .map(|(strategy, resolved)| {
+            let (engine, plugin, error) = match resolved {
+                Ok(c) => (Some(c.name), Some(c.plugin), None),
+                Err(e) => (None, None, Some(e.to_string())),
+            };
+            EngineRouteJson {
+                strategy,
+                device_type: device_type.to_owned(),
+                engine,
+                plugin,
+                error,
+            }
+        })
+        .collect()
+}
+
+/// `Engines on <device type>:` and one `strategy -> engine` line each.
+pub fn engines_text(engines: &[EngineRouteJson]) -> String {
+    let mut out = String::new();
+    let Some(first) = engines.first() else {
+        return out;
+    };
+    let _ = writeln!(out, "Engines on `{}` (strategy -> engine):", first.device_type);
+    for route in engines {
+        let target = match (&route.engine, &route.plugin, &route.error) {
+            (Some(engine), Some(plugin), _) => format!("{engine} ({plugin})"),
+            (_, _, Some(error)) => format!("none: {error}"),
+            _ => String::new(),
+        };
+        let _ = writeln!(out, "  {:<10} -> {target}", route.strategy);
+    }
+    out
 }
 
 pub fn plugins_json(registry: &Registry) -> Vec<PluginJson> {

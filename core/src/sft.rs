@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use serde_json::json;
-use verl_plugin_api::{ComponentKind, keys};
+use verl_plugin_api::keys;
 use verl_plugin_host::Registry;
 
 pub use crate::config::SftConfig;
@@ -115,7 +115,12 @@ pub fn run_sft(
     section["optim"]["weight_decay"] = json!(0.0);
     section["optim"]["total_training_steps"] = json!(sft.steps);
     let name = config.engine_strategy(EngineRole::Actor);
-    let component = registry.resolve(ComponentKind::ENGINE, name)?;
+    let component = registry
+        .resolve_engine(name, &placement.run().device_type)
+        .map_err(|source| TrainError::Engine {
+            key: config.strategy_key(EngineRole::Actor),
+            source,
+        })?;
     let mut engine = component.create_engine()?;
     let run_dir = expand_home(&config.trainer.default_local_dir);
     let run = placement.for_run(

@@ -8,6 +8,7 @@
 
 mod builtin;
 mod discovery;
+mod engines;
 mod handle;
 mod load;
 mod platform;

@@ -127,6 +127,21 @@ pub enum LookupError {
     },
     #[error("{}", .0.message())]
     Conflict(Conflict),
+    #[error("strategy `{strategy}` has no engine for `{device_type}` devices: engine `{strategy}` runs on [{}]; {}", devices.join(", "), crate::engines::missing_engine_hint(strategy, device_type))]
+    NoEngineForDevice {
+        strategy: String,
+        device_type: String,
+        /// The devices the engine named `strategy` declares.
+        devices: Vec<String>,
+    },
+    #[error("strategy `{strategy}` on `{device_type}` is served by several engines at priority {priority}: {}; remove one or give them different priorities", engines.join(", "))]
+    AmbiguousEngine {
+        strategy: String,
+        device_type: String,
+        priority: i32,
+        /// Each engine's name and origin.
+        engines: Vec<String>,
+    },
     #[error("creating {kind} `{name}` from {origin}: {source}")]
     Create {
         kind: ComponentKind,

@@ -244,3 +244,106 @@ fn sigint_to_launch_is_forwarded_to_the_ranks() {
     );
     assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
 }
+
+/// `verl-core launch --nproc-per-node 2 -- score … <verl overrides>` gives the JSON of a one-rank
+/// `score`: megatron at tensor-parallel size 2 (one model split over both ranks) and fsdp on two
+/// data-parallel ranks, on the Qwen2 fixture (q/k/v biases, tied embeddings), three lines of
+/// different lengths (an odd count: each rank's part is padded to equal size).
+#[test]
+fn score_on_two_ranks_with_verl_overrides_matches_one_rank() {
+    let plugins = bundled_plugins(&["verl_plugin_fsdp", "verl_plugin_megatron"]);
+    let plugins = plugins.path().to_str().unwrap();
+    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-qwen2");
+    let model = model.to_str().unwrap();
+    let input = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        input.path(),
+        "{\"prompt_ids\": [5, 6, 7], \"response_ids\": [8, 9, 10, 11]}\n\
+         {\"prompt_ids\": [12], \"response_ids\": [13]}\n\
+         {\"prompt_ids\": [14, 15, 16, 17, 18], \"response_ids\": [19, 20]}\n",
+    )
+    .unwrap();
+    let input = input.path().to_str().unwrap();
+    let score = |ranks: Option<&str>, overrides: &[&str]| -> Vec<Vec<f64>> {
+        let mut args = vec!["--plugin-dir", plugins];
+        if let Some(n) = ranks {
+            args.extend(["launch", "--nproc-per-node", n, "--"]);
+        }
+        args.extend(["score", "--model", model, "--input", input, "--json"]);
+        args.extend(overrides);
+        let out = verl_core(&args, &[]);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{args:?}\n{stdout}\n{stderr}");
+        let json: serde_json::Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+        json["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r["logprobs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    let one = score(None, &[]);
+    assert_eq!(
+        one.iter().map(Vec::len).collect::<Vec<_>>(),
+        [4, 1, 2],
+        "{one:?}"
+    );
+    let megatron_tp2 = score(
+        Some("2"),
+        &[
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        ],
+    );
+    let fsdp_dp2 = score(Some("2"), &[]);
+    for (name, other) in [("megatron TP=2", &megatron_tp2), ("fsdp on 2 ranks", &fsdp_dp2)] {
+        assert_eq!(other.len(), one.len(), "{name}: {other:?}");
+        for (a, b) in one.iter().zip(other.iter()) {
+            assert_eq!(a.len(), b.len(), "{name}: {a:?} vs {b:?}");
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+            assert!(worst <= 1e-5, "{name}: {a:?} vs {b:?} (max diff {worst:e})");
+        }
+    }
+}
+
+/// `score` audits its overrides as `run` does: a key no component acts on that would change the
+/// result stops it, naming the key.
+#[test]
+fn score_reports_unsupported_overrides() {
+    let plugins = bundled_plugins(&["verl_plugin_megatron"]);
+    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-qwen2");
+    let input = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(input.path(), "{\"prompt_ids\": [5], \"response_ids\": [6]}\n").unwrap();
+    let out = verl_core(
+        &[
+            "--plugin-dir",
+            plugins.path().to_str().unwrap(),
+            "score",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            input.path().to_str().unwrap(),
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        ],
+        &[],
+    );
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"),
+        "{stderr}"
+    );
+}

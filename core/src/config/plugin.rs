@@ -30,6 +30,21 @@ fn per_gpu(per_gpu: Option<usize>, global: Option<usize>) -> Option<usize> {
     per_gpu.or(global)
 }
 
+/// The `megatron` keys the reference role takes from the actor's section unless it sets them: the
+/// process grid verl builds from the actor's and the keys `megatron_ref.yaml` interpolates.
+const REF_INHERITS_MEGATRON: [&str; 10] = [
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "seed",
+    "override_transformer_config",
+    "use_mbridge",
+    "vanilla_mbridge",
+];
+
 fn section<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).expect("config sections serialise")
 }
@@ -58,6 +73,18 @@ impl Config {
                 .as_deref()
                 .unwrap_or(&arr.actor.strategy),
             EngineRole::Critic => &self.critic.strategy,
+        }
+    }
+
+    /// The key [`Config::engine_strategy`] took the role's strategy from (the reference role
+    /// takes the actor's unless it sets its own).
+    pub fn strategy_key(&self, role: EngineRole) -> &'static str {
+        match role {
+            EngineRole::Ref if self.actor_rollout_ref.reference.strategy.is_some() => {
+                "actor_rollout_ref.ref.strategy"
+            }
+            EngineRole::Actor | EngineRole::Ref => "actor_rollout_ref.actor.strategy",
+            EngineRole::Critic => "critic.strategy",
         }
     }
 
@@ -130,6 +157,7 @@ impl Config {
                 {
                     base.extend(overlay);
                 }
+                self.inherit_megatron(&mut v);
                 v["strategy"] = json!(self.engine_strategy(role));
                 v["log_prob_micro_batch_size_per_gpu"] = json!(per_gpu(
                     arr.reference.log_prob_micro_batch_size_per_gpu,
@@ -177,6 +205,29 @@ impl Config {
         out
     }
 
+    /// The reference role's `megatron` keys it does not set itself, from the actor's: verl's
+    /// megatron workers build the reference model in the process groups made from
+    /// `actor.megatron` (`mpu.initialize_model_parallel(tensor_model_parallel_size=
+    /// self.config.actor.megatron.tensor_model_parallel_size, …)` in `megatron_workers.py`), and
+    /// `ref/megatron_ref.yaml` interpolates the actor's `seed` and transformer overrides.
+    fn inherit_megatron(&self, reference: &mut Value) {
+        let Some(Value::Object(actor)) = self.actor_rollout_ref.actor.sections.get("megatron")
+        else {
+            return;
+        };
+        let mut merged: serde_json::Map<String, Value> = REF_INHERITS_MEGATRON
+            .iter()
+            .filter_map(|&key| Some((key.to_owned(), actor.get(key)?.clone())))
+            .collect();
+        if merged.is_empty() {
+            return;
+        }
+        if let Some(Value::Object(own)) = reference.get("megatron") {
+            merged.extend(own.clone());
+        }
+        reference["megatron"] = Value::Object(merged);
+    }
+
     /// The rollout's config: `actor_rollout_ref.rollout` plus `model`, with `prompt_length` and
     /// `response_length` taken from `data` when unset (verl's interpolation).
     pub fn rollout_json(&self) -> Value {
@@ -193,6 +244,39 @@ impl Config {
 mod tests {
     use super::*;
     use crate::algo::AdvEstimator;
+
+    /// verl builds the reference model in the actor's megatron process groups: the ref's unset
+    /// parallel sizes are the actor's, its own settings stay, and non-grid keys are its own.
+    #[test]
+    fn the_reference_takes_the_actors_megatron_grid() {
+        let mut c = Config::default();
+        c.actor_rollout_ref.actor.sections.insert(
+            "megatron".into(),
+            json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2, "seed": 7, "param_offload": true}),
+        );
+        let reference = c.engine_json(EngineRole::Ref);
+        assert_eq!(
+            reference["megatron"],
+            json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2, "seed": 7})
+        );
+        c.actor_rollout_ref
+            .reference
+            .sections
+            .insert("megatron".into(), json!({"context_parallel_size": 1}));
+        let reference = c.engine_json(EngineRole::Ref);
+        assert_eq!(
+            reference["megatron"],
+            json!({"tensor_model_parallel_size": 2, "context_parallel_size": 1, "seed": 7})
+        );
+        // The actor's section is its own.
+        assert_eq!(
+            c.engine_json(EngineRole::Actor)["megatron"]["param_offload"],
+            true
+        );
+        // Without an actor section, nothing is added.
+        let plain = Config::default().engine_json(EngineRole::Ref);
+        assert!(plain.get("megatron").is_none(), "{plain}");
+    }
 
     #[test]
     fn engine_sections_carry_role_and_model() {

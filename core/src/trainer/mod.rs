@@ -57,6 +57,12 @@ pub enum TrainError {
     Plugin { context: String, error: PluginError },
     #[error(transparent)]
     Lookup(#[from] LookupError),
+    /// A role's strategy that resolves to no engine on the selected platform.
+    #[error("{key}: {source}")]
+    Engine {
+        key: &'static str,
+        source: LookupError,
+    },
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
@@ -352,7 +358,7 @@ impl Trainer {
             world_size: run.world_size,
         };
         check_data_parallel(&config, ranks)?;
-        let components = Components::resolve(&config, registry)?;
+        let components = Components::resolve(&config, registry, &run.device_type)?;
         components.check(&config, &run)?;
 
         let engine = |role: EngineRole,
@@ -1659,8 +1665,16 @@ struct Components {
 }
 
 impl Components {
-    fn resolve(config: &Config, registry: &Registry) -> Result<Self, TrainError> {
-        let engine = |role| registry.resolve(ComponentKind::ENGINE, config.engine_strategy(role));
+    /// Engines by strategy on `device_type` (the selected platform's), the rest by name.
+    fn resolve(config: &Config, registry: &Registry, device_type: &str) -> Result<Self, TrainError> {
+        let engine = |role: EngineRole| {
+            registry
+                .resolve_engine(config.engine_strategy(role), device_type)
+                .map_err(|source| TrainError::Engine {
+                    key: config.strategy_key(role),
+                    source,
+                })
+        };
         let rollout = &config.actor_rollout_ref.rollout;
         Ok(Self {
             actor: engine(EngineRole::Actor)?,
@@ -1692,11 +1706,7 @@ impl Components {
             let Some(component) = component else { continue };
             let caps: EngineCapabilities = component.capabilities();
             let name = &component.name;
-            let key = match role {
-                EngineRole::Critic => "critic.strategy",
-                EngineRole::Ref => "actor_rollout_ref.ref.strategy",
-                EngineRole::Actor => "actor_rollout_ref.actor.strategy",
-            };
+            let key = config.strategy_key(role);
             if !caps.supports_role(role.as_str()) {
                 return Err(TrainError::Capability(format!(
                     "engine `{name}` ({key}) cannot hold the {} role; it declares roles [{}]",

@@ -33,6 +33,11 @@ pub enum Split {
     Rows { parts: u32 },
     /// Dimension 1 in `tp` equal parts, rank `r` holding part `r`.
     Cols,
+    /// The vocabulary's `rows` of the embedding or LM head in `parts` equal parts, padded with
+    /// zero rows to a multiple of `parts` as Megatron pads the vocab-parallel embedding
+    /// (`make_vocab_size_divisible_by`; a multiple of `tp` is all the split needs); the padded
+    /// logits are masked out of every softmax ([`TpModel::response_scores`]).
+    Vocab { parts: u32, rows: i64 },
 }
 
 impl Split {
@@ -41,9 +46,11 @@ impl Split {
         let param = name.rsplit('.').nth(1).unwrap_or_default();
         let weight = name.ends_with(".weight");
         match param {
-            "embed_tokens" | "lm_head" | "q_proj" | "gate_proj" | "up_proj" => {
-                Self::Rows { parts: tp }
-            }
+            "embed_tokens" | "lm_head" => Self::Vocab {
+                parts: tp,
+                rows: c.vocab_size,
+            },
+            "q_proj" | "gate_proj" | "up_proj" => Self::Rows { parts: tp },
             "k_proj" | "v_proj" => Self::Rows {
                 parts: tp.min(c.num_key_value_heads as u32),
             },
@@ -56,7 +63,7 @@ impl Split {
     fn parts(self, tp: u32) -> u32 {
         match self {
             Self::Replicated => 1,
-            Self::Rows { parts } => parts,
+            Self::Rows { parts } | Self::Vocab { parts, .. } => parts,
             Self::Cols => tp,
         }
     }
@@ -76,6 +83,14 @@ impl Split {
                 let n = full.size()[0] / parts;
                 full.narrow(0, part * n, n)
             }
+            Self::Vocab { rows, .. } => {
+                let n = padded_rows(rows, parts) / parts;
+                let (start, end) = ((part * n).min(rows), ((part + 1) * n).min(rows));
+                let real = full.narrow(0, start, end - start);
+                let mut shape = full.size();
+                shape[0] = n - (end - start);
+                Tensor::cat(&[real, Tensor::zeros(shape.as_slice(), (full.kind(), full.device()))], 0)
+            }
             Self::Cols => {
                 let n = full.size()[1] / parts;
                 full.narrow(1, part * n, n)
@@ -93,10 +108,31 @@ impl Split {
         match self {
             Self::Replicated => firsts[0].shallow_clone(),
             Self::Rows { .. } => Tensor::cat(&firsts, 0),
+            Self::Vocab { rows, .. } => Tensor::cat(&firsts, 0).narrow(0, 0, rows),
             Self::Cols => Tensor::cat(&firsts, 1),
         }
     }
+
+    /// The whole tensor's shape from a shard's.
+    pub fn whole_shape(self, shard: &[i64], tp: u32) -> Vec<i64> {
+        let mut shape = shard.to_vec();
+        match self {
+            Self::Rows { parts } => shape[0] *= i64::from(parts),
+            Self::Vocab { rows, .. } => shape[0] = rows,
+            Self::Cols => shape[1] *= i64::from(tp),
+            Self::Replicated => {}
+        }
+        shape
+    }
 }
+
+/// `rows` rounded up to a multiple of `parts`.
+fn padded_rows(rows: i64, parts: i64) -> i64 {
+    rows.div_ceil(parts) * parts
+}
+
+/// The logit of a padding row of the vocabulary: e^(z − max) is exactly 0 in f32.
+const PADDED_LOGIT: f64 = -1e30;
 
 fn invalid(tensor: &str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidInput {
@@ -109,10 +145,10 @@ fn invalid(tensor: &str, reason: impl Into<String>) -> ModelError {
 fn check_divisible(c: &ModelConfig, tp: u32) -> Result<()> {
     let tp64 = i64::from(tp);
     let kv = c.num_key_value_heads;
+    // The vocabulary need not divide: its shards are padded (`Split::Vocab`).
     for (what, n) in [
         ("num_attention_heads", c.num_attention_heads),
         ("intermediate_size", c.intermediate_size),
-        ("vocab_size", c.vocab_size),
     ] {
         if n % tp64 != 0 {
             return Err(invalid(
@@ -139,7 +175,7 @@ fn shard_config(c: &ModelConfig, tp: u32) -> ModelConfig {
         num_attention_heads: c.num_attention_heads / tp,
         num_key_value_heads: (c.num_key_value_heads / tp).max(1),
         intermediate_size: c.intermediate_size / tp,
-        vocab_size: c.vocab_size / tp,
+        vocab_size: padded_rows(c.vocab_size, tp) / tp,
         ..c.clone()
     }
 }
@@ -448,7 +484,7 @@ impl TpModel {
             .ok_or_else(|| invalid("head", "log-probs need a model built with Head::Lm"))?;
         check_response(ids.size()[1], response_len, temperature)?;
         let (hidden, labels, columns) = self.predictors(ids, mask, response_len, tape)?;
-        let logits = hidden.linear(head, None::<&Tensor>).to_kind(Kind::Float);
+        let logits = self.without_padding(hidden.linear(head, None::<&Tensor>).to_kind(Kind::Float));
         let logits = if temperature == 1.0 {
             logits
         } else {
@@ -497,6 +533,20 @@ impl TpModel {
             log_probs: log_probs * response_mask,
             entropy,
         })
+    }
+
+    /// `logits` `[.., V/tp]` of this rank's vocabulary shard with the padding rows' (past the
+    /// model's vocabulary) set so low that they never win a max and add exactly 0 to every sum
+    /// of `e^z` and `e^z·z` (a finite value: `0 · -inf` would be NaN, in the entropy and in the
+    /// gradients).
+    fn without_padding(&self, logits: Tensor) -> Tensor {
+        let rows = self.embed.size()[0];
+        let real = (self.full.vocab_size - self.vocab_start()).clamp(0, rows);
+        if real == rows {
+            return logits;
+        }
+        let padding = Tensor::arange(rows, (Kind::Int64, logits.device())).ge(real);
+        logits.masked_fill(&padding, PADDED_LOGIT)
     }
 
     /// Per-token values of the response tokens (a value-head model).
@@ -679,6 +729,19 @@ mod tests {
                     "{split:?} tp {tp}"
                 );
             }
+        }
+        // A vocabulary of 7 rows over 2 and 4 ranks: shards of 4 and 2 rows, the last padded
+        // with zeros; reassembled to the 7 rows.
+        let vocab = Tensor::arange(7 * 3, (Kind::Float, tch::Device::Cpu)).view([7, 3]) + 1.0;
+        for tp in [2u32, 4] {
+            let split = Split::Vocab { parts: tp, rows: 7 };
+            let shards: Vec<Tensor> = (0..tp).map(|r| split.shard(&vocab, r, tp)).collect();
+            let n = 8 / i64::from(tp);
+            assert!(shards.iter().all(|s| s.size() == [n, 3]), "tp {tp}");
+            let last = &shards[tp as usize - 1];
+            assert!(last.narrow(0, n - 1, 1).eq(0.0).all().int64_value(&[]) == 1);
+            assert!(split.unshard(&Tensor::stack(&shards, 0), tp).equal(&vocab));
+            assert_eq!(split.whole_shape(&[n, 3], tp), [7, 3]);
         }
         // Two key/value heads over four ranks: ranks 0, 1 hold head 0, ranks 2, 3 head 1.
         let kv = Split::Rows { parts: 2 };

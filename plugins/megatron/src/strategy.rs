@@ -403,19 +403,14 @@ impl Strategy for TpStrategy {
 impl TpStrategy {
     /// Every parameter's whole shape, from this rank's shard and its split.
     fn full_weights_shapes(&self) -> Vec<(String, Vec<i64>)> {
-        let tp = i64::from(self.model.comm().tp_size());
+        let tp = self.model.comm().tp_size();
         self.model
             .local()
             .named_tensors()
             .into_iter()
             .zip(self.model.splits())
             .map(|((name, t), (_, split))| {
-                let mut shape = t.size();
-                match split {
-                    Split::Rows { parts } => shape[0] *= i64::from(*parts),
-                    Split::Cols => shape[1] *= tp,
-                    Split::Replicated => {}
-                }
+                let shape = split.whole_shape(&t.size(), tp);
                 (name, shape)
             })
             .collect()

@@ -54,8 +54,16 @@ fn env(name: &str) -> String {
 // Models: small, with every feature the layout must respect.
 
 /// Qwen2 with q/k/v biases and grouped-query attention (`kv` key/value heads for 4 query heads;
-/// 1 is replicated over 2 ranks), or Llama with tied embeddings and biases on o and the MLP.
+/// 1 is replicated over 2 ranks), or Llama with tied embeddings and biases on o and the MLP;
+/// `…-odd-vocab`: with 67 tokens, which no tensor-parallel size divides (the vocab-parallel
+/// shards are padded).
 fn model_config(name: &str) -> ModelConfig {
+    if let Some(base) = name.strip_suffix("-odd-vocab") {
+        return ModelConfig {
+            vocab_size: 67,
+            ..model_config(base)
+        };
+    }
     let qwen2 = |kv| ModelConfig {
         architecture: Architecture::Qwen2,
         vocab_size: 64,
@@ -587,10 +595,10 @@ fn unbuilt_layouts_are_errors() {
     }
 }
 
-/// Saved at tensor-parallel size `from` (2 ranks), loaded at `to`.
-fn reshard(from: u32, to: u32) {
+/// `model` saved at tensor-parallel size `from` (2 ranks), loaded at `to`.
+fn reshard(model: &str, from: u32, to: u32) {
     let dir = tempfile::tempdir().unwrap();
-    let path = model_dir("qwen2-gqa", dir.path());
+    let path = model_dir(model, dir.path());
     // Made by the engine, as the trainer expects.
     let ckpt = dir.path().join("ckpt");
     let section = |tp: u32| json!({"tensor_model_parallel_size": tp});
@@ -650,8 +658,23 @@ fn main() {
             run("widths", 4, &path, &parallel, dir.path());
         }),
         ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
-        ("reshard_tp2_to_tp1", || reshard(2, 1)),
-        ("reshard_tp1_to_tp2", || reshard(1, 2)),
+        ("reshard_tp2_to_tp1", || reshard("qwen2-gqa", 2, 1)),
+        ("reshard_tp1_to_tp2", || reshard("qwen2-gqa", 1, 2)),
+        ("tp2_qwen2_odd_vocab", || {
+            parity("qwen2-gqa-odd-vocab", 2, 2, false)
+        }),
+        ("tp2_sp_llama_tied_odd_vocab", || {
+            parity("llama-tied-odd-vocab", 2, 2, true)
+        }),
+        ("dp2_tp2_sp_qwen2_odd_vocab", || {
+            parity("qwen2-gqa-odd-vocab", 4, 2, true)
+        }),
+        ("reshard_odd_vocab_tp2_to_tp1", || {
+            reshard("qwen2-gqa-odd-vocab", 2, 1)
+        }),
+        ("reshard_odd_vocab_tp1_to_tp2", || {
+            reshard("qwen2-gqa-odd-vocab", 1, 2)
+        }),
     ];
     verl_testkit::run_rank_tests(tests);
 }

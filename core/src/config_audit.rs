@@ -5,7 +5,6 @@
 
 use verl_plugin_api::{
     CheckpointCapabilities, ComponentKind, ConfigKeys, EngineCapabilities, RolloutCapabilities,
-    RunContext,
 };
 use verl_plugin_host::Registry;
 
@@ -25,13 +24,19 @@ fn unsupported_message(findings: &[Finding]) -> String {
     )
 }
 
-/// The audit's context: `run`'s world size, and the declarations of the components `config` uses
-/// on `run`'s device type (a name the registry lacks is left out: the trainer names it when it
-/// resolves components).
-pub fn context(config: &Config, registry: &Registry, run: &RunContext) -> AuditContext {
+/// The audit's context: the world size `trainer.nnodes × trainer.n_gpus_per_node` must equal
+/// (`None`: not checked), and the declarations of the components `config` uses on `device_type`
+/// devices (a name the registry lacks is left out: the trainer names it when it resolves
+/// components).
+pub fn context(
+    config: &Config,
+    registry: &Registry,
+    device_type: &str,
+    world_size: Option<u32>,
+) -> AuditContext {
     let declared = |kind: ComponentKind, name: &str| {
         let component = match kind {
-            ComponentKind::ENGINE => registry.resolve_engine(name, &run.device_type),
+            ComponentKind::ENGINE => registry.resolve_engine(name, device_type),
             _ => registry.resolve(kind, name),
         }
         .ok()?;
@@ -81,19 +86,21 @@ pub fn context(config: &Config, registry: &Registry, run: &RunContext) -> AuditC
         .filter_map(|(section, keys)| Some((section.to_owned(), keys?)))
         .collect();
     AuditContext {
-        world_size: run.world_size,
+        world_size,
         components,
     }
 }
 
-/// Audits `config` for a run placed as `run`: logs each warning once and fails with every error.
-/// Returns the findings (warnings only).
+/// Audits `config` for a command on `device_type` devices (and `world_size` ranks, see
+/// [`context`]): logs each warning once and fails with every error. Returns the findings
+/// (warnings only).
 pub fn check(
     config: &Config,
     registry: &Registry,
-    run: &RunContext,
+    device_type: &str,
+    world_size: Option<u32>,
 ) -> Result<Vec<Finding>, Unsupported> {
-    let findings = audit(config, &context(config, registry, run));
+    let findings = audit(config, &context(config, registry, device_type, world_size));
     let (errors, warnings): (Vec<&Finding>, Vec<&Finding>) =
         findings.iter().partition(|f| f.severity == Severity::Error);
     for finding in warnings {

@@ -711,7 +711,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             verl_core::reward::select::load_library(&mut registry, &config, allow_list.as_ref())?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
-            config_audit::check(&config, &registry, placement.run())?;
+            config_audit::check(&config, &registry, &placement.run().device_type, Some(placement.run().world_size))?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -741,7 +741,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
             placement.require_single_rank("supervised fine-tuning")?;
-            config_audit::check(&config, &registry, placement.run())?;
+            config_audit::check(&config, &registry, &placement.run().device_type, Some(placement.run().world_size))?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -760,7 +760,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // The world size as `run` would see it; the device `trainer.device` names need not be
             // on this machine to check a config.
             let placement = placement(&registry, timeout, config.trainer.seed)?;
-            let context = config_audit::context(&config, &registry, placement.run());
+            let context = config_audit::context(&config, &registry, &placement.run().device_type, Some(placement.run().world_size));
             let findings = verl_core::config::audit(&config, &context);
             let errors = findings
                 .iter()
@@ -824,7 +824,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.trainer.seed = args.seed;
             let placement = training_placement(&config, &registry, timeout)?;
             placement.require_single_rank("generation")?;
-            config_audit::check(&config, &registry, placement.run())?;
+            // One rank; trainer.nnodes × n_gpus_per_node sizes training jobs only.
+            config_audit::check(&config, &registry, &placement.run().device_type, None)?;
             let tokenizer = if args.prompts.is_empty() && !args.json {
                 None
             } else {
@@ -886,7 +887,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args.config, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
-            config_audit::check(&config, &registry, placement.run())?;
+            // Its ranks are the launcher's: trainer.nnodes × n_gpus_per_node sizes training jobs.
+            config_audit::check(&config, &registry, &placement.run().device_type, None)?;
             let (prompts, responses) = inference::read_score_input(&args.input, &args.model)?;
             let spec = inference::ScoreSpec {
                 registry: &registry,

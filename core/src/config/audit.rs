@@ -464,8 +464,10 @@ pub fn rule_for(key: &str) -> Option<&'static Rule> {
 /// declare about their sections.
 #[derive(Debug, Clone)]
 pub struct AuditContext {
-    /// Ranks in this run (WORLD_SIZE; 1 without a launcher).
-    pub world_size: u32,
+    /// Ranks in this run (WORLD_SIZE; 1 without a launcher), which `trainer.nnodes ×
+    /// trainer.n_gpus_per_node` must equal; `None` for a command that takes its ranks from the
+    /// launcher alone (`score`).
+    pub world_size: Option<u32>,
     /// Each component the run uses: its verl section (`actor_rollout_ref.actor`,
     /// `actor_rollout_ref.rollout`, …) and what it declares about the keys there.
     pub components: Vec<(String, ConfigKeys)>,
@@ -475,7 +477,7 @@ impl Default for AuditContext {
     /// One process, no component declarations.
     fn default() -> Self {
         Self {
-            world_size: 1,
+            world_size: Some(1),
             components: Vec::new(),
         }
     }
@@ -605,7 +607,9 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
         }
     });
     let (nnodes, per_node) = (config.trainer.nnodes, config.trainer.n_gpus_per_node);
-    if nnodes * per_node != ctx.world_size as usize {
+    if let Some(world_size) = ctx.world_size
+        && nnodes * per_node != world_size as usize
+    {
         // Name the key that was set (n_gpus_per_node when both or neither were).
         let key = if config.origin("trainer.nnodes").is_some()
             && config.origin("trainer.n_gpus_per_node").is_none()
@@ -622,7 +626,7 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
             format!(
                 "trainer.nnodes × trainer.n_gpus_per_node = {nnodes} × {per_node} must equal the world size, {} \
                  (WORLD_SIZE, 1 without a launcher); {PARALLEL}",
-                ctx.world_size
+                world_size
             ),
         ));
     }

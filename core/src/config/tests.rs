@@ -1150,7 +1150,7 @@ fn findings_name_key_value_origin_and_follow_components() {
 
     // A rollout that acts on the server keys, and an engine that declares its section's offload.
     let ctx = AuditContext {
-        world_size: 1,
+        world_size: Some(1),
         components: vec![
             (
                 "actor_rollout_ref.rollout".into(),
@@ -1210,7 +1210,7 @@ fn findings_name_key_value_origin_and_follow_components() {
     )
     .unwrap();
     let eight = AuditContext {
-        world_size: 8,
+        world_size: Some(8),
         ..AuditContext::default()
     };
     assert_eq!(audit(&c, &eight), []);

@@ -39,8 +39,9 @@ pub fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> anyhow::Result<V
         .to_vec())
 }
 
-/// What `verl-core generate` generates with: the rollout component `rollout`, configured with the
-/// verl config's `actor_rollout_ref.rollout` (overrides included) and loaded from `model`.
+/// What `verl-core generate` generates with: the rollout component `rollout`, loaded from `model`
+/// and configured with the keys of `actor_rollout_ref.rollout` the config sets (a file, variable
+/// or override; the section's defaults size and type a training run's server, not this command's).
 pub struct GenerateSpec<'a> {
     pub registry: &'a Registry,
     pub config: &'a Config,
@@ -71,9 +72,14 @@ pub fn generate(
     }
     let component = spec.registry.resolve(ComponentKind::ROLLOUT, rollout)?;
     let mut generator = component.create_rollout()?;
-    let mut section = spec.config.rollout_json();
-    section["name"] = json!(rollout);
-    section["model"]["path"] = json!(model);
+    let mut section = json!({ "model": { "path": model } });
+    if let serde_json::Value::Object(all) = spec.config.rollout_json() {
+        for (key, value) in all {
+            if key != "model" && spec.config.sets(&format!("actor_rollout_ref.rollout.{key}")) {
+                section[key.as_str()] = value;
+            }
+        }
+    }
     generator
         .init(&plugin_init(
             spec.config,

@@ -196,8 +196,8 @@ struct GenerateArgs {
     rollout: Option<String>,
     #[arg(long)]
     json: bool,
-    /// verl config and `key=value` overrides, as `run` takes them: the rollout gets
-    /// `actor_rollout_ref.rollout` (the model is --model's, sampling the flags').
+    /// verl config and `key=value` overrides, as `run` takes them: the rollout gets the keys of
+    /// `actor_rollout_ref.rollout` they set (the model is --model's, sampling the flags').
     #[command(flatten)]
     config: RunArgs,
 }

@@ -576,6 +576,15 @@ impl Config {
         self.provenance.0.get(key).map(String::as_str)
     }
 
+    /// Whether a config file, variable or override sets `key` (a dotted path) or a key inside it.
+    pub fn sets(&self, key: &str) -> bool {
+        let inside = format!("{key}.");
+        self.provenance
+            .0
+            .keys()
+            .any(|k| k == key || k.starts_with(&inside))
+    }
+
     /// The config as YAML (`verl-core config show`).
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).expect("config serialises")

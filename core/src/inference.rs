@@ -75,7 +75,11 @@ pub fn generate(
     let mut section = json!({ "model": { "path": model } });
     if let serde_json::Value::Object(all) = spec.config.rollout_json() {
         for (key, value) in all {
-            if key != "model" && spec.config.sets(&format!("actor_rollout_ref.rollout.{key}")) {
+            if key != "model"
+                && spec
+                    .config
+                    .sets(&format!("actor_rollout_ref.rollout.{key}"))
+            {
                 section[key.as_str()] = value;
             }
         }

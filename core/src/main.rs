@@ -711,7 +711,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             verl_core::reward::select::load_library(&mut registry, &config, allow_list.as_ref())?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
-            config_audit::check(&config, &registry, &placement.run().device_type, Some(placement.run().world_size))?;
+            config_audit::check(
+                &config,
+                &registry,
+                &placement.run().device_type,
+                Some(placement.run().world_size),
+            )?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -741,7 +746,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
             placement.require_single_rank("supervised fine-tuning")?;
-            config_audit::check(&config, &registry, &placement.run().device_type, Some(placement.run().world_size))?;
+            config_audit::check(
+                &config,
+                &registry,
+                &placement.run().device_type,
+                Some(placement.run().world_size),
+            )?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -760,7 +770,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // The world size as `run` would see it; the device `trainer.device` names need not be
             // on this machine to check a config.
             let placement = placement(&registry, timeout, config.trainer.seed)?;
-            let context = config_audit::context(&config, &registry, &placement.run().device_type, Some(placement.run().world_size));
+            let context = config_audit::context(
+                &config,
+                &registry,
+                &placement.run().device_type,
+                Some(placement.run().world_size),
+            );
             let findings = verl_core::config::audit(&config, &context);
             let errors = findings
                 .iter()

@@ -99,7 +99,11 @@ pub fn engines_text(engines: &[EngineRouteJson]) -> String {
     let Some(first) = engines.first() else {
         return out;
     };
-    let _ = writeln!(out, "Engines on `{}` (strategy -> engine):", first.device_type);
+    let _ = writeln!(
+        out,
+        "Engines on `{}` (strategy -> engine):",
+        first.device_type
+    );
     for route in engines {
         let target = match (&route.engine, &route.plugin, &route.error) {
             (Some(engine), Some(plugin), _) => format!("{engine} ({plugin})"),

@@ -222,6 +222,9 @@ mod tests {
             "d",
             MindSpeed::default,
         ));
-        assert_eq!(engine_of(&r, "megatron", "npu"), Ok("mindspeed-best".into()));
+        assert_eq!(
+            engine_of(&r, "megatron", "npu"),
+            Ok("mindspeed-best".into())
+        );
     }
 }

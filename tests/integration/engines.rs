@@ -5,7 +5,6 @@
 
 use std::process::Output;
 
-use serde_json::Value;
 use verl_testkit::FakeRoot;
 
 use crate::helpers::*;
@@ -45,7 +44,9 @@ fn on(root: &FakeRoot, mindspeed: bool, args: &[&str]) -> Output {
 fn route(root: &FakeRoot, mindspeed: bool, strategy: &str) -> (String, Result<String, String>) {
     let out = on(root, mindspeed, &["plugins", "list", "--json"]);
     let list = stdout_json(&out);
-    let routes = list["engines"].as_array().unwrap_or_else(|| panic!("{list:#}"));
+    let routes = list["engines"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{list:#}"));
     let r = routes
         .iter()
         .find(|r| r["strategy"] == strategy)

@@ -274,8 +274,8 @@ fn score_on_two_ranks_with_verl_overrides_matches_one_rank() {
         let out = verl_core(&args, &[]);
         let (stdout, stderr) = text(&out);
         assert!(out.status.success(), "{args:?}\n{stdout}\n{stderr}");
-        let json: serde_json::Value = serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+        let json: serde_json::Value =
+            serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
         json["results"]
             .as_array()
             .unwrap()
@@ -304,7 +304,10 @@ fn score_on_two_ranks_with_verl_overrides_matches_one_rank() {
         ],
     );
     let fsdp_dp2 = score(Some("2"), &[]);
-    for (name, other) in [("megatron TP=2", &megatron_tp2), ("fsdp on 2 ranks", &fsdp_dp2)] {
+    for (name, other) in [
+        ("megatron TP=2", &megatron_tp2),
+        ("fsdp on 2 ranks", &fsdp_dp2),
+    ] {
         assert_eq!(other.len(), one.len(), "{name}: {other:?}");
         for (a, b) in one.iter().zip(other.iter()) {
             assert_eq!(a.len(), b.len(), "{name}: {a:?} vs {b:?}");
@@ -325,7 +328,11 @@ fn score_reports_unsupported_overrides() {
     let plugins = bundled_plugins(&["verl_plugin_megatron"]);
     let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-qwen2");
     let input = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(input.path(), "{\"prompt_ids\": [5], \"response_ids\": [6]}\n").unwrap();
+    std::fs::write(
+        input.path(),
+        "{\"prompt_ids\": [5], \"response_ids\": [6]}\n",
+    )
+    .unwrap();
     let out = verl_core(
         &[
             "--plugin-dir",

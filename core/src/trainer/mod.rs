@@ -1666,7 +1666,11 @@ struct Components {
 
 impl Components {
     /// Engines by strategy on `device_type` (the selected platform's), the rest by name.
-    fn resolve(config: &Config, registry: &Registry, device_type: &str) -> Result<Self, TrainError> {
+    fn resolve(
+        config: &Config,
+        registry: &Registry,
+        device_type: &str,
+    ) -> Result<Self, TrainError> {
         let engine = |role: EngineRole| {
             registry
                 .resolve_engine(config.engine_strategy(role), device_type)

@@ -89,7 +89,13 @@ impl Split {
                 let real = full.narrow(0, start, end - start);
                 let mut shape = full.size();
                 shape[0] = n - (end - start);
-                Tensor::cat(&[real, Tensor::zeros(shape.as_slice(), (full.kind(), full.device()))], 0)
+                Tensor::cat(
+                    &[
+                        real,
+                        Tensor::zeros(shape.as_slice(), (full.kind(), full.device())),
+                    ],
+                    0,
+                )
             }
             Self::Cols => {
                 let n = full.size()[1] / parts;
@@ -484,7 +490,8 @@ impl TpModel {
             .ok_or_else(|| invalid("head", "log-probs need a model built with Head::Lm"))?;
         check_response(ids.size()[1], response_len, temperature)?;
         let (hidden, labels, columns) = self.predictors(ids, mask, response_len, tape)?;
-        let logits = self.without_padding(hidden.linear(head, None::<&Tensor>).to_kind(Kind::Float));
+        let logits =
+            self.without_padding(hidden.linear(head, None::<&Tensor>).to_kind(Kind::Float));
         let logits = if temperature == 1.0 {
             logits
         } else {

@@ -529,6 +529,17 @@ fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::Resul
     Ok(Placement::on_platform(device, seed)?)
 }
 
+/// The config audit of a training command, sized by its ranks, on its device type.
+fn audit_training(
+    config: &Config,
+    registry: &Registry,
+    placement: &Placement,
+) -> anyhow::Result<()> {
+    let run = placement.run();
+    config_audit::check(config, registry, &run.device_type, Some(run.world_size))?;
+    Ok(())
+}
+
 /// `verl-core launch`: every rank runs this binary with the global options given to launch.
 fn run_launch(plugins: &PluginArgs, args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let subcommand = args.command[0].to_string_lossy();
@@ -711,12 +722,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             verl_core::reward::select::load_library(&mut registry, &config, allow_list.as_ref())?;
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
-            config_audit::check(
-                &config,
-                &registry,
-                &placement.run().device_type,
-                Some(placement.run().world_size),
-            )?;
+            audit_training(&config, &registry, &placement)?;
             quickstart::prepare(&config, &registry, &placement)?;
             trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
             let summary = trainer::run(config, &registry, &placement)?;
@@ -746,12 +752,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let placement = training_placement(&config, &registry, timeout)?;
             check_training_ranks(&placement, &config)?;
             placement.require_single_rank("supervised fine-tuning")?;
-            config_audit::check(
-                &config,
-                &registry,
-                &placement.run().device_type,
-                Some(placement.run().world_size),
-            )?;
+            audit_training(&config, &registry, &placement)?;
             sft::run_sft(&config, &config.sft, &registry, &placement)?;
             Ok(ExitCode::SUCCESS)
         }

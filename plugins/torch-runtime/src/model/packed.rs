@@ -121,7 +121,7 @@ impl Packing {
         let mut slot_of = vec![-1i64; mask.len()];
         for b in 0..rows {
             let row = b * seq;
-            let mut len = 0;
+            let mut len = 0i64;
             for s in 0..seq {
                 if mask[(row + s) as usize] != 0 {
                     slot_of[(row + s) as usize] = source.len() as i64;
@@ -130,7 +130,7 @@ impl Packing {
                     len += 1;
                 }
             }
-            let padded = len.div_ceil(multiple) * multiple;
+            let padded = (len + multiple - 1) / multiple * multiple;
             for p in len..padded {
                 source.push(row);
                 positions.push(p);

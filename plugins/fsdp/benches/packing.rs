@@ -55,10 +55,13 @@ fn write_model(dir: &Path) {
         "initializer_range": 0.02,
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    CausalLM::random(ModelConfig::from_dir(dir).unwrap(), &ModelOptions::default())
-        .unwrap()
-        .save_pretrained(dir, None)
-        .unwrap();
+    CausalLM::random(
+        ModelConfig::from_dir(dir).unwrap(),
+        &ModelOptions::default(),
+    )
+    .unwrap()
+    .save_pretrained(dir, None)
+    .unwrap();
 }
 
 /// The GRPO batch: row `i`'s prompt (shared by its group of 4) and response lengths drawn from
@@ -74,7 +77,8 @@ fn grpo_batch() -> (Batch, i64) {
         }
         let response = 1 + (rng.next_u64() % RESPONSE as u64) as i64;
         for c in 0..width {
-            let real = (c >= PROMPT - prompt && c < PROMPT) || (c >= PROMPT && c < PROMPT + response);
+            let real =
+                (c >= PROMPT - prompt && c < PROMPT) || (c >= PROMPT && c < PROMPT + response);
             ids.push(3 + (rng.next_u64() % (VOCAB as u64 - 3)) as i64);
             mask.push(i64::from(real));
             if c >= PROMPT {
@@ -127,14 +131,22 @@ fn main() {
     let mut engines = [engine(dir.path(), false), engine(dir.path(), true)];
     let log_probs = |e: &mut FsdpEngine, b: &Batch| {
         let out = e.compute_log_prob(b).unwrap();
-        to_tch("log_probs", out.require(keys::LOG_PROBS).unwrap(), tch::Device::Cpu).unwrap()
+        to_tch(
+            "log_probs",
+            out.require(keys::LOG_PROBS).unwrap(),
+            tch::Device::Cpu,
+        )
+        .unwrap()
     };
     let (padded, packed) = (
         log_probs(&mut engines[0], &batch),
         log_probs(&mut engines[1], &batch),
     );
     let diff = (&padded - &packed).abs().max().double_value(&[]);
-    assert!(diff <= 1e-5, "packed log-probs differ from padded by {diff:e}");
+    assert!(
+        diff <= 1e-5,
+        "packed log-probs differ from padded by {diff:e}"
+    );
     batch.insert(keys::OLD_LOG_PROBS, from_tch("old", &padded).unwrap());
     let cells = ROWS * (PROMPT + RESPONSE);
     println!(

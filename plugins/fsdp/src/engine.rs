@@ -14,8 +14,8 @@ use verl_plugin_api::{ComponentInit, TensorRef};
 use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, load_training_state,
-    load_training_state_from, parse_device, save_training_state,
+    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng,
+    load_training_state, load_training_state_from, parse_device, save_training_state,
 };
 
 use crate::config::FsdpConfig;
@@ -177,7 +177,11 @@ impl Strategy for LocalModel {
         loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         self.backward(rows, |hidden, context| {
-            loss(&self.model.response_values_in(hidden, context, rows.response_len)?)
+            loss(
+                &self
+                    .model
+                    .response_values_in(hidden, context, rows.response_len)?,
+            )
         })
     }
 

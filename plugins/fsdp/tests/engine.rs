@@ -616,7 +616,8 @@ fn packed_batches_equal_padded() {
                 packed.compute_log_prob(&batch).unwrap(),
             );
             for key in [keys::LOG_PROBS, keys::ENTROPYS] {
-                let values = |b: &verl_plugin_api::Batch| b.require(key).unwrap().to_vec::<f32>().unwrap();
+                let values =
+                    |b: &verl_plugin_api::Batch| b.require(key).unwrap().to_vec::<f32>().unwrap();
                 let diff = max_abs_diff(&values(&got), &values(&want));
                 worst[0] = worst[0].max(diff);
                 assert!(diff <= TOLERANCE, "{model} {extra}: {key} {diff:e}");
@@ -628,7 +629,12 @@ fn packed_batches_equal_padded() {
                     let mine = metric(&got, &m.key);
                     let diff = (mine - m.value).abs() / m.value.abs().max(1.0);
                     worst[1] = worst[1].max(diff);
-                    assert!(diff <= TOLERANCE, "{model} {extra} update {step}: {} {mine} vs {}", m.key, m.value);
+                    assert!(
+                        diff <= TOLERANCE,
+                        "{model} {extra} update {step}: {} {mine} vs {}",
+                        m.key,
+                        m.value
+                    );
                 }
                 let diff = weights_diff(&weights(&mut packed), &weights(&mut padded));
                 worst[2] = worst[2].max(diff);
@@ -657,18 +663,41 @@ fn packed_critic_equals_padded() {
     let (mut padded, mut packed) = (critic(false), critic(true));
     let (mut batch, _) = fixture_batch("tiny-llama");
     let values = |e: &mut verl_plugin_host::EngineHandle, b: &verl_plugin_api::Batch| {
-        e.compute_values(b).unwrap().require(keys::VALUES).unwrap().clone()
+        e.compute_values(b)
+            .unwrap()
+            .require(keys::VALUES)
+            .unwrap()
+            .clone()
     };
     let want = values(&mut padded, &batch);
     let got = values(&mut packed, &batch);
-    let diff = max_abs_diff(&got.to_vec::<f32>().unwrap(), &want.to_vec::<f32>().unwrap());
+    let diff = max_abs_diff(
+        &got.to_vec::<f32>().unwrap(),
+        &want.to_vec::<f32>().unwrap(),
+    );
     assert!(diff <= 1e-5, "values {diff:e}");
-    let returns: Vec<f32> = want.to_vec::<f32>().unwrap().iter().map(|v| v + 1.0).collect();
-    batch.insert(keys::RETURNS, Tensor::from_slice(&want.shape, &returns).unwrap());
+    let returns: Vec<f32> = want
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v + 1.0)
+        .collect();
+    batch.insert(
+        keys::RETURNS,
+        Tensor::from_slice(&want.shape, &returns).unwrap(),
+    );
     batch.insert(keys::VALUES, want);
     let (a, b) = (
-        padded.update_critic(&batch).unwrap().into_iter().collect::<Vec<_>>(),
-        packed.update_critic(&batch).unwrap().into_iter().collect::<Vec<_>>(),
+        padded
+            .update_critic(&batch)
+            .unwrap()
+            .into_iter()
+            .collect::<Vec<_>>(),
+        packed
+            .update_critic(&batch)
+            .unwrap()
+            .into_iter()
+            .collect::<Vec<_>>(),
     );
     for m in &a {
         let diff = (metric(&b, &m.key) - m.value).abs() / m.value.abs().max(1.0);

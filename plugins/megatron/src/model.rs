@@ -289,7 +289,8 @@ impl TpModel {
             i64::from(self.comm.tp_size()),
             i64::from(self.comm.cp_size()),
         );
-        if cp > 1 { 2 * cp } else { 1 } * if self.sequence_parallel { tp } else { 1 }
+        let context = if cp > 1 { 2 * cp } else { 1 };
+        context * if self.sequence_parallel { tp } else { 1 }
     }
 
     pub fn local(&self) -> &CausalLM {
@@ -400,9 +401,9 @@ impl TpModel {
         let mut x = hooks.exit(&embedded)?;
         for layer in 0..self.full.num_hidden_layers as usize {
             x = hooks.cut(&x, &x, Backward::Identity);
-            x = self.local.attention_block(layer, &x, &context, &hooks)?;
+            x = self.local.attention_block(layer, &x, context, hooks)?;
             x = hooks.cut(&x, &x, Backward::Identity);
-            x = self.local.mlp_block(layer, &x, &hooks)?;
+            x = self.local.mlp_block(layer, &x, hooks)?;
         }
         let hidden = self.local.norm_block(&x);
         let whole = match (self.sequence_parallel, self.lm_head.is_some()) {
@@ -433,8 +434,13 @@ impl TpModel {
     ) -> Result<Predictors> {
         let device = self.local.device();
         let packing = Packing::new(&mask.to_device(device), response_len, self.alignment())?;
-        let layout = (self.comm.cp_size() > 1)
-            .then(|| Rc::new(seq::PackedContext::new(&self.comm, packing.cu_seqlens(), device)));
+        let layout = (self.comm.cp_size() > 1).then(|| {
+            Rc::new(seq::PackedContext::new(
+                &self.comm,
+                packing.cu_seqlens(),
+                device,
+            ))
+        });
         let (predictors, labels, targets, stream) = (
             packing.predictors().shallow_clone(),
             packing.labels(ids),
@@ -531,10 +537,9 @@ impl TpModel {
                 rows,
                 shared,
             } => {
-                let spread =
-                    Tensor::zeros([rows * response_len], (values.kind(), values.device()))
-                        .index_copy(0, targets, &values)
-                        .view([*rows, response_len]);
+                let spread = Tensor::zeros([rows * response_len], (values.kind(), values.device()))
+                    .index_copy(0, targets, &values)
+                    .view([*rows, response_len]);
                 if *shared {
                     all_reduce_identity_backward(&self.comm, Scope::Context, &spread)
                 } else {

@@ -438,7 +438,12 @@ fn batch_of_lengths(vocab: i64, lengths: &[usize]) -> Batch {
     let mut rng = Rng::stream(17, lengths.len() as u64);
     let prompt_of = |len: usize| len.div_ceil(2);
     let prompt = lengths.iter().map(|&l| prompt_of(l)).max().unwrap();
-    let response = lengths.iter().map(|&l| l - prompt_of(l)).max().unwrap().max(1);
+    let response = lengths
+        .iter()
+        .map(|&l| l - prompt_of(l))
+        .max()
+        .unwrap()
+        .max(1);
     let width = prompt + response;
     let (mut ids, mut mask, mut responses) =
         (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
@@ -485,7 +490,13 @@ fn play_lengths(model: &Path, megatron: Value) {
     let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
     let longest = 2 * tp * cp * 2 + 1;
     let lengths: Vec<usize> = (0..longest)
-        .map(|i| if i % 2 == 0 { 1 + i / 2 } else { longest - i / 2 })
+        .map(|i| {
+            if i % 2 == 0 {
+                1 + i / 2
+            } else {
+                longest - i / 2
+            }
+        })
         .collect();
     let (start, len) = part(lengths.len(), run.rank as usize, run.world_size as usize);
     let mut reference = common::engine(&actor_config(model, None));
@@ -751,7 +762,12 @@ fn main() {
             packed("lengths", "qwen2-gqa", 2, parallel);
         }),
         ("packed_every_length_cp2", || {
-            packed("lengths", "qwen2-gqa", 2, json!({"context_parallel_size": 2}));
+            packed(
+                "lengths",
+                "qwen2-gqa",
+                2,
+                json!({"context_parallel_size": 2}),
+            );
         }),
         ("packed_every_length_tp2_sp_cp2_4_ranks", || {
             let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
@@ -762,14 +778,24 @@ fn main() {
             packed("parity", "qwen2-gqa", 2, parallel);
         }),
         ("packed_cp2_llama_tied", || {
-            packed("parity", "llama-tied", 2, json!({"context_parallel_size": 2}));
+            packed(
+                "parity",
+                "llama-tied",
+                2,
+                json!({"context_parallel_size": 2}),
+            );
         }),
         ("packed_tp2_sp_cp2_qwen2_gqa_4_ranks", || {
             let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
             packed("parity", "qwen2-gqa", 4, parallel);
         }),
         ("packed_cp2_critic_qwen2_gqa", || {
-            packed("critic", "qwen2-gqa", 2, json!({"context_parallel_size": 2}));
+            packed(
+                "critic",
+                "qwen2-gqa",
+                2,
+                json!({"context_parallel_size": 2}),
+            );
         }),
         ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
         ("reshard_tp2_to_tp1", || reshard(2, 1)),

@@ -1074,7 +1074,10 @@ impl CausalLM {
         check_batch(input_ids, attention_mask, vocab_size)?;
         let device = self.device();
         let tokens = tokens.to_device(device);
-        let (input_ids, mask) = (input_ids.to_device(device), attention_mask.to_device(device));
+        let (input_ids, mask) = (
+            input_ids.to_device(device),
+            attention_mask.to_device(device),
+        );
         Ok(BlockContext {
             context: self.context_at(&mask, &tokens),
             input_ids: input_ids.index_select(1, &tokens),

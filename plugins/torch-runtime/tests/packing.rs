@@ -51,10 +51,18 @@ fn batches(vocab: i64) -> Vec<(Tensor, Tensor, i64)> {
     ]
 }
 
-fn packed_scores(model: &CausalLM, ids: &Tensor, mask: &Tensor, r: i64, t: f64) -> (Tensor, Tensor) {
+fn packed_scores(
+    model: &CausalLM,
+    ids: &Tensor,
+    mask: &Tensor,
+    r: i64,
+    t: f64,
+) -> (Tensor, Tensor) {
     let context = model.packed_block_context(ids, mask, r).unwrap();
     let hidden = model.hidden_states_in(&context);
-    let scores = model.response_scores_in(&hidden, &context, r, t, true).unwrap();
+    let scores = model
+        .response_scores_in(&hidden, &context, r, t, true)
+        .unwrap();
     (scores.log_probs, scores.entropy.unwrap())
 }
 
@@ -75,7 +83,14 @@ fn packed_log_probs_and_entropy_equal_padded() {
                     assert!(lp <= TOLERANCE && h <= TOLERANCE, "{name}: {lp} {h}");
                     // Scored positions are real, and padding scores zero in both.
                     let zero = mask.narrow(1, mask.size()[1] - r, r).eq(0);
-                    assert!(log_probs.masked_select(&zero).abs().sum(Kind::Float).double_value(&[]) == 0.0);
+                    assert!(
+                        log_probs
+                            .masked_select(&zero)
+                            .abs()
+                            .sum(Kind::Float)
+                            .double_value(&[])
+                            == 0.0
+                    );
                 }
             });
         }

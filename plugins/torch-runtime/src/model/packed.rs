@@ -42,14 +42,32 @@ pub(crate) fn attend(
                 v.narrow(2, s.key_start, s.key_len),
             );
             if s.query_len == s.key_len {
-                Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, scale, false)
+                Tensor::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    None::<&Tensor>,
+                    0.0,
+                    true,
+                    scale,
+                    false,
+                )
             } else {
                 let device = q.device();
                 let offset = s.key_len - s.query_len;
                 let query = Tensor::arange(s.query_len, (Kind::Int64, device)).view([-1, 1]);
                 let key = Tensor::arange(s.key_len, (Kind::Int64, device)).view([1, -1]);
                 let mask = key.le_tensor(&(query + offset));
-                Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, scale, false)
+                Tensor::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    Some(&mask),
+                    0.0,
+                    false,
+                    scale,
+                    false,
+                )
             }
         })
         .collect();
@@ -259,8 +277,7 @@ impl Packing {
                     match segments.last_mut() {
                         // The next slot of the same row: the run grows by one query and one key.
                         Some(last)
-                            if last.key_start == start
-                                && last.key_start + last.key_len == slot =>
+                            if last.key_start == start && last.key_start + last.key_len == slot =>
                         {
                             last.query_len += 1;
                             last.key_len += 1;
@@ -283,8 +300,11 @@ impl Packing {
     pub fn unpack_response(&self, values: &Tensor) -> Tensor {
         let mut shape = vec![self.rows * self.response_len];
         shape.extend_from_slice(&values.size()[1..]);
-        let spread = Tensor::zeros(shape.as_slice(), (values.kind(), values.device()))
-            .index_copy(0, &self.targets, values);
+        let spread = Tensor::zeros(shape.as_slice(), (values.kind(), values.device())).index_copy(
+            0,
+            &self.targets,
+            values,
+        );
         let mut out = vec![self.rows, self.response_len];
         out.extend_from_slice(&values.size()[1..]);
         spread.view(out.as_slice())

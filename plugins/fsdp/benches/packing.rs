@@ -10,9 +10,12 @@
 //! a shared machine hits both alike; figures are medians. Before timing, the packed log-probs
 //! are checked against the padded ones.
 
+mod common;
+
 use std::path::Path;
 use std::time::Instant;
 
+use common::{load_average, median, threads};
 use serde_json::json;
 use tch::{Kind, Tensor};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
@@ -25,26 +28,6 @@ const PROMPT: i64 = 64;
 const RESPONSE: i64 = 32;
 const VOCAB: i64 = 512;
 const REPS: usize = 7;
-
-fn threads() -> i32 {
-    std::env::var("VERL_BENCH_THREADS")
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(2)
-}
-
-fn load_average() -> String {
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    load.split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
 
 fn write_model(dir: &Path) {
     let config = json!({

@@ -332,6 +332,21 @@ fn sft_through_update_actor_lowers_nll() {
     );
 }
 
+/// A critic batch's `values` and returns one above them on every token.
+fn insert_values_and_returns(batch: &mut verl_plugin_api::Batch, values: Tensor) {
+    let returns: Vec<f32> = values
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v + 1.0)
+        .collect();
+    batch.insert(
+        keys::RETURNS,
+        Tensor::from_slice(&values.shape, &returns).unwrap(),
+    );
+    batch.insert(keys::VALUES, values);
+}
+
 #[test]
 fn critic_computes_and_updates_values() {
     let mut critic = engine(&json!({
@@ -361,17 +376,7 @@ fn critic_computes_and_updates_values() {
             .all(|(row, &n)| row[n..].iter().all(|&v| v == 0.0)),
         "padding is zero"
     );
-    let returns: Vec<f32> = values
-        .to_vec::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v + 1.0)
-        .collect();
-    batch.insert(
-        keys::RETURNS,
-        Tensor::from_slice(&values.shape, &returns).unwrap(),
-    );
-    batch.insert(keys::VALUES, values.clone());
+    insert_values_and_returns(&mut batch, values.clone());
     let metrics: Vec<_> = critic.update_critic(&batch).unwrap().into_iter().collect();
     let mut names: Vec<&str> = metrics.iter().map(|m| m.key.as_str()).collect();
     names.sort();
@@ -676,17 +681,7 @@ fn packed_critic_equals_padded() {
         &want.to_vec::<f32>().unwrap(),
     );
     assert!(diff <= 1e-5, "values {diff:e}");
-    let returns: Vec<f32> = want
-        .to_vec::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v + 1.0)
-        .collect();
-    batch.insert(
-        keys::RETURNS,
-        Tensor::from_slice(&want.shape, &returns).unwrap(),
-    );
-    batch.insert(keys::VALUES, want);
+    insert_values_and_returns(&mut batch, want);
     let (a, b) = (
         padded
             .update_critic(&batch)

@@ -367,9 +367,24 @@ fn play_critic(model: &Path, megatron: Value) {
 /// A batch of `rows` rows `width` tokens wide: prompts of `width / 2` tokens (row `i` with
 /// `i % prompt` of them padding), responses of the rest (row `i` ending up to `i` tokens early).
 fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
-    let mut rng = Rng::stream(13, width as u64);
     let prompt = (width / 2).max(1);
     let response = width - prompt;
+    let real = |i: usize, c: usize| c >= i % prompt && c < width - i.min(response - 1);
+    let mut rng = Rng::stream(13, width as u64);
+    verl_batch(&mut rng, vocab, rows, prompt, width, real, 1.0)
+}
+
+/// `rows` rows of random ids `width` wide, the first `prompt` columns the prompt, `real(row,
+/// column)` marking the real tokens, verl's keys, at `temperature`.
+fn verl_batch(
+    rng: &mut Rng,
+    vocab: i64,
+    rows: usize,
+    prompt: usize,
+    width: usize,
+    real: impl Fn(usize, usize) -> bool,
+    temperature: f64,
+) -> Batch {
     let (mut ids, mut mask, mut responses) =
         (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
     let mut response_mask = Vec::<f32>::new();
@@ -377,15 +392,12 @@ fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
         let row: Vec<i64> = (0..width)
             .map(|_| (rng.next_u64() % vocab as u64) as i64)
             .collect();
-        let left = i % prompt;
-        let short = i.min(response - 1);
-        let real = |c: usize| c >= left && c < width - short;
         ids.extend(&row);
-        mask.extend((0..width).map(|c| i64::from(real(c))));
+        mask.extend((0..width).map(|c| i64::from(real(i, c))));
         responses.extend(&row[prompt..]);
-        response_mask.extend((prompt..width).map(|c| if real(c) { 1f32 } else { 0.0 }));
+        response_mask.extend((prompt..width).map(|c| if real(i, c) { 1f32 } else { 0.0 }));
     }
-    let (b, w, r) = (rows as i64, width as i64, response as i64);
+    let (b, w, r) = (rows as i64, width as i64, (width - prompt) as i64);
     let mut batch = Batch::default();
     batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[b, w], &ids).unwrap());
     batch.insert(
@@ -402,7 +414,7 @@ fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
     );
     common::set_meta(
         &mut batch,
-        json!({"temperature": 1.0, "calculate_entropy": true}),
+        json!({"temperature": temperature, "calculate_entropy": true}),
     );
     batch
 }
@@ -435,50 +447,16 @@ fn play_widths(model: &Path, megatron: Value) {
 /// One row per real length in `lengths`: a prompt of half of it (at least one token, left-padded)
 /// and a response of the rest (right-padded; none for a length of 1).
 fn batch_of_lengths(vocab: i64, lengths: &[usize]) -> Batch {
-    let mut rng = Rng::stream(17, lengths.len() as u64);
     let prompt_of = |len: usize| len.div_ceil(2);
     let prompt = lengths.iter().map(|&l| prompt_of(l)).max().unwrap();
-    let response = lengths
-        .iter()
-        .map(|&l| l - prompt_of(l))
-        .max()
-        .unwrap()
-        .max(1);
-    let width = prompt + response;
-    let (mut ids, mut mask, mut responses) =
-        (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
-    let mut response_mask = Vec::<f32>::new();
-    for &len in lengths {
-        let row: Vec<i64> = (0..width)
-            .map(|_| (rng.next_u64() % vocab as u64) as i64)
-            .collect();
-        let (p, r) = (prompt_of(len), len - prompt_of(len));
-        let real = |c: usize| (c >= prompt - p && c < prompt) || (c >= prompt && c < prompt + r);
-        ids.extend(&row);
-        mask.extend((0..width).map(|c| i64::from(real(c))));
-        responses.extend(&row[prompt..]);
-        response_mask.extend((prompt..width).map(|c| if real(c) { 1f32 } else { 0.0 }));
-    }
-    let (b, w, r) = (lengths.len() as i64, width as i64, response as i64);
-    let mut batch = Batch::default();
-    batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[b, w], &ids).unwrap());
-    batch.insert(
-        keys::ATTENTION_MASK,
-        Tensor::from_slice(&[b, w], &mask).unwrap(),
-    );
-    batch.insert(
-        keys::RESPONSES,
-        Tensor::from_slice(&[b, r], &responses).unwrap(),
-    );
-    batch.insert(
-        keys::RESPONSE_MASK,
-        Tensor::from_slice(&[b, r], &response_mask).unwrap(),
-    );
-    common::set_meta(
-        &mut batch,
-        json!({"temperature": 0.7, "calculate_entropy": true}),
-    );
-    batch
+    let response = lengths.iter().map(|&l| l - prompt_of(l)).max().unwrap();
+    let real = |i: usize, c: usize| {
+        let (p, r) = (prompt_of(lengths[i]), lengths[i] - prompt_of(lengths[i]));
+        c >= prompt - p && c < prompt + r
+    };
+    let mut rng = Rng::stream(17, lengths.len() as u64);
+    let width = prompt + response.max(1);
+    verl_batch(&mut rng, vocab, lengths.len(), prompt, width, real, 0.7)
 }
 
 /// verl's THD alignment: every sequence length from 1 to `2·tp·cp·2 + 1`, packed together (short

@@ -5,7 +5,8 @@
 //! on the same GRPO-shaped batch with mixed lengths — 32 rows (8 prompts × n = 4), prompts of
 //! 8–64 tokens left-padded to 64, responses of 1–32 tokens right-padded to 32 — on issue 14's
 //! model: a random Qwen2, hidden 256, 4 layers, 4 heads / 2 key-value heads, vocab 512, q/k/v
-//! biases, fp32, 2 threads (`VERL_BENCH_THREADS` changes it). Throughput counts real tokens
+//! biases, fp32, 2 threads (`VERL_BENCH_THREADS` changes it; `VERL_BENCH_REPS` the 7
+//! repetitions). Throughput counts real tokens
 //! (the padding is not work). The two engines alternate, so that load from other processes on
 //! a shared machine hits both alike; figures are medians. Before timing, the packed log-probs
 //! are checked against the padded ones.
@@ -140,23 +141,27 @@ fn main() {
         load_average()
     );
     println!("packed log-probs vs padded: max |Δ| = {diff:.1e}");
-    // [layout][work] seconds; the layouts alternate within each repetition.
-    let mut times = vec![vec![Vec::new(); 2]; 2];
-    for _ in 0..REPS {
-        for (layout, engine) in engines.iter_mut().enumerate() {
-            let start = Instant::now();
-            let _ = log_probs(engine, &batch);
-            times[layout][0].push(start.elapsed().as_secs_f64());
-            let start = Instant::now();
-            engine.update_actor(&batch).unwrap();
-            times[layout][1].push(start.elapsed().as_secs_f64());
+    // Each work's repetitions alternate the layouts; each line is printed as soon as measured.
+    let reps = std::env::var("VERL_BENCH_REPS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(REPS);
+    for name in ["compute_log_prob", "update_actor"] {
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..reps {
+            for (layout, engine) in engines.iter_mut().enumerate() {
+                let start = Instant::now();
+                if name == "update_actor" {
+                    engine.update_actor(&batch).unwrap();
+                } else {
+                    let _ = log_probs(engine, &batch);
+                }
+                times[layout].push(start.elapsed().as_secs_f64());
+            }
         }
-    }
-    for (work, name) in ["compute_log_prob", "update_actor"].iter().enumerate() {
-        let padded = median(times[0][work].clone());
-        let packed = median(times[1][work].clone());
+        let [padded, packed] = times.map(median);
         println!(
-            "{name:>16}: padded {:.1} ms ({:.0} tokens/s), packed {:.1} ms ({:.0} tokens/s): packed {:.2}× padded",
+            "{name:>16}: padded {:.1} ms ({:.0} tokens/s), packed {:.1} ms ({:.0} tokens/s): packed {:.2}× padded ({reps} reps)",
             padded * 1e3,
             real as f64 / padded,
             packed * 1e3,

@@ -25,7 +25,7 @@ pub(crate) struct Segment {
 /// Attention of queries `q` `[1, heads, T, d]` over keys and values `[1, heads, N, d]` confined
 /// to `segments`: one scaled-dot-product attention per segment, `[1, heads, T, d]`. One call per
 /// sequence computes Σ len² scores where one block-diagonal mask over the stream would compute
-/// N² (measured on CPU: see the `compute` bench of the fsdp plugin).
+/// N² (the fsdp plugin's `packing` bench times the packed path against the padded one).
 pub(crate) fn attend(
     q: &Tensor,
     k: &Tensor,

@@ -14,3 +14,4 @@ mod spmd;
 mod train;
 mod vendor;
 mod vllm;
+mod weight_transfer;

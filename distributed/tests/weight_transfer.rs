@@ -53,7 +53,8 @@ fn address(port: u16, world_size: u32) -> GroupAddress {
         addr: "127.0.0.1".into(),
         port,
         world_size,
-        timeout: Duration::from_secs(60),
+        // The peers import torch and vLLM or SGLang first: minutes on a loaded machine.
+        timeout: Duration::from_secs(300),
     }
 }
 
@@ -62,6 +63,7 @@ fn spawn(python: &Path, script: &Path, args: &[String]) -> std::process::Child {
         .arg(script)
         .args(args)
         .env("TORCH_CPP_LOG_LEVEL", "ERROR")
+        .env("PYTHONUNBUFFERED", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -200,8 +202,19 @@ fn sglangs_weight_update_group_receives_our_broadcasts() {
             )
         })
         .collect();
-    let mut sender = TorchGroupSender::join(&address(port, 3), group, Backend::Gloo, 0).unwrap();
-    sender.send(&tensors).unwrap();
+    let joined = TorchGroupSender::join(&address(port, 3), group, Backend::Gloo, 0)
+        .and_then(|mut sender| sender.send(&tensors));
+    if let Err(e) = joined {
+        let outputs: Vec<String> = peers
+            .into_iter()
+            .map(|mut child| {
+                let _ = child.kill();
+                let out = child.wait_with_output().unwrap();
+                String::from_utf8_lossy(&out.stderr).into_owned()
+            })
+            .collect();
+        panic!("{e}\npeers:\n{}", outputs.join("\n---\n"));
+    }
     let want = json!([
         {"name": "model.layers.0.mlp.weight", "dtype": "torch.float32", "shape": [2, 3],
          "values": weights.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()},

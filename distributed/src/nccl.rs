@@ -70,10 +70,6 @@ struct Api {
     set_device: unsafe extern "C" fn(c_int) -> c_int,
 }
 
-// SAFETY: plain function pointers into libraries that are never unloaded.
-unsafe impl Send for Api {}
-unsafe impl Sync for Api {}
-
 fn dlerror() -> String {
     // SAFETY: dlerror returns a thread-local message or null.
     let message = unsafe { libc::dlerror() };

@@ -14,4 +14,3 @@ mod spmd;
 mod train;
 mod vendor;
 mod vllm;
-mod weight_transfer;

@@ -20,7 +20,7 @@ use crate::vllm::{
 };
 
 /// The Python of `scripts/setup-sglang-protocol.sh`.
-pub(crate) fn python() -> PathBuf {
+fn python() -> PathBuf {
     let dir = std::env::var_os("VERL_SGLANG_PROTOCOL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

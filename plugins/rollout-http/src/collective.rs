@@ -82,7 +82,7 @@ impl CollectiveSettings {
                 "`{section}.collective.workers_per_server` must be at least 1"
             )));
         }
-        if !(self.timeout_s > 0.0) {
+        if self.timeout_s.is_nan() || self.timeout_s <= 0.0 {
             return Err(HttpError::Config(format!(
                 "`{section}.collective.timeout_s` must be positive, not {}",
                 self.timeout_s
@@ -334,5 +334,47 @@ impl Pool {
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             (answers, done)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_gives_each_server_its_ranks_after_the_trainers() {
+        let mut settings = CollectiveSettings {
+            workers_per_server: 4,
+            master_port: Some(1234),
+            ..CollectiveSettings::default()
+        };
+        let plan = settings.plan(3, "sec").unwrap();
+        assert_eq!((plan.world_size, plan.master_port), (13, 1234));
+        assert_eq!(plan.rank_offsets, [1, 5, 9]);
+        settings.master_port = None;
+        assert_ne!(settings.plan(1, "sec").unwrap().master_port, 0);
+
+        settings.workers_per_server = 0;
+        let err = settings.plan(1, "sec").unwrap_err().to_string();
+        assert!(err.contains("`sec.collective.workers_per_server`"), "{err}");
+        settings.workers_per_server = 1;
+        for bad in [0.0, -1.0, f64::NAN] {
+            settings.timeout_s = bad;
+            let err = settings.plan(1, "sec").unwrap_err().to_string();
+            assert!(err.contains("`sec.collective.timeout_s`"), "{err}");
+        }
+    }
+
+    #[test]
+    fn tensor_lists_carry_torchs_dtype_names() {
+        let (f, b) = ([0u8; 8], [0u8; 4]);
+        let tensors = [
+            TensorRef::new("w", DType::F32, &[2], &f).unwrap(),
+            TensorRef::new("n", DType::BF16, &[1, 2], &b).unwrap(),
+        ];
+        let list = TensorList::of(&tensors).unwrap();
+        assert_eq!(list.names, ["w", "n"]);
+        assert_eq!(list.dtypes, ["float32", "bfloat16"]);
+        assert_eq!(list.shapes, [vec![2], vec![1, 2]]);
     }
 }

@@ -111,35 +111,35 @@ fn symbol(handle: *mut c_void, name: &CStr) -> Result<*mut c_void, String> {
     }
 }
 
+/// The function `name` of `handle`, as the function pointer type `F`.
+///
+/// # Safety
+/// `F` must be the symbol's C signature.
+unsafe fn function<F: Copy>(handle: *mut c_void, name: &CStr) -> Result<F, String> {
+    assert_eq!(
+        std::mem::size_of::<F>(),
+        std::mem::size_of::<*mut c_void>(),
+        "a function pointer type"
+    );
+    let address = symbol(handle, name)?;
+    // SAFETY: `F` is a function pointer type of the symbol's signature (the caller's promise).
+    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address) })
+}
+
 impl Api {
     fn load() -> Result<Self, String> {
         let nccl = open(&[c"libnccl.so.2", c"libnccl.so"])?;
         let cudart = open(&[c"libcudart.so.13", c"libcudart.so.12", c"libcudart.so"])?;
-        // SAFETY: each symbol has the C signature nccl.h / cuda_runtime_api.h declare for it.
+        // SAFETY: each field's type is the C signature nccl.h / cuda_runtime_api.h declare.
         unsafe {
             Ok(Self {
-                get_unique_id: std::mem::transmute::<*mut c_void, _>(symbol(
-                    nccl,
-                    c"ncclGetUniqueId",
-                )?),
-                comm_init_rank: std::mem::transmute::<*mut c_void, _>(symbol(
-                    nccl,
-                    c"ncclCommInitRank",
-                )?),
-                all_reduce: std::mem::transmute::<*mut c_void, _>(symbol(nccl, c"ncclAllReduce")?),
-                broadcast: std::mem::transmute::<*mut c_void, _>(symbol(nccl, c"ncclBroadcast")?),
-                comm_destroy: std::mem::transmute::<*mut c_void, _>(symbol(
-                    nccl,
-                    c"ncclCommDestroy",
-                )?),
-                error_string: std::mem::transmute::<*mut c_void, _>(symbol(
-                    nccl,
-                    c"ncclGetErrorString",
-                )?),
-                set_device: std::mem::transmute::<*mut c_void, _>(symbol(
-                    cudart,
-                    c"cudaSetDevice",
-                )?),
+                get_unique_id: function(nccl, c"ncclGetUniqueId")?,
+                comm_init_rank: function(nccl, c"ncclCommInitRank")?,
+                all_reduce: function(nccl, c"ncclAllReduce")?,
+                broadcast: function(nccl, c"ncclBroadcast")?,
+                comm_destroy: function(nccl, c"ncclCommDestroy")?,
+                error_string: function(nccl, c"ncclGetErrorString")?,
+                set_device: function(cudart, c"cudaSetDevice")?,
             })
         }
     }

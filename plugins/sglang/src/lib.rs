@@ -324,10 +324,7 @@ struct Active {
 }
 
 impl Active {
-    fn start(
-        init: &ComponentInit,
-        transport: &dyn Fn(&str, &str) -> Box<dyn Collective>,
-    ) -> Result<Self, PluginError> {
+    fn start(init: &ComponentInit, transport: &Transport) -> Result<Self, PluginError> {
         let keys: RolloutKeys = init.config("sglang")?;
         let (path, server, sglang): (String, ServerSettings, SglangSettings) =
             server_section(init, &keys.engine_kwargs, "sglang", SECTION, URLS_ENV)?;
@@ -509,8 +506,11 @@ fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
 pub struct SglangRollout {
     active: Option<Active>,
     /// The trainer's end of the `collective` weight sync (this build's, or a test's).
-    transport: Box<dyn Fn(&str, &str) -> Box<dyn Collective> + Send>,
+    transport: Box<Transport>,
 }
+
+/// Makes the trainer's end of a `collective` weight sync for a group name and backend.
+pub type Transport = dyn Fn(&str, &str) -> Box<dyn Collective> + Send;
 
 impl Default for SglangRollout {
     fn default() -> Self {

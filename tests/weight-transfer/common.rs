@@ -7,9 +7,9 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
-use verl_plugin_api::{ComponentInit, Rollout, RunContext, WeightSource};
+use verl_plugin_api::{ComponentInit, Rollout, RunContext};
 use verl_rollout_http::mock::MockServer;
-use verl_rollout_http::testing::{FakeCollective, TransferLog, lent_tensors};
+use verl_rollout_http::testing::{FakeCollective, TransferLog, sync_lent};
 
 /// `<venv>/bin/python` of a set-up script: under `$env` when set, else
 /// `~/.cache/verl-core/<dir>`.
@@ -30,12 +30,8 @@ pub fn python(env: &str, dir: &str, script: &str) -> PathBuf {
 
 /// Two syncs of the lent test tensors (steps 1 and 2) through `rollout`.
 pub fn two_syncs(rollout: &mut dyn Rollout) {
-    let named = lent_tensors();
-    let views: Vec<_> = named.iter().map(|t| t.as_ref()).collect();
     for step in [1, 2] {
-        rollout
-            .update_weights(&WeightSource::memory(step, &views))
-            .unwrap();
+        sync_lent(rollout, step).unwrap();
     }
 }
 

@@ -33,6 +33,34 @@ impl WeightSync {
     }
 }
 
+impl WeightSync {
+    /// Whether a handover of `kind` suits this mode; the error names the weight sync that does.
+    pub fn check_source(self, kind: verl_plugin_api::WeightSourceKind) -> Result<(), PluginError> {
+        use verl_plugin_api::WeightSourceKind;
+        let (wanted, how) = match self {
+            Self::File => (
+                WeightSourceKind::File,
+                "the rollout reloads from files: set \
+                 actor_rollout_ref.rollout.checkpoint_engine.backend=disk, or \
+                 `weight_sync: collective` on a GPU",
+            ),
+            Self::Collective => (
+                WeightSourceKind::Memory,
+                "`weight_sync: collective` broadcasts the trainer's tensors: set \
+                 actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+            ),
+        };
+        if kind == wanted {
+            Ok(())
+        } else {
+            Err(PluginError::unsupported(&format!(
+                "update_weights from a {} source ({how})",
+                kind.as_str()
+            )))
+        }
+    }
+}
+
 /// `collective`: the group the trainer (rank 0) and every server's workers (ranks 1..) form.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]

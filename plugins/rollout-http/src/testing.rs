@@ -451,3 +451,14 @@ pub fn lent_tensors() -> Vec<verl_plugin_api::NamedTensor> {
         ),
     ]
 }
+
+/// `rollout.update_weights` of [`lent_tensors`] lent as a memory source (what the `naive` weight
+/// sync hands over), tagged `version`.
+pub fn sync_lent(
+    rollout: &mut dyn Rollout,
+    version: u64,
+) -> Result<(), verl_plugin_api::PluginError> {
+    let named = lent_tensors();
+    let views: Vec<_> = named.iter().map(|t| t.as_ref()).collect();
+    rollout.update_weights(&WeightSource::memory(version, &views))
+}

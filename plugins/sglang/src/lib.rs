@@ -389,13 +389,7 @@ impl Active {
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
         let handover = source.handover()?;
         if let Some(transfer) = &mut self.collective {
-            if handover.kind != WeightSourceKind::Memory {
-                return Err(PluginError::unsupported(&format!(
-                    "update_weights from a {} source (`weight_sync: collective` broadcasts the \
-                     trainer's tensors: set actor_rollout_ref.rollout.checkpoint_engine.backend=naive)",
-                    handover.kind.as_str()
-                )));
-            }
+            WeightSync::Collective.check_source(handover.kind)?;
             let version = source.version.to_string();
             transfer.join(&mut self.pool)?;
             // Until every server has taken the new weights, none is trusted to hold known ones.
@@ -411,14 +405,7 @@ impl Active {
             self.weight_version = Some(source.version);
             return Ok(());
         }
-        if handover.kind != WeightSourceKind::File {
-            return Err(PluginError::unsupported(&format!(
-                "update_weights from a {} source (the sglang rollout reloads from files: set \
-                 actor_rollout_ref.rollout.checkpoint_engine.backend=disk, or \
-                 `weight_sync: collective`)",
-                handover.kind.as_str()
-            )));
-        }
+        WeightSync::File.check_source(handover.kind)?;
         check_weights_dir(Path::new(&handover.path))?;
         let version = source.version.to_string();
         // Until every server has reloaded, none is trusted to hold known weights.

@@ -393,7 +393,7 @@ fn a_started_server_follows_verls_rollout_keys() {
 // ---------------------------------------------------------------------------------------------
 // `weight_sync: collective`
 
-use verl_rollout_http::testing::{FakeCollective, TransferLog, eventually, lent_tensors};
+use verl_rollout_http::testing::{FakeCollective, TransferLog, eventually, sync_lent};
 
 /// An SGLang server with the distributed update: `/init_weights_update_group` and
 /// `/update_weights_from_distributed` answer only once the trainer's side of them shows in `log`
@@ -454,12 +454,6 @@ fn collective_rollout(
     rollout
 }
 
-fn sync(rollout: &mut SglangRollout, version: u64) -> Result<(), verl_plugin_api::PluginError> {
-    let named = lent_tensors();
-    let views: Vec<_> = named.iter().map(|t| t.as_ref()).collect();
-    rollout.update_weights(&WeightSource::memory(version, &views))
-}
-
 /// The POST requests `mock` received, in order.
 fn posts(mock: &MockServer) -> Vec<(String, Value)> {
     mock.requests()
@@ -476,8 +470,8 @@ fn a_collective_sync_runs_sglangs_distributed_update_on_every_server() {
         .map(|_| distributed_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log)))
         .collect();
     let mut rollout = collective_rollout(&[&mocks[0], &mocks[1]], &log, None);
-    sync(&mut rollout, 4).unwrap();
-    sync(&mut rollout, 5).unwrap();
+    sync_lent(&mut rollout, 4).unwrap();
+    sync_lent(&mut rollout, 5).unwrap();
 
     let log = log.lock().unwrap();
     assert_eq!(log.joins.len(), 1);
@@ -516,7 +510,7 @@ fn a_failed_distributed_update_blocks_generation() {
     let log = Arc::new(Mutex::new(TransferLog::default()));
     let mock = distributed_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log));
     let mut rollout = collective_rollout(&[&mock], &log, Some("Gloo: connection closed by peer"));
-    let err = sync(&mut rollout, 3).unwrap_err();
+    let err = sync_lent(&mut rollout, 3).unwrap_err();
     assert!(err.message().contains("connection closed by peer"), "{err}");
     assert!(
         err.message().contains("no broadcast from the trainer"),
@@ -538,7 +532,7 @@ fn without_a_transport_the_collective_sync_stops_before_any_server_is_asked() {
             "weight_sync": "collective"}),
         ))
         .unwrap();
-    let err = sync(&mut rollout, 1).unwrap_err();
+    let err = sync_lent(&mut rollout, 1).unwrap_err();
     assert!(
         err.message()
             .contains("collective weight sync needs CUDA + NCCL; use weight_sync=file"),

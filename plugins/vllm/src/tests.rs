@@ -530,7 +530,9 @@ fn restart_needs_a_started_server() {
 // ---------------------------------------------------------------------------------------------
 // `weight_sync: collective`
 
-use verl_rollout_http::testing::{FakeCollective, TransferLog, eventually, lent_tensors};
+use verl_rollout_http::testing::{
+    FakeCollective, TransferLog, eventually, lent_tensors, sync_lent,
+};
 
 /// A vLLM server with the weight transfer endpoints: `/init_weight_transfer_engine` and
 /// `/update_weights` answer only once the trainer's side of them shows in `log` (as the real ones
@@ -588,12 +590,6 @@ fn collective_rollout(
     rollout
 }
 
-fn sync(rollout: &mut VllmRollout, version: u64) -> Result<(), verl_plugin_api::PluginError> {
-    let named = lent_tensors();
-    let views: Vec<_> = named.iter().map(|t| t.as_ref()).collect();
-    rollout.update_weights(&WeightSource::memory(version, &views))
-}
-
 #[test]
 fn a_collective_sync_runs_vllms_weight_transfer_sequence_on_every_server() {
     let log = Arc::new(Mutex::new(TransferLog::default()));
@@ -601,8 +597,8 @@ fn a_collective_sync_runs_vllms_weight_transfer_sequence_on_every_server() {
         .map(|_| transfer_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log)))
         .collect();
     let mut rollout = collective_rollout(&[&mocks[0], &mocks[1]], &log, None);
-    sync(&mut rollout, 7).unwrap();
-    sync(&mut rollout, 8).unwrap();
+    sync_lent(&mut rollout, 7).unwrap();
+    sync_lent(&mut rollout, 8).unwrap();
 
     // One group: the trainer and 2 × 2 workers; server i's workers start at 1 + 2i.
     let log = log.lock().unwrap();
@@ -663,7 +659,7 @@ fn a_failed_broadcast_resumes_the_servers_and_blocks_generation() {
     let mut rollout =
         collective_rollout(&[&mock], &log, Some("NCCL error 6: remote process exited"));
     // The server's side of the broadcast never completes either.
-    let err = sync(&mut rollout, 3).unwrap_err();
+    let err = sync_lent(&mut rollout, 3).unwrap_err();
     assert!(err.message().contains("remote process exited"), "{err}");
     let paths: Vec<String> = control(&mock).into_iter().map(|(p, _)| p).collect();
     assert_eq!(
@@ -697,7 +693,7 @@ fn without_a_transport_the_collective_sync_stops_before_any_server_is_asked() {
             "weight_sync": "collective"}),
         ))
         .unwrap();
-    let err = sync(&mut rollout, 1).unwrap_err();
+    let err = sync_lent(&mut rollout, 1).unwrap_err();
     assert!(
         err.message()
             .contains("collective weight sync needs CUDA + NCCL; use weight_sync=file"),
@@ -727,7 +723,7 @@ fn collective_mode_takes_the_naive_syncs_tensors_and_file_mode_the_disk_syncs_fi
     assert!(control(&mock).is_empty());
 
     let mut file_mode = attached(&mock);
-    let err = sync(&mut file_mode, 1).unwrap_err();
+    let err = sync_lent(&mut file_mode, 1).unwrap_err();
     assert!(
         err.message().contains("checkpoint_engine.backend=disk"),
         "{err}"

@@ -392,10 +392,7 @@ pub const RULES: &[Rule] = &[
     acted("algorithm.filter_groups.max_num_gen_batches"),
     acted("algorithm.filter_groups.metric"),
     // trainer
-    no_effect(
-        "trainer.balance_batch",
-        "balancing reorders sequences across data-parallel ranks; one rank has nothing to balance",
-    ),
+    acted("trainer.balance_batch"),
     acted("trainer.total_epochs"),
     acted("trainer.total_training_steps"),
     acted("trainer.project_name"),

@@ -29,8 +29,8 @@ use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, Rewar
 
 use crate::algo::{
     AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
-    Matrix, SamplerProgress, apply_kl_penalty, compute_advantage, compute_data_metrics,
-    filter_groups, place_scores,
+    Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
+    compute_data_metrics, filter_groups, place_scores, timing_metrics,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
@@ -907,10 +907,30 @@ impl Trainer {
         let mut metrics: Vec<Metric> = Vec::new();
 
         let t = Instant::now();
-        let (rows, scores, gen_batches) = self.collect_batch(step)?;
+        let (mut rows, mut scores, gen_batches) = self.collect_batch(step)?;
         timing.push(("gen", t.elapsed().as_secs_f64()));
         if self.config.algorithm.filter_groups.enable {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
+        }
+        // The engines compute on this rank's rows; their per-token outputs are gathered back.
+        let world = self.ranks.world_size.max(1) as usize;
+        if !rows.len().is_multiple_of(world) {
+            return Err(TrainError::Invalid(format!(
+                "step {step}: {} responses do not split evenly over {world} data-parallel ranks",
+                rows.len(),
+            )));
+        }
+        if self.config.trainer.balance_batch {
+            let seqlens: Vec<u64> = rows
+                .iter()
+                .map(|r| (self.train[r.sample].1.ids.len() + r.response.len()) as u64)
+                .collect();
+            let balanced = balance_batch(&seqlens, world).map_err(|e| {
+                TrainError::Invalid(format!("step {step}: trainer.balance_batch: {e}"))
+            })?;
+            rows = permute(rows, &balanced.order);
+            scores = permute(scores, &balanced.order);
+            metrics.extend(balanced.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
         }
 
         let prompts: Vec<Vec<u32>> = rows
@@ -933,14 +953,6 @@ impl Trainer {
                 .context(|| "batch".to_owned())?,
         )
         .context(|| "batch".to_owned())?;
-        // The engines compute on this rank's rows; their per-token outputs are gathered back.
-        if !rows.len().is_multiple_of(self.ranks.world_size as usize) {
-            return Err(TrainError::Invalid(format!(
-                "step {step}: {} responses do not split evenly over {} data-parallel ranks",
-                rows.len(),
-                self.ranks.world_size
-            )));
-        }
         let mine = self.ranks.part(rows.len());
 
         let t = Instant::now();
@@ -1123,17 +1135,22 @@ impl Trainer {
         metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
 
         let step_time = step_start.elapsed().as_secs_f64();
-        let tokens: usize =
-            prompt_lengths.iter().sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>();
+        let prompt_tokens: usize = prompt_lengths.iter().sum();
+        let response_tokens: usize = responses.iter().map(Vec::len).sum();
+        let tokens = prompt_tokens + response_tokens;
         timing.push(("step", step_time));
         metrics.extend(
-            timing
+            timing_metrics(&timing, prompt_tokens, response_tokens)
                 .into_iter()
-                .map(|(k, v)| Metric::new(format!("timing_s/{k}"), v)),
+                .map(|(k, v)| Metric::new(k, v)),
         );
         metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
         metrics.push(Metric::new("perf/time_per_step", step_time));
-        metrics.push(Metric::new("perf/throughput", tokens as f64 / step_time));
+        // verl's throughput is per device: tokens / (time × devices).
+        metrics.push(Metric::new(
+            "perf/throughput",
+            tokens as f64 / (step_time * world as f64),
+        ));
         metrics.push(Metric::new("training/global_step", step as f64));
         metrics.push(Metric::new(
             "training/epoch",
@@ -1767,4 +1784,13 @@ impl Components {
         }
         Ok(())
     }
+}
+
+/// `items` in `order`: item `i` of the result is `items[order[i]]` (`order` a permutation).
+fn permute<T>(items: Vec<T>, order: &[usize]) -> Vec<T> {
+    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    order
+        .iter()
+        .map(|&i| slots[i].take().expect("a permutation takes each item once"))
+        .collect()
 }

@@ -983,6 +983,7 @@ fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
                 .iter()
                 .filter(|(k, _)| {
                     !k.starts_with("timing_s/")
+                        && !k.starts_with("timing_per_token_ms/")
                         && !["perf/time_per_step", "perf/throughput"].contains(&k.as_str())
                 })
                 .map(|(k, v)| (k.clone(), *v))
@@ -1207,7 +1208,11 @@ fn file_records(run_dir: &Path) -> Vec<(u64, String)> {
             };
             let kept: BTreeMap<&String, &serde_json::Value> = data
                 .iter()
-                .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+                .filter(|(k, _)| {
+                    !k.starts_with("timing_s/")
+                        && !k.starts_with("timing_per_token_ms/")
+                        && !k.starts_with("perf/")
+                })
                 .collect();
             (step, serde_json::to_string(&kept).unwrap())
         })

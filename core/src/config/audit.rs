@@ -249,10 +249,8 @@ pub const RULES: &[Rule] = &[
     ),
     acted("actor_rollout_ref.rollout.ignore_eos"),
     no_effect("actor_rollout_ref.rollout.enforce_eager", INFERENCE_SERVER),
-    no_effect(
-        "actor_rollout_ref.rollout.free_cache_engine",
-        INFERENCE_SERVER,
-    ),
+    // Acted on with a rollout that can sleep; the trainer says so at start for one that cannot.
+    acted("actor_rollout_ref.rollout.free_cache_engine"),
     unsupported(
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
         PARALLEL,

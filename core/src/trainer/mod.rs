@@ -229,6 +229,11 @@ pub struct Trainer {
     /// they are logged again).
     records: Vec<StepRecord>,
     ranks: Ranks,
+    /// `rollout.free_cache_engine` on a rollout that can sleep: it sleeps between generating a
+    /// step's batch and the weight sync that follows the update.
+    free_cache_engine: bool,
+    /// The rollout was put to sleep and not woken yet.
+    rollout_asleep: bool,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -386,6 +391,11 @@ impl Trainer {
             .map(|c| engine(EngineRole::Critic, c))
             .transpose()?;
 
+        let free_cache_engine = config.actor_rollout_ref.rollout.free_cache_engine
+            && components
+                .rollout
+                .capabilities::<RolloutCapabilities>()
+                .sleep_wake;
         let mut rollout = components.rollout.create_rollout()?;
         let rollout_section = config.rollout_json();
         rollout
@@ -474,6 +484,8 @@ impl Trainer {
             skipped_steps: 0,
             records: Vec::new(),
             ranks,
+            free_cache_engine,
+            rollout_asleep: false,
         })
     }
 
@@ -909,6 +921,7 @@ impl Trainer {
         let t = Instant::now();
         let (mut rows, mut scores, gen_batches) = self.collect_batch(step)?;
         timing.push(("gen", t.elapsed().as_secs_f64()));
+        self.rollout_sleep()?;
         if self.config.algorithm.filter_groups.enable {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
         }
@@ -1120,6 +1133,9 @@ impl Trainer {
             ));
         }
 
+        // Awake for validation and the next step (a step without an update synced nothing).
+        self.rollout_wake()?;
+
         let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
         let data_metrics = compute_data_metrics(&DataMetricsInput {
             token_level_scores: &token_level_scores,
@@ -1195,7 +1211,32 @@ impl Trainer {
     }
 
     /// Actor weights → weight sync → rollout, by reference, tagged with the step.
+    /// With `rollout.free_cache_engine` the rollout frees its memory while the engines train:
+    /// sleep level 1 (KV cache dropped, weights kept off the device and restored on waking, verl's
+    /// colocated mode), which stays right in a step that syncs no weights (`critic_warmup`).
+    fn rollout_sleep(&mut self) -> Result<(), TrainError> {
+        if self.free_cache_engine && !self.rollout_asleep {
+            self.rollout.sleep(1).context(|| {
+                "putting the rollout to sleep (actor_rollout_ref.rollout.free_cache_engine)"
+                    .to_owned()
+            })?;
+            self.rollout_asleep = true;
+        }
+        Ok(())
+    }
+
+    fn rollout_wake(&mut self) -> Result<(), TrainError> {
+        if self.rollout_asleep {
+            self.rollout.wake_up().context(|| {
+                "waking the rollout (actor_rollout_ref.rollout.free_cache_engine)".to_owned()
+            })?;
+            self.rollout_asleep = false;
+        }
+        Ok(())
+    }
+
     fn sync_weights(&mut self, step: u64) -> Result<(), TrainError> {
+        self.rollout_wake()?;
         let backend = &self
             .config
             .actor_rollout_ref

@@ -132,6 +132,11 @@ lint() {
   stage "rustfmt --check" cargo fmt --all --check
   stage "clippy -D warnings (workspace, all targets)" \
     cargo clippy --workspace --all-targets -- -D warnings
+  # The rollouts' trainer-side collective transports are behind a feature nothing in the
+  # workspace enables (it links libtorch into the fast tier's plugins): lint them on their own.
+  stage "clippy -D warnings (vllm/sglang collective transports)" \
+    cargo clippy -p verl-plugin-vllm -p verl-plugin-sglang \
+    --features verl-plugin-vllm/collective,verl-plugin-sglang/collective --all-targets -- -D warnings
   stage "rustdoc -D warnings (workspace)" \
     env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
   stage "cargo-semver-checks: install (cached)" install_semver_checks

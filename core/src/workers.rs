@@ -29,6 +29,8 @@ pub trait EngineWorker {
 pub trait RolloutWorker {
     fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError>;
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError>;
+    fn sleep(&mut self, level: u32) -> Result<(), PluginError>;
+    fn wake_up(&mut self) -> Result<(), PluginError>;
 }
 
 impl EngineWorker for EngineHandle {
@@ -67,6 +69,12 @@ impl RolloutWorker for RolloutHandle {
     }
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
         RolloutHandle::update_weights(self, source)
+    }
+    fn sleep(&mut self, level: u32) -> Result<(), PluginError> {
+        RolloutHandle::sleep(self, level)
+    }
+    fn wake_up(&mut self) -> Result<(), PluginError> {
+        RolloutHandle::wake_up(self)
     }
 }
 

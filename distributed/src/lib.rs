@@ -23,7 +23,9 @@
 
 mod group;
 mod liveness;
+pub mod nccl;
 mod shim;
+pub mod weight_transfer;
 
 use std::time::Duration;
 
@@ -218,6 +220,9 @@ pub enum DistError {
     Invalid { op: String, reason: String },
     #[error("the process group is unusable after an earlier failure ({0})")]
     Broken(String),
+    /// This process cannot take part (no CUDA device, no NCCL library, a build without NCCL).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 #[cfg(test)]

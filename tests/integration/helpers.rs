@@ -416,7 +416,17 @@ pub fn step_metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
         );
         let kept = data
             .iter()
-            .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+            // Time measurements, and the batch's split over the ranks (differs by world size).
+            .filter(|(k, _)| {
+                ![
+                    "timing_s/",
+                    "timing_per_token_ms/",
+                    "perf/",
+                    "global_seqlen/",
+                ]
+                .iter()
+                .any(|prefix| k.starts_with(prefix))
+            })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         by_step.insert(step, kept);

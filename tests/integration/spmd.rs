@@ -67,6 +67,10 @@ fn args(
             "critic.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.actor.entropy_coeff=0.01",
+            // The parity is of the contiguous split verl makes without balancing; balancing moves
+            // rows between ranks, which changes per-micro-batch metrics such as the entropy
+            // (`balance_batch_moves_rows_between_ranks_not_the_update` covers it).
+            "trainer.balance_batch=false",
             &n_gpus,
         ],
     ));
@@ -162,17 +166,22 @@ fn assert_close(ours: &Path, theirs: &Path, tol: f64) -> (f64, f64) {
             }
         }
     }
+    (worst_metric, assert_weights_close(ours, theirs, tol))
+}
+
+/// The weights of `ours` within `tol` of `theirs`; the largest difference.
+fn assert_weights_close(ours: &Path, theirs: &Path, tol: f64) -> f64 {
     let (wa, wb) = (weights(ours), weights(theirs));
     assert_eq!(wa.keys().collect::<Vec<_>>(), wb.keys().collect::<Vec<_>>());
-    let mut worst_weight = 0.0f64;
+    let mut worst = 0.0f64;
     for (name, va) in &wa {
         for (x, y) in va.iter().zip(&wb[name]) {
             let d = f64::from((x - y).abs());
             assert!(d <= tol, "weight {name}: {x} vs {y}");
-            worst_weight = worst_weight.max(d);
+            worst = worst.max(d);
         }
     }
-    (worst_metric, worst_weight)
+    worst
 }
 
 /// The one-rank reference: 3 GRPO steps, checkpoints at 2 and 3.
@@ -284,6 +293,38 @@ fn two_and_four_ranks_train_like_one() {
             "3"
         );
     }
+}
+
+/// `trainer.balance_batch` on two ranks: the rows move between ranks so that each holds about
+/// the same work, but the losses are normalised by the global batch's tokens, so the update (and
+/// with it every later step) is the unbalanced one-rank run's; what the whole batch measures too.
+#[test]
+fn balance_batch_moves_rows_between_ranks_not_the_update() {
+    let one = reference();
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    run_with(&run_dir, 2, 3, 2, &["trainer.balance_batch=true"]);
+    let weight = assert_weights_close(&run_dir, one, 1e-5);
+    let (ours, theirs) = (metrics(&run_dir), metrics(one));
+    for (step, m) in &ours {
+        for key in ["critic/score/mean", "response_length/mean", "actor/grad_norm"] {
+            let (a, b) = (m[key], theirs[step][key]);
+            assert!(close(a, b, 1e-5), "step {step} {key}: {a} vs {b}");
+        }
+    }
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let mut balanced_steps = 0;
+    for line in text.lines() {
+        let record: Value = serde_json::from_str(line).unwrap();
+        let Some(max) = record["data"]["global_seqlen/max"].as_f64() else {
+            continue;
+        };
+        let balanced = record["data"]["global_seqlen/balanced_max"].as_f64().unwrap();
+        assert!(balanced <= max, "{line}");
+        balanced_steps += 1;
+    }
+    assert_eq!(balanced_steps, 3, "{text}");
+    eprintln!("2 ranks balanced vs 1: max |Δ| weight {weight:.2e}");
 }
 
 /// Sharded (more ranks) and whole (one rank) checkpoints resume at the other world size; with

@@ -115,6 +115,11 @@ fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
     }
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     assert!(text.contains("\"timing_s/gen\"") && text.contains("\"perf/throughput\""));
+    assert!(
+        text.contains("\"timing_per_token_ms/update_actor\"")
+            && text.contains("\"global_seqlen/balanced_max\"")
+            && text.contains("\"response_length_non_aborted/mean\"")
+    );
     for step in [2, 4, 6] {
         let dir = run_dir.join(format!("global_step_{step}"));
         assert!(

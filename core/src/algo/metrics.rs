@@ -24,8 +24,9 @@ pub struct DataMetricsInput<'a> {
 }
 
 /// `critic/{score,rewards,advantages,returns}/{mean,max,min}`, `critic/values/*`,
-/// `critic/vf_explained_var`, `response_length/{mean,max,min,clip_ratio}`, `response/aborted_ratio`
-/// and `prompt_length/{mean,max,min,clip_ratio}`. Scores and rewards skip aborted (empty)
+/// `critic/vf_explained_var`, `response_length/{mean,max,min,clip_ratio}`, the same over the
+/// non-empty responses as `response_length_non_aborted/*`, `response/aborted_ratio` and
+/// `prompt_length/{mean,max,min,clip_ratio}`. Scores and rewards skip aborted (empty)
 /// responses, as verl does; a response is clipped when it used all `response_length` tokens.
 pub fn compute_data_metrics(
     input: &DataMetricsInput<'_>,
@@ -96,6 +97,12 @@ pub fn compute_data_metrics(
         "response_length/clip_ratio".into(),
         fraction(&response_lengths, |l| l == max_response),
     );
+    let live_lengths: Vec<f64> = live.iter().map(|&i| response_lengths[i]).collect();
+    put_stats(&mut out, "response_length_non_aborted", &live_lengths);
+    out.insert(
+        "response_length_non_aborted/clip_ratio".into(),
+        fraction(&live_lengths, |l| l == max_response),
+    );
     out.insert(
         "response/aborted_ratio".into(),
         fraction(&response_lengths, |l| l == 0.0),
@@ -107,6 +114,36 @@ pub fn compute_data_metrics(
         fraction(&prompts, |l| l == input.max_prompt_length as f64),
     );
     Ok(out)
+}
+
+/// verl's `compute_timing_metrics`: `timing_s/<stage>` for every stage, and
+/// `timing_per_token_ms/<stage>` for generation (per response token) and for the stages that
+/// process whole sequences, `ref`, `values`, `adv`, `update_critic` and `update_actor` (per prompt
+/// and response token).
+pub fn timing_metrics(
+    timing: &[(&str, f64)],
+    prompt_tokens: usize,
+    response_tokens: usize,
+) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for &(stage, seconds) in timing {
+        *out.entry(format!("timing_s/{stage}")).or_insert(0.0) += seconds;
+    }
+    for &(stage, _) in timing {
+        let tokens = match stage {
+            "gen" => response_tokens,
+            "ref" | "values" | "adv" | "update_critic" | "update_actor" => {
+                prompt_tokens + response_tokens
+            }
+            _ => continue,
+        };
+        let seconds = out[&format!("timing_s/{stage}")];
+        out.insert(
+            format!("timing_per_token_ms/{stage}"),
+            seconds * 1000.0 / tokens as f64,
+        );
+    }
+    out
 }
 
 /// Validation metrics from one score per response (verl's `process_validation_metrics` for the
@@ -305,9 +342,34 @@ mod tests {
             0.0
         );
         assert_eq!(out["response/aborted_ratio"], 1.0 / 3.0);
+        // Without the aborted row: lengths {3, 1}.
+        assert_eq!(out["response_length_non_aborted/mean"], 2.0);
+        assert_eq!(out["response_length_non_aborted/min"], 1.0);
+        assert_eq!(out["response_length_non_aborted/clip_ratio"], 0.5);
         assert_eq!(out["prompt_length/clip_ratio"], 2.0 / 3.0);
         assert_eq!(out["prompt_length/min"], 2.0);
         assert!(out.values().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn timing_per_token_divides_as_verl() {
+        let out = timing_metrics(
+            &[
+                ("gen", 2.0),
+                ("old_log_prob", 1.0),
+                ("update_actor", 3.0),
+                ("step", 6.0),
+            ],
+            100,
+            400,
+        );
+        assert_eq!(out["timing_s/gen"], 2.0);
+        assert_eq!(out["timing_s/step"], 6.0);
+        // Generation per response token, the update per prompt and response token.
+        assert_eq!(out["timing_per_token_ms/gen"], 5.0);
+        assert_eq!(out["timing_per_token_ms/update_actor"], 6.0);
+        assert!(!out.contains_key("timing_per_token_ms/old_log_prob"));
+        assert!(!out.contains_key("timing_per_token_ms/step"));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! 0/1 matrices of the same shape, so the trainer can feed engine outputs in without libtorch.
 
 mod advantage;
+mod balance;
 mod filter;
 mod kl;
 mod metrics;
@@ -13,9 +14,14 @@ mod tensor;
 pub use advantage::{
     AdvEstimator, AdvantageInput, AdvantageParams, compute_advantage, masked_mean, masked_whiten,
 };
+pub use balance::{
+    BalanceError, BalancedOrder, balance_batch, balanced_partitions, seqlen_unbalance, workload,
+};
 pub use filter::{DynamicSampler, FILTER_STD_TOLERANCE, SamplerProgress, filter_groups};
 pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_penalty, kl_penalty};
-pub use metrics::{DataMetricsInput, compute_data_metrics, rollout_probs_diff, validation_metrics};
+pub use metrics::{
+    DataMetricsInput, compute_data_metrics, rollout_probs_diff, timing_metrics, validation_metrics,
+};
 pub use tensor::{Matrix, place_scores};
 
 /// What can go wrong in an algorithm call: always a caller's shape or configuration mistake.

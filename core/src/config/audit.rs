@@ -144,10 +144,7 @@ pub const RULES: &[Rule] = &[
     unsupported("actor_rollout_ref.model.override_config", MODEL_CONFIG),
     acted("actor_rollout_ref.model.enable_gradient_checkpointing"),
     unsupported("actor_rollout_ref.model.enable_activation_offload", OFFLOAD),
-    no_effect(
-        "actor_rollout_ref.model.use_remove_padding",
-        "padding is masked, not removed; the results are the same",
-    ),
+    acted("actor_rollout_ref.model.use_remove_padding"),
     no_effect("actor_rollout_ref.model.use_shm", SHM),
     no_effect("actor_rollout_ref.model.trust_remote_code", NO_PYTHON),
     unsupported("actor_rollout_ref.model.lora_rank", LORA),
@@ -252,10 +249,8 @@ pub const RULES: &[Rule] = &[
     ),
     acted("actor_rollout_ref.rollout.ignore_eos"),
     no_effect("actor_rollout_ref.rollout.enforce_eager", INFERENCE_SERVER),
-    no_effect(
-        "actor_rollout_ref.rollout.free_cache_engine",
-        INFERENCE_SERVER,
-    ),
+    // Acted on with a rollout that can sleep; the trainer says so at start for one that cannot.
+    acted("actor_rollout_ref.rollout.free_cache_engine"),
     unsupported(
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
         PARALLEL,
@@ -315,12 +310,13 @@ pub const RULES: &[Rule] = &[
     no_effect("critic.optim.total_training_steps", FILLED_IN),
     no_effect(
         "critic.model",
-        "the critic's engine reads model.path, model.random_init, model.dtype and model.enable_gradient_checkpointing; its engine section is critic.<section> (e.g. critic.fsdp_config)",
+        "the critic's engine reads model.path, model.random_init, model.dtype, model.enable_gradient_checkpointing and model.use_remove_padding; its engine section is critic.<section> (e.g. critic.fsdp_config)",
     ),
     acted("critic.model.path"),
     acted("critic.model.random_init"),
     acted("critic.model.dtype"),
     acted("critic.model.enable_gradient_checkpointing"),
+    acted("critic.model.use_remove_padding"),
     unsupported("critic.model.override_config", MODEL_CONFIG),
     unsupported("critic.model.enable_activation_offload", OFFLOAD),
     unsupported("critic.model.lora_rank", LORA),
@@ -392,10 +388,7 @@ pub const RULES: &[Rule] = &[
     acted("algorithm.filter_groups.max_num_gen_batches"),
     acted("algorithm.filter_groups.metric"),
     // trainer
-    no_effect(
-        "trainer.balance_batch",
-        "balancing reorders sequences across data-parallel ranks; one rank has nothing to balance",
-    ),
+    acted("trainer.balance_batch"),
     acted("trainer.total_epochs"),
     acted("trainer.total_training_steps"),
     acted("trainer.project_name"),

@@ -111,14 +111,15 @@ impl Config {
         }
     }
 
-    /// `{"path", "random_init", "enable_gradient_checkpointing", "dtype"}` of the policy model
-    /// (`~/` expanded).
+    /// `{"path", "random_init", "enable_gradient_checkpointing", "use_remove_padding", "dtype"}`
+    /// of the policy model (`~/` expanded).
     pub fn model_json(&self) -> Value {
         let m = &self.actor_rollout_ref.model;
         json!({
             "path": expand_home(&m.path),
             "random_init": m.random_init,
             "enable_gradient_checkpointing": m.enable_gradient_checkpointing,
+            "use_remove_padding": m.use_remove_padding,
             "dtype": m.dtype,
         })
     }
@@ -196,6 +197,8 @@ impl Config {
                     "path": own("path").and_then(|p| p.as_str().map(expand_home)).map_or_else(|| actor_model["path"].clone(), |p| json!(p)),
                     "random_init": own("random_init").unwrap_or_else(|| actor_model["random_init"].clone()),
                     "enable_gradient_checkpointing": own("enable_gradient_checkpointing").unwrap_or(json!(true)),
+                    // verl's critic default (its actor's is true).
+                    "use_remove_padding": own("use_remove_padding").unwrap_or(json!(false)),
                     "dtype": own("dtype").unwrap_or_else(|| actor_model["dtype"].clone()),
                 });
                 v
@@ -294,7 +297,7 @@ mod tests {
         assert_eq!(actor["role"], "actor");
         assert_eq!(
             actor["model"],
-            json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "dtype": "float32"})
+            json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "use_remove_padding": false, "dtype": "float32"})
         );
         assert_eq!(actor["ppo_mini_batch_size"], 32);
         assert_eq!(actor["log_prob_micro_batch_size_per_gpu"], 2);

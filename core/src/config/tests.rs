@@ -1046,7 +1046,7 @@ fn verl_style_overrides_are_acted_on_or_reported() {
         ("+ray_kwargs.ray_init.num_cpus=16", Warning),
         ("global_profiler.tool=nsys", Warning),
         ("actor_rollout_ref.actor.profiler.enable=True", Warning),
-        ("trainer.balance_batch=False", Warning),
+        ("trainer.balance_batch=False", Acted),
         ("trainer.default_hdfs_dir=hdfs://x", Warning),
         ("critic.optim.lr=3e-5", Warning),
         ("critic.model.fsdp_config.param_offload=True", Warning),

@@ -29,8 +29,8 @@ use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, Rewar
 
 use crate::algo::{
     AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
-    Matrix, SamplerProgress, apply_kl_penalty, compute_advantage, compute_data_metrics,
-    filter_groups, place_scores,
+    Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
+    compute_data_metrics, filter_groups, place_scores, timing_metrics,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
@@ -235,6 +235,11 @@ pub struct Trainer {
     /// they are logged again).
     records: Vec<StepRecord>,
     ranks: Ranks,
+    /// `rollout.free_cache_engine` on a rollout that can sleep: it sleeps between generating a
+    /// step's batch and the weight sync that follows the update.
+    free_cache_engine: bool,
+    /// The rollout was put to sleep and not woken yet.
+    rollout_asleep: bool,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -392,6 +397,11 @@ impl Trainer {
             .map(|c| engine(EngineRole::Critic, c))
             .transpose()?;
 
+        let free_cache_engine = config.actor_rollout_ref.rollout.free_cache_engine
+            && components
+                .rollout
+                .capabilities::<RolloutCapabilities>()
+                .sleep_wake;
         let mut rollout = components.rollout.create_rollout()?;
         let rollout_section = config.rollout_json();
         rollout
@@ -480,6 +490,8 @@ impl Trainer {
             skipped_steps: 0,
             records: Vec::new(),
             ranks,
+            free_cache_engine,
+            rollout_asleep: false,
         })
     }
 
@@ -913,10 +925,31 @@ impl Trainer {
         let mut metrics: Vec<Metric> = Vec::new();
 
         let t = Instant::now();
-        let (rows, scores, gen_batches) = self.collect_batch(step)?;
+        let (mut rows, mut scores, gen_batches) = self.collect_batch(step)?;
         timing.push(("gen", t.elapsed().as_secs_f64()));
+        self.rollout_sleep()?;
         if self.config.algorithm.filter_groups.enable {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
+        }
+        // The engines compute on this rank's rows; their per-token outputs are gathered back.
+        let world = self.ranks.world_size.max(1) as usize;
+        if !rows.len().is_multiple_of(world) {
+            return Err(TrainError::Invalid(format!(
+                "step {step}: {} responses do not split evenly over {world} data-parallel ranks",
+                rows.len(),
+            )));
+        }
+        if self.config.trainer.balance_batch {
+            let seqlens: Vec<u64> = rows
+                .iter()
+                .map(|r| (self.train[r.sample].1.ids.len() + r.response.len()) as u64)
+                .collect();
+            let balanced = balance_batch(&seqlens, world).map_err(|e| {
+                TrainError::Invalid(format!("step {step}: trainer.balance_batch: {e}"))
+            })?;
+            rows = permute(rows, &balanced.order);
+            scores = permute(scores, &balanced.order);
+            metrics.extend(balanced.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
         }
 
         let prompts: Vec<Vec<u32>> = rows
@@ -939,14 +972,6 @@ impl Trainer {
                 .context(|| "batch".to_owned())?,
         )
         .context(|| "batch".to_owned())?;
-        // The engines compute on this rank's rows; their per-token outputs are gathered back.
-        if !rows.len().is_multiple_of(self.ranks.world_size as usize) {
-            return Err(TrainError::Invalid(format!(
-                "step {step}: {} responses do not split evenly over {} data-parallel ranks",
-                rows.len(),
-                self.ranks.world_size
-            )));
-        }
         let mine = self.ranks.part(rows.len());
 
         let t = Instant::now();
@@ -1114,6 +1139,9 @@ impl Trainer {
             ));
         }
 
+        // Awake for validation and the next step (a step without an update synced nothing).
+        self.rollout_wake()?;
+
         let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
         let data_metrics = compute_data_metrics(&DataMetricsInput {
             token_level_scores: &token_level_scores,
@@ -1129,17 +1157,22 @@ impl Trainer {
         metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
 
         let step_time = step_start.elapsed().as_secs_f64();
-        let tokens: usize =
-            prompt_lengths.iter().sum::<usize>() + responses.iter().map(Vec::len).sum::<usize>();
+        let prompt_tokens: usize = prompt_lengths.iter().sum();
+        let response_tokens: usize = responses.iter().map(Vec::len).sum();
+        let tokens = prompt_tokens + response_tokens;
         timing.push(("step", step_time));
         metrics.extend(
-            timing
+            timing_metrics(&timing, prompt_tokens, response_tokens)
                 .into_iter()
-                .map(|(k, v)| Metric::new(format!("timing_s/{k}"), v)),
+                .map(|(k, v)| Metric::new(k, v)),
         );
         metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
         metrics.push(Metric::new("perf/time_per_step", step_time));
-        metrics.push(Metric::new("perf/throughput", tokens as f64 / step_time));
+        // verl's throughput is per device: tokens / (time × devices).
+        metrics.push(Metric::new(
+            "perf/throughput",
+            tokens as f64 / (step_time * world as f64),
+        ));
         metrics.push(Metric::new("training/global_step", step as f64));
         metrics.push(Metric::new(
             "training/epoch",
@@ -1184,7 +1217,32 @@ impl Trainer {
     }
 
     /// Actor weights → weight sync → rollout, by reference, tagged with the step.
+    /// With `rollout.free_cache_engine` the rollout frees its memory while the engines train:
+    /// sleep level 1 (KV cache dropped, weights kept off the device and restored on waking, verl's
+    /// colocated mode), which stays right in a step that syncs no weights (`critic_warmup`).
+    fn rollout_sleep(&mut self) -> Result<(), TrainError> {
+        if self.free_cache_engine && !self.rollout_asleep {
+            self.rollout.sleep(1).context(|| {
+                "putting the rollout to sleep (actor_rollout_ref.rollout.free_cache_engine)"
+                    .to_owned()
+            })?;
+            self.rollout_asleep = true;
+        }
+        Ok(())
+    }
+
+    fn rollout_wake(&mut self) -> Result<(), TrainError> {
+        if self.rollout_asleep {
+            self.rollout.wake_up().context(|| {
+                "waking the rollout (actor_rollout_ref.rollout.free_cache_engine)".to_owned()
+            })?;
+            self.rollout_asleep = false;
+        }
+        Ok(())
+    }
+
     fn sync_weights(&mut self, step: u64) -> Result<(), TrainError> {
+        self.rollout_wake()?;
         let backend = &self
             .config
             .actor_rollout_ref
@@ -1781,4 +1839,13 @@ impl Components {
         }
         Ok(())
     }
+}
+
+/// `items` in `order`: item `i` of the result is `items[order[i]]` (`order` a permutation).
+fn permute<T>(items: Vec<T>, order: &[usize]) -> Vec<T> {
+    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    order
+        .iter()
+        .map(|&i| slots[i].take().expect("a permutation takes each item once"))
+        .collect()
 }

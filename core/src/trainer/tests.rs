@@ -64,6 +64,9 @@ enum Event {
         value: f32,
     },
     Finalize,
+    /// The rollout was put to sleep (at this level) / woken.
+    Sleep(u32),
+    WakeUp,
     Save {
         role: String,
         dir: PathBuf,
@@ -363,6 +366,52 @@ impl Rollout for FakeRollout {
     }
 }
 
+/// The fake rollout with sleep/wake-up, which refuses to work asleep.
+struct SleepyRollout {
+    inner: FakeRollout,
+    asleep: bool,
+}
+
+impl SleepyRollout {
+    fn awake(&self, what: &str) -> Result<(), PluginError> {
+        if self.asleep {
+            return Err(PluginError::other(format!("{what} while asleep")));
+        }
+        Ok(())
+    }
+}
+
+impl Rollout for SleepyRollout {
+    fn capabilities() -> RolloutCapabilities {
+        FakeRollout::capabilities().sleep_wake(true)
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.inner.init(init)
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        self.awake("generate")?;
+        self.inner.generate(request)
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        self.awake("update_weights")?;
+        self.inner.update_weights(source)
+    }
+    fn sleep(&mut self, level: u32) -> Result<(), PluginError> {
+        self.awake("sleep")?;
+        self.inner.log.push(Event::Sleep(level));
+        self.asleep = true;
+        Ok(())
+    }
+    fn wake_up(&mut self) -> Result<(), PluginError> {
+        if !self.asleep {
+            return Err(PluginError::other("wake_up while awake"));
+        }
+        self.inner.log.push(Event::WakeUp);
+        self.asleep = false;
+        Ok(())
+    }
+}
+
 /// A rollout that only reloads weights from files.
 struct FileOnlyRollout;
 
@@ -435,7 +484,8 @@ impl Tracker for FakeTracker {
 /// A fresh registry holding only the fakes (all named `fake`, plus `no-critic` and `file-only`)
 /// and the real `file` tracker.
 fn registry(log: &Log, faults: Faults) -> Registry {
-    let (l1, l2, l3, l4, l5, l6) = (
+    let (l1, l2, l3, l4, l5, l6, l7) = (
+        log.clone(),
         log.clone(),
         log.clone(),
         log.clone(),
@@ -461,6 +511,21 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                     version: None,
                 }
             })
+            .rollout(
+                "sleepy",
+                0,
+                "the fake rollout, with sleep/wake-up",
+                move || {
+                    l7.push(Event::Created("rollout"));
+                    SleepyRollout {
+                        inner: FakeRollout {
+                            log: l7.clone(),
+                            version: None,
+                        },
+                        asleep: false,
+                    }
+                },
+            )
             .rollout("file-only", 0, "takes weights from files", move || {
                 l4.push(Event::Created("rollout"));
                 FileOnlyRollout
@@ -589,6 +654,8 @@ fn label(event: &Event) -> Option<String> {
         Event::Send(v) => format!("sync.send@{v}"),
         Event::UpdateWeights { version, .. } => format!("rollout.update_weights@{version}"),
         Event::Finalize => "sync.finalize".into(),
+        Event::Sleep(level) => format!("rollout.sleep({level})"),
+        Event::WakeUp => "rollout.wake_up".into(),
         Event::Save { role, step, .. } => format!("{role}.save@{step}"),
         Event::Load { role, .. } => format!("{role}.load"),
         Event::Export(role) => format!("{role}.export"),
@@ -868,6 +935,49 @@ fn critic_warmup_holds_the_actor_and_the_rollouts_weights() {
     assert_eq!(labels(&log.events()), expected);
 }
 
+#[test]
+fn free_cache_engine_sleeps_the_rollout_while_the_engines_train() {
+    // Asleep from the end of generation to the weight sync; awake for validation and the next
+    // step, also after a warm-up step that syncs nothing (the rollout refuses work asleep).
+    let s = setup();
+    let mut c = s.config("sleepy");
+    c.actor_rollout_ref.rollout.name = "sleepy".into();
+    c.algorithm.adv_estimator = AdvEstimator::Gae;
+    c.trainer.critic_warmup = 1;
+    c.trainer.total_training_steps = Some(2);
+    let log = Log::default();
+    fit(c.clone(), &log, Faults::default()).unwrap();
+    let sleepy: Vec<String> = labels(&log.events())
+        .into_iter()
+        .filter(|l| l.starts_with("rollout.") || l.starts_with("gen") || l.starts_with("log@"))
+        .collect();
+    assert_eq!(
+        sleepy,
+        strings(&[
+            "gen@None",
+            "rollout.sleep(1)",
+            "rollout.wake_up",
+            "log@1",
+            "gen@None",
+            "rollout.sleep(1)",
+            "rollout.wake_up",
+            "rollout.update_weights@2",
+            "log@2",
+        ])
+    );
+
+    // Without free_cache_engine the rollout is never put to sleep.
+    c.actor_rollout_ref.rollout.free_cache_engine = false;
+    c.trainer.default_local_dir = s.run_dir("awake").to_string_lossy().into_owned();
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    assert!(
+        !log.events()
+            .iter()
+            .any(|e| matches!(e, Event::Sleep(_) | Event::WakeUp))
+    );
+}
+
 fn checkpoint_steps(run_dir: &Path) -> Vec<u64> {
     let mut steps: Vec<u64> = std::fs::read_dir(run_dir)
         .unwrap()
@@ -983,6 +1093,7 @@ fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
                 .iter()
                 .filter(|(k, _)| {
                     !k.starts_with("timing_s/")
+                        && !k.starts_with("timing_per_token_ms/")
                         && !["perf/time_per_step", "perf/throughput"].contains(&k.as_str())
                 })
                 .map(|(k, v)| (k.clone(), *v))
@@ -1207,7 +1318,11 @@ fn file_records(run_dir: &Path) -> Vec<(u64, String)> {
             };
             let kept: BTreeMap<&String, &serde_json::Value> = data
                 .iter()
-                .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+                .filter(|(k, _)| {
+                    !k.starts_with("timing_s/")
+                        && !k.starts_with("timing_per_token_ms/")
+                        && !k.starts_with("perf/")
+                })
                 .collect();
             (step, serde_json::to_string(&kept).unwrap())
         })

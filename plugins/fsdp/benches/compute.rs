@@ -16,11 +16,14 @@
 //! Rust and Python repetitions alternate (one Python process, driven over stdin), so that load
 //! from other processes on a shared machine hits both sides alike; figures are medians.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
+use common::{load_average, median, threads};
 use serde_json::json;
 use tch::{Kind, Tensor};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
@@ -36,33 +39,10 @@ const NEW_TOKENS: usize = 64;
 const VOCAB: i64 = 8192;
 const REPS: usize = 7;
 
-/// Intra-op threads, both sides; `VERL_BENCH_THREADS` overrides the documented 2.
-fn threads() -> i32 {
-    std::env::var("VERL_BENCH_THREADS")
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(2)
-}
-
-/// The machine's 1/5/15-minute load: on a shared machine, a load above the core count distorts
-/// every figure.
-fn load_average() -> String {
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    load.split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 fn secs(run: impl FnOnce()) -> f64 {
     let start = Instant::now();
     run();
     start.elapsed().as_secs_f64()
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 fn token_ids(rng: &mut Rng, n: i64) -> Vec<i64> {

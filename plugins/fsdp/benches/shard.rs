@@ -157,7 +157,8 @@ fn rank_main(rank: u32) -> Result<(), Box<dyn std::error::Error>> {
      -> Result<(), Box<dyn std::error::Error>> {
         sm.zero_grad();
         // The loss value is not needed.
-        let _ = sm.forward_backward(group, &ids, &mask, |model, hidden| {
+        let context = sm.model().block_context(&ids, &mask)?;
+        let _ = sm.forward_backward(group, &context, |model, hidden| {
             let scores =
                 model.response_scores_from_hidden(hidden, &ids, &mask, SEQ - 1, 1.0, false)?;
             Ok(-scores.log_probs.sum(Kind::Float) / tokens)

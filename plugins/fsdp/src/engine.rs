@@ -10,12 +10,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use tch::{Device, Tensor};
-use verl_plugin_api::{ComponentInit, TensorRef, keys};
+use verl_plugin_api::{ComponentInit, TensorRef};
 use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    AdamW, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, load_training_state,
-    load_training_state_from, parse_device, save_training_state,
+    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng,
+    load_training_state, load_training_state_from, parse_device, save_training_state,
 };
 
 use crate::config::FsdpConfig;
@@ -97,19 +97,28 @@ impl LocalModel {
             .expect("the worker only trains roles that have an optimizer")
     }
 
-    /// Forward and backward of one micro-batch; `loss_fn` maps final hidden states to the scalar
-    /// loss (with activation checkpointing when the model config asks for it).
+    /// The micro-batch's block context: packed when the model config asks
+    /// (`use_remove_padding`).
+    fn context(&self, rows: &Rows) -> verl_torch_runtime::Result<BlockContext> {
+        rows.block_context(&self.model, self.spec.use_remove_padding)
+    }
+
+    /// Forward and backward of one micro-batch; `loss_fn` maps final hidden states (of the
+    /// context's layout) to the scalar loss (with activation checkpointing when the model
+    /// config asks for it).
     fn backward(
         &self,
         rows: &Rows,
-        loss_fn: impl FnOnce(&Tensor) -> verl_torch_runtime::Result<Tensor>,
+        loss_fn: impl FnOnce(&Tensor, &BlockContext) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        let (ids, mask) = (rows.get(keys::INPUT_IDS), rows.get(keys::ATTENTION_MASK));
+        let context = self.context(rows)?;
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
-            let _ = self.model.backward_checkpointed(ids, mask, loss_fn)?;
+            let _ = self
+                .model
+                .backward_checkpointed_in(&context, |hidden| loss_fn(hidden, &context))?;
         } else {
-            loss_fn(&self.model.hidden_states(ids, mask)?)?.f_backward()?;
+            loss_fn(&self.model.hidden_states_in(&context), &context)?.f_backward()?;
         }
         Ok(())
     }
@@ -126,9 +135,11 @@ impl Strategy for LocalModel {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        self.model.response_scores(
-            rows.get(keys::INPUT_IDS),
-            rows.get(keys::ATTENTION_MASK),
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        self.model.response_scores_in(
+            &hidden,
+            &context,
             rows.response_len,
             temperature,
             with_entropy,
@@ -136,11 +147,10 @@ impl Strategy for LocalModel {
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
-        self.model.response_values(
-            rows.get(keys::INPUT_IDS),
-            rows.get(keys::ATTENTION_MASK),
-            rows.response_len,
-        )
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        self.model
+            .response_values_in(&hidden, &context, rows.response_len)
     }
 
     fn backward_scores(
@@ -150,16 +160,14 @@ impl Strategy for LocalModel {
         with_entropy: bool,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden| {
-            let scores = self.model.response_scores_from_hidden(
+        self.backward(rows, |hidden, context| {
+            loss(&self.model.response_scores_in(
                 hidden,
-                rows.get(keys::INPUT_IDS),
-                rows.get(keys::ATTENTION_MASK),
+                context,
                 rows.response_len,
                 temperature,
                 with_entropy,
-            )?;
-            loss(&scores)
+            )?)
         })
     }
 
@@ -168,13 +176,12 @@ impl Strategy for LocalModel {
         rows: &Rows,
         loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden| {
-            let values = self.model.response_values_from_hidden(
-                hidden,
-                rows.get(keys::ATTENTION_MASK),
-                rows.response_len,
-            )?;
-            loss(&values)
+        self.backward(rows, |hidden, context| {
+            loss(
+                &self
+                    .model
+                    .response_values_in(hidden, context, rows.response_len)?,
+            )
         })
     }
 

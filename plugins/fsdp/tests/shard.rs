@@ -284,10 +284,9 @@ fn sharded_update(
     sm.zero_grad();
     let mut loss = 0.0;
     for micro in batch.micro_batches(group.rank(), group.world_size()) {
+        let context = sm.model().block_context(&micro.ids, &micro.mask).unwrap();
         let l = sm
-            .forward_backward(group, &micro.ids, &micro.mask, |model, hidden| {
-                micro.loss(model, hidden)
-            })
+            .forward_backward(group, &context, |model, hidden| micro.loss(model, hidden))
             .unwrap();
         loss += l.double_value(&[]);
     }
@@ -352,10 +351,9 @@ fn play_train(group: &mut ProcessGroup, variant: Variant) {
         let batch = batch(step);
         // Forward only, this rank's rows.
         for micro in batch.micro_batches(group.rank(), group.world_size()) {
+            let context = sm.model().block_context(&micro.ids, &micro.mask).unwrap();
             let mine = sm
-                .forward(group, &micro.ids, &micro.mask, |model, hidden| {
-                    micro.scores(model, hidden)
-                })
+                .forward(group, &context, |model, hidden| micro.scores(model, hidden))
                 .unwrap();
             let full = tch::no_grad(|| {
                 let hidden = reference

@@ -11,11 +11,14 @@
 //! logit from the rank that owns it). With sequence parallelism the residual stream, norms and
 //! embeddings hold `1/tp` of the sequence (padded on the right to a multiple of `tp`).
 
+use std::rc::Rc;
+
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 use verl_distributed::ReduceOp;
 use verl_torch_runtime::{
-    CausalLM, Head, ModelConfig, ModelError, ModelOptions, ResponseScores, Result, TensorParallel,
+    BlockContext, CausalLM, Head, ModelConfig, ModelError, ModelOptions, Packing, ResponseScores,
+    Result, TensorParallel,
 };
 
 use crate::comm::{Comm, Scope};
@@ -199,6 +202,8 @@ pub struct TpModel {
     value_head: Option<(Tensor, Tensor)>,
     comm: Comm,
     sequence_parallel: bool,
+    /// verl's `use_remove_padding`: each micro-batch runs as one packed (THD) stream.
+    packed: bool,
 }
 
 /// The tensor-parallel hooks of one forward pass: Megatron's `f` and `g`, or sequence
@@ -207,6 +212,8 @@ struct Hooks<'a> {
     comm: &'a Comm,
     tape: Option<&'a Tape>,
     sequence_parallel: bool,
+    /// A packed stream's context-parallel layout (`None`: padded rows, or one context rank).
+    packed: Option<Rc<seq::PackedContext>>,
 }
 
 impl Hooks<'_> {
@@ -242,8 +249,16 @@ impl TensorParallel for Hooks<'_> {
             return Ok((k, v));
         }
         let gather = |x: &Tensor| -> Result<Tensor> {
-            let all = seq::gather_context(self.comm, &x.detach())?;
-            Ok(self.cut(x, &all, Backward::ReduceScatterContext))
+            Ok(match &self.packed {
+                Some(layout) => {
+                    let all = layout.gather(self.comm, &x.detach())?;
+                    self.cut(x, &all, Backward::ReduceScatterPacked(Rc::clone(layout)))
+                }
+                None => {
+                    let all = seq::gather_context(self.comm, &x.detach())?;
+                    self.cut(x, &all, Backward::ReduceScatterContext)
+                }
+            })
         };
         Ok((gather(&k)?, gather(&v)?))
     }
@@ -298,7 +313,26 @@ impl TpModel {
             value_head,
             comm,
             sequence_parallel,
+            packed: false,
         })
+    }
+
+    /// Runs each micro-batch as one packed (THD) stream of its real tokens (verl's
+    /// `use_remove_padding`), each sequence padded to [`Self::alignment`].
+    pub fn set_remove_padding(&mut self, packed: bool) {
+        self.packed = packed;
+    }
+
+    /// verl's rule for the length of each sequence (padded rows: the whole row; packed: every
+    /// sequence): a multiple of `tp` with sequence parallelism, of `2·cp` with context
+    /// parallelism (both: `tp·2·cp`), so that the slices and chunks are whole.
+    pub fn alignment(&self) -> i64 {
+        let (tp, cp) = (
+            i64::from(self.comm.tp_size()),
+            i64::from(self.comm.cp_size()),
+        );
+        let context = if cp > 1 { 2 * cp } else { 1 };
+        context * if self.sequence_parallel { tp } else { 1 }
     }
 
     pub fn local(&self) -> &CausalLM {
@@ -347,18 +381,9 @@ impl TpModel {
         mask: &Tensor,
         tape: Option<&Tape>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let hooks = Hooks {
-            comm: &self.comm,
-            tape,
-            sequence_parallel: self.sequence_parallel,
-        };
         let (b, s) = ids.size2()?;
-        let (tp, cp) = (
-            i64::from(self.comm.tp_size()),
-            i64::from(self.comm.cp_size()),
-        );
-        let multiple =
-            if cp > 1 { 2 * cp } else { 1 } * if self.sequence_parallel { tp } else { 1 };
+        let cp = i64::from(self.comm.cp_size());
+        let multiple = self.alignment();
         let pad = (multiple - s % multiple) % multiple;
         let (ids, mask) = if pad > 0 {
             let zeros = Tensor::zeros([b, pad], (Kind::Int64, ids.device()));
@@ -388,15 +413,39 @@ impl TpModel {
             let context = self.local.block_context_for_vocab(&ids, &mask, vocab)?;
             (context, None)
         };
+        let hooks = self.hooks(tape, None);
+        let whole = self.blocks(&context, &hooks)?;
+        Ok(match tokens {
+            Some(tokens) => (whole, Some(tokens)),
+            None => (whole.narrow(1, 0, s), None),
+        })
+    }
+
+    fn hooks<'a>(
+        &'a self,
+        tape: Option<&'a Tape>,
+        packed: Option<Rc<seq::PackedContext>>,
+    ) -> Hooks<'a> {
+        Hooks {
+            comm: &self.comm,
+            tape,
+            sequence_parallel: self.sequence_parallel,
+            packed,
+        }
+    }
+
+    /// The blocks of the model on the context's tokens, to the final hidden states every rank's
+    /// head reads (see [`Self::hidden_states`]).
+    fn blocks(&self, context: &BlockContext, hooks: &Hooks<'_>) -> Result<Tensor> {
         let (local, inside) = self.local_ids(context.input_ids());
         let embedded = Tensor::embedding(&self.embed, &local, -1, false, false)
             * inside.unsqueeze(-1).to_kind(self.local.kind());
         let mut x = hooks.exit(&embedded)?;
         for layer in 0..self.full.num_hidden_layers as usize {
             x = hooks.cut(&x, &x, Backward::Identity);
-            x = self.local.attention_block(layer, &x, &context, &hooks)?;
+            x = self.local.attention_block(layer, &x, context, hooks)?;
             x = hooks.cut(&x, &x, Backward::Identity);
-            x = self.local.mlp_block(layer, &x, &hooks)?;
+            x = self.local.mlp_block(layer, &x, hooks)?;
         }
         let hidden = self.local.norm_block(&x);
         let whole = match (self.sequence_parallel, self.lm_head.is_some()) {
@@ -412,9 +461,73 @@ impl TpModel {
             (false, true) => hooks.cut(&hidden, &hidden, Backward::AllReduce),
             (false, false) => hidden,
         };
-        Ok(match tokens {
-            Some(tokens) => (whole, Some(tokens)),
-            None => (whole.narrow(1, 0, s), None),
+        Ok(whole)
+    }
+
+    /// The predictors of the response tokens of a packed (THD) batch among this rank's final
+    /// hidden states: every sequence padded to [`Self::alignment`], with context parallelism
+    /// each rank holding two chunks of every sequence (see [`seq::PackedContext`]).
+    fn packed_predictors(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        response_len: i64,
+        tape: Option<&Tape>,
+    ) -> Result<Predictors> {
+        let device = self.local.device();
+        let packing = Packing::new(&mask.to_device(device), response_len, self.alignment())?;
+        let layout = (self.comm.cp_size() > 1).then(|| {
+            Rc::new(seq::PackedContext::new(
+                &self.comm,
+                packing.cu_seqlens(),
+                device,
+            ))
+        });
+        let (predictors, labels, targets, stream) = (
+            packing.predictors().shallow_clone(),
+            packing.labels(ids),
+            packing.targets().shallow_clone(),
+            packing.len(),
+        );
+        let rows = ids.size()[0];
+        let context = self.local.packed_block_context_for(
+            ids,
+            packing,
+            self.full.vocab_size,
+            layout.as_ref().map(|l| &l.mine),
+        )?;
+        let hooks = self.hooks(tape, layout.clone());
+        let hidden = self.blocks(&context, &hooks)?.squeeze_dim(0);
+        Ok(match layout {
+            None => Predictors {
+                hidden: hidden.index_select(0, &predictors),
+                labels,
+                place: Place::Packed {
+                    targets,
+                    rows,
+                    shared: false,
+                },
+            },
+            Some(layout) => {
+                // This rank's row of each slot it holds, -1 elsewhere.
+                let held = layout.mine.size()[0];
+                let row_of = Tensor::full([stream], -1, (Kind::Int64, device)).index_copy(
+                    0,
+                    &layout.mine,
+                    &Tensor::arange(held, (Kind::Int64, device)),
+                );
+                let at = row_of.index_select(0, &predictors);
+                let mine = at.ge(0).nonzero().squeeze_dim(-1);
+                Predictors {
+                    hidden: hidden.index_select(0, &at.index_select(0, &mine)),
+                    labels: labels.index_select(0, &mine),
+                    place: Place::Packed {
+                        targets: targets.index_select(0, &mine),
+                        rows,
+                        shared: true,
+                    },
+                }
+            }
         })
     }
 
@@ -427,43 +540,55 @@ impl TpModel {
         mask: &Tensor,
         response_len: i64,
         tape: Option<&Tape>,
-    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    ) -> Result<Predictors> {
         let seq = ids.size()[1];
         let ids = ids.to_device(self.local.device());
+        if self.packed {
+            return self.packed_predictors(&ids, mask, response_len, tape);
+        }
         let (hidden, tokens) = self.hidden_states(&ids, mask, tape)?;
         // Position t predicts token t + 1: the predictors are positions seq − R − 1 .. seq − 2.
         let first = seq - response_len - 1;
         match tokens {
-            None => Ok((
-                hidden.narrow(1, first, response_len),
-                ids.narrow(1, seq - response_len, response_len),
-                None,
-            )),
+            None => Ok(Predictors {
+                hidden: hidden.narrow(1, first, response_len),
+                labels: ids.narrow(1, seq - response_len, response_len),
+                place: Place::Columns(None),
+            }),
             Some(tokens) => {
                 let mine = tokens.ge(first).logical_and(&tokens.lt(seq - 1));
                 let at = mine.nonzero().squeeze_dim(-1);
                 let positions = tokens.index_select(0, &at);
-                Ok((
-                    hidden.index_select(1, &at),
-                    ids.index_select(1, &(&positions + 1)),
-                    Some(positions - first),
-                ))
+                Ok(Predictors {
+                    hidden: hidden.index_select(1, &at),
+                    labels: ids.index_select(1, &(&positions + 1)),
+                    place: Place::Columns(Some(positions - first)),
+                })
             }
         }
     }
 
-    /// Per-column values of this rank's predictors `[B, n]` as the response's `[B, R]`: with
-    /// context parallelism each rank holds some columns, zero elsewhere, summed over the ranks
-    /// (every rank then computes the same loss, so the gradient passes back unchanged).
-    fn response_columns(
-        &self,
-        values: Tensor,
-        columns: &Option<Tensor>,
-        response_len: i64,
-    ) -> Result<Tensor> {
-        match columns {
-            None => Ok(values),
-            Some(columns) => {
+    /// Values of this rank's predictors as the response's `[B, R]`: with context parallelism
+    /// each rank holds some of them, zero elsewhere, summed over the ranks (every rank then
+    /// computes the same loss, so the gradient passes back unchanged).
+    fn response_columns(&self, values: Tensor, place: &Place, response_len: i64) -> Result<Tensor> {
+        match place {
+            Place::Columns(None) => Ok(values),
+            Place::Packed {
+                targets,
+                rows,
+                shared,
+            } => {
+                let spread = Tensor::zeros([rows * response_len], (values.kind(), values.device()))
+                    .index_copy(0, targets, &values)
+                    .view([*rows, response_len]);
+                if *shared {
+                    all_reduce_identity_backward(&self.comm, Scope::Context, &spread)
+                } else {
+                    Ok(spread)
+                }
+            }
+            Place::Columns(Some(columns)) => {
                 let b = values.size()[0];
                 let spread = Tensor::zeros([b, response_len], (values.kind(), values.device()))
                     .index_copy(1, columns, &values);
@@ -489,7 +614,11 @@ impl TpModel {
             .as_ref()
             .ok_or_else(|| invalid("head", "log-probs need a model built with Head::Lm"))?;
         check_response(ids.size()[1], response_len, temperature)?;
-        let (hidden, labels, columns) = self.predictors(ids, mask, response_len, tape)?;
+        let Predictors {
+            hidden,
+            labels,
+            place,
+        } = self.predictors(ids, mask, response_len, tape)?;
         let logits =
             self.without_padding(hidden.linear(head, None::<&Tensor>).to_kind(Kind::Float));
         let logits = if temperature == 1.0 {
@@ -523,7 +652,7 @@ impl TpModel {
             .to_device(self.local.device())
             .narrow(1, seq - response_len, response_len)
             .to_kind(Kind::Float);
-        let log_probs = self.response_columns(target - &log_sum_exp, &columns, response_len)?;
+        let log_probs = self.response_columns(target - &log_sum_exp, &place, response_len)?;
         let entropy = if with_entropy {
             // H = logsumexp(z) − Σ softmax(z)·z = log S − (Σ e^z·z) / S on the shifted logits.
             let weighted = all_reduce_identity_backward(
@@ -532,7 +661,7 @@ impl TpModel {
                 &(exp * &shifted).sum_dim_intlist(-1, false, Kind::Float),
             )?;
             let entropy = log_sum_exp - weighted / sum_exp;
-            Some(self.response_columns(entropy, &columns, response_len)? * &response_mask)
+            Some(self.response_columns(entropy, &place, response_len)? * &response_mask)
         } else {
             None
         };
@@ -565,7 +694,7 @@ impl TpModel {
         tape: Option<&Tape>,
     ) -> Result<Tensor> {
         check_response(ids.size()[1], response_len, 1.0)?;
-        let (hidden, _, columns) = self.predictors(ids, mask, response_len, tape)?;
+        let Predictors { hidden, place, .. } = self.predictors(ids, mask, response_len, tape)?;
         let (weight, bias) = self
             .value_head
             .as_ref()
@@ -579,7 +708,7 @@ impl TpModel {
             .to_device(self.local.device())
             .narrow(1, seq - response_len, response_len)
             .to_kind(Kind::Float);
-        Ok(self.response_columns(values, &columns, response_len)? * response_mask)
+        Ok(self.response_columns(values, &place, response_len)? * response_mask)
     }
 
     /// Makes the gradients of shards held by several ranks whole: key/value heads shared by
@@ -697,6 +826,27 @@ impl TpModel {
             .map(|(_, split)| *split)
             .ok_or_else(|| invalid("name", format!("`{name}` is no parameter of the model")))
     }
+}
+
+/// The response's predictors among a rank's final hidden states (`[B, n, H]` or, packed,
+/// `[n, H]`), the tokens they predict, and where their values go.
+struct Predictors {
+    hidden: Tensor,
+    labels: Tensor,
+    place: Place,
+}
+
+/// Where a rank's predictor values go in the response `[B, R]`.
+enum Place {
+    /// Padded rows: all columns in order (`None`), or this context rank's columns.
+    Columns(Option<Tensor>),
+    /// A packed stream: the flattened `[B·R]` indices of this rank's predictors, `shared` over
+    /// the context-parallel ranks (each holding some).
+    Packed {
+        targets: Tensor,
+        rows: i64,
+        shared: bool,
+    },
 }
 
 fn check_response(seq: i64, response_len: i64, temperature: f64) -> Result<()> {

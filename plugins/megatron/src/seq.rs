@@ -94,6 +94,65 @@ pub fn reduce_scatter_context(comm: &Comm, full: &Tensor) -> verl_torch_runtime:
     comm.reduce_scatter(Scope::Context, &rank_major)
 }
 
+/// A packed stream's context-parallel layout (verl's THD with `context_parallel_size > 1`): every
+/// row (a multiple of `2·cp` slots long) split in `2·cp` chunks, rank `i` holding chunks `i` and
+/// `2·cp − 1 − i` of each row, as Megatron partitions THD batches.
+#[derive(Debug)]
+pub struct PackedContext {
+    /// This rank's slots, in stream order.
+    pub mine: Tensor,
+    /// Every rank's slots, rank-major: where each gathered key comes from.
+    every: Tensor,
+    /// The gathered rank-major position of each slot of the stream.
+    order: Tensor,
+}
+
+impl PackedContext {
+    pub fn new(comm: &Comm, cu_seqlens: &[i64], device: Device) -> Self {
+        let cp = comm.cp_size();
+        let tokens = |rank: u32| {
+            let rows: Vec<Tensor> = cu_seqlens
+                .windows(2)
+                .map(|w| context_tokens(cp, rank, w[1] - w[0], device) + w[0])
+                .collect();
+            Tensor::cat(&rows, 0)
+        };
+        let every = Tensor::cat(&(0..cp).map(tokens).collect::<Vec<_>>(), 0);
+        Self {
+            mine: tokens(comm.cp_rank()),
+            order: every.argsort(0, false),
+            every,
+        }
+    }
+
+    /// Every context-parallel rank's keys or values `[1, kv, n, d]` (each rank's slots) in
+    /// stream order, `[1, kv, cp·n, d]`.
+    pub fn gather(&self, comm: &Comm, mine: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+        let size = mine.size();
+        let (kv, n, d) = (size[1], size[2], size[3]);
+        let cp = i64::from(comm.cp_size());
+        Ok(comm
+            .all_gather(Scope::Context, mine)?
+            .permute([1, 2, 0, 3, 4])
+            .reshape([1, kv, cp * n, d])
+            .index_select(2, &self.order))
+    }
+
+    /// This rank's slots of the sum over context-parallel ranks of `full` `[1, kv, N, d]` in
+    /// stream order (the conjugate of [`Self::gather`]).
+    pub fn reduce_scatter(&self, comm: &Comm, full: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+        let size = full.size();
+        let (kv, d) = (size[1], size[3]);
+        let cp = i64::from(comm.cp_size());
+        let rank_major = full
+            .index_select(2, &self.every)
+            .view([1, kv, cp, -1, d])
+            .permute([2, 0, 1, 3, 4])
+            .contiguous();
+        comm.reduce_scatter(Scope::Context, &rank_major)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

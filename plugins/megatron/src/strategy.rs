@@ -62,7 +62,9 @@ fn checkpoint_error(path: &Path, reason: impl std::fmt::Display) -> ModelError {
 }
 
 impl TpStrategy {
-    pub fn new(model: TpModel, optimizer: Option<AdamWConfig>, spec: ModelSpec) -> Self {
+    /// The strategy of `model`, packing micro-batches when `spec` asks (`use_remove_padding`).
+    pub fn new(mut model: TpModel, optimizer: Option<AdamWConfig>, spec: ModelSpec) -> Self {
+        model.set_remove_padding(spec.use_remove_padding);
         Self {
             optimizer: optimizer.map(|config| AdamW::for_model(model.local(), config)),
             model,

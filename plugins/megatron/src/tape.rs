@@ -20,6 +20,7 @@
 //! afterwards).
 
 use std::cell::RefCell;
+use std::rc::Rc;
 
 use tch::{Kind, Tensor};
 
@@ -27,7 +28,7 @@ use crate::comm::{Comm, Scope};
 use crate::seq;
 
 /// What a cut's backward does with the leaf's gradient.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Backward {
     Identity,
     /// Sums the gradient over the tensor-parallel ranks (Megatron's `f`).
@@ -44,6 +45,8 @@ pub enum Backward {
     /// The leaf is every context-parallel rank's keys or values in sequence order: each rank's
     /// gradient (from its queries) is partial, and each keeps the sum over its own chunks.
     ReduceScatterContext,
+    /// As `ReduceScatterContext` for a packed stream's keys or values.
+    ReduceScatterPacked(Rc<seq::PackedContext>),
 }
 
 struct Cut {
@@ -94,6 +97,7 @@ impl Tape {
                 Backward::SliceSeq => seq::slice(comm, &grad),
                 Backward::GatherSeq => seq::all_gather(comm, &grad)?,
                 Backward::ReduceScatterContext => seq::reduce_scatter_context(comm, &grad)?,
+                Backward::ReduceScatterPacked(layout) => layout.reduce_scatter(comm, &grad)?,
             };
             (&cut.source * grad).sum(Kind::Float).f_backward()?;
         }

@@ -28,6 +28,9 @@ const CASE: &str = "VERL_MEGATRON_TEST_CASE";
 const MODEL: &str = "VERL_MEGATRON_TEST_MODEL";
 const PARALLEL: &str = "VERL_MEGATRON_TEST_PARALLEL";
 const DIR: &str = "VERL_MEGATRON_TEST_DIR";
+/// Set: the megatron engine runs packed (THD) batches (`model.use_remove_padding`); the
+/// one-rank reference stays padded.
+const PACKED: &str = "VERL_MEGATRON_TEST_PACKED";
 /// fp32 agreement asked of the tensor-parallel engine.
 const TOLERANCE: f64 = 1e-5;
 /// Global batch rows: they split evenly over 2 and 4 ranks, as the trainer requires of updates.
@@ -162,6 +165,10 @@ fn run_context() -> RunContext {
 }
 
 fn megatron_engine(config: &Value) -> EngineHandle {
+    let mut config = config.clone();
+    if std::env::var_os(PACKED).is_some() {
+        config["model"]["use_remove_padding"] = json!(true);
+    }
     let harness = PluginHarness::load_alone(built_plugin("verl_plugin_megatron"))
         .unwrap_or_else(|e| panic!("{e}"));
     harness.assert_registers(ComponentKind::ENGINE, "megatron", 100);
@@ -170,7 +177,7 @@ fn megatron_engine(config: &Value) -> EngineHandle {
         .create_engine()
         .unwrap_or_else(|e| panic!("{e}"));
     engine
-        .init(&ComponentInit::new(config.clone(), run_context()))
+        .init(&ComponentInit::new(config, run_context()))
         .unwrap_or_else(|e| panic!("megatron init: {e}"));
     engine
 }
@@ -368,9 +375,24 @@ fn play_critic(model: &Path, megatron: Value) {
 /// A batch of `rows` rows `width` tokens wide: prompts of `width / 2` tokens (row `i` with
 /// `i % prompt` of them padding), responses of the rest (row `i` ending up to `i` tokens early).
 fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
-    let mut rng = Rng::stream(13, width as u64);
     let prompt = (width / 2).max(1);
     let response = width - prompt;
+    let real = |i: usize, c: usize| c >= i % prompt && c < width - i.min(response - 1);
+    let mut rng = Rng::stream(13, width as u64);
+    verl_batch(&mut rng, vocab, rows, prompt, width, real, 1.0)
+}
+
+/// `rows` rows of random ids `width` wide, the first `prompt` columns the prompt, `real(row,
+/// column)` marking the real tokens, verl's keys, at `temperature`.
+fn verl_batch(
+    rng: &mut Rng,
+    vocab: i64,
+    rows: usize,
+    prompt: usize,
+    width: usize,
+    real: impl Fn(usize, usize) -> bool,
+    temperature: f64,
+) -> Batch {
     let (mut ids, mut mask, mut responses) =
         (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
     let mut response_mask = Vec::<f32>::new();
@@ -378,15 +400,12 @@ fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
         let row: Vec<i64> = (0..width)
             .map(|_| (rng.next_u64() % vocab as u64) as i64)
             .collect();
-        let left = i % prompt;
-        let short = i.min(response - 1);
-        let real = |c: usize| c >= left && c < width - short;
         ids.extend(&row);
-        mask.extend((0..width).map(|c| i64::from(real(c))));
+        mask.extend((0..width).map(|c| i64::from(real(i, c))));
         responses.extend(&row[prompt..]);
-        response_mask.extend((prompt..width).map(|c| if real(c) { 1f32 } else { 0.0 }));
+        response_mask.extend((prompt..width).map(|c| if real(i, c) { 1f32 } else { 0.0 }));
     }
-    let (b, w, r) = (rows as i64, width as i64, response as i64);
+    let (b, w, r) = (rows as i64, width as i64, (width - prompt) as i64);
     let mut batch = Batch::default();
     batch.insert(keys::INPUT_IDS, Tensor::from_slice(&[b, w], &ids).unwrap());
     batch.insert(
@@ -403,7 +422,7 @@ fn batch_of_width(vocab: i64, rows: usize, width: usize) -> Batch {
     );
     common::set_meta(
         &mut batch,
-        json!({"temperature": 1.0, "calculate_entropy": true}),
+        json!({"temperature": temperature, "calculate_entropy": true}),
     );
     batch
 }
@@ -430,6 +449,55 @@ fn play_widths(model: &Path, megatron: Value) {
                 max_diff(g, &narrow(w, start, len)),
             );
         }
+    }
+}
+
+/// One row per real length in `lengths`: a prompt of half of it (at least one token, left-padded)
+/// and a response of the rest (right-padded; none for a length of 1).
+fn batch_of_lengths(vocab: i64, lengths: &[usize]) -> Batch {
+    let prompt_of = |len: usize| len.div_ceil(2);
+    let prompt = lengths.iter().map(|&l| prompt_of(l)).max().unwrap();
+    let response = lengths.iter().map(|&l| l - prompt_of(l)).max().unwrap();
+    let real = |i: usize, c: usize| {
+        let (p, r) = (prompt_of(lengths[i]), lengths[i] - prompt_of(lengths[i]));
+        c >= prompt - p && c < prompt + r
+    };
+    let mut rng = Rng::stream(17, lengths.len() as u64);
+    let width = prompt + response.max(1);
+    verl_batch(&mut rng, vocab, lengths.len(), prompt, width, real, 0.7)
+}
+
+/// verl's THD alignment: every sequence length from 1 to `2·tp·cp·2 + 1`, packed together (short
+/// and long rows interleaved) into each rank's one micro-batch, against the one-rank engine on
+/// the padded batch.
+fn play_lengths(model: &Path, megatron: Value) {
+    let run = run_context();
+    let tp = megatron["tensor_model_parallel_size"].as_u64().unwrap_or(1) as usize;
+    let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
+    let longest = 2 * tp * cp * 2 + 1;
+    let lengths: Vec<usize> = (0..longest)
+        .map(|i| {
+            if i % 2 == 0 {
+                1 + i / 2
+            } else {
+                longest - i / 2
+            }
+        })
+        .collect();
+    let (start, len) = part(lengths.len(), run.rank as usize, run.world_size as usize);
+    let mut reference = common::engine(&actor_config(model, None));
+    let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
+    let batch = batch_of_lengths(vocab_of(model), &lengths);
+    let want = reference.compute_log_prob(&batch).unwrap();
+    let got = engine
+        .compute_log_prob(&narrow_batch(&batch, start, len))
+        .unwrap();
+    for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+        let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
+        assert_close(
+            &format!("{key} of lengths 1..={longest}"),
+            max_diff(g, &narrow(w, start, len)),
+        );
     }
 }
 
@@ -490,6 +558,7 @@ fn rank_main(case: &str) {
         "parity" => play_parity(&model, megatron, &dir),
         "critic" => play_critic(&model, megatron),
         "widths" => play_widths(&model, megatron),
+        "lengths" => play_lengths(&model, megatron),
         "save" => play_save(&model, megatron, &dir),
         "load" => play_load(&model, megatron, &dir),
         other => panic!("unknown case {other}"),
@@ -513,10 +582,19 @@ fn free_port() -> u16 {
 /// Runs `case` on `world` ranks with the `megatron` section `parallel` and asserts that every
 /// rank succeeds.
 fn run(case: &str, world: u32, model: &Path, parallel: &Value, dir: &Path) {
+    run_layout(case, world, model, parallel, dir, false);
+}
+
+/// [`run`], with the megatron engine on packed batches when `packed`.
+fn run_layout(case: &str, world: u32, model: &Path, parallel: &Value, dir: &Path, packed: bool) {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
+            let mut command = Command::new(std::env::current_exe().unwrap());
+            if packed {
+                command.env(PACKED, "1");
+            }
+            command
                 .env(CASE, case)
                 .env(MODEL, model)
                 .env(PARALLEL, parallel.to_string())
@@ -533,8 +611,9 @@ fn run(case: &str, world: u32, model: &Path, parallel: &Value, dir: &Path) {
                 .unwrap()
         })
         .collect();
+    let layout = if packed { "packed " } else { "" };
     verl_testkit::join_ranks(
-        &format!("{case} {parallel} on {world} ranks"),
+        &format!("{layout}{case} {parallel} on {world} ranks"),
         children,
         WORST_LINE,
     );
@@ -561,6 +640,13 @@ fn critic(model: &str, world: u32, parallel: Value) {
     let dir = tempfile::tempdir().unwrap();
     let path = model_dir(model, dir.path());
     run("critic", world, &path, &parallel, dir.path());
+}
+
+/// `case` on packed batches (`model.use_remove_padding`) on `world` ranks.
+fn packed(case: &str, model: &str, world: u32, parallel: Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_dir(model, dir.path());
+    run_layout(case, world, &path, &parallel, dir.path(), true);
 }
 
 /// Layouts the engine does not build are refused at `init`, naming the key (one process).
@@ -656,6 +742,46 @@ fn main() {
             let path = model_dir("qwen2-gqa", dir.path());
             let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
             run("widths", 4, &path, &parallel, dir.path());
+        }),
+        ("packed_every_length_tp2_sp", || {
+            let parallel = json!({"tensor_model_parallel_size": 2, "sequence_parallel": true});
+            packed("lengths", "qwen2-gqa", 2, parallel);
+        }),
+        ("packed_every_length_cp2", || {
+            packed(
+                "lengths",
+                "qwen2-gqa",
+                2,
+                json!({"context_parallel_size": 2}),
+            );
+        }),
+        ("packed_every_length_tp2_sp_cp2_4_ranks", || {
+            let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
+            packed("lengths", "llama-tied", 4, parallel);
+        }),
+        ("packed_tp2_sp_qwen2_gqa_bias", || {
+            let parallel = json!({"tensor_model_parallel_size": 2, "sequence_parallel": true});
+            packed("parity", "qwen2-gqa", 2, parallel);
+        }),
+        ("packed_cp2_llama_tied", || {
+            packed(
+                "parity",
+                "llama-tied",
+                2,
+                json!({"context_parallel_size": 2}),
+            );
+        }),
+        ("packed_tp2_sp_cp2_qwen2_gqa_4_ranks", || {
+            let parallel = json!({"tensor_model_parallel_size": 2, "context_parallel_size": 2});
+            packed("parity", "qwen2-gqa", 4, parallel);
+        }),
+        ("packed_cp2_critic_qwen2_gqa", || {
+            packed(
+                "critic",
+                "qwen2-gqa",
+                2,
+                json!({"context_parallel_size": 2}),
+            );
         }),
         ("unbuilt_layouts_are_errors", unbuilt_layouts_are_errors),
         ("reshard_tp2_to_tp1", || reshard("qwen2-gqa", 2, 1)),

@@ -19,6 +19,7 @@
 //! Everything blocks the caller (the rollout trait is synchronous) on a single-threaded tokio
 //! runtime owned by the pool: the work is waiting on sockets.
 
+mod collective;
 mod error;
 mod generate;
 #[cfg(any(test, feature = "mock"))]
@@ -30,6 +31,10 @@ mod support;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use collective::{
+    Collective, CollectiveGroup, CollectiveSettings, GroupPlan, NoCollective, TensorList,
+    WeightSender, WeightSync, lost_server,
+};
 pub use error::HttpError;
 pub use generate::{Protocol, Sample, prompt_seed};
 pub use pool::{Method, Pool, Restore, Server};

@@ -362,3 +362,103 @@ fn wait_dead(pid: libc::pid_t) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A tensor a [`FakeCollective`] was given to broadcast.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SentTensor {
+    pub name: String,
+    pub dtype: verl_plugin_api::DType,
+    pub shape: Vec<i64>,
+    pub data: Vec<u8>,
+}
+
+/// What a [`FakeCollective`] was asked: the groups it joined, the tensors of each send.
+#[derive(Debug, Default)]
+pub struct TransferLog {
+    pub joins: Vec<crate::GroupPlan>,
+    pub sends: Vec<Vec<SentTensor>>,
+}
+
+/// The trainer's end of a collective weight sync, recording instead of broadcasting; `fail_send`
+/// makes every send fail with that message. A mock server proves the two ends overlap by
+/// answering a join or update request only once the log shows the trainer's side of it.
+#[derive(Clone, Default)]
+pub struct FakeCollective {
+    pub log: Arc<Mutex<TransferLog>>,
+    pub fail_send: Option<String>,
+}
+
+impl crate::Collective for FakeCollective {
+    fn check(&self) -> Result<(), verl_plugin_api::PluginError> {
+        Ok(())
+    }
+
+    fn join(
+        &mut self,
+        plan: &crate::GroupPlan,
+    ) -> Result<Box<dyn crate::WeightSender>, verl_plugin_api::PluginError> {
+        self.log.lock().unwrap().joins.push(plan.clone());
+        Ok(Box::new(self.clone()))
+    }
+}
+
+impl crate::WeightSender for FakeCollective {
+    fn send(
+        &mut self,
+        tensors: &[verl_plugin_api::TensorRef<'_>],
+    ) -> Result<(), verl_plugin_api::PluginError> {
+        if let Some(message) = &self.fail_send {
+            return Err(verl_plugin_api::PluginError::other(message.clone()));
+        }
+        let sent = tensors
+            .iter()
+            .map(|t| SentTensor {
+                name: t.name.to_string(),
+                dtype: t.dtype,
+                shape: t.shape.to_vec(),
+                data: t.data.to_vec(),
+            })
+            .collect();
+        self.log.lock().unwrap().sends.push(sent);
+        Ok(())
+    }
+}
+
+/// Waits up to 5 s for `ready` (a mock server's side of a collective waiting for the
+/// trainer's); whether it came.
+pub fn eventually(ready: impl Fn() -> bool) -> bool {
+    let start = Instant::now();
+    while !ready() {
+        if start.elapsed() > Duration::from_secs(5) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+/// Two small tensors of two dtypes, as an engine lends them.
+pub fn lent_tensors() -> Vec<verl_plugin_api::NamedTensor> {
+    use verl_plugin_api::{NamedTensor, Tensor};
+    vec![
+        NamedTensor::new(
+            "model.embed_tokens.weight",
+            Tensor::from_slice(&[2, 3], &[0.5f32, -1.0, 2.0, 0.25, 3.5, -4.0]).unwrap(),
+        ),
+        NamedTensor::new(
+            "model.counts",
+            Tensor::from_slice(&[2], &[7i64, -9]).unwrap(),
+        ),
+    ]
+}
+
+/// `rollout.update_weights` of [`lent_tensors`] lent as a memory source (what the `naive` weight
+/// sync hands over), tagged `version`.
+pub fn sync_lent(
+    rollout: &mut dyn Rollout,
+    version: u64,
+) -> Result<(), verl_plugin_api::PluginError> {
+    let named = lent_tensors();
+    let views: Vec<_> = named.iter().map(|t| t.as_ref()).collect();
+    rollout.update_weights(&WeightSource::memory(version, &views))
+}

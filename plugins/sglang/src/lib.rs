@@ -25,8 +25,16 @@
 //! `/model_info` (`/get_model_info` on older servers) must report the version the plugin last
 //! set, and every answer's `meta_info.weight_version` must be it: a restarted server, or a reload
 //! that failed on one replica, stops the run instead of producing samples from stale weights.
-//! SGLang's `/update_weights_from_distributed` (NCCL, GPU-only) is not used: the disk sync is the
-//! one weight source this rollout accepts.
+//!
+//! **By collective transfer** (`weight_sync: collective`; see [`collective`]): the trainer's
+//! tensors, lent by the `naive` weight sync, are broadcast from the trainer (rank 0) to every
+//! server's workers. Once: `/init_weights_update_group {master_address, master_port,
+//! rank_offset, world_size, group_name, backend}` on every server while the trainer forms the
+//! torch.distributed group with them. Each sync: `/update_weights_from_distributed {names,
+//! dtypes, shapes, group_name, flush_cache, weight_version}` while the trainer broadcasts each
+//! tensor, then `/flush_cache`, then every server must report the step as its version. With
+//! `group_backend: nccl` (SGLang's default) it needs a GPU; with `gloo` it runs on a CPU, which
+//! is how it is tested here, against a protocol server that receives with SGLang's own group code.
 //!
 //! **Sleep/wake.** `/release_memory_occupation` and `/resume_memory_occupation`, which free and
 //! restore GPU memory on a server started with `--enable-memory-saver` (the plugin adds it to a
@@ -41,9 +49,11 @@ use verl_plugin_api::{
     PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
 };
 use verl_rollout_http::{
-    HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
-    prompt_seed, server_section,
+    Collective, CollectiveSettings, HttpError, Launch, Method, Pool, Protocol, Sample,
+    ServerSettings, WeightSync, check_weights_dir, excerpt, prompt_seed, server_section,
 };
+
+pub mod collective;
 
 /// The section this plugin owns, where verl keeps SGLang's engine settings.
 pub const SECTION: &str = "actor_rollout_ref.rollout.engine_kwargs.sglang";
@@ -68,6 +78,16 @@ pub struct SglangSettings {
     pub mem_fraction_static: Option<f64>,
     /// `--enable-memory-saver`: lets sleep/wake free and restore GPU memory.
     pub enable_memory_saver: bool,
+    /// How new weights reach the servers: `file` (default; `/update_weights_from_disk` of the
+    /// `disk` weight sync's directory) or `collective` (`/update_weights_from_distributed` of the
+    /// trainer's broadcasts; the `naive` weight sync).
+    pub weight_sync: WeightSync,
+    /// The group of the `collective` weight sync.
+    pub collective: CollectiveSettings,
+    /// Its torch.distributed group name (SGLang's default).
+    pub group_name: String,
+    /// Its backend: `nccl` (SGLang's default; GPU) or `gloo`.
+    pub group_backend: String,
 }
 
 impl Default for SglangSettings {
@@ -77,6 +97,10 @@ impl Default for SglangSettings {
             context_length: None,
             mem_fraction_static: None,
             enable_memory_saver: true,
+            weight_sync: WeightSync::File,
+            collective: CollectiveSettings::default(),
+            group_name: "weight_update_group".into(),
+            group_backend: "nccl".into(),
         }
     }
 }
@@ -295,12 +319,14 @@ struct Active {
     /// Seeds for requests that bring none, from the run seed.
     run_seed: u64,
     calls: u64,
+    /// The `collective` weight sync, when it is the mode.
+    collective: Option<collective::Transfer>,
 }
 
 impl Active {
-    fn start(init: &ComponentInit) -> Result<Self, PluginError> {
+    fn start(init: &ComponentInit, transport: &Transport) -> Result<Self, PluginError> {
         let keys: RolloutKeys = init.config("sglang")?;
-        let (_, server, sglang): (String, ServerSettings, SglangSettings) =
+        let (path, server, sglang): (String, ServerSettings, SglangSettings) =
             server_section(init, &keys.engine_kwargs, "sglang", SECTION, URLS_ENV)?;
         let pool = if server.urls.is_empty() {
             let (port, url) = server.address()?;
@@ -322,6 +348,10 @@ impl Active {
             weight_version: None,
             run_seed: init.run.seed,
             calls: 0,
+            collective: (sglang.weight_sync == WeightSync::Collective).then(|| {
+                let transport = transport(&sglang.group_name, &sglang.group_backend);
+                collective::Transfer::new(transport, &sglang, path)
+            }),
         })
     }
 
@@ -331,7 +361,9 @@ impl Active {
                 "`n` (samples per prompt) must be at least 1",
             ));
         }
+        let by_collective = self.collective.is_some();
         let restore = |pool: &Pool, i: usize| match self.weight_version {
+            Some(_) if by_collective => Err(verl_rollout_http::lost_server(pool, i)),
             // A started server comes back with the model directory's weights.
             Some(step) => pool.kept_weights().map_or(Ok(()), |dir| {
                 reload(pool, i, &dir.to_string_lossy(), &step.to_string())
@@ -356,14 +388,24 @@ impl Active {
 
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
         let handover = source.handover()?;
-        if handover.kind != WeightSourceKind::File {
-            return Err(PluginError::unsupported(&format!(
-                "update_weights from a {} source (the sglang rollout reloads from files: set \
-                 actor_rollout_ref.rollout.checkpoint_engine.backend=disk; SGLang's \
-                 /update_weights_from_distributed is GPU-only and not used)",
-                handover.kind.as_str()
-            )));
+        if let Some(transfer) = &mut self.collective {
+            WeightSync::Collective.check_source(handover.kind)?;
+            let version = source.version.to_string();
+            transfer.join(&mut self.pool)?;
+            // Until every server has taken the new weights, none is trusted to hold known ones.
+            self.protocol.weight_version = format!("(update to {version} incomplete)");
+            transfer.update(&self.pool, &source.tensors, &version)?;
+            for i in 0..self.pool.servers().len() {
+                let reported = weight_version(&self.pool, i)?;
+                if reported != version {
+                    return Err(stale(&self.pool, i, &reported, &version).into());
+                }
+            }
+            self.protocol.weight_version = version;
+            self.weight_version = Some(source.version);
+            return Ok(());
         }
+        WeightSync::File.check_source(handover.kind)?;
         check_weights_dir(Path::new(&handover.path))?;
         let version = source.version.to_string();
         // Until every server has reloaded, none is trusted to hold known weights.
@@ -448,12 +490,34 @@ fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
 }
 
 /// The `sglang` rollout as the ABI sees it: servers once `init` has run.
-#[derive(Default)]
 pub struct SglangRollout {
     active: Option<Active>,
+    /// The trainer's end of the `collective` weight sync (this build's, or a test's).
+    transport: Box<Transport>,
+}
+
+/// Makes the trainer's end of a `collective` weight sync for a group name and backend.
+pub type Transport = dyn Fn(&str, &str) -> Box<dyn Collective> + Send;
+
+impl Default for SglangRollout {
+    fn default() -> Self {
+        Self::with_transport(collective::torch_group)
+    }
 }
 
 impl SglangRollout {
+    /// A rollout whose `collective` weight sync joins groups with what `transport(group_name,
+    /// group_backend)` makes (the default: SGLang's torch.distributed group through
+    /// verl-distributed, in a build with the `collective` feature).
+    pub fn with_transport(
+        transport: impl Fn(&str, &str) -> Box<dyn Collective> + Send + 'static,
+    ) -> Self {
+        Self {
+            active: None,
+            transport: Box::new(transport),
+        }
+    }
+
     fn active(&mut self) -> Result<&mut Active, PluginError> {
         self.active.as_mut().ok_or_else(|| {
             PluginError::other("the sglang rollout is not initialised: call `init` first")
@@ -464,7 +528,8 @@ impl SglangRollout {
 impl Rollout for SglangRollout {
     fn capabilities() -> RolloutCapabilities {
         RolloutCapabilities::default()
-            .weight_sources([WeightSourceKind::File])
+            // Memory: the trainer's tensors, which `weight_sync: collective` broadcasts.
+            .weight_sources([WeightSourceKind::File, WeightSourceKind::Memory])
             .logprobs(true)
             .sleep_wake(true)
             .config_keys(ConfigKeys::default().acts_on([
@@ -477,7 +542,7 @@ impl Rollout for SglangRollout {
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         // A second init replaces the servers (the old ones stop when dropped).
         self.active = None;
-        self.active = Some(Active::start(init)?);
+        self.active = Some(Active::start(init, &*self.transport)?);
         Ok(())
     }
     fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {

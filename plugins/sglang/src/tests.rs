@@ -15,7 +15,12 @@ use super::*;
 
 /// An SGLang server's answers; `version` is the weight version it holds.
 fn sglang_mock(version: Arc<Mutex<String>>) -> MockServer {
-    MockServer::start(move |r: &Recorded| match r.path.as_str() {
+    MockServer::start(move |r: &Recorded| sglang_reply(&version, r))
+}
+
+/// An SGLang server's answer to `r`.
+fn sglang_reply(version: &Mutex<String>, r: &Recorded) -> Reply {
+    match r.path.as_str() {
         "/health" => Reply::Text(200, String::new()),
         "/model_info" => Reply::ok(json!({
             "model_path": "/m", "tokenizer_path": "/m", "is_generation": true,
@@ -31,7 +36,7 @@ fn sglang_mock(version: Arc<Mutex<String>>) -> MockServer {
         "/release_memory_occupation" | "/resume_memory_occupation" => Reply::ok(Value::Null),
         "/generate" => Reply::ok(generated(&r.body, &version.lock().unwrap())),
         _ => Reply::Json(404, json!({"detail": "Not Found"})),
-    })
+    }
 }
 
 /// SGLang's answer to a batch: output `j` continues with `first prompt id + j`, then stops with
@@ -383,4 +388,175 @@ fn a_started_server_follows_verls_rollout_keys() {
     assert_eq!(flag(&l, "--mem-fraction-static"), Some("0.8"));
     assert_eq!(flag(&l, "--dtype"), None);
     assert!(!l.args.contains(&"--enable-memory-saver".to_owned()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// `weight_sync: collective`
+
+use verl_rollout_http::testing::{FakeCollective, TransferLog, eventually, sync_lent};
+
+/// An SGLang server with the distributed update: `/init_weights_update_group` and
+/// `/update_weights_from_distributed` answer only once the trainer's side of them shows in `log`
+/// (as SGLang's return only when the torch.distributed calls they wait in have run); the update
+/// sets the version it carries.
+fn distributed_mock(version: Arc<Mutex<String>>, log: Arc<Mutex<TransferLog>>) -> MockServer {
+    let updates = std::sync::atomic::AtomicUsize::new(0);
+    MockServer::start(move |r: &Recorded| match r.path.as_str() {
+        "/init_weights_update_group" => {
+            if eventually(|| !log.lock().unwrap().joins.is_empty()) {
+                Reply::ok(
+                    json!({"success": true, "message": "Succeeded to initialize custom process group."}),
+                )
+            } else {
+                Reply::Json(
+                    400,
+                    json!({"success": false, "message": "the trainer never joined"}),
+                )
+            }
+        }
+        "/update_weights_from_distributed" => {
+            let k = updates.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if eventually(|| log.lock().unwrap().sends.len() >= k) {
+                *version.lock().unwrap() = r.body["weight_version"].as_str().unwrap().to_owned();
+                Reply::ok(
+                    json!({"success": true, "message": "Succeeded to update parameter online."}),
+                )
+            } else {
+                Reply::Json(
+                    400,
+                    json!({"success": false, "message": "no broadcast from the trainer"}),
+                )
+            }
+        }
+        _ => sglang_reply(&version, r),
+    })
+}
+
+/// A rollout in collective mode attached to `mocks`, its transport recording into `log`.
+fn collective_rollout(
+    mocks: &[&MockServer],
+    log: &Arc<Mutex<TransferLog>>,
+    fail_send: Option<&str>,
+) -> SglangRollout {
+    let fake = FakeCollective {
+        log: Arc::clone(log),
+        fail_send: fail_send.map(str::to_owned),
+    };
+    let mut rollout = SglangRollout::with_transport(move |_, _| Box::new(fake.clone()));
+    let urls: Vec<&str> = mocks.iter().map(|m| m.url()).collect();
+    rollout
+        .init(&init::<Sglang>(json!({
+            "urls": urls, "startup_timeout_s": 5, "weight_sync": "collective",
+            "group_name": "verl", "group_backend": "gloo",
+            "collective": {"master_port": 29518, "workers_per_server": 2},
+        })))
+        .unwrap();
+    rollout
+}
+
+/// The POST requests `mock` received, in order.
+fn posts(mock: &MockServer) -> Vec<(String, Value)> {
+    mock.requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path != "/generate")
+        .map(|r| (r.path, r.body))
+        .collect()
+}
+
+#[test]
+fn a_collective_sync_runs_sglangs_distributed_update_on_every_server() {
+    let log = Arc::new(Mutex::new(TransferLog::default()));
+    let mocks: Vec<MockServer> = (0..2)
+        .map(|_| distributed_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log)))
+        .collect();
+    let mut rollout = collective_rollout(&[&mocks[0], &mocks[1]], &log, None);
+    sync_lent(&mut rollout, 4).unwrap();
+    sync_lent(&mut rollout, 5).unwrap();
+
+    let log = log.lock().unwrap();
+    assert_eq!(log.joins.len(), 1);
+    assert_eq!(
+        (log.joins[0].world_size, log.joins[0].rank_offsets.clone()),
+        (5, vec![1, 3])
+    );
+    assert_eq!(log.sends.len(), 2);
+    assert_eq!(log.sends[1][1].name, "model.counts");
+    for (i, mock) in mocks.iter().enumerate() {
+        let init = json!({"master_address": "127.0.0.1", "master_port": 29518,
+            "rank_offset": 1 + 2 * i, "world_size": 5, "group_name": "verl", "backend": "gloo"});
+        let update = |v: &str| {
+            json!({"names": ["model.embed_tokens.weight", "model.counts"],
+                "dtypes": ["float32", "int64"], "shapes": [[2, 3], [2]], "group_name": "verl",
+                "flush_cache": true, "weight_version": v})
+        };
+        let want = vec![
+            ("/init_weights_update_group".to_owned(), init),
+            ("/update_weights_from_distributed".to_owned(), update("4")),
+            ("/flush_cache".to_owned(), Value::Null),
+            ("/update_weights_from_distributed".to_owned(), update("5")),
+            ("/flush_cache".to_owned(), Value::Null),
+        ];
+        assert_eq!(posts(mock), want, "server {i}");
+    }
+    drop(log);
+    let out = rollout
+        .generate(&GenerateRequest::new(vec![vec![5, 6]], sampling(1)))
+        .unwrap();
+    assert_eq!(out.weight_version, Some(5));
+}
+
+#[test]
+fn a_failed_distributed_update_blocks_generation() {
+    let log = Arc::new(Mutex::new(TransferLog::default()));
+    let mock = distributed_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log));
+    let mut rollout = collective_rollout(&[&mock], &log, Some("Gloo: connection closed by peer"));
+    let err = sync_lent(&mut rollout, 3).unwrap_err();
+    assert!(err.message().contains("connection closed by peer"), "{err}");
+    assert!(
+        err.message().contains("no broadcast from the trainer"),
+        "{err}"
+    );
+    let err = rollout
+        .generate(&GenerateRequest::new(vec![vec![5]], sampling(1)))
+        .unwrap_err();
+    assert!(err.message().contains("incomplete"), "{err}");
+}
+
+#[test]
+fn without_a_transport_the_collective_sync_stops_before_any_server_is_asked() {
+    let mock = sglang_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = SglangRollout::default();
+    rollout
+        .init(&init::<Sglang>(
+            json!({"urls": [mock.url()], "startup_timeout_s": 5,
+            "weight_sync": "collective"}),
+        ))
+        .unwrap();
+    let err = sync_lent(&mut rollout, 1).unwrap_err();
+    assert!(
+        err.message()
+            .contains("collective weight sync needs CUDA + NCCL; use weight_sync=file"),
+        "{err}"
+    );
+    assert!(posts(&mock).is_empty(), "{:?}", posts(&mock));
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![5]], sampling(1)))
+        .unwrap();
+}
+
+#[test]
+fn collective_mode_takes_the_naive_syncs_tensors() {
+    let log = Arc::new(Mutex::new(TransferLog::default()));
+    let mock = distributed_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log));
+    let mut rollout = collective_rollout(&[&mock], &log, None);
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
+    let err = rollout
+        .update_weights(&file_source(1, &handover))
+        .unwrap_err();
+    assert!(
+        err.message().contains("checkpoint_engine.backend=naive"),
+        "{err}"
+    );
+    assert!(posts(&mock).is_empty());
 }

@@ -25,7 +25,7 @@ pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
-pub use model::{BlockContext, CausalLM, Head, ModelOptions, TensorParallel};
+pub use model::{BlockContext, CausalLM, Head, ModelOptions, Packing, TensorParallel};
 pub use optim::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, OPTIMIZER_FILE, TRAIN_STATE_FILE, TrainState,
     load_training_state, load_training_state_from, save_training_state,

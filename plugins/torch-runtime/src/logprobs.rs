@@ -3,7 +3,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::model::CausalLM;
+use crate::model::{BlockContext, CausalLM, Layout, Packing};
 
 /// `log softmax(logits)[label]` per position: `logits [.., V]`, `labels [..]` → `[..]`, fp32.
 pub fn log_probs_from_logits(logits: &Tensor, labels: &Tensor) -> Tensor {
@@ -66,28 +66,82 @@ impl CausalLM {
     ) -> Result<ResponseScores> {
         let seq = hidden.size()[1];
         check_response_len(seq, response_len)?;
+        // Position t predicts token t + 1: the response's predictors end one before the sequence.
+        // Only those positions go through the (large) LM head.
+        let labels = input_ids
+            .to_device(self.device())
+            .narrow(1, seq - response_len, response_len);
+        let scores = self.scores_of(
+            &hidden.narrow(1, seq - response_len - 1, response_len),
+            &labels,
+            temperature,
+            with_entropy,
+        )?;
+        let mask = self.response_mask(attention_mask, response_len);
+        Ok(ResponseScores {
+            log_probs: scores.log_probs * &mask,
+            entropy: scores.entropy.map(|e| e * &mask),
+        })
+    }
+
+    /// [`Self::response_scores_from_hidden`] for the final hidden states of a block context's
+    /// batch, padded or packed (see [`CausalLM::packed_block_context`]): `[B, R]` either way.
+    /// A packed batch runs the LM head on the scored response tokens' predictors only.
+    pub fn response_scores_in(
+        &self,
+        hidden: &Tensor,
+        context: &BlockContext,
+        response_len: i64,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<ResponseScores> {
+        match &context.layout {
+            Layout::Padded(mask) => self.response_scores_from_hidden(
+                hidden,
+                &context.batch_ids,
+                mask,
+                response_len,
+                temperature,
+                with_entropy,
+            ),
+            Layout::Packed(packing) => {
+                let predictors = packed_predictors(hidden, packing, response_len)?;
+                let labels = packing.labels(&context.batch_ids);
+                let scores = self.scores_of(&predictors, &labels, temperature, with_entropy)?;
+                Ok(ResponseScores {
+                    log_probs: packing.unpack_response(&scores.log_probs),
+                    entropy: scores.entropy.map(|e| packing.unpack_response(&e)),
+                })
+            }
+        }
+    }
+
+    /// Log-probs (and entropy) of `labels` `[..]` from their predictors' hidden states
+    /// `[.., hidden]` at `temperature`, fp32.
+    fn scores_of(
+        &self,
+        hidden: &Tensor,
+        labels: &Tensor,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<ResponseScores> {
         if !(temperature > 0.0 && temperature.is_finite()) {
             return Err(ModelError::invalid_input(
                 "temperature",
                 format!("must be positive, got {temperature}"),
             ));
         }
-        // Position t predicts token t + 1: the response's predictors end one before the sequence.
-        // Only those positions go through the (large) LM head.
-        let logits = self.logits(&hidden.narrow(1, seq - response_len - 1, response_len))?;
+        let logits = self.logits(hidden)?;
         // Dividing by 1 is exact: skip a pass (and its backward) over the largest activation.
         let logits = if temperature == 1.0 {
             logits
         } else {
             logits / temperature
         };
-        let labels = input_ids
-            .to_device(self.device())
-            .narrow(1, seq - response_len, response_len);
-        let mask = self.response_mask(attention_mask, response_len);
-        let log_probs = log_probs_from_logits(&logits, &labels) * &mask;
-        let entropy = with_entropy.then(|| entropy_from_logits(&logits) * &mask);
-        Ok(ResponseScores { log_probs, entropy })
+        Ok(ResponseScores {
+            log_probs: log_probs_from_logits(&logits, labels),
+            entropy: with_entropy.then(|| entropy_from_logits(&logits)),
+        })
     }
 
     /// Values of the response tokens, `[B, R]` fp32, zero on padding: the value at the position
@@ -116,6 +170,23 @@ impl CausalLM {
         Ok(values * self.response_mask(attention_mask, response_len))
     }
 
+    /// [`Self::response_values_from_hidden`] for the final hidden states of a block context's
+    /// batch, padded or packed: `[B, R]` either way.
+    pub fn response_values_in(
+        &self,
+        hidden: &Tensor,
+        context: &BlockContext,
+        response_len: i64,
+    ) -> Result<Tensor> {
+        match &context.layout {
+            Layout::Padded(mask) => self.response_values_from_hidden(hidden, mask, response_len),
+            Layout::Packed(packing) => {
+                let predictors = packed_predictors(hidden, packing, response_len)?;
+                Ok(packing.unpack_response(&self.values_from_hidden(&predictors)?))
+            }
+        }
+    }
+
     /// The last `response_len` columns of the mask as fp32 on the model's device.
     fn response_mask(&self, attention_mask: &Tensor, response_len: i64) -> Tensor {
         let seq = attention_mask.size()[1];
@@ -124,6 +195,30 @@ impl CausalLM {
             .narrow(1, seq - response_len, response_len)
             .to_kind(Kind::Float)
     }
+}
+
+/// The hidden states `[n, hidden]` of a packed stream's (`[1, N, hidden]`) scored predictors.
+fn packed_predictors(hidden: &Tensor, packing: &Packing, response_len: i64) -> Result<Tensor> {
+    if packing.response_len() != response_len {
+        return Err(ModelError::invalid_input(
+            "response_len",
+            format!(
+                "{response_len} differs from the packing's {}",
+                packing.response_len()
+            ),
+        ));
+    }
+    let size = hidden.size();
+    if size.len() != 3 || size[0] != 1 || size[1] != packing.len() {
+        return Err(ModelError::invalid_input(
+            "hidden",
+            format!(
+                "must be the packed stream's [1, {}, hidden], got {size:?}",
+                packing.len()
+            ),
+        ));
+    }
+    Ok(hidden.squeeze_dim(0).index_select(0, packing.predictors()))
 }
 
 /// A response needs at least one prompt token before it to be predicted from.

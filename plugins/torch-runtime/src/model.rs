@@ -13,8 +13,10 @@ use crate::rng::Rng;
 use crate::weights;
 
 mod cpu_step;
+mod packed;
 
 use cpu_step::StepBuffers;
+pub use packed::Packing;
 
 /// What sits on top of the final norm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -237,11 +239,19 @@ impl Rope {
     }
 }
 
-/// Rotary tables and attention mask for one forward pass.
+/// Rotary tables and what each query attends, for one forward pass.
 struct Context {
     rope: Rope,
+    attend: Attend,
+}
+
+/// Which keys each query attends.
+enum Attend {
     /// `[B, 1, T, S]`: boolean (true where a query may attend a key) or additive (0 or -inf).
-    mask: Tensor,
+    Mask(Tensor),
+    /// A packed batch (`B = 1`): each run of queries attends causally within its sequence's
+    /// keys (see [`packed::Segment`]).
+    Segments(Vec<packed::Segment>),
 }
 
 /// The state of one `generate` call: key/value buffers `[B, kv_heads, capacity, head_dim]` per
@@ -388,7 +398,7 @@ impl<'m> Decoder<'m> {
         // the cached prefix's.
         let context = Context {
             rope: cache.rope.at(&cache.next_positions),
-            mask: cache.mask.narrow(3, 0, cache.len + 1),
+            attend: Attend::Mask(cache.mask.narrow(3, 0, cache.len + 1)),
         };
         let hidden = model.run(
             &tokens.view([-1, 1]),
@@ -508,18 +518,21 @@ impl Attention {
             (k, v)
         };
         let scale = (d as f64).powf(-0.5);
-        Tensor::scaled_dot_product_attention(
-            &q.transpose(1, 2),
-            &k,
-            &v,
-            Some(&context.mask),
-            0.0,
-            false,
-            scale,
-            false,
-        )
-        .transpose(1, 2)
-        .reshape([b, t, h * d])
+        let q = q.transpose(1, 2);
+        let out = match &context.attend {
+            Attend::Mask(mask) => Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(mask),
+                0.0,
+                false,
+                scale,
+                false,
+            ),
+            Attend::Segments(segments) => packed::attend(&q, &k, &v, segments, scale),
+        };
+        out.transpose(1, 2).reshape([b, t, h * d])
     }
 }
 
@@ -950,7 +963,10 @@ impl CausalLM {
             .le_tensor(&query)
             .logical_and(&valid.view([b, 1, 1, s]))
             .logical_or(&key.eq_tensor(&query));
-        Context { rope, mask }
+        Context {
+            rope,
+            attend: Attend::Mask(mask),
+        }
     }
 
     fn embed(&self, input_ids: &Tensor) -> Tensor {
@@ -992,9 +1008,12 @@ impl CausalLM {
     ) -> Result<BlockContext> {
         self.check_batch(input_ids, attention_mask)?;
         let mask = attention_mask.to_device(self.device());
+        let input_ids = input_ids.to_device(self.device());
         Ok(BlockContext {
             context: self.context(&mask, mask.size()[1]),
-            input_ids: input_ids.to_device(self.device()),
+            batch_ids: input_ids.shallow_clone(),
+            input_ids,
+            layout: Layout::Padded(mask),
         })
     }
 
@@ -1032,9 +1051,12 @@ impl CausalLM {
     ) -> Result<BlockContext> {
         check_batch(input_ids, attention_mask, vocab_size)?;
         let mask = attention_mask.to_device(self.device());
+        let input_ids = input_ids.to_device(self.device());
         Ok(BlockContext {
             context: self.context(&mask, mask.size()[1]),
-            input_ids: input_ids.to_device(self.device()),
+            batch_ids: input_ids.shallow_clone(),
+            input_ids,
+            layout: Layout::Padded(mask),
         })
     }
 
@@ -1052,10 +1074,86 @@ impl CausalLM {
         check_batch(input_ids, attention_mask, vocab_size)?;
         let device = self.device();
         let tokens = tokens.to_device(device);
+        let (input_ids, mask) = (
+            input_ids.to_device(device),
+            attention_mask.to_device(device),
+        );
         Ok(BlockContext {
-            context: self.context_at(&attention_mask.to_device(device), &tokens),
-            input_ids: input_ids.to_device(device).index_select(1, &tokens),
+            context: self.context_at(&mask, &tokens),
+            input_ids: input_ids.index_select(1, &tokens),
+            batch_ids: input_ids,
+            layout: Layout::Padded(mask),
         })
+    }
+
+    /// [`Self::block_context`] for a packed batch (verl's `use_remove_padding`): the real tokens
+    /// of every row of `input_ids` (`[B, S]`, `attention_mask` 1 at real tokens) as one sequence
+    /// `[1, N]`, positions restarting at each row, attention confined to each row. The blocks
+    /// then run on `[1, N, hidden]`; [`Self::response_scores_in`] returns the `[B, R]` layout.
+    pub fn packed_block_context(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+    ) -> Result<BlockContext> {
+        self.check_batch(input_ids, attention_mask)?;
+        let packing = Packing::new(&attention_mask.to_device(self.device()), response_len, 1)?;
+        self.packed_block_context_for(input_ids, packing, self.config.vocab_size, None)
+    }
+
+    /// [`Self::packed_block_context`] with the packing given (rows aligned as a parallel engine
+    /// needs), for ids within `vocab_size` (the whole vocabulary's, for a shard of it), for the
+    /// stream's `tokens` only (`[T]` int64, increasing slots; `None`: all): rotary tables at
+    /// their positions, and each run of consecutive slots of a row attending that row's keys
+    /// among the whole stream's (context parallelism: see [`TensorParallel::keys_values`]).
+    pub fn packed_block_context_for(
+        &self,
+        input_ids: &Tensor,
+        packing: Packing,
+        vocab_size: i64,
+        tokens: Option<&Tensor>,
+    ) -> Result<BlockContext> {
+        let shape = packing.padded_shape();
+        check_batch(input_ids, &input_ids.zeros_like(), vocab_size)?;
+        if input_ids.size() != shape {
+            return Err(ModelError::invalid_input(
+                "input_ids",
+                format!(
+                    "shape {:?} differs from the packing's batch {shape:?}",
+                    input_ids.size()
+                ),
+            ));
+        }
+        let device = self.device();
+        let tokens = tokens.map(|t| t.to_device(device));
+        let slots = match &tokens {
+            Some(t) => Some(
+                Vec::<i64>::try_from(&t.to_device(Device::Cpu))
+                    .map_err(|e| ModelError::Torch(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let batch_ids = input_ids.to_device(device);
+        let packed = packing.pack_ids(&batch_ids);
+        let rope = RopeTable::new(&self.inv_freq, packing.max_len().max(1), self.kind())
+            .at(&packing.positions(tokens.as_ref()));
+        Ok(BlockContext {
+            context: Context {
+                rope,
+                attend: Attend::Segments(packing.segments(slots.as_deref())),
+            },
+            input_ids: match &tokens {
+                Some(t) => packed.index_select(1, t),
+                None => packed,
+            },
+            batch_ids,
+            layout: Layout::Packed(packing),
+        })
+    }
+
+    /// Final hidden states of the context's tokens, `[B, T, hidden]` (packed: `[1, T, hidden]`).
+    pub fn hidden_states_in(&self, context: &BlockContext) -> Tensor {
+        self.run(&context.input_ids, &context.context, None, None)
     }
 
     /// The attention half of decoder layer `layer` on a tensor-parallel shard of the model:
@@ -1105,15 +1203,22 @@ impl CausalLM {
         attention_mask: &Tensor,
         loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        self.check_batch(input_ids, attention_mask)?;
-        let ids = input_ids.to_device(self.device());
-        let context = self.context(&attention_mask.to_device(self.device()), ids.size()[1]);
+        self.backward_checkpointed_in(&self.block_context(input_ids, attention_mask)?, loss_fn)
+    }
+
+    /// [`Self::backward_checkpointed`] on a prepared context (padded or packed).
+    pub fn backward_checkpointed_in(
+        &self,
+        block: &BlockContext,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let (ids, context) = (&block.input_ids, &block.context);
         let inputs = tch::no_grad(|| {
-            let mut inputs = vec![self.embed(&ids)];
+            let mut inputs = vec![self.embed(ids)];
             for layer in &self.layers {
                 let next = layer.forward(
                     inputs.last().expect("starts with the embedding"),
-                    &context,
+                    context,
                     None,
                     None,
                 );
@@ -1136,13 +1241,13 @@ impl CausalLM {
                 return Ok(loss.detach()); // the loss does not depend on earlier layers
             }
             let x = input.detach().set_requires_grad(true);
-            (layer.forward(&x, &context, None, None) * &grad)
+            (layer.forward(&x, context, None, None) * &grad)
                 .sum(Kind::Float)
                 .f_backward()?;
             grad = x.grad();
         }
         if grad.defined() {
-            (self.embed(&ids) * grad).sum(Kind::Float).f_backward()?;
+            (self.embed(ids) * grad).sum(Kind::Float).f_backward()?;
         }
         Ok(loss.detach())
     }
@@ -1153,12 +1258,32 @@ impl CausalLM {
 pub struct BlockContext {
     context: Context,
     input_ids: Tensor,
+    /// The batch's `[B, S]` ids, whose response tokens the head scores.
+    pub(crate) batch_ids: Tensor,
+    pub(crate) layout: Layout,
+}
+
+/// How a batch's rows are laid out for the blocks.
+pub(crate) enum Layout {
+    /// `[B, S]` rows, with the attention mask.
+    Padded(Tensor),
+    /// One packed stream.
+    Packed(Packing),
 }
 
 impl BlockContext {
-    /// The token ids of the context's tokens `[B, T]` (for an engine that embeds them itself).
+    /// The token ids of the context's tokens `[B, T]` (for an engine that embeds them itself;
+    /// packed: `[1, T]`).
     pub fn input_ids(&self) -> &Tensor {
         &self.input_ids
+    }
+
+    /// The packing of a packed batch's context.
+    pub fn packing(&self) -> Option<&Packing> {
+        match &self.layout {
+            Layout::Packed(packing) => Some(packing),
+            Layout::Padded(_) => None,
+        }
     }
 }
 

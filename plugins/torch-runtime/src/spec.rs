@@ -41,6 +41,10 @@ pub struct ModelSpec {
     /// Recompute activations layer by layer in the backward pass (training only).
     #[serde(default)]
     pub enable_gradient_checkpointing: bool,
+    /// verl's `use_remove_padding`: engines run each micro-batch as one packed sequence of its
+    /// real tokens instead of padded rows (the same results; no compute on padding).
+    #[serde(default)]
+    pub use_remove_padding: bool,
     #[serde(default)]
     pub dtype: Dtype,
 }

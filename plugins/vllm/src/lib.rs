@@ -38,6 +38,15 @@
 //! If the extension still finds stale kernels after re-packing, a started server is restarted on
 //! a directory of the model's own files and the new weights (a warning says so) and later syncs
 //! restart it too; `reload: restart` asks for that from the start.
+//!
+//! **By collective transfer** (`weight_sync: collective`, GPU only; see [`collective`]): the
+//! trainer's tensors, lent by the `naive` weight sync, go straight from the trainer to every
+//! server's workers over NCCL, with vLLM 0.32's weight transfer engine (a started server gets
+//! `--weight-transfer-config {"backend":"nccl"}`). Once: `/init_weight_transfer_engine` on every
+//! server while the trainer hosts the group (rank 0; the servers' workers are ranks 1..). Each
+//! sync: `/pause?mode=wait` → `/start_weight_update` → `/update_weights {names, dtype_names,
+//! shapes}` while the trainer broadcasts each tensor → `/finish_weight_update {weight_version}` →
+//! `/reset_prefix_cache` → `/resume`, then every server must report the step as its version.
 
 use std::path::{Path, PathBuf};
 
@@ -48,9 +57,12 @@ use verl_plugin_api::{
     PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
 };
 use verl_rollout_http::{
-    HttpError, Launch, Method, Pool, Protocol, Sample, ServerSettings, check_weights_dir, excerpt,
-    is_weights_file, link_weights, prompt_seed, server_section,
+    Collective, CollectiveSettings, HttpError, Launch, Method, Pool, Protocol, Sample,
+    ServerSettings, WeightSync, check_weights_dir, excerpt, is_weights_file, link_weights,
+    prompt_seed, server_section,
 };
+
+pub mod collective;
 
 /// The section this plugin owns, where verl keeps vLLM's engine settings.
 pub const SECTION: &str = "actor_rollout_ref.rollout.engine_kwargs.vllm";
@@ -86,6 +98,12 @@ pub struct VllmSettings {
     /// How new weights are loaded: `inplace` (default; vLLM's `reload_weights` through our worker
     /// extension) or `restart` (a started server is restarted on them, 30-80 s per sync).
     pub reload: Reload,
+    /// How new weights reach the servers: `file` (default; the `disk` weight sync's directory,
+    /// loaded as `reload` says) or `collective` (NCCL from the trainer, GPU only; the `naive`
+    /// weight sync).
+    pub weight_sync: WeightSync,
+    /// The group of the `collective` weight sync.
+    pub collective: CollectiveSettings,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,6 +123,8 @@ impl Default for VllmSettings {
             enforce_eager: None,
             served_model_name: None,
             reload: Reload::Inplace,
+            weight_sync: WeightSync::File,
+            collective: CollectiveSettings::default(),
         }
     }
 }
@@ -285,6 +305,12 @@ fn launch(
     let log = log_dir.join(format!("server-{port}.log"));
     let module_dir = worker_module_dir(&log);
     args.extend(["--worker-extension-cls".into(), WORKER_EXTENSION.into()]);
+    if vllm.weight_sync == WeightSync::Collective {
+        args.extend([
+            "--weight-transfer-config".into(),
+            r#"{"backend":"nccl"}"#.into(),
+        ]);
+    }
     args.extend(server.extra_args.iter().cloned());
 
     let mut env: Vec<(String, String)> = vec![
@@ -395,10 +421,12 @@ struct Active {
     /// Seeds for requests that bring none, from the run seed.
     run_seed: u64,
     calls: u64,
+    /// The `collective` weight sync, when it is the mode.
+    collective: Option<collective::Transfer>,
 }
 
 impl Active {
-    fn start(init: &ComponentInit) -> Result<Self, PluginError> {
+    fn start(init: &ComponentInit, transport: Box<dyn Collective>) -> Result<Self, PluginError> {
         let keys: RolloutKeys = init.config("vllm")?;
         let (path, server, vllm): (String, ServerSettings, VllmSettings) =
             server_section(init, &keys.engine_kwargs, "vllm", SECTION, URLS_ENV)?;
@@ -409,6 +437,12 @@ impl Active {
             return Err(PluginError::invalid_config(format!(
                 "config key `{path}.reload`: `restart` needs a server this rollout starts, not \
                  attached `urls`"
+            )));
+        }
+        if reload == Reload::Restart && vllm.weight_sync == WeightSync::Collective {
+            return Err(PluginError::invalid_config(format!(
+                "config key `{path}.reload`: `restart` loads files; `weight_sync: collective` \
+                 sends no files"
             )));
         }
         let (pool, model, restart) = if started {
@@ -449,6 +483,9 @@ impl Active {
             server_version,
             run_seed: init.run.seed,
             calls: 0,
+            collective: (vllm.weight_sync == WeightSync::Collective).then(|| {
+                collective::Transfer::new(transport, vllm.collective.clone(), path.to_owned())
+            }),
         })
     }
 
@@ -467,7 +504,13 @@ impl Active {
         }
         let (version, extension) = (self.weight_version, self.extension);
         let by_restart = self.reload == Reload::Restart;
-        let restore = |pool: &Pool, i: usize| restore(pool, i, version, by_restart, extension);
+        let by_collective = self.collective.is_some();
+        let restore = |pool: &Pool, i: usize| {
+            if by_collective && version.is_some() {
+                return Err(verl_rollout_http::lost_server(pool, i));
+            }
+            restore(pool, i, version, by_restart, extension)
+        };
         self.pool.recover(&restore)?;
         self.check_versions()?;
         let completions = if request.seeds.is_empty() {
@@ -514,13 +557,18 @@ impl Active {
 
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
         let handover = source.handover()?;
-        if handover.kind != WeightSourceKind::File {
-            return Err(PluginError::unsupported(&format!(
-                "update_weights from a {} source (the vllm rollout reloads from files: set \
-                 actor_rollout_ref.rollout.checkpoint_engine.backend=disk)",
-                handover.kind.as_str()
-            )));
+        if let Some(transfer) = &mut self.collective {
+            WeightSync::Collective.check_source(handover.kind)?;
+            let version = source.version.to_string();
+            transfer.join(&mut self.pool)?;
+            // Until every server has taken the new weights, none is trusted to hold known ones.
+            self.server_version = format!("(update to {version} incomplete)");
+            transfer.update(&self.pool, &source.tensors, &version)?;
+            self.server_version = version;
+            self.weight_version = Some(source.version);
+            return self.check_versions();
         }
+        WeightSync::File.check_source(handover.kind)?;
         check_weights_dir(Path::new(&handover.path))?;
         let dir = Path::new(&handover.path);
         let version = source.version.to_string();
@@ -860,12 +908,29 @@ fn served_model(pool: &Pool) -> Result<String, HttpError> {
 }
 
 /// The `vllm` rollout as the ABI sees it: servers once `init` has run.
-#[derive(Default)]
 pub struct VllmRollout {
     active: Option<Active>,
+    /// The trainer's end of the `collective` weight sync (this build's, or a test's).
+    transport: Box<dyn Fn() -> Box<dyn Collective> + Send>,
+}
+
+impl Default for VllmRollout {
+    fn default() -> Self {
+        Self::with_transport(collective::nccl)
+    }
 }
 
 impl VllmRollout {
+    /// A rollout whose `collective` weight sync joins groups with what `transport` makes (the
+    /// default: vLLM's NCCL group through verl-distributed, in a build with the `collective`
+    /// feature).
+    pub fn with_transport(transport: impl Fn() -> Box<dyn Collective> + Send + 'static) -> Self {
+        Self {
+            active: None,
+            transport: Box::new(transport),
+        }
+    }
+
     fn active(&mut self) -> Result<&mut Active, PluginError> {
         self.active.as_mut().ok_or_else(|| {
             PluginError::other("the vllm rollout is not initialised: call `init` first")
@@ -876,7 +941,8 @@ impl VllmRollout {
 impl Rollout for VllmRollout {
     fn capabilities() -> RolloutCapabilities {
         RolloutCapabilities::default()
-            .weight_sources([WeightSourceKind::File])
+            // Memory: the trainer's tensors, which `weight_sync: collective` broadcasts.
+            .weight_sources([WeightSourceKind::File, WeightSourceKind::Memory])
             .logprobs(true)
             .prompt_seeds(true)
             // verl's rollout keys the started server's command line follows (see `launch`).
@@ -892,7 +958,7 @@ impl Rollout for VllmRollout {
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         // A second init replaces the servers (the old ones stop when dropped).
         self.active = None;
-        self.active = Some(Active::start(init)?);
+        self.active = Some(Active::start(init, (self.transport)())?);
         Ok(())
     }
     fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {

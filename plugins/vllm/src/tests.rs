@@ -526,3 +526,229 @@ fn restart_needs_a_started_server() {
         "{err}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// `weight_sync: collective`
+
+use verl_rollout_http::testing::{
+    FakeCollective, TransferLog, eventually, lent_tensors, sync_lent,
+};
+
+/// A vLLM server with the weight transfer endpoints: `/init_weight_transfer_engine` and
+/// `/update_weights` answer only once the trainer's side of them shows in `log` (as the real ones
+/// return only when the NCCL collective they wait in has run), `/finish_weight_update` sets the
+/// version.
+fn transfer_mock(version: Arc<Mutex<String>>, log: Arc<Mutex<TransferLog>>) -> MockServer {
+    let updates = std::sync::atomic::AtomicUsize::new(0);
+    MockServer::start(move |r: &Recorded| match r.path.as_str() {
+        "/init_weight_transfer_engine" => {
+            if eventually(|| !log.lock().unwrap().joins.is_empty()) {
+                Reply::ok(json!({"message": "Weight transfer initialized"}))
+            } else {
+                Reply::Json(500, json!({"error": "the trainer never joined the group"}))
+            }
+        }
+        "/update_weights" => {
+            // This server's k-th update receives the trainer's k-th broadcast.
+            let k = updates.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if eventually(|| log.lock().unwrap().sends.len() >= k) {
+                Reply::ok(json!({"message": "Weights updated"}))
+            } else {
+                Reply::Json(500, json!({"error": "no broadcast from the trainer"}))
+            }
+        }
+        "/start_weight_update" => Reply::ok(json!({"message": "Weight update started"})),
+        "/finish_weight_update" => {
+            if let Some(v) = r.body["weight_version"].as_str() {
+                *version.lock().unwrap() = v.to_owned();
+            }
+            Reply::ok(json!({"message": "Weight update finished"}))
+        }
+        _ => vllm_reply(&version, r),
+    })
+}
+
+/// A rollout in collective mode attached to `mocks`, its transport recording into the log it
+/// returns.
+fn collective_rollout(
+    mocks: &[&MockServer],
+    log: &Arc<Mutex<TransferLog>>,
+    fail_send: Option<&str>,
+) -> VllmRollout {
+    let fake = FakeCollective {
+        log: Arc::clone(log),
+        fail_send: fail_send.map(str::to_owned),
+    };
+    let mut rollout = VllmRollout::with_transport(move || Box::new(fake.clone()));
+    let urls: Vec<&str> = mocks.iter().map(|m| m.url()).collect();
+    rollout
+        .init(&init::<Vllm>(json!({
+            "urls": urls, "startup_timeout_s": 5, "weight_sync": "collective",
+            "collective": {"master_addr": "127.0.0.1", "master_port": 29517, "workers_per_server": 2},
+        })))
+        .unwrap();
+    rollout
+}
+
+#[test]
+fn a_collective_sync_runs_vllms_weight_transfer_sequence_on_every_server() {
+    let log = Arc::new(Mutex::new(TransferLog::default()));
+    let mocks: Vec<MockServer> = (0..2)
+        .map(|_| transfer_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log)))
+        .collect();
+    let mut rollout = collective_rollout(&[&mocks[0], &mocks[1]], &log, None);
+    sync_lent(&mut rollout, 7).unwrap();
+    sync_lent(&mut rollout, 8).unwrap();
+
+    // One group: the trainer and 2 × 2 workers; server i's workers start at 1 + 2i.
+    let log = log.lock().unwrap();
+    assert_eq!(log.joins.len(), 1, "{:?}", log.joins);
+    assert_eq!(log.joins[0].world_size, 5);
+    assert_eq!(log.joins[0].rank_offsets, [1, 3]);
+    assert_eq!(log.joins[0].master_port, 29517);
+    // Each sync broadcast the lent tensors as they are, in order.
+    let lent = lent_tensors();
+    assert_eq!(log.sends.len(), 2);
+    for sent in &log.sends {
+        let names: Vec<&str> = sent.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["model.embed_tokens.weight", "model.counts"]);
+        assert_eq!(sent[0].data, lent[0].tensor.data.to_vec());
+        assert_eq!(sent[1].shape, [2]);
+    }
+
+    let update = json!({"update_info": {
+        "names": ["model.embed_tokens.weight", "model.counts"],
+        "dtype_names": ["float32", "int64"], "shapes": [[2, 3], [2]],
+    }});
+    for (i, mock) in mocks.iter().enumerate() {
+        let init = json!({"init_info": {
+            "master_address": "127.0.0.1", "master_port": 29517, "rank_offset": 1 + 2 * i,
+            "world_size": 5, "packed": false,
+        }});
+        let step = |v: &str| {
+            vec![
+                ("/pause?mode=wait".to_owned(), Value::Null),
+                ("/start_weight_update".to_owned(), Value::Null),
+                ("/update_weights".to_owned(), update.clone()),
+                (
+                    "/finish_weight_update".to_owned(),
+                    json!({"weight_version": v}),
+                ),
+                ("/reset_prefix_cache".to_owned(), Value::Null),
+                ("/resume".to_owned(), Value::Null),
+            ]
+        };
+        let mut want = vec![("/init_weight_transfer_engine".to_owned(), init)];
+        want.extend(step("7"));
+        want.extend(step("8"));
+        assert_eq!(control(mock), want, "server {i}");
+    }
+    drop(log);
+    // The servers report step 8: generation goes on, tagged with it.
+    let out = rollout
+        .generate(&GenerateRequest::new(vec![vec![5, 6]], sampling(1)))
+        .unwrap();
+    assert_eq!(out.weight_version, Some(8));
+}
+
+#[test]
+fn a_failed_broadcast_resumes_the_servers_and_blocks_generation() {
+    let log = Arc::new(Mutex::new(TransferLog::default()));
+    let version = Arc::new(Mutex::new("default".to_owned()));
+    let mock = transfer_mock(Arc::clone(&version), Arc::clone(&log));
+    let mut rollout =
+        collective_rollout(&[&mock], &log, Some("NCCL error 6: remote process exited"));
+    // The server's side of the broadcast never completes either.
+    let err = sync_lent(&mut rollout, 3).unwrap_err();
+    assert!(err.message().contains("remote process exited"), "{err}");
+    let paths: Vec<String> = control(&mock).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(
+        paths.last().map(String::as_str),
+        Some("/resume"),
+        "{paths:?}"
+    );
+    assert!(
+        !paths.iter().any(|p| p == "/finish_weight_update"),
+        "{paths:?}"
+    );
+    // Half-sent weights: no generation from them.
+    let err = rollout
+        .generate(&GenerateRequest::new(vec![vec![5]], sampling(1)))
+        .unwrap_err();
+    assert!(
+        err.message().contains("refusing to generate with stale"),
+        "{err}"
+    );
+}
+
+#[test]
+fn without_a_transport_the_collective_sync_stops_before_any_server_is_asked() {
+    let version = Arc::new(Mutex::new("default".to_owned()));
+    let mock = vllm_mock(Arc::clone(&version));
+    // The default build's transport: no `collective` feature.
+    let mut rollout = VllmRollout::default();
+    rollout
+        .init(&init::<Vllm>(
+            json!({"urls": [mock.url()], "startup_timeout_s": 5,
+            "weight_sync": "collective"}),
+        ))
+        .unwrap();
+    let err = sync_lent(&mut rollout, 1).unwrap_err();
+    assert!(
+        err.message()
+            .contains("collective weight sync needs CUDA + NCCL; use weight_sync=file"),
+        "{err}"
+    );
+    assert!(control(&mock).is_empty(), "{:?}", control(&mock));
+    // The servers hold what they held: generation goes on.
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![5]], sampling(1)))
+        .unwrap();
+}
+
+#[test]
+fn collective_mode_takes_the_naive_syncs_tensors_and_file_mode_the_disk_syncs_files() {
+    let log = Arc::new(Mutex::new(TransferLog::default()));
+    let mock = transfer_mock(Arc::new(Mutex::new("default".into())), Arc::clone(&log));
+    let mut rollout = collective_rollout(&[&mock], &log, None);
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
+    let err = rollout
+        .update_weights(&WeightSource::from_handover(1, &[], &handover))
+        .unwrap_err();
+    assert!(
+        err.message().contains("checkpoint_engine.backend=naive"),
+        "{err}"
+    );
+    assert!(control(&mock).is_empty());
+
+    let mut file_mode = attached(&mock);
+    let err = sync_lent(&mut file_mode, 1).unwrap_err();
+    assert!(
+        err.message().contains("checkpoint_engine.backend=disk"),
+        "{err}"
+    );
+    assert!(err.message().contains("weight_sync: collective"), "{err}");
+}
+
+#[test]
+fn a_started_server_in_collective_mode_gets_vllms_weight_transfer_config() {
+    let model = json!({"model": {"path": "/models/q"}});
+    let section = json!({"python": "/venv/bin/python", "weight_sync": "collective"});
+    let launch = launch_of(model.clone(), section, "cuda");
+    assert_eq!(
+        flag(&launch, "--weight-transfer-config"),
+        Some(r#"{"backend":"nccl"}"#)
+    );
+    let launch = launch_of(model, json!({"python": "/venv/bin/python"}), "cuda");
+    assert_eq!(flag(&launch, "--weight-transfer-config"), None);
+    // Restarts load files, which a collective sync does not write.
+    let mut rollout = VllmRollout::default();
+    let err = rollout
+        .init(&init::<Vllm>(
+            json!({"weight_sync": "collective", "reload": "restart",
+            "command": ["/bin/false"]}),
+        ))
+        .unwrap_err();
+    assert!(err.message().contains("sends no files"), "{err}");
+}

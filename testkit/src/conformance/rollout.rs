@@ -4,8 +4,8 @@
 
 use serde_json::json;
 use verl_plugin_api::{
-    ComponentInit, FinishReason, GenerateOutput, GenerateRequest, Handover, NamedTensor,
-    RolloutCapabilities, RunContext, SamplingParams, WeightSource, WeightSourceKind,
+    ComponentInit, ErrorKind, FinishReason, GenerateOutput, GenerateRequest, Handover, NamedTensor,
+    PluginError, RolloutCapabilities, RunContext, SamplingParams, WeightSource, WeightSourceKind,
 };
 use verl_plugin_host::RolloutHandle;
 
@@ -234,32 +234,46 @@ pub fn run(suite: &mut Suite) {
     });
 
     suite.check("weight_update_changes_output", || {
-        let kind = [WeightSourceKind::Memory, WeightSourceKind::File]
+        let kinds: Vec<WeightSourceKind> = [WeightSourceKind::Memory, WeightSourceKind::File]
             .into_iter()
-            .find(|k| caps.accepts(*k));
-        let Some(kind) = kind else {
+            .filter(|k| caps.accepts(*k))
+            .collect();
+        if kinds.is_empty() {
             return Ok(Outcome::Skipped(format!(
                 "the rollout declares weight sources {:?}; the suite sends memory or file",
                 caps.weight_sources
             )));
-        };
+        }
         let (original, _) = read_safetensors_dir(&fixture)?;
         let noisy = perturbed(&original, 0.5);
         let dir = tempdir()?;
-        let send = |rollout: &mut RolloutHandle, tensors: &[NamedTensor], version: u64| -> Result<(), String> {
+        let send = |rollout: &mut RolloutHandle, kind: WeightSourceKind, tensors: &[NamedTensor], version: u64| -> Result<(), PluginError> {
             let views: Vec<_> = tensors.iter().map(NamedTensor::as_ref).collect();
             match kind {
-                WeightSourceKind::Memory => call("update_weights", rollout.update_weights(&WeightSource::memory(version, &views))),
+                WeightSourceKind::Memory => rollout.update_weights(&WeightSource::memory(version, &views)),
                 _ => {
                     let sub = dir.path().join(format!("step_{version}"));
-                    std::fs::create_dir_all(&sub).map_err(|e| e.to_string())?;
-                    write_safetensors(&sub, tensors)?;
+                    std::fs::create_dir_all(&sub).map_err(|e| PluginError::other(e.to_string()))?;
+                    write_safetensors(&sub, tensors).map_err(PluginError::other)?;
                     let json = WeightSource::encode_handover(&Handover::file(sub.to_string_lossy()));
-                    call("update_weights", rollout.update_weights(&WeightSource::from_handover(version, &[], &json)))
+                    rollout.update_weights(&WeightSource::from_handover(version, &[], &json))
                 }
             }
         };
-        send(&mut rollout, &noisy, 5)?;
+        // A rollout whose configuration picks its source (a server rollout takes memory only in
+        // its collective mode) refuses the others as unsupported: the first it takes is tested.
+        let mut kind = kinds[0];
+        for (i, &k) in kinds.iter().enumerate() {
+            kind = k;
+            match send(&mut rollout, k, &noisy, 5) {
+                Ok(()) => break,
+                Err(e) if e.kind == ErrorKind::UNSUPPORTED && i + 1 < kinds.len() => {}
+                Err(e) => return Err(format!("update_weights ({}): {} error: {e}", k.as_str(), e.kind.as_str())),
+            }
+        }
+        let send = |rollout: &mut RolloutHandle, tensors: &[NamedTensor], version: u64| {
+            call("update_weights", send(rollout, kind, tensors, version))
+        };
         let changed = generate(&mut rollout, &prompts, greedy(longest))?;
         ensure(matches_reference(&changed).is_err(), || {
             format!("after update_weights ({}) with perturbed weights, greedy output still equals the reference", kind.as_str())

@@ -27,7 +27,7 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 use verl_distributed::{DistError, ProcessGroup, ReduceOp};
-use verl_torch_runtime::{AdamW, AdamWConfig, CausalLM, Head, ModelError};
+use verl_torch_runtime::{AdamW, AdamWConfig, BlockContext, CausalLM, Head, ModelError};
 
 use layout::BlockLayout;
 
@@ -355,18 +355,16 @@ impl ShardedModel {
     pub fn forward<T>(
         &mut self,
         group: &mut ProcessGroup,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
+        context: &BlockContext,
         head: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<T>,
     ) -> Result<T> {
         tch::no_grad(|| {
-            let context = self.model.block_context(input_ids, attention_mask)?;
             let mut x = self.with_stage(group, Stage::Embed, |model, _| {
-                Ok(model.embed_block(&context))
+                Ok(model.embed_block(context))
             })?;
             for layer in 0..self.layers() {
                 x = self.with_stage(group, Stage::Layer(layer), |model, _| {
-                    Ok(model.layer_block(layer, &x, &context)?)
+                    Ok(model.layer_block(layer, &x, context)?)
                 })?;
             }
             self.with_stage(group, Stage::Final, |model, _| {
@@ -382,20 +380,18 @@ impl ShardedModel {
     pub fn forward_backward(
         &mut self,
         group: &mut ProcessGroup,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
+        context: &BlockContext,
         loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> Result<Tensor> {
         const OP: &str = "backward";
         if self.optimizer.is_none() {
             return Err(ShardError::NotTrainable { op: OP });
         }
-        let context = self.model.block_context(input_ids, attention_mask)?;
         // Forward, keeping each layer's input (and the last layer's output).
         let mut inputs = Vec::with_capacity(self.layers() + 1);
         let embedded = tch::no_grad(|| {
             self.with_stage(group, Stage::Embed, |model, _| {
-                Ok(model.embed_block(&context))
+                Ok(model.embed_block(context))
             })
         })?;
         inputs.push(embedded);
@@ -403,7 +399,7 @@ impl ShardedModel {
             let x = inputs.last().expect("starts with the embedding");
             let next = tch::no_grad(|| {
                 self.with_stage(group, Stage::Layer(layer), |model, _| {
-                    Ok(model.layer_block(layer, x, &context)?)
+                    Ok(model.layer_block(layer, x, context)?)
                 })
             })?;
             inputs.push(next);
@@ -430,7 +426,7 @@ impl ShardedModel {
                 .set_requires_grad(true);
             let g = defined_or_zeros(incoming, &x);
             let mut grads = self.with_stage(group, Stage::Layer(layer), |model, params| {
-                let out = model.layer_block(layer, &x, &context)?;
+                let out = model.layer_block(layer, &x, context)?;
                 let wrt: Vec<&Tensor> = std::iter::once(&x).chain(params).collect();
                 // The gradient of sum(out · g) is the chain rule's step through the layer.
                 Tensor::f_run_backward(&[(out * &g).sum(Kind::Float)], &wrt, false, false)
@@ -441,7 +437,7 @@ impl ShardedModel {
         }
         let g = defined_or_zeros(incoming, &last);
         let grads = self.with_stage(group, Stage::Embed, |model, params| {
-            let out = model.embed_block(&context);
+            let out = model.embed_block(context);
             Tensor::f_run_backward(&[(out * &g).sum(Kind::Float)], &params, false, false)
                 .map_err(torch(OP))
         })?;

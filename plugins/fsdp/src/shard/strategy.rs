@@ -15,11 +15,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Tensor};
 use verl_distributed::{Backend, Options, ProcessGroup, Rendezvous};
-use verl_plugin_api::{RunContext, TensorRef, keys};
+use verl_plugin_api::{RunContext, TensorRef};
 use verl_torch_runtime::actor::{Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState,
+    BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState,
 };
 
 use super::{ShardError, ShardOptions, ShardedModel};
@@ -109,6 +109,12 @@ impl ShardedStrategy {
         f(&mut model, &mut group).map_err(shard_error)
     }
 
+    /// The micro-batch's block context: packed when the model config asks
+    /// (`use_remove_padding`).
+    fn context(&self, model: &ShardedModel, rows: &Rows) -> Result<BlockContext, ShardError> {
+        Ok(rows.block_context(model.model(), self.spec.use_remove_padding)?)
+    }
+
     /// `f`'s value, or `fallback` with the failure kept for the next call.
     fn run_or_keep<T>(
         &mut self,
@@ -136,13 +142,12 @@ impl Strategy for ShardedStrategy {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        let (ids, mask) = (rows.get(keys::INPUT_IDS), rows.get(keys::ATTENTION_MASK));
         self.run(|model, group| {
-            model.forward(group, ids, mask, |m, hidden| {
-                m.response_scores_from_hidden(
+            let context = self.context(model, rows)?;
+            model.forward(group, &context, |m, hidden| {
+                m.response_scores_in(
                     hidden,
-                    ids,
-                    mask,
+                    &context,
                     rows.response_len,
                     temperature,
                     with_entropy,
@@ -152,10 +157,10 @@ impl Strategy for ShardedStrategy {
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
-        let mask = rows.get(keys::ATTENTION_MASK);
         self.run(|model, group| {
-            model.forward(group, rows.get(keys::INPUT_IDS), mask, |m, hidden| {
-                m.response_values_from_hidden(hidden, mask, rows.response_len)
+            let context = self.context(model, rows)?;
+            model.forward(group, &context, |m, hidden| {
+                m.response_values_in(hidden, &context, rows.response_len)
             })
         })
     }
@@ -167,13 +172,12 @@ impl Strategy for ShardedStrategy {
         with_entropy: bool,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        let (ids, mask) = (rows.get(keys::INPUT_IDS), rows.get(keys::ATTENTION_MASK));
         self.run(|model, group| {
-            model.forward_backward(group, ids, mask, |m, hidden| {
-                loss(&m.response_scores_from_hidden(
+            let context = self.context(model, rows)?;
+            model.forward_backward(group, &context, |m, hidden| {
+                loss(&m.response_scores_in(
                     hidden,
-                    ids,
-                    mask,
+                    &context,
                     rows.response_len,
                     temperature,
                     with_entropy,
@@ -188,10 +192,10 @@ impl Strategy for ShardedStrategy {
         rows: &Rows,
         loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        let mask = rows.get(keys::ATTENTION_MASK);
         self.run(|model, group| {
-            model.forward_backward(group, rows.get(keys::INPUT_IDS), mask, |m, hidden| {
-                loss(&m.response_values_from_hidden(hidden, mask, rows.response_len)?)
+            let context = self.context(model, rows)?;
+            model.forward_backward(group, &context, |m, hidden| {
+                loss(&m.response_values_in(hidden, &context, rows.response_len)?)
             })
         })
         .map(drop)

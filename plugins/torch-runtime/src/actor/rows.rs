@@ -7,6 +7,7 @@ use verl_plugin_api::{Batch, keys};
 
 use super::ActorError;
 use crate::interop::{parse_config, to_tch};
+use crate::{BlockContext, CausalLM};
 
 /// The per-call settings an engine reads from `Batch::meta_json`.
 #[derive(Debug, Deserialize)]
@@ -117,6 +118,17 @@ impl Rows {
             .find(|(k, _)| *k == key)
             .unwrap_or_else(|| panic!("`{key}` was loaded"))
             .1
+    }
+
+    /// The block context of these rows' forward pass on `model`: one packed stream of their
+    /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows.
+    pub fn block_context(&self, model: &CausalLM, packed: bool) -> crate::Result<BlockContext> {
+        let (ids, mask) = (self.get(keys::INPUT_IDS), self.get(keys::ATTENTION_MASK));
+        if packed {
+            model.packed_block_context(ids, mask, self.response_len)
+        } else {
+            model.block_context(ids, mask)
+        }
     }
 
     pub fn rows(&self) -> i64 {

@@ -1,0 +1,220 @@
+//! Packed (THD) batches, verl's `use_remove_padding`, against the padded forward pass on the
+//! same weights: log-probs, entropy, values and parameter gradients within 1e-5 on the Qwen2
+//! fixture (q/k/v biases, tied embeddings) and the Llama one (grouped-query attention), for
+//! verl's layout (left-padded prompts, right-padded responses) with prompt and response lengths
+//! of 1, odd, even, empty responses, and right-padded whole sequences.
+
+mod common;
+
+use common::{MODELS, fixture, load};
+use tch::{Kind, Tensor};
+use verl_torch_runtime::{CausalLM, Head, ModelOptions, Rng};
+
+const TOLERANCE: f64 = 1e-5;
+
+/// `(input_ids, attention_mask, response_len)`: each row a prompt of `prompts[i]` tokens,
+/// left-padded to the longest, then a response of `responses[i]` tokens, right-padded.
+fn verl_batch(prompts: &[i64], responses: &[i64], vocab: i64, seed: u64) -> (Tensor, Tensor, i64) {
+    let (p, r) = (
+        *prompts.iter().max().unwrap(),
+        *responses.iter().max().unwrap(),
+    );
+    let mut rng = Rng::new(seed);
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    for (&pl, &rl) in prompts.iter().zip(responses) {
+        for c in 0..p + r {
+            let real = (c >= p - pl && c < p) || (c >= p && c < p + rl);
+            // Padding holds arbitrary ids: they must not matter.
+            ids.push((rng.next_u64() % vocab as u64) as i64);
+            mask.push(i64::from(real));
+        }
+    }
+    let shape = [prompts.len() as i64, p + r];
+    (
+        Tensor::from_slice(&ids).view(shape),
+        Tensor::from_slice(&mask).view(shape),
+        r,
+    )
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+/// The batches the tests run: lengths 1, odd and even, an empty response, mixed.
+fn batches(vocab: i64) -> Vec<(Tensor, Tensor, i64)> {
+    vec![
+        verl_batch(&[1, 5, 3, 8], &[1, 7, 4, 0], vocab, 1),
+        verl_batch(&[6, 1, 2], &[3, 1, 9], vocab, 2),
+        verl_batch(&[1], &[1], vocab, 3),
+    ]
+}
+
+fn packed_scores(
+    model: &CausalLM,
+    ids: &Tensor,
+    mask: &Tensor,
+    r: i64,
+    t: f64,
+) -> (Tensor, Tensor) {
+    let context = model.packed_block_context(ids, mask, r).unwrap();
+    let hidden = model.hidden_states_in(&context);
+    let scores = model
+        .response_scores_in(&hidden, &context, r, t, true)
+        .unwrap();
+    (scores.log_probs, scores.entropy.unwrap())
+}
+
+#[test]
+fn packed_log_probs_and_entropy_equal_padded() {
+    for name in MODELS {
+        let model = load(name);
+        let vocab = model.config().vocab_size;
+        for (ids, mask, r) in batches(vocab) {
+            tch::no_grad(|| {
+                for temperature in [1.0, 0.7] {
+                    let padded = model
+                        .response_scores(&ids, &mask, r, temperature, true)
+                        .unwrap();
+                    let (log_probs, entropy) = packed_scores(&model, &ids, &mask, r, temperature);
+                    let lp = max_diff(&log_probs, &padded.log_probs);
+                    let h = max_diff(&entropy, padded.entropy.as_ref().unwrap());
+                    assert!(lp <= TOLERANCE && h <= TOLERANCE, "{name}: {lp} {h}");
+                    // Scored positions are real, and padding scores zero in both.
+                    let zero = mask.narrow(1, mask.size()[1] - r, r).eq(0);
+                    assert!(
+                        log_probs
+                            .masked_select(&zero)
+                            .abs()
+                            .sum(Kind::Float)
+                            .double_value(&[])
+                            == 0.0
+                    );
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn packed_stream_holds_only_real_tokens() {
+    let model = load("tiny-qwen2");
+    let (ids, mask, r) = verl_batch(&[1, 5, 3, 8], &[1, 7, 4, 0], 320, 1);
+    let context = model.packed_block_context(&ids, &mask, r).unwrap();
+    let real = mask.sum(Kind::Int64).int64_value(&[]);
+    assert_eq!(context.input_ids().size(), [1, real]);
+    assert_eq!(context.packing().unwrap().cu_seqlens(), [0, 2, 14, 21, 29]);
+    let expected: Vec<i64> = ids.masked_select(&mask.ne(0)).try_into().unwrap();
+    let packed: Vec<i64> = context.input_ids().reshape([-1]).try_into().unwrap();
+    assert_eq!(packed, expected);
+}
+
+#[test]
+fn right_padded_sequences_pack_too() {
+    // Whole sequences right-padded (no left padding), scoring the last columns.
+    let model = load("tiny-llama");
+    let (ids, mask, _) = verl_batch(&[9, 9, 9], &[2, 5, 1], 320, 4);
+    tch::no_grad(|| {
+        let padded = model.response_scores(&ids, &mask, 5, 1.0, true).unwrap();
+        let (log_probs, entropy) = packed_scores(&model, &ids, &mask, 5, 1.0);
+        assert!(max_diff(&log_probs, &padded.log_probs) <= TOLERANCE);
+        assert!(max_diff(&entropy, padded.entropy.as_ref().unwrap()) <= TOLERANCE);
+    });
+}
+
+#[test]
+fn packed_values_equal_padded() {
+    let options = ModelOptions {
+        head: Head::Value,
+        seed: 7,
+        ..ModelOptions::default()
+    };
+    for name in MODELS {
+        let critic = CausalLM::from_pretrained(&fixture(name), &options).unwrap();
+        for (ids, mask, r) in batches(critic.config().vocab_size) {
+            tch::no_grad(|| {
+                let padded = critic.response_values(&ids, &mask, r).unwrap();
+                let context = critic.packed_block_context(&ids, &mask, r).unwrap();
+                let hidden = critic.hidden_states_in(&context);
+                let packed = critic.response_values_in(&hidden, &context, r).unwrap();
+                assert!(max_diff(&packed, &padded) <= TOLERANCE, "{name}");
+            });
+        }
+    }
+}
+
+/// The gradient of a weighted sum of log-probs and entropy with respect to every parameter.
+fn gradients(model: &CausalLM, loss: Tensor) -> Vec<(String, Tensor)> {
+    for (_, p) in model.named_tensors() {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+    loss.backward();
+    model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, p)| (n, p.grad().copy()))
+        .collect()
+}
+
+#[test]
+fn packed_gradients_equal_padded_with_and_without_checkpointing() {
+    for name in MODELS {
+        let model = load(name);
+        let (ids, mask, r) = verl_batch(&[1, 5, 3, 8], &[1, 7, 4, 0], 320, 5);
+        tch::manual_seed(0);
+        let weights = Tensor::randn([4, r], (Kind::Float, tch::Device::Cpu));
+        let loss_of = |lp: &Tensor, h: &Tensor| (lp * &weights + h * 0.1).sum(Kind::Float);
+        let padded = {
+            let s = model.response_scores(&ids, &mask, r, 0.7, true).unwrap();
+            gradients(&model, loss_of(&s.log_probs, s.entropy.as_ref().unwrap()))
+        };
+        let packed = {
+            let (lp, h) = packed_scores(&model, &ids, &mask, r, 0.7);
+            gradients(&model, loss_of(&lp, &h))
+        };
+        let checkpointed = {
+            let context = model.packed_block_context(&ids, &mask, r).unwrap();
+            for (_, p) in model.named_tensors() {
+                let _ = p.grad().zero_();
+            }
+            let _ = model
+                .backward_checkpointed_in(&context, |hidden| {
+                    let s = model.response_scores_in(hidden, &context, r, 0.7, true)?;
+                    Ok(loss_of(&s.log_probs, s.entropy.as_ref().unwrap()))
+                })
+                .unwrap();
+            model
+                .named_tensors()
+                .into_iter()
+                .map(|(n, p)| (n, p.grad().copy()))
+                .collect::<Vec<_>>()
+        };
+        for ((n, a), ((_, b), (_, c))) in padded.iter().zip(packed.iter().zip(&checkpointed)) {
+            let scale = a.abs().max().double_value(&[]).max(1.0);
+            let (d1, d2) = (max_diff(a, b) / scale, max_diff(a, c) / scale);
+            assert!(d1 <= TOLERANCE && d2 <= TOLERANCE, "{name} {n}: {d1} {d2}");
+        }
+    }
+}
+
+#[test]
+fn a_mismatched_response_length_is_an_error() {
+    let model = load("tiny-qwen2");
+    let (ids, mask, r) = verl_batch(&[2, 3], &[2, 1], 320, 6);
+    let context = model.packed_block_context(&ids, &mask, r).unwrap();
+    let hidden = tch::no_grad(|| model.hidden_states_in(&context));
+    let e = model
+        .response_scores_in(&hidden, &context, r - 1, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("response_len"), "{e}");
+    let Err(e) = model.packed_block_context(&ids, &mask, 5) else {
+        panic!("a response as long as the sequence is refused");
+    };
+    let e = e.to_string();
+    assert!(e.contains("response_len"), "{e}");
+}

@@ -307,7 +307,11 @@ fn balance_batch_moves_rows_between_ranks_not_the_update() {
     let weight = assert_weights_close(&run_dir, one, 1e-5);
     let (ours, theirs) = (metrics(&run_dir), metrics(one));
     for (step, m) in &ours {
-        for key in ["critic/score/mean", "response_length/mean", "actor/grad_norm"] {
+        for key in [
+            "critic/score/mean",
+            "response_length/mean",
+            "actor/grad_norm",
+        ] {
             let (a, b) = (m[key], theirs[step][key]);
             assert!(close(a, b, 1e-5), "step {step} {key}: {a} vs {b}");
         }
@@ -319,7 +323,9 @@ fn balance_batch_moves_rows_between_ranks_not_the_update() {
         let Some(max) = record["data"]["global_seqlen/max"].as_f64() else {
             continue;
         };
-        let balanced = record["data"]["global_seqlen/balanced_max"].as_f64().unwrap();
+        let balanced = record["data"]["global_seqlen/balanced_max"]
+            .as_f64()
+            .unwrap();
         assert!(balanced <= max, "{line}");
         balanced_steps += 1;
     }

@@ -254,7 +254,7 @@ fn the_rollout_certifies_against_a_real_server() {
         let checks = report["checks"].as_array().unwrap();
         let not_passed: Vec<&Value> = checks.iter().filter(|c| c["status"] != "pass").collect();
         assert!(not_passed.is_empty(), "{not_passed:#?}");
-        assert_eq!(checks.len(), 8, "{report:#}");
+        assert_eq!(checks.len(), 9, "{report:#}");
         assert!(out.status.success());
     }
 }
@@ -515,6 +515,20 @@ fn assert_greedy_like_native(rollout: &mut RolloutHandle, model: &Path, step: u6
         &format!("after the reload to step {step}"),
     );
     native
+}
+
+/// The text of every server log in `dir`.
+fn server_logs(dir: &Path) -> String {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect()
 }
 
 /// Restarted servers log to `server-<port>.step_<N>.log`: the files of `dir` that say a restart.
@@ -847,6 +861,13 @@ fn three_grpo_steps_reload_the_actors_weights_into_vllm_each_step() {
         }
         assert_eq!(steps, [1, 2, 3], "{text}");
         assert!(!stderr.contains("restarting"), "{stderr}");
+        // free_cache_engine (verl's default): the server slept while the engines trained and woke
+        // for each weight sync, once per step (vLLM's executor logs both; on a CPU they free nothing,
+        // which the plugin says).
+        assert!(stderr.contains("no sleep mode"), "{stderr}");
+        let log = server_logs(&run_dir.join("vllm"));
+        assert_eq!(log.matches("seconds to fall asleep").count(), 3, "{log}");
+        assert_eq!(log.matches("seconds to wake up tags").count(), 3, "{log}");
         assert_eq!(restart_logs(&run_dir.join("vllm")), Vec::<String>::new());
     }
 }

@@ -251,6 +251,10 @@ pub const RULES: &[Rule] = &[
     no_effect("actor_rollout_ref.rollout.enforce_eager", INFERENCE_SERVER),
     // Acted on with a rollout that can sleep; the trainer says so at start for one that cannot.
     acted("actor_rollout_ref.rollout.free_cache_engine"),
+    no_effect(
+        "actor_rollout_ref.rollout.enable_sleep_mode",
+        "the `native` rollout has no server memory to free (a rollout plugin that acts on it declares so)",
+    ),
     unsupported(
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
         PARALLEL,

@@ -496,6 +496,8 @@ pub struct RolloutConfig {
     pub ignore_eos: bool,
     pub enforce_eager: bool,
     pub free_cache_engine: bool,
+    /// A GPU inference server started able to free its memory (vLLM's `--enable-sleep-mode`).
+    pub enable_sleep_mode: bool,
     /// verl's default is 2; ours is 1 (one device is the common case here).
     pub tensor_model_parallel_size: usize,
     pub data_parallel_size: usize,
@@ -536,6 +538,7 @@ impl Default for RolloutConfig {
             ignore_eos: false,
             enforce_eager: false,
             free_cache_engine: true,
+            enable_sleep_mode: true,
             tensor_model_parallel_size: 1,
             data_parallel_size: 1,
             pipeline_model_parallel_size: 1,

@@ -1036,6 +1036,7 @@ fn verl_style_overrides_are_acted_on_or_reported() {
             Warning,
         ),
         ("actor_rollout_ref.rollout.enforce_eager=True", Warning),
+        ("actor_rollout_ref.rollout.enable_sleep_mode=False", Warning),
         ("actor_rollout_ref.rollout.mode=sync", Acted),
         (
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",

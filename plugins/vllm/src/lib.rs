@@ -39,6 +39,16 @@
 //! a directory of the model's own files and the new weights (a warning says so) and later syncs
 //! restart it too; `reload: restart` asks for that from the start.
 //!
+//! **Sleep and wake** (`free_cache_engine`, verl's colocated mode): `sleep(level)` is
+//! `/sleep?level=N&mode=wait` on every server, `wake_up` is `/wake_up` (weights and KV cache) →
+//! `/reset_prefix_cache`, and every server must answer `awake`. A started server on a GPU runs
+//! with `--enable-sleep-mode` (verl's `rollout.enable_sleep_mode`, default true), so level 1
+//! moves the weights to host memory and drops the KV cache. vLLM's CPU backend has no sleep mode
+//! (it refuses `--enable-sleep-mode`; its worker logs "sleep mode is not supported on CPU"): there
+//! the same calls pause and resume scheduling and free nothing, which the plugin says at start.
+//! With `enable_sleep_mode: false` sleep and wake call nothing. Generating while asleep is an
+//! error (a paused vLLM would queue the requests forever).
+//!
 //! **By collective transfer** (`weight_sync: collective`, GPU only; see [`collective`]): the
 //! trainer's tensors, lent by the `naive` weight sync, go straight from the trainer to every
 //! server's workers over NCCL, with vLLM 0.32's weight transfer engine (a started server gets
@@ -140,7 +150,38 @@ struct RolloutKeys {
     response_length: Option<u64>,
     enforce_eager: Option<bool>,
     ignore_eos: bool,
+    /// verl's `enable_sleep_mode` (default true).
+    enable_sleep_mode: Option<bool>,
     engine_kwargs: Value,
+}
+
+impl RolloutKeys {
+    fn sleep_mode(&self) -> bool {
+        self.enable_sleep_mode.unwrap_or(true)
+    }
+}
+
+/// What `sleep` does on the rollout's servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SleepMode {
+    /// vLLM's sleep mode: level 1 offloads the weights and drops the KV cache, level 2 drops both.
+    Frees,
+    /// vLLM's CPU backend: the calls pause and resume scheduling and free nothing.
+    PausesOnly,
+    /// `enable_sleep_mode: false`: nothing is called.
+    Off,
+}
+
+impl SleepMode {
+    fn of(keys: &RolloutKeys, device_type: &str) -> Self {
+        if !keys.sleep_mode() {
+            Self::Off
+        } else if device_type == "cpu" {
+            Self::PausesOnly
+        } else {
+            Self::Frees
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -296,6 +337,9 @@ fn launch(
     if eager {
         args.push("--enforce-eager".into());
     }
+    if SleepMode::of(keys, &init.run.device_type) == SleepMode::Frees {
+        args.push("--enable-sleep-mode".into());
+    }
 
     let log_dir = match &server.log_dir {
         Some(dir) => dir.clone(),
@@ -423,6 +467,9 @@ struct Active {
     calls: u64,
     /// The `collective` weight sync, when it is the mode.
     collective: Option<collective::Transfer>,
+    sleep_mode: SleepMode,
+    /// Between `sleep` and `wake_up`.
+    asleep: bool,
 }
 
 impl Active {
@@ -469,6 +516,13 @@ impl Active {
             (pool, name, None)
         };
         let server_version = pool.agreed_version(weight_versions(&pool)?)?;
+        let sleep_mode = SleepMode::of(&keys, &init.run.device_type);
+        if sleep_mode == SleepMode::PausesOnly {
+            eprintln!(
+                "vllm: vLLM's CPU backend has no sleep mode: sleep/wake-up (free_cache_engine) \
+                 pause and resume its scheduling and free no memory"
+            );
+        }
         Ok(Self {
             pool,
             reload,
@@ -486,7 +540,47 @@ impl Active {
             collective: (vllm.weight_sync == WeightSync::Collective).then(|| {
                 collective::Transfer::new(transport, vllm.collective.clone(), path.to_owned())
             }),
+            sleep_mode,
+            asleep: false,
         })
+    }
+
+    fn sleep(&mut self, level: u32) -> Result<(), PluginError> {
+        if level > 2 {
+            return Err(PluginError::invalid_config(format!(
+                "vLLM sleeps at level 0, 1 or 2, not {level}"
+            )));
+        }
+        if self.sleep_mode != SleepMode::Off {
+            self.pool.broadcast(
+                Method::Post,
+                &format!("/sleep?level={level}&mode=wait"),
+                None,
+            )?;
+        }
+        self.asleep = true;
+        Ok(())
+    }
+
+    /// Weights and KV cache back, prefix cache reset (as verl wakes a colocated server), and every
+    /// server fully awake.
+    fn wake_up(&mut self) -> Result<(), PluginError> {
+        if self.sleep_mode != SleepMode::Off {
+            let answers = self.pool.broadcast(Method::Post, "/wake_up", None)?;
+            for (i, answer) in answers.iter().enumerate() {
+                if answer["status"] != "awake" {
+                    return Err(PluginError::other(format!(
+                        "vLLM server {} is not fully awake after /wake_up: {}",
+                        self.pool.servers()[i].url(),
+                        excerpt(answer)
+                    )));
+                }
+            }
+            self.pool
+                .broadcast(Method::Post, "/reset_prefix_cache", None)?;
+        }
+        self.asleep = false;
+        Ok(())
     }
 
     fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
@@ -501,6 +595,11 @@ impl Active {
                 request.seeds.len(),
                 request.prompts.len()
             )));
+        }
+        if self.asleep {
+            return Err(PluginError::invalid_config(
+                "generate on a sleeping vLLM rollout: call `wake_up` first",
+            ));
         }
         let (version, extension) = (self.weight_version, self.extension);
         let by_restart = self.reload == Reload::Restart;
@@ -556,6 +655,11 @@ impl Active {
     }
 
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        if self.asleep {
+            return Err(PluginError::invalid_config(
+                "update_weights on a sleeping vLLM rollout: call `wake_up` first",
+            ));
+        }
         let handover = source.handover()?;
         if let Some(transfer) = &mut self.collective {
             WeightSync::Collective.check_source(handover.kind)?;
@@ -945,6 +1049,8 @@ impl Rollout for VllmRollout {
             .weight_sources([WeightSourceKind::File, WeightSourceKind::Memory])
             .logprobs(true)
             .prompt_seeds(true)
+            // On a GPU; on a CPU vLLM's sleep frees nothing (said at start).
+            .sleep_wake(true)
             // verl's rollout keys the started server's command line follows (see `launch`).
             .config_keys(ConfigKeys::default().acts_on([
                 "dtype",
@@ -953,6 +1059,7 @@ impl Rollout for VllmRollout {
                 "response_length",
                 "enforce_eager",
                 "ignore_eos",
+                "enable_sleep_mode",
             ]))
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
@@ -966,6 +1073,12 @@ impl Rollout for VllmRollout {
     }
     fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
         self.active()?.update_weights(source)
+    }
+    fn sleep(&mut self, level: u32) -> Result<(), PluginError> {
+        self.active()?.sleep(level)
+    }
+    fn wake_up(&mut self) -> Result<(), PluginError> {
+        self.active()?.wake_up()
     }
 }
 

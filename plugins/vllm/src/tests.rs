@@ -28,6 +28,8 @@ fn vllm_reply(version: &Mutex<String>, r: &Recorded) -> Reply {
             Reply::ok(json!({"success": true}))
         }
         "/pause" => Reply::ok(json!({"status": "paused"})),
+        "/sleep" => Reply::ok(json!({"status": "sleeping", "level": 1})),
+        "/wake_up" => Reply::ok(json!({"status": "awake", "tags": null})),
         "/resume" => Reply::ok(json!({"status": "resumed"})),
         "/collective_rpc" if r.body["method"] == EXTENSION_RELOAD => {
             Reply::ok(json!({"results": [{"refreshed": ["lm_head"], "stale": []}]}))
@@ -751,4 +753,92 @@ fn a_started_server_in_collective_mode_gets_vllms_weight_transfer_config() {
         ))
         .unwrap_err();
     assert!(err.message().contains("sends no files"), "{err}");
+}
+
+/// A rollout attached to `mocks` on a `device` whose rollout section adds `rollout`.
+fn attached_on(mocks: &[&MockServer], device: &str, rollout: Value) -> VllmRollout {
+    let mut init = init::<Vllm>(json!({"urls": mocks.iter().map(|m| m.url()).collect::<Vec<_>>()}));
+    init.run.device_type = device.into();
+    for (k, v) in rollout.as_object().unwrap() {
+        init.config[k] = v.clone();
+    }
+    let mut r = VllmRollout::default();
+    r.init(&init).unwrap();
+    r
+}
+
+#[test]
+fn sleep_and_wake_run_vllms_sequence_on_every_server_and_block_work_between() {
+    let (a, b) = (
+        vllm_mock(Arc::new(Mutex::new("default".into()))),
+        vllm_mock(Arc::new(Mutex::new("default".into()))),
+    );
+    let mut rollout = attached_on(&[&a, &b], "cuda", json!({}));
+    rollout.sleep(1).unwrap();
+    let asleep = rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap_err();
+    assert!(asleep.message().contains("wake_up"), "{asleep}");
+    let dir = weights_dir();
+    let handover = file_handover(dir.path());
+    let asleep = rollout
+        .update_weights(&WeightSource::from_handover(2, &[], &handover))
+        .unwrap_err();
+    assert!(asleep.message().contains("wake_up"), "{asleep}");
+    rollout.wake_up().unwrap();
+    for mock in [&a, &b] {
+        assert_eq!(
+            control(mock),
+            [
+                ("/sleep?level=1&mode=wait".to_owned(), Value::Null),
+                ("/wake_up".to_owned(), Value::Null),
+                ("/reset_prefix_cache".to_owned(), Value::Null),
+            ]
+        );
+    }
+    rollout
+        .generate(&GenerateRequest::new(vec![vec![1]], sampling(1)))
+        .unwrap();
+    assert!(rollout.sleep(3).is_err(), "vLLM has levels 0-2");
+    assert!(VllmRollout::capabilities().sleep_wake);
+}
+
+#[test]
+fn a_server_not_fully_awake_is_an_error_naming_it() {
+    let mock = MockServer::start(|r: &Recorded| match r.path.as_str() {
+        "/wake_up" => Reply::ok(json!({"status": "sleeping", "tags": ["weights"]})),
+        _ => vllm_reply(&Mutex::new("default".into()), r),
+    });
+    let mut rollout = attached_on(&[&mock], "cuda", json!({}));
+    rollout.sleep(1).unwrap();
+    let err = rollout.wake_up().unwrap_err();
+    assert!(
+        err.message().contains(mock.url()) && err.message().contains("not fully awake"),
+        "{err}"
+    );
+}
+
+#[test]
+fn without_sleep_mode_sleep_and_wake_call_nothing() {
+    let mock = vllm_mock(Arc::new(Mutex::new("default".into())));
+    let mut rollout = attached_on(&[&mock], "cuda", json!({"enable_sleep_mode": false}));
+    rollout.sleep(1).unwrap();
+    rollout.wake_up().unwrap();
+    assert!(control(&mock).is_empty(), "{:?}", control(&mock));
+}
+
+#[test]
+fn a_started_gpu_server_runs_in_sleep_mode_unless_told_not_to() {
+    let sleep_mode = |rollout: Value, device: &str| {
+        launch_of(rollout, json!({"python": "/p"}), device)
+            .args
+            .contains(&"--enable-sleep-mode".to_owned())
+    };
+    assert!(sleep_mode(json!({"model": {"path": "/m"}}), "cuda"));
+    assert!(!sleep_mode(
+        json!({"model": {"path": "/m"}, "enable_sleep_mode": false}),
+        "cuda"
+    ));
+    // vLLM refuses the flag on its CPU backend.
+    assert!(!sleep_mode(json!({"model": {"path": "/m"}}), "cpu"));
 }

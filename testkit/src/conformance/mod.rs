@@ -6,7 +6,7 @@
 //! |---|---|
 //! | device | `info`, `no_hardware`, `detects_declared_hardware`, `visible_devices_filter`, `odd_environment` |
 //! | engine | `init`, `log_probs_match_reference`, `update_deterministic`, `save_load_update_bit_identical`, `unsupported_methods`, `object_exchange` |
-//! | rollout | `init`, `greedy_matches_reference`, `n_samples`, `stop_token_ids`, `max_new_tokens`, `seeded_reproducibility`, `weight_update_changes_output`, `unsupported_methods` |
+//! | rollout | `init`, `greedy_matches_reference`, `n_samples`, `stop_token_ids`, `max_new_tokens`, `seeded_reproducibility`, `weight_update_changes_output`, `sleep_and_wake_keep_the_weights`, `unsupported_methods` |
 //! | checkpoint | `init`, `handover_as_declared`, `round_trip`, `next_version`, `finalize_releases` |
 //! | tracker | `init`, `log_steps`, `log_table`, `finish`, `nothing_lost` |
 //! | reward | `init`, `one_score_per_item`, `deterministic`, `order_follows_items`, `empty_batch`, `undeclared_source_refused` |

@@ -22,6 +22,7 @@ pub const CHECKS: &[&str] = &[
     "max_new_tokens",
     "seeded_reproducibility",
     "weight_update_changes_output",
+    "sleep_and_wake_keep_the_weights",
     "unsupported_methods",
 ];
 
@@ -287,13 +288,23 @@ pub fn run(suite: &mut Suite) {
         Ok(Outcome::Pass)
     });
 
+    suite.check("sleep_and_wake_keep_the_weights", || {
+        if !caps.sleep_wake {
+            return Ok(Outcome::Skipped(
+                "the rollout declares no sleep/wake-up".into(),
+            ));
+        }
+        call("sleep", rollout.sleep(1))?;
+        call("wake_up", rollout.wake_up())?;
+        let out = generate(&mut rollout, &prompts, greedy(longest))?;
+        matches_reference(&out).map_err(|e| format!("after sleep(1) and wake_up: {e}"))?;
+        Ok(Outcome::Pass)
+    });
+
     suite.check("unsupported_methods", || {
         if !caps.sleep_wake {
             ok_or_unsupported("sleep (sleep_wake not declared)", rollout.sleep(1))?;
             ok_or_unsupported("wake_up (sleep_wake not declared)", rollout.wake_up())?;
-        } else {
-            no_panic("sleep", rollout.sleep(1))?;
-            no_panic("wake_up", rollout.wake_up())?;
         }
         let collective = WeightSource::encode_handover(&Handover::collective(json!({})));
         let file = WeightSource::encode_handover(&Handover::file("/nonexistent/verl-certify"));

@@ -8,7 +8,7 @@ use verl_plugin_api::{
 };
 use verl_plugin_host::Registry;
 
-use crate::config::{AuditContext, Config, EngineRole, Finding, Severity, audit};
+use crate::config::{AuditContext, AuditScope, Config, EngineRole, Finding, Severity, audit};
 
 /// Keys set to values that nothing here supports; `trainer.strict_config=false` runs anyway.
 #[derive(Debug, thiserror::Error)]
@@ -24,32 +24,39 @@ fn unsupported_message(findings: &[Finding]) -> String {
     )
 }
 
-/// The audit's context: the world size `trainer.nnodes × trainer.n_gpus_per_node` must equal
-/// (`None`: not checked), and the declarations of the components `config` uses on `device_type`
-/// devices (a name the registry lacks is left out: the trainer names it when it resolves
-/// components).
+/// What the component `name` of `kind` that runs on `device_type` declares about its section's
+/// keys (`None`: the registry lacks it; the command names it when it resolves components).
+fn declared_keys(
+    registry: &Registry,
+    device_type: &str,
+    kind: ComponentKind,
+    name: &str,
+) -> Option<ConfigKeys> {
+    let component = match kind {
+        ComponentKind::ENGINE => registry.resolve_engine(name, device_type),
+        _ => registry.resolve(kind, name),
+    }
+    .ok()?;
+    Some(match kind {
+        ComponentKind::ENGINE => component.capabilities::<EngineCapabilities>().config_keys,
+        ComponentKind::ROLLOUT => component.capabilities::<RolloutCapabilities>().config_keys,
+        _ => {
+            component
+                .capabilities::<CheckpointCapabilities>()
+                .config_keys
+        }
+    })
+}
+
+/// The audit's context for a training command: the world size `trainer.nnodes ×
+/// trainer.n_gpus_per_node` must equal (`None`: not checked), and the declarations of the
+/// components `config` uses on `device_type` devices.
 pub fn context(
     config: &Config,
     registry: &Registry,
     device_type: &str,
     world_size: Option<u32>,
 ) -> AuditContext {
-    let declared = |kind: ComponentKind, name: &str| {
-        let component = match kind {
-            ComponentKind::ENGINE => registry.resolve_engine(name, device_type),
-            _ => registry.resolve(kind, name),
-        }
-        .ok()?;
-        Some(match kind {
-            ComponentKind::ENGINE => component.capabilities::<EngineCapabilities>().config_keys,
-            ComponentKind::ROLLOUT => component.capabilities::<RolloutCapabilities>().config_keys,
-            _ => {
-                component
-                    .capabilities::<CheckpointCapabilities>()
-                    .config_keys
-            }
-        })
-    };
     let rollout = &config.actor_rollout_ref.rollout;
     let roles = [
         (EngineRole::Actor, "actor_rollout_ref.actor", true),
@@ -60,47 +67,56 @@ pub fn context(
         ),
         (EngineRole::Critic, "critic", config.critic_enabled()),
     ];
-    let engines = roles
+    let mut components: Vec<(&str, ComponentKind, &str)> = roles
         .into_iter()
         .filter(|(_, _, used)| *used)
-        .map(|(role, section, _)| {
-            (
-                section,
-                declared(ComponentKind::ENGINE, config.engine_strategy(role)),
-            )
-        });
-    let components: Vec<(String, ConfigKeys)> = engines
-        .chain([
-            (
-                "actor_rollout_ref.rollout",
-                declared(ComponentKind::ROLLOUT, &rollout.name),
-            ),
-            (
-                "actor_rollout_ref.rollout.checkpoint_engine",
-                declared(
-                    ComponentKind::CHECKPOINT,
-                    &rollout.checkpoint_engine.backend,
-                ),
-            ),
-        ])
-        .filter_map(|(section, keys)| Some((section.to_owned(), keys?)))
+        .map(|(role, section, _)| (section, ComponentKind::ENGINE, config.engine_strategy(role)))
         .collect();
+    components.extend([
+        (
+            "actor_rollout_ref.rollout",
+            ComponentKind::ROLLOUT,
+            rollout.name.as_str(),
+        ),
+        (
+            "actor_rollout_ref.rollout.checkpoint_engine",
+            ComponentKind::CHECKPOINT,
+            rollout.checkpoint_engine.backend.as_str(),
+        ),
+    ]);
     AuditContext {
         world_size,
-        components,
+        ..command_context(registry, device_type, AuditScope::Training, &components)
     }
 }
 
-/// Audits `config` for a command on `device_type` devices (and `world_size` ranks, see
-/// [`context`]): logs each warning once and fails with every error. Returns the findings
-/// (warnings only).
-pub fn check(
-    config: &Config,
+/// The audit's context for a one-off command reading `scope`, with the declarations of its
+/// `components` (section, kind, name) on `device_type` devices; its ranks are the launcher's.
+pub fn command_context(
     registry: &Registry,
     device_type: &str,
-    world_size: Option<u32>,
-) -> Result<Vec<Finding>, Unsupported> {
-    let findings = audit(config, &context(config, registry, device_type, world_size));
+    scope: AuditScope,
+    components: &[(&str, ComponentKind, &str)],
+) -> AuditContext {
+    AuditContext {
+        world_size: None,
+        components: components
+            .iter()
+            .filter_map(|&(section, kind, name)| {
+                Some((
+                    section.to_owned(),
+                    declared_keys(registry, device_type, kind, name)?,
+                ))
+            })
+            .collect(),
+        scope,
+    }
+}
+
+/// Audits `config` in `ctx` (see [`context`], [`command_context`]): logs each warning once and
+/// fails with every error. Returns the findings (warnings only).
+pub fn check(config: &Config, ctx: &AuditContext) -> Result<Vec<Finding>, Unsupported> {
+    let findings = audit(config, ctx);
     let (errors, warnings): (Vec<&Finding>, Vec<&Finding>) =
         findings.iter().partition(|f| f.severity == Severity::Error);
     for finding in warnings {

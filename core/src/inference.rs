@@ -11,7 +11,7 @@ use verl_plugin_api::{ComponentKind, GenerateRequest, SamplingParams, keys};
 use verl_plugin_host::Registry;
 
 use crate::batch;
-use crate::config::{Config, EngineRole, Slot};
+use crate::config::{AuditScope, Config, EngineRole, REF_INHERITS_MEGATRON, Slot};
 use crate::limits::ContextWindow;
 use crate::placement::Placement;
 use crate::trainer::plugin_init;
@@ -166,6 +166,75 @@ pub fn read_score_input(path: &PathBuf, model: &Path) -> anyhow::Result<ScoreInp
         bail!("{}: no input lines", path.display());
     }
     Ok((prompts, responses))
+}
+
+/// What `score` reads of the config: the reference engine's settings (its section, and the
+/// actor's keys verl's reference config interpolates: strategy, compile, dynamic batch, Ulysses
+/// and the megatron grid), the model section and the device; the model is `--model`'s.
+pub fn score_scope() -> AuditScope {
+    let actor = |key: &str| format!("actor_rollout_ref.actor.{key}");
+    let mut reads: Vec<String> = [
+        "actor_rollout_ref.ref",
+        "actor_rollout_ref.model",
+        "actor_rollout_ref.nccl_timeout",
+        "trainer.device",
+    ]
+    .map(String::from)
+    .to_vec();
+    reads.extend(
+        [
+            "strategy",
+            "use_torch_compile",
+            "use_dynamic_bsz",
+            "ppo_max_token_len_per_gpu",
+            "ulysses_sequence_parallel_size",
+        ]
+        .map(actor),
+    );
+    reads.extend(REF_INHERITS_MEGATRON.map(|key| actor(&format!("megatron.{key}"))));
+    AuditScope::Command {
+        name: "score",
+        reads,
+        reads_what: "the reference engine's settings (actor_rollout_ref.ref, and the actor's strategy, \
+                     use_torch_compile, use_dynamic_bsz, ppo_max_token_len_per_gpu, \
+                     ulysses_sequence_parallel_size and megatron grid, which the reference inherits), \
+                     actor_rollout_ref.model and trainer.device",
+        replaced: vec![(
+            "actor_rollout_ref.model.path".into(),
+            "`verl-core score` scores the model --model gives".into(),
+        )],
+    }
+}
+
+/// What `generate` reads of the config: the rollout section (its server and engine settings; the
+/// sampling is the flags') and the device; the model is `--model`'s, the seed `--seed`'s.
+pub fn generate_scope() -> AuditScope {
+    let mut replaced: Vec<(String, String)> = vec![
+        (
+            "actor_rollout_ref.model.path".into(),
+            "`verl-core generate` runs the model --model gives".into(),
+        ),
+        (
+            "trainer.seed".into(),
+            "`verl-core generate` is seeded by --seed".into(),
+        ),
+    ];
+    replaced.extend(
+        ["n", "temperature", "top_p", "top_k", "do_sample"].map(|key| {
+            (
+                format!("actor_rollout_ref.rollout.{key}"),
+                "`verl-core generate` samples as its flags say (--n, --temperature, --top-p, \
+                 --top-k, --greedy)"
+                    .to_owned(),
+            )
+        }),
+    );
+    AuditScope::Command {
+        name: "generate",
+        reads: vec!["actor_rollout_ref.rollout".into(), "trainer.device".into()],
+        reads_what: "actor_rollout_ref.rollout (its sampling keys aside) and trainer.device",
+        replaced,
+    }
 }
 
 /// What `verl-core score` computes with: the verl config (overrides included) whose reference

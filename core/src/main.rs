@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use verl_core::config::{Config, ConfigSource, FileFormat, PluginSections, SectionKind};
+use verl_core::config::{
+    Config, ConfigSource, EngineRole, FileFormat, PluginSections, SectionKind,
+};
 use verl_core::data::synthetic::AdditionTask;
 use verl_core::launch::{self, LaunchError, LaunchSpec};
 use verl_core::placement::{self, Placement};
@@ -536,7 +538,8 @@ fn audit_training(
     placement: &Placement,
 ) -> anyhow::Result<()> {
     let run = placement.run();
-    config_audit::check(config, registry, &run.device_type, Some(run.world_size))?;
+    let context = config_audit::context(config, registry, &run.device_type, Some(run.world_size));
+    config_audit::check(config, &context)?;
     Ok(())
 }
 
@@ -830,18 +833,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Generate(args) => {
             let registry = load_registry(&cli.plugins)?;
             let mut config = load_config(&args.config, false, &registry)?;
-            // --seed seeds the request and the rollout's run, as before overrides existed.
-            if let Some(origin) = config.origin("trainer.seed") {
-                tracing::warn!(
-                    "trainer.seed (from {origin}) has no effect on generate: --seed={} seeds it",
-                    args.seed
-                );
-            }
+            // The config as given is audited (a trainer.seed in it is reported: --seed seeds the
+            // request and the run).
+            let given = config.clone();
             config.trainer.seed = args.seed;
             let placement = training_placement(&config, &registry, timeout)?;
             placement.require_single_rank("generation")?;
-            // One rank; trainer.nnodes × n_gpus_per_node sizes training jobs only.
-            config_audit::check(&config, &registry, &placement.run().device_type, None)?;
+            let context = config_audit::command_context(
+                &registry,
+                &placement.run().device_type,
+                inference::generate_scope(),
+                &[(
+                    "actor_rollout_ref.rollout",
+                    ComponentKind::ROLLOUT,
+                    args.rollout
+                        .as_deref()
+                        .unwrap_or(&config.actor_rollout_ref.rollout.name),
+                )],
+            );
+            config_audit::check(&given, &context)?;
             let tokenizer = if args.prompts.is_empty() && !args.json {
                 None
             } else {
@@ -903,8 +913,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let registry = load_registry(&cli.plugins)?;
             let config = load_config(&args.config, false, &registry)?;
             let placement = training_placement(&config, &registry, timeout)?;
-            // Its ranks are the launcher's: trainer.nnodes × n_gpus_per_node sizes training jobs.
-            config_audit::check(&config, &registry, &placement.run().device_type, None)?;
+            let engine = args
+                .engine
+                .as_deref()
+                .unwrap_or(config.engine_strategy(EngineRole::Ref));
+            let context = config_audit::command_context(
+                &registry,
+                &placement.run().device_type,
+                inference::score_scope(),
+                &[("actor_rollout_ref.ref", ComponentKind::ENGINE, engine)],
+            );
+            config_audit::check(&config, &context)?;
             let (prompts, responses) = inference::read_score_input(&args.input, &args.model)?;
             let spec = inference::ScoreSpec {
                 registry: &registry,

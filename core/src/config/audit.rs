@@ -468,15 +468,56 @@ pub struct AuditContext {
     /// Each component the run uses: its verl section (`actor_rollout_ref.actor`,
     /// `actor_rollout_ref.rollout`, …) and what it declares about the keys there.
     pub components: Vec<(String, ConfigKeys)>,
+    pub scope: AuditScope,
 }
 
 impl Default for AuditContext {
-    /// One process, no component declarations.
+    /// One process, no component declarations, a training command.
     fn default() -> Self {
         Self {
             world_size: Some(1),
             components: Vec::new(),
+            scope: AuditScope::Training,
         }
+    }
+}
+
+/// What of the config the audited command reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuditScope {
+    /// `run`, `sft`, `bench`: every rule applies.
+    Training,
+    /// A one-off command (`score`, `generate`) that reads only `reads` (keys and the sections
+    /// under them); every other key it is given is reported as without effect there, and
+    /// `replaced` keys with their own reason (e.g. the model path a flag gives).
+    Command {
+        name: &'static str,
+        reads: Vec<String>,
+        /// What `reads` are, in words, for the message.
+        reads_what: &'static str,
+        replaced: Vec<(String, String)>,
+    },
+}
+
+impl AuditScope {
+    /// Why `key`, set, does nothing for this command; `None` where the rules decide.
+    fn unread(&self, key: &str) -> Option<String> {
+        let Self::Command {
+            name,
+            reads,
+            reads_what,
+            replaced,
+        } = self
+        else {
+            return None;
+        };
+        if let Some((_, why)) = replaced.iter().find(|(k, _)| k == key) {
+            return Some(why.clone());
+        }
+        let read = reads
+            .iter()
+            .any(|r| key == r || key.starts_with(&format!("{r}.")));
+        (!read).then(|| format!("`verl-core {name}` reads only {reads_what}"))
     }
 }
 
@@ -589,7 +630,18 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
         if !is_set {
             return;
         }
-        if let Some(why) = unused_role(&key) {
+        if let Some(why) = ctx.scope.unread(&key) {
+            // Values derived at load (e.g. the checkpoint directory from the experiment name)
+            // differ from the defaults too; only what the user gave is reported.
+            let given = (1..=path.len()).any(|n| config.origin(&path[..n].join(".")).is_some());
+            if given {
+                findings.push(finding(&key, value, false, why));
+            }
+            return;
+        }
+        if ctx.scope == AuditScope::Training
+            && let Some(why) = unused_role(&key)
+        {
             findings.push(finding(&key, value, false, why.to_owned()));
             return;
         }

@@ -35,9 +35,11 @@ use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde_json::Value;
 
-pub use audit::{AuditContext, Finding, RULES, Rule, Severity, Treatment, audit, rule_for};
+pub use audit::{
+    AuditContext, AuditScope, Finding, RULES, Rule, Severity, Treatment, audit, rule_for,
+};
 pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
-pub use plugin::EngineRole;
+pub use plugin::{EngineRole, REF_INHERITS_MEGATRON};
 pub use schema::*;
 pub use sections::{PluginSection, PluginSections, SectionKind, Slot};
 

@@ -32,7 +32,7 @@ fn per_gpu(per_gpu: Option<usize>, global: Option<usize>) -> Option<usize> {
 
 /// The `megatron` keys the reference role takes from the actor's section unless it sets them: the
 /// process grid verl builds from the actor's and the keys `megatron_ref.yaml` interpolates.
-const REF_INHERITS_MEGATRON: [&str; 10] = [
+pub const REF_INHERITS_MEGATRON: [&str; 10] = [
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",

@@ -1152,6 +1152,7 @@ fn findings_name_key_value_origin_and_follow_components() {
     // A rollout that acts on the server keys, and an engine that declares its section's offload.
     let ctx = AuditContext {
         world_size: Some(1),
+        scope: AuditScope::Training,
         components: vec![
             (
                 "actor_rollout_ref.rollout".into(),
@@ -1228,4 +1229,75 @@ fn findings_name_key_value_origin_and_follow_components() {
         "{}",
         findings[0]
     );
+}
+
+/// `score` and `generate` take `run`'s overrides but read only part of the config: every other
+/// key set is reported as without effect there (with the flag that replaces it, where one does),
+/// and the reference's section counts for `score` even when training would use no reference.
+#[test]
+fn one_off_commands_report_what_they_do_not_read() {
+    use Outcome::*;
+    let scoped = |scope: AuditScope| AuditContext {
+        world_size: None,
+        components: Vec::new(),
+        scope,
+    };
+    let score = scoped(crate::inference::score_scope());
+    for (arg, want) in [
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            Acted,
+        ),
+        ("actor_rollout_ref.actor.strategy=megatron", Acted),
+        (
+            "actor_rollout_ref.ref.fsdp_config.forward_prefetch=True",
+            Acted,
+        ),
+        ("actor_rollout_ref.model.use_remove_padding=True", Acted),
+        ("trainer.device=cpu", Acted),
+        ("actor_rollout_ref.actor.optim.lr=1e-5", Warning),
+        // The actor's plugin sections are not the reference's.
+        (
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            Warning,
+        ),
+        ("actor_rollout_ref.rollout.n=8", Warning),
+        ("trainer.n_gpus_per_node=8", Warning),
+        ("actor_rollout_ref.model.path=/models/q", Warning),
+        // Still an error where the key is read and nothing here does it.
+        ("actor_rollout_ref.model.lora_rank=32", Error),
+    ] {
+        assert_eq!(outcome(&[arg], &score), want, "score: {arg}");
+    }
+    let config = load(None, &[], &["actor_rollout_ref.model.path=/models/q"]).unwrap();
+    let findings = audit(&config, &score);
+    assert!(
+        findings[0].to_string().contains("--model"),
+        "{}",
+        findings[0]
+    );
+    let config = load(None, &[], &["data.train_batch_size=64"]).unwrap();
+    let findings = audit(&config, &score);
+    assert!(
+        findings[0]
+            .to_string()
+            .contains("`verl-core score` reads only"),
+        "{}",
+        findings[0]
+    );
+
+    let generate = scoped(crate::inference::generate_scope());
+    for (arg, want) in [
+        ("actor_rollout_ref.rollout.response_length=64", Acted),
+        ("actor_rollout_ref.rollout.free_cache_engine=False", Acted),
+        ("actor_rollout_ref.rollout.temperature=0.6", Warning),
+        ("trainer.seed=7", Warning),
+        ("actor_rollout_ref.actor.strategy=megatron", Warning),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            Error,
+        ),
+    ] {
+        assert_eq!(outcome(&[arg], &generate), want, "generate: {arg}");
+    }
 }

@@ -921,7 +921,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 &registry,
                 &placement.run().device_type,
                 inference::score_scope(),
-                &[("actor_rollout_ref.ref", ComponentKind::ENGINE, engine)],
+                // The reference engine reads the actor's section under its own (engine_json).
+                &[
+                    ("actor_rollout_ref.actor", ComponentKind::ENGINE, engine),
+                    ("actor_rollout_ref.ref", ComponentKind::ENGINE, engine),
+                ],
             );
             config_audit::check(&config, &context)?;
             let (prompts, responses) = inference::read_score_input(&args.input, &args.model)?;

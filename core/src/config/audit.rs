@@ -691,7 +691,10 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
                 };
                 let mut path = vec![section.clone(), key.clone()];
                 for_each_change(&value, default, &mut path, &mut |key, value| {
-                    findings.push(finding(key, value, unsupported, why.clone()));
+                    // A key the command does not read was reported as such above.
+                    if ctx.scope.unread(key).is_none() {
+                        findings.push(finding(key, value, unsupported, why.clone()));
+                    }
                 });
             }
         }

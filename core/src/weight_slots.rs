@@ -195,6 +195,39 @@ impl SlotStore {
         })
     }
 
+    /// The store a slot directory belongs to, when `dir` is one (`<store>/slot_N` beside a
+    /// `CURRENT`): how the sync recognises a handover it must read under the slot's lock.
+    pub fn of_slot_dir(dir: &Path, file_name: &str) -> Option<SlotStore> {
+        let name = dir.file_name()?.to_str()?;
+        let store = dir.parent()?;
+        (matches!(name, "slot_0" | "slot_1") && store.join(CURRENT).is_file()).then(|| SlotStore {
+            dir: store.to_owned(),
+            file_name: file_name.to_owned(),
+        })
+    }
+
+    /// Removes every published version (a new run starts its own sequence of versions).
+    pub fn clear(&self) -> Result<(), SlotError> {
+        let current = self.dir.join(CURRENT);
+        match std::fs::remove_file(&current) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&current)(e)),
+            _ => {}
+        }
+        for slot in 0..2 {
+            let _lock = Lock::take(&self.lock_path(slot), true)?;
+            for name in [SLOT_RECORD, self.file_name.as_str()] {
+                let path = self.slot_dir(slot).join(name);
+                match std::fs::remove_file(&path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io(&path)(e));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The directory of slot `slot` (what a reader loads from while it holds the slot).
     pub fn slot_dir(&self, slot: usize) -> PathBuf {
         self.dir.join(format!("slot_{slot}"))
@@ -340,7 +373,10 @@ mod tests {
     fn publishes_alternate_slots_and_reads_the_newest() {
         let dir = tempfile::tempdir().unwrap();
         let store = SlotStore::open(dir.path(), "w.bin").unwrap();
-        assert!(matches!(store.read(|_, _| ()), Err(SlotError::Empty { .. })));
+        assert!(matches!(
+            store.read(|_, _| ()),
+            Err(SlotError::Empty { .. })
+        ));
         let a = publish(&store, 1).unwrap();
         let b = publish(&store, 2).unwrap();
         let c = publish(&store, 5).unwrap();
@@ -354,7 +390,16 @@ mod tests {
             payload(2)
         );
         let err = publish(&store, 5).unwrap_err();
-        assert!(matches!(err, SlotError::NotNewer { version: 5, current: 5 }), "{err}");
+        assert!(
+            matches!(
+                err,
+                SlotError::NotNewer {
+                    version: 5,
+                    current: 5
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
@@ -368,7 +413,8 @@ mod tests {
         std::fs::write(&path, bytes).unwrap();
         let err = store.read(|_, _| ()).unwrap_err();
         assert!(
-            matches!(err, SlotError::Checksum { version: 3, .. }) && err.to_string().contains("w.bin"),
+            matches!(err, SlotError::Checksum { version: 3, .. })
+                && err.to_string().contains("w.bin"),
             "{err}"
         );
         std::fs::write(dir.path().join(CURRENT), "7 x").unwrap();
@@ -397,7 +443,7 @@ mod tests {
     /// each reader's versions never go backwards.
     #[test]
     fn concurrent_writer_and_readers_never_see_a_torn_or_older_version() {
-        const FLIPS: u64 = 3000;
+        const FLIPS: u64 = 2000;
         let dir = tempfile::tempdir().unwrap();
         let store = SlotStore::open(dir.path(), "w.bin").unwrap();
         publish(&store, 1).unwrap();
@@ -430,7 +476,10 @@ mod tests {
         done.store(true, Ordering::Relaxed);
         for reader in readers {
             let (reads, distinct, last) = reader.join().unwrap();
-            assert!(reads > 0 && distinct > 1, "reads {reads}, distinct {distinct}");
+            assert!(
+                reads > 0 && distinct > 1,
+                "reads {reads}, distinct {distinct}"
+            );
             assert!(last <= FLIPS);
         }
         assert_eq!(store.current().unwrap().unwrap().version, FLIPS);

@@ -47,7 +47,11 @@ fn prime_math_and_geo3k_match_verl() {
         } else if ours != verl || listed {
             entry.1.push(format!(
                 "case {i} ({source}) {solution:?} vs {truth}: verl {verl}, ours {ours}{}",
-                if listed { " (listed as a known difference)" } else { "" }
+                if listed {
+                    " (listed as a known difference)"
+                } else {
+                    ""
+                }
             ));
         }
     }

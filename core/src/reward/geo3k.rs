@@ -68,6 +68,9 @@ mod tests {
         assert_eq!(compute_score("\\boxed{3}", "3"), 0.9);
         assert_eq!(compute_score("<think>t</think> \\boxed{4}", "3"), 0.1);
         assert_eq!(compute_score("<think>t \\boxed{4}", "3"), 0.0);
-        assert_eq!(compute_score("<think></think>\\boxed{\\frac{25}{2}}", "12.5"), 1.0);
+        assert_eq!(
+            compute_score("<think></think>\\boxed{\\frac{25}{2}}", "12.5"),
+            1.0
+        );
     }
 }

@@ -54,19 +54,96 @@ fn arg_spec(name: &str) -> Option<&'static str> {
         "frac" | "nicefrac" | "textfrac" | "braket" | "ketbra" | "texorpdfstring" | "setlength"
         | "addlength" | "setcounter" | "addcounter" => "{{",
         "sqrt" => "[{",
-        "text" | "textrm" | "textit" | "textbf" | "textmd" | "textsc" | "textsf" | "textsl"
-        | "texttt" | "textup" | "emph" | "mbox" | "mathrm" | "mathbb" | "mathbf" | "mathit"
-        | "mathsf" | "mathtt" | "mathcal" | "mathscr" | "mathfrak" | "label" | "ref"
-        | "autoref" | "cref" | "Cref" | "eqref" | "url" | "hypersetup" | "keywords" | "ket"
-        | "bra" | "overline" | "underline" | "widehat" | "widetilde" | "wideparen"
-        | "overleftarrow" | "overrightarrow" | "overleftrightarrow" | "underleftarrow"
-        | "underrightarrow" | "underleftrightarrow" | "overbrace" | "underbrace" | "overgroup"
-        | "undergroup" | "overbracket" | "underbracket" | "overlinesegment"
-        | "underlinesegment" | "overleftharpoon" | "overrightharpoon" | "ensuremath"
-        | "title" | "author" | "date" | "input" | "include" | "bibliography" | "documentclass"
-        | "usepackage" | "RequirePackage" | "selectlanguage" | "'" | "`" | "\"" | "c" | "^"
-        | "~" | "H" | "k" | "=" | "b" | "." | "d" | "r" | "u" | "v" | "not" | "vec" | "dot"
-        | "hat" | "check" | "breve" | "acute" | "grave" | "tilde" | "bar" | "ddot" => "{",
+        "text"
+        | "textrm"
+        | "textit"
+        | "textbf"
+        | "textmd"
+        | "textsc"
+        | "textsf"
+        | "textsl"
+        | "texttt"
+        | "textup"
+        | "emph"
+        | "mbox"
+        | "mathrm"
+        | "mathbb"
+        | "mathbf"
+        | "mathit"
+        | "mathsf"
+        | "mathtt"
+        | "mathcal"
+        | "mathscr"
+        | "mathfrak"
+        | "label"
+        | "ref"
+        | "autoref"
+        | "cref"
+        | "Cref"
+        | "eqref"
+        | "url"
+        | "hypersetup"
+        | "keywords"
+        | "ket"
+        | "bra"
+        | "overline"
+        | "underline"
+        | "widehat"
+        | "widetilde"
+        | "wideparen"
+        | "overleftarrow"
+        | "overrightarrow"
+        | "overleftrightarrow"
+        | "underleftarrow"
+        | "underrightarrow"
+        | "underleftrightarrow"
+        | "overbrace"
+        | "underbrace"
+        | "overgroup"
+        | "undergroup"
+        | "overbracket"
+        | "underbracket"
+        | "overlinesegment"
+        | "underlinesegment"
+        | "overleftharpoon"
+        | "overrightharpoon"
+        | "ensuremath"
+        | "title"
+        | "author"
+        | "date"
+        | "input"
+        | "include"
+        | "bibliography"
+        | "documentclass"
+        | "usepackage"
+        | "RequirePackage"
+        | "selectlanguage"
+        | "'"
+        | "`"
+        | "\""
+        | "c"
+        | "^"
+        | "~"
+        | "H"
+        | "k"
+        | "="
+        | "b"
+        | "."
+        | "d"
+        | "r"
+        | "u"
+        | "v"
+        | "not"
+        | "vec"
+        | "dot"
+        | "hat"
+        | "check"
+        | "breve"
+        | "acute"
+        | "grave"
+        | "tilde"
+        | "bar"
+        | "ddot" => "{",
         "hphantom" | "vphantom" | "footnote" | "hspace" | "vspace" => "*{",
         "xleftarrow" | "xrightarrow" | "color" | "pagecolor" => "[{",
         "textcolor" | "colorbox" => "[{{",
@@ -407,10 +484,10 @@ fn environment_text(name: &str, body: &[Node], in_equation: bool) -> Option<Stri
         "array" | "pmatrix" | "bmatrix" | "smallmatrix" | "psmallmatrix" | "bsmallmatrix" => {
             matrix_text(body, in_equation)
         }
-        "equation" | "equation*" | "eqnarray" | "eqnarray*" | "align" | "multline"
-        | "gather" | "align*" | "multline*" | "gather*" | "dmath" | "dmath*" => Some(
-            indented_block(nodelist_to_text(body, true)?.trim()),
-        ),
+        "equation" | "equation*" | "eqnarray" | "eqnarray*" | "align" | "multline" | "gather"
+        | "align*" | "multline*" | "gather*" | "dmath" | "dmath*" => {
+            Some(indented_block(nodelist_to_text(body, true)?.trim()))
+        }
         "center" | "flushleft" | "flushright" => {
             Some(format!("\n{}\n", nodelist_to_text(body, in_equation)?))
         }
@@ -486,11 +563,28 @@ fn macro_text(name: &str, args: Option<&[Option<Node>]>, in_eq: bool) -> Option<
         "mathsf" => styled(&all_args()?, Style::Sans),
         "mathbb" => styled(&all_args()?, Style::DoubleStruck),
         "mathtt" => styled(&all_args()?, Style::Monospace),
-        "overline" | "underline" | "widehat" | "widetilde" | "wideparen" | "overleftarrow"
-        | "overrightarrow" | "overleftrightarrow" | "underleftarrow" | "underrightarrow"
-        | "underleftrightarrow" | "overbrace" | "underbrace" | "overgroup" | "undergroup"
-        | "overbracket" | "underbracket" | "overlinesegment" | "underlinesegment"
-        | "overleftharpoon" | "overrightharpoon" | "ensuremath" => arg(0)?,
+        "overline"
+        | "underline"
+        | "widehat"
+        | "widetilde"
+        | "wideparen"
+        | "overleftarrow"
+        | "overrightarrow"
+        | "overleftrightarrow"
+        | "underleftarrow"
+        | "underrightarrow"
+        | "underleftrightarrow"
+        | "overbrace"
+        | "underbrace"
+        | "overgroup"
+        | "undergroup"
+        | "overbracket"
+        | "underbracket"
+        | "overlinesegment"
+        | "underlinesegment"
+        | "overleftharpoon"
+        | "overrightharpoon"
+        | "ensuremath" => arg(0)?,
         "textcolor" | "colorbox" => arg(2)?,
         "texorpdfstring" => arg(1)?,
         "ket" => format!("|{}\u{27e9}", arg(0)?),
@@ -503,8 +597,8 @@ fn macro_text(name: &str, args: Option<&[Option<Node>]>, in_eq: bool) -> Option<
         "eqref" => "(<ref>)".into(),
         // Accents: pylatexenc composes the argument with a combining mark (not ported).
         "'" | "`" | "\"" | "c" | "^" | "~" | "H" | "k" | "=" | "b" | "." | "d" | "r" | "u"
-        | "v" | "not" | "vec" | "dot" | "hat" | "check" | "breve" | "acute" | "grave"
-        | "tilde" | "bar" | "ddot" => arg(0)?,
+        | "v" | "not" | "vec" | "dot" | "hat" | "check" | "breve" | "acute" | "grave" | "tilde"
+        | "bar" | "ddot" => arg(0)?,
         _ => symbol(name).unwrap_or("").to_owned(),
     })
 }

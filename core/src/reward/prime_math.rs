@@ -124,7 +124,9 @@ mod pyeval {
                 "-" => x.checked_sub(y),
                 "*" => x.checked_mul(y),
                 "//" if y != 0 => Some(x.div_euclid(y) - i128::from(y < 0 && x.rem_euclid(y) != 0)),
-                "%" if y != 0 => Some(x - y * (x.div_euclid(y) - i128::from(y < 0 && x.rem_euclid(y) != 0))),
+                "%" if y != 0 => {
+                    Some(x - y * (x.div_euclid(y) - i128::from(y < 0 && x.rem_euclid(y) != 0)))
+                }
                 "^" => Some(x ^ y),
                 "**" if y >= 0 => u32::try_from(y).ok().and_then(|y| x.checked_pow(y)),
                 "/" | "//" | "%" if y == 0 => return Err(Raise),
@@ -471,9 +473,7 @@ fn math_equal(prediction: Val, reference: Val, pi: f64) -> Result<bool, Raise> {
 
     let (mut pred_str, mut ref_str) = (prediction.clone(), reference.clone());
     if (prediction.starts_with('[') && prediction.ends_with(']') && !reference.starts_with('('))
-        || (prediction.starts_with('(')
-            && prediction.ends_with(')')
-            && !reference.starts_with('['))
+        || (prediction.starts_with('(') && prediction.ends_with(')') && !reference.starts_with('['))
     {
         let brackets: &[char] = &['[', ']', '(', ')'];
         pred_str = pred_str.trim_matches(brackets).to_owned();
@@ -516,9 +516,12 @@ fn math_equal(prediction: Val, reference: Val, pi: f64) -> Result<bool, Raise> {
         if rf == '(' && rl == ')' {
             let chars: Vec<char> = prediction.chars().collect();
             let open = chars.iter().position(|&c| c == '(').map_or(0, |k| k + 1);
-            let body: String = chars[open.min(chars.len())..chars.len() - 1].iter().collect();
+            let body: String = chars[open.min(chars.len())..chars.len() - 1]
+                .iter()
+                .collect();
             let r = inner(&reference);
-            let (pp, rp): (Vec<&str>, Vec<&str>) = (body.split(',').collect(), r.split(',').collect());
+            let (pp, rp): (Vec<&str>, Vec<&str>) =
+                (body.split(',').collect(), r.split(',').collect());
             if pp.len() == rp.len() && all_equal(strs(pp).into_iter().zip(strs(rp)).collect())? {
                 return Ok(true);
             }
@@ -553,12 +556,17 @@ fn math_equal(prediction: Val, reference: Val, pi: f64) -> Result<bool, Raise> {
                 .map(|w| Val::Str((*w).to_owned()))
                 .collect();
             if elements.len() == items.len()
-                && matches!(all_equal(elements.into_iter().zip(items).collect()), Ok(true))
+                && matches!(
+                    all_equal(elements.into_iter().zip(items).collect()),
+                    Ok(true)
+                )
             {
                 return Ok(true);
             }
         }
-    } else if reference.contains(PMATRIX) && prediction.starts_with('[') && prediction.ends_with(']')
+    } else if reference.contains(PMATRIX)
+        && prediction.starts_with('[')
+        && prediction.ends_with(']')
     {
         // `eval(prediction)` here is outside verl's `try`.
         if let Val::Seq { list: true, items } = pyeval::eval(&prediction)? {
@@ -640,7 +648,12 @@ pub fn match_answer(response: &str) -> String {
             r = strip_chars(&r[k + marker.len()..]);
         }
     }
-    for marker in ["is answer", "is the answer", "are answers", "are the answers"] {
+    for marker in [
+        "is answer",
+        "is the answer",
+        "are answers",
+        "are the answers",
+    ] {
         if let Some(k) = rfind_lower(&r, marker) {
             r = strip_chars(&r[..k]);
         }
@@ -694,7 +707,10 @@ mod tests {
     fn extracts_like_prime() {
         assert_eq!(match_answer("The answer is 42."), "42.");
         assert_eq!(match_answer("so $x = 5$"), "5$");
-        assert_eq!(match_answer("Step 2: \\boxed{\\frac{1}{2}} done"), "\\frac{1}{2}");
+        assert_eq!(
+            match_answer("Step 2: \\boxed{\\frac{1}{2}} done"),
+            "\\frac{1}{2}"
+        );
         assert_eq!(match_answer("7 is the answer"), "7");
         assert_eq!(match_answer("we get 3. Then 4"), "3");
     }
@@ -712,14 +728,20 @@ mod tests {
 
     #[test]
     fn scores() {
-        assert_eq!(compute_score("The answer is \\boxed{0.5}", "\\frac{1}{2}"), 1.0);
+        assert_eq!(
+            compute_score("The answer is \\boxed{0.5}", "\\frac{1}{2}"),
+            1.0
+        );
         assert_eq!(compute_score("Answer: 50\\%", "0.5"), 1.0);
         assert_eq!(compute_score("\\boxed{2\\pi}", "6.28"), 1.0);
         // verl drops a base suffix without converting: 1010_2 reads as 1010.
         assert_eq!(compute_score("\\boxed{1010_2}", "10"), 0.0);
         assert_eq!(compute_score("\\boxed{1010_2}", "1010"), 1.0);
         assert_eq!(compute_score("\\boxed{x_1}", "10"), 0.0);
-        assert_eq!(compute_score("\\boxed{Interval.Ropen(0, 1)}", "[0, 1)"), 1.0);
+        assert_eq!(
+            compute_score("\\boxed{Interval.Ropen(0, 1)}", "[0, 1)"),
+            1.0
+        );
         assert_eq!(compute_score("\\boxed{3}", "4"), 0.0);
         // Each as verl's Python scores it.
         assert_eq!(

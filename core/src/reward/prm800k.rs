@@ -259,7 +259,10 @@ mod tests {
 
     #[test]
     fn normalisations() {
-        assert_eq!(normalize("\\frac{\\sqrt{3}}{2}", Flavor::Prime), "sqrt(3)/2");
+        assert_eq!(
+            normalize("\\frac{\\sqrt{3}}{2}", Flavor::Prime),
+            "sqrt(3)/2"
+        );
         assert_eq!(normalize("1,000", Flavor::Prime), "1000");
         assert_eq!(normalize("10\\%", Flavor::Prime), "10");
         assert_eq!(normalize("5 liters", Flavor::Prime), "5");

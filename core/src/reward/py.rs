@@ -75,7 +75,11 @@ pub fn float_repr(x: f64) -> String {
     let (mantissa, exp) = sci.split_once('e').expect("{:e} has an exponent");
     let exp: i32 = exp.parse().expect("an integer exponent");
     if !(-4..16).contains(&exp) {
-        return format!("{mantissa}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+        return format!(
+            "{mantissa}e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.abs()
+        );
     }
     let plain = format!("{x}");
     if plain.contains('.') {

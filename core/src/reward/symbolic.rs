@@ -141,8 +141,7 @@ fn tokenize(s: &str) -> Option<Vec<Tok>> {
             i += 1;
             continue;
         }
-        if c.is_ascii_digit() || (c == '.' && chars.get(i + 1).is_some_and(char::is_ascii_digit))
-        {
+        if c.is_ascii_digit() || (c == '.' && chars.get(i + 1).is_some_and(char::is_ascii_digit)) {
             let start = i;
             let mut float = false;
             digits(&mut i);
@@ -178,8 +177,10 @@ fn tokenize(s: &str) -> Option<Vec<Tok>> {
                 out.push(Tok::Num(0.0));
                 continue;
             }
-            if matches!(chars.get(i), Some('j' | 'J' | 'x' | 'X' | 'o' | 'O' | 'b' | 'B'))
-                && text == "0"
+            if matches!(
+                chars.get(i),
+                Some('j' | 'J' | 'x' | 'X' | 'o' | 'O' | 'b' | 'B')
+            ) && text == "0"
             {
                 return None;
             }
@@ -246,8 +247,8 @@ fn known(name: &str) -> Option<Known> {
         "oo" | "zoo" => Known::Infinity,
         "nan" => Known::Nan,
         "E" | "I" | "N" | "O" | "Q" | "S" | "re" | "im" | "li" | "ff" | "rf" | "fu" | "jn"
-        | "yn" | "csc" | "eye" | "fft" | "gff" | "ntt" | "exp" | "sin" | "cos" | "tan"
-        | "abs" | "Abs" => Known::Other,
+        | "yn" | "csc" | "eye" | "fft" | "gff" | "ntt" | "exp" | "sin" | "cos" | "tan" | "abs"
+        | "Abs" => Known::Other,
         _ => return None,
     })
 }
@@ -266,7 +267,10 @@ enum Atom {
 
 impl Atom {
     fn ends_operand(&self) -> bool {
-        matches!(self, Atom::Num(_) | Atom::Sym(_) | Atom::Const(_) | Atom::Op(")"))
+        matches!(
+            self,
+            Atom::Num(_) | Atom::Sym(_) | Atom::Const(_) | Atom::Op(")")
+        )
     }
     fn starts_operand(&self) -> bool {
         matches!(
@@ -334,8 +338,8 @@ fn atoms(tokens: Vec<Tok>) -> Option<Vec<Atom>> {
 fn is_greek(name: &str) -> bool {
     [
         "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
-        "lamda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
-        "chi", "psi", "omega",
+        "lamda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi",
+        "psi", "omega",
     ]
     .contains(&name.to_lowercase().as_str())
 }

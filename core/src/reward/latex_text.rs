@@ -163,14 +163,9 @@ impl Parser {
     }
 
     fn at(&self, text: &str) -> bool {
-        let mut j = self.i;
-        for c in text.chars() {
-            if self.s.get(j) != Some(&c) {
-                return false;
-            }
-            j += 1;
-        }
-        true
+        text.chars()
+            .enumerate()
+            .all(|(k, c)| self.s.get(self.i + k) == Some(&c))
     }
 
     fn skip_space(&mut self) {

@@ -448,17 +448,16 @@ fn math_equal(prediction: Val, reference: Val, pi: f64) -> Result<bool, Raise> {
     const TOL: f64 = 1e-4;
     let mut prediction = normalize(prediction, pi)?;
     let reference = normalize(reference, pi)?;
-    if let Val::Str(p) = &prediction {
-        if p.chars().count() > 1000 {
-            prediction = Val::Str(p.chars().take(1000).collect());
-        }
+    if let Val::Str(p) = &prediction
+        && p.chars().count() > 1000
+    {
+        prediction = Val::Str(p.chars().take(1000).collect());
     }
-    if let (Val::Str(p), Val::Str(r)) = (&prediction, &reference) {
-        if py::strip(p).to_lowercase() == py::strip(r).to_lowercase()
-            || p.replace(' ', "") == r.replace(' ', "")
-        {
-            return Ok(true);
-        }
+    if let (Val::Str(p), Val::Str(r)) = (&prediction, &reference)
+        && (py::strip(p).to_lowercase() == py::strip(r).to_lowercase()
+            || p.replace(' ', "") == r.replace(' ', ""))
+    {
+        return Ok(true);
     }
     if let (Some(p), Some(r)) = (is_digit(&prediction), is_digit(&reference)) {
         return Ok([r / 100.0, r, r * 100.0]
@@ -689,7 +688,10 @@ pub fn compute_score(solution: &str, ground_truth: &str) -> f64 {
     };
     let correct = if extracted.contains("\\pi") || ground_truth.contains("\\pi") {
         // Both evaluations run before `any`: an exception in either is a 0.
-        match (equal(std::f64::consts::PI), equal(3.14)) {
+        // verl tries `math.pi` and the school value 3.14.
+        #[allow(clippy::approx_constant)]
+        let school_pi = 3.14;
+        match (equal(std::f64::consts::PI), equal(school_pi)) {
             (Ok(a), Ok(b)) => a || b,
             _ => false,
         }
@@ -716,6 +718,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::approx_constant)] // 2 × 3.14, verl's school π
     fn python_eval_and_repr() {
         assert_eq!(pyeval::eval("2*3.14").unwrap(), Val::Float(6.28));
         assert_eq!(pyeval::eval("7/2").unwrap(), Val::Float(3.5));

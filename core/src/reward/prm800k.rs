@@ -121,8 +121,7 @@ fn parse_latex(expr: &str) -> Option<String> {
         .replace('π', "pi")
         .replace('∞', "inf")
         .replace('∪', "U")
-        .replace('·', "*")
-        .replace('×', "*");
+        .replace(['·', '×'], "*");
     Some(py::strip(&text).to_owned())
 }
 
@@ -135,8 +134,7 @@ fn normalize(expr: &str, flavor: Flavor) -> String {
     expr = expr
         .replace("\\%", "%")
         .replace("\\$", "$")
-        .replace('$', "")
-        .replace('%', "")
+        .replace(['$', '%'], "")
         .replace(" or ", " , ")
         .replace(" and ", " , ")
         .replace("million", "*10^6")
@@ -157,10 +155,10 @@ fn normalize(expr: &str, flavor: Flavor) -> String {
     if let Some(int) = as_int_text(&expr) {
         expr = int;
     }
-    if expr.contains('\\') {
-        if let Some(text) = parse_latex(&expr) {
-            expr = text;
-        }
+    if expr.contains('\\')
+        && let Some(text) = parse_latex(&expr)
+    {
+        expr = text;
     }
     expr = MINUS_SPACE.replace_all(&expr, "-").into_owned();
     expr = MIXED_NUMBER.replace_all(&expr, "${1}+${2}").into_owned();

@@ -119,7 +119,7 @@ mod tests {
         assert_eq!(float("1,0"), None);
         assert_eq!(float(""), None);
         assert_eq!(float_repr(1.0), "1.0");
-        assert_eq!(float_repr(6.283185307179586), "6.283185307179586");
+        assert_eq!(float_repr(std::f64::consts::TAU), "6.283185307179586");
         assert_eq!(float_repr(1e-5), "1e-05");
         assert_eq!(float_repr(1.5e16), "1.5e+16");
         assert_eq!(float_repr(0.0001), "0.0001");

@@ -122,16 +122,14 @@ fn tokenize(s: &str) -> Option<Vec<Tok>> {
         // [0-9](?:_?[0-9])*
         let start = *i;
         while *i < chars.len() {
-            if chars[*i].is_ascii_digit() {
-                *i += 1;
-            } else if chars[*i] == '_'
+            let digit = chars[*i].is_ascii_digit();
+            let joiner = chars[*i] == '_'
                 && *i > start
-                && chars.get(*i + 1).is_some_and(char::is_ascii_digit)
-            {
-                *i += 1;
-            } else {
+                && chars.get(*i + 1).is_some_and(char::is_ascii_digit);
+            if !(digit || joiner) {
                 break;
             }
+            *i += 1;
         }
         *i > start
     };

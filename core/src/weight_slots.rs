@@ -438,6 +438,69 @@ mod tests {
         assert_eq!((record.version, bytes), (1, payload(1)));
     }
 
+    /// The environment variable that turns [`reader_process`] into a reader of the store it names.
+    const READER_STORE: &str = "VERL_WEIGHT_SLOTS_READER_STORE";
+
+    /// Not a test of its own: the reader process of
+    /// [`writer_and_reader_processes_agree`] (this test binary, started again with
+    /// [`READER_STORE`] set); without the variable it returns at once. It reads until the
+    /// store's `STOP` file appears, checking every read, and prints how many reads and versions
+    /// it saw.
+    #[test]
+    fn reader_process() {
+        let Ok(dir) = std::env::var(READER_STORE) else {
+            return;
+        };
+        let dir = PathBuf::from(dir);
+        let mut reader = SlotReader::new(SlotStore::open(&dir, "w.bin").unwrap());
+        let (mut reads, mut distinct, mut last) = (0u64, 0u64, 0u64);
+        while !dir.join("STOP").exists() {
+            let (record, bytes) = reader
+                .read(|p, _| std::fs::read(p).unwrap())
+                .unwrap_or_else(|e| panic!("read {reads}: {e}"));
+            assert_eq!(bytes, payload(record.version), "version {}", record.version);
+            distinct += u64::from(record.version != last);
+            last = record.version;
+            reads += 1;
+        }
+        println!("READS {reads} {distinct}");
+    }
+
+    /// The same as the thread test across processes: two reader processes and this process
+    /// writing 2,000 versions.
+    #[test]
+    fn writer_and_reader_processes_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SlotStore::open(dir.path(), "w.bin").unwrap();
+        publish(&store, 1).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                std::process::Command::new(&exe)
+                    .args(["--exact", "weight_slots::tests::reader_process", "--nocapture"])
+                    .env(READER_STORE, dir.path())
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for version in 2..=2000 {
+            publish(&store, version).unwrap();
+        }
+        std::fs::write(dir.path().join("STOP"), b"").unwrap();
+        for reader in readers {
+            let out = reader.wait_with_output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "reader failed: {stdout}");
+            let line = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("READS "))
+                .unwrap_or_else(|| panic!("no count in {stdout}"));
+            let counts: Vec<u64> = line.split(' ').map(|n| n.parse().unwrap()).collect();
+            assert!(counts[0] > 0 && counts[1] > 1, "reads, versions: {counts:?}");
+        }
+    }
+
     /// A writer flips thousands of versions while readers read continuously: every read is a
     /// complete version (its bytes are exactly that version's payload, the checksum holds) and
     /// each reader's versions never go backwards.

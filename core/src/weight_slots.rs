@@ -477,7 +477,11 @@ mod tests {
         let readers: Vec<_> = (0..2)
             .map(|_| {
                 std::process::Command::new(&exe)
-                    .args(["--exact", "weight_slots::tests::reader_process", "--nocapture"])
+                    .args([
+                        "--exact",
+                        "weight_slots::tests::reader_process",
+                        "--nocapture",
+                    ])
                     .env(READER_STORE, dir.path())
                     .stdout(std::process::Stdio::piped())
                     .spawn()
@@ -497,7 +501,10 @@ mod tests {
                 .find_map(|l| l.strip_prefix("READS "))
                 .unwrap_or_else(|| panic!("no count in {stdout}"));
             let counts: Vec<u64> = line.split(' ').map(|n| n.parse().unwrap()).collect();
-            assert!(counts[0] > 0 && counts[1] > 1, "reads, versions: {counts:?}");
+            assert!(
+                counts[0] > 0 && counts[1] > 1,
+                "reads, versions: {counts:?}"
+            );
         }
     }
 

@@ -47,6 +47,31 @@ impl Node {
     }
 }
 
+/// Over-/under- decorations: one braced argument, rendered as the argument alone.
+const DECORATIONS: [&str; 21] = [
+    "overline",
+    "underline",
+    "widehat",
+    "widetilde",
+    "wideparen",
+    "overleftarrow",
+    "overrightarrow",
+    "overleftrightarrow",
+    "underleftarrow",
+    "underrightarrow",
+    "underleftrightarrow",
+    "overbrace",
+    "underbrace",
+    "overgroup",
+    "undergroup",
+    "overbracket",
+    "underbracket",
+    "overlinesegment",
+    "underlinesegment",
+    "overleftharpoon",
+    "overrightharpoon",
+];
+
 /// The argument specification pylatexenc's latexwalker gives a macro: `[` optional, `{`
 /// mandatory, `*` an optional star.
 fn arg_spec(name: &str) -> Option<&'static str> {
@@ -54,100 +79,20 @@ fn arg_spec(name: &str) -> Option<&'static str> {
         "frac" | "nicefrac" | "textfrac" | "braket" | "ketbra" | "texorpdfstring" | "setlength"
         | "addlength" | "setcounter" | "addcounter" => "{{",
         "sqrt" => "[{",
-        "text"
-        | "textrm"
-        | "textit"
-        | "textbf"
-        | "textmd"
-        | "textsc"
-        | "textsf"
-        | "textsl"
-        | "texttt"
-        | "textup"
-        | "emph"
-        | "mbox"
-        | "mathrm"
-        | "mathbb"
-        | "mathbf"
-        | "mathit"
-        | "mathsf"
-        | "mathtt"
-        | "mathcal"
-        | "mathscr"
-        | "mathfrak"
-        | "label"
-        | "ref"
-        | "autoref"
-        | "cref"
-        | "Cref"
-        | "eqref"
-        | "url"
-        | "hypersetup"
-        | "keywords"
-        | "ket"
-        | "bra"
-        | "overline"
-        | "underline"
-        | "widehat"
-        | "widetilde"
-        | "wideparen"
-        | "overleftarrow"
-        | "overrightarrow"
-        | "overleftrightarrow"
-        | "underleftarrow"
-        | "underrightarrow"
-        | "underleftrightarrow"
-        | "overbrace"
-        | "underbrace"
-        | "overgroup"
-        | "undergroup"
-        | "overbracket"
-        | "underbracket"
-        | "overlinesegment"
-        | "underlinesegment"
-        | "overleftharpoon"
-        | "overrightharpoon"
-        | "ensuremath"
-        | "title"
-        | "author"
-        | "date"
-        | "input"
-        | "include"
-        | "bibliography"
-        | "documentclass"
-        | "usepackage"
-        | "RequirePackage"
-        | "selectlanguage"
-        | "'"
-        | "`"
-        | "\""
-        | "c"
-        | "^"
-        | "~"
-        | "H"
-        | "k"
-        | "="
-        | "b"
-        | "."
-        | "d"
-        | "r"
-        | "u"
-        | "v"
-        | "not"
-        | "vec"
-        | "dot"
-        | "hat"
-        | "check"
-        | "breve"
-        | "acute"
-        | "grave"
-        | "tilde"
-        | "bar"
-        | "ddot" => "{",
+        "text" | "textrm" | "textit" | "textbf" | "textmd" | "textsc" | "textsf" | "textsl"
+        | "texttt" | "textup" | "emph" | "mbox" | "mathrm" | "mathbb" | "mathbf" | "mathit"
+        | "mathsf" | "mathtt" | "mathcal" | "mathscr" | "mathfrak" | "label" | "ref"
+        | "autoref" | "cref" | "Cref" | "eqref" | "url" | "hypersetup" | "keywords" | "ket"
+        | "bra" | "ensuremath" | "title" | "author" | "date" | "input" | "include"
+        | "bibliography" | "documentclass" | "usepackage" | "RequirePackage" | "selectlanguage"
+        | "'" | "`" | "\"" | "c" | "^" | "~" | "H" | "k" | "=" | "b" | "." | "d" | "r" | "u"
+        | "v" | "not" | "vec" | "dot" | "hat" | "check" | "breve" | "acute" | "grave" | "tilde"
+        | "bar" | "ddot" => "{",
         "hphantom" | "vphantom" | "footnote" | "hspace" | "vspace" => "*{",
         "xleftarrow" | "xrightarrow" | "color" | "pagecolor" => "[{",
         "textcolor" | "colorbox" => "[{{",
         "\\" => "[",
+        _ if DECORATIONS.contains(&name) => "{",
         _ => return None,
     })
 }
@@ -558,28 +503,8 @@ fn macro_text(name: &str, args: Option<&[Option<Node>]>, in_eq: bool) -> Option<
         "mathsf" => styled(&all_args()?, Style::Sans),
         "mathbb" => styled(&all_args()?, Style::DoubleStruck),
         "mathtt" => styled(&all_args()?, Style::Monospace),
-        "overline"
-        | "underline"
-        | "widehat"
-        | "widetilde"
-        | "wideparen"
-        | "overleftarrow"
-        | "overrightarrow"
-        | "overleftrightarrow"
-        | "underleftarrow"
-        | "underrightarrow"
-        | "underleftrightarrow"
-        | "overbrace"
-        | "underbrace"
-        | "overgroup"
-        | "undergroup"
-        | "overbracket"
-        | "underbracket"
-        | "overlinesegment"
-        | "underlinesegment"
-        | "overleftharpoon"
-        | "overrightharpoon"
-        | "ensuremath" => arg(0)?,
+        name if DECORATIONS.contains(&name) => arg(0)?,
+        "ensuremath" => arg(0)?,
         "textcolor" | "colorbox" => arg(2)?,
         "texorpdfstring" => arg(1)?,
         "ket" => format!("|{}\u{27e9}", arg(0)?),

@@ -1,5 +1,5 @@
 //! Geometry3K (verl `reward_score/geo3k.py`): 0.9 × accuracy + 0.1 × format. Accuracy is
-//! `mathruler.grader.grade_answer` ([`prm800k`] in its mathruler flavour) on the last
+//! `mathruler.grader.grade_answer` (the `prm800k` module in its mathruler flavour) on the last
 //! `\boxed{…}`'s content (`"None"` without one); the format is `<think>…</think>…\boxed{…}…`
 //! filling the whole response.
 

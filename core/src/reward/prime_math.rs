@@ -1,6 +1,6 @@
 //! PRIME's math rule (verl `reward_score/prime_math/`, the `numina_*` sources): the answer is
 //! cut out of the response after the last `answer:`/`answer is`/`\boxed{…}`/`is `/`=` … marker,
-//! then graded with prm800k's grader ([`prm800k`], sympy included); if that fails, with ToRA's
+//! then graded with prm800k's grader (the `prm800k` module, sympy included); if that fails, with ToRA's
 //! `math_equal` (numbers within 1e-4 relative, also against the truth ×100 and ÷100;
 //! percentages, `$`, bases `_b`, π substituted and evaluated; intervals, tuples, points and
 //! matrices element by element). The score is 1 or 0.

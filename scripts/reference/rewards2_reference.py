@@ -28,7 +28,7 @@ import types
 from pathlib import Path
 
 SEED = 20261202
-CASES_PER_RULE = 400
+CASES_PER_RULE = {"prime_math": 600, "geo3k": 400}
 
 PRIME_SOURCES = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
                  "numina_cn_k12", "numina_olympiads"]
@@ -123,6 +123,21 @@ CLASSES = [
     ["\\text{yes}", "yes", "Yes", "\\text{Yes}", "no", "YES"],
     ["-1, 1", "1, -1", "\\pm 1", "-1,1", "(-1, 1)", "1"],
     ["\\frac{4}{3}\\pi", "\\frac{4\\pi}{3}", "4.189", "4.19", "\\frac43 \\pi", "4\\pi/3"],
+    # Algebra that reaches sympy: rational functions, factored forms, nested radicals, powers.
+    ["\\frac{x+1}{x-1}", "(x+1)/(x-1)", "\\frac{1+x}{x-1}", "1+\\frac{2}{x-1}", "\\frac{x-1}{x+1}"],
+    ["x^2-4", "(x-2)(x+2)", "(x+2)(x-2)", "x^2+4", "(x-2)^2", "x^2 - 4"],
+    ["\\sqrt{3}+\\sqrt{2}", "\\sqrt2+\\sqrt3", "3.146", "\\sqrt{5+2\\sqrt{6}}", "\\sqrt{5}"],
+    ["\\frac{1}{x}", "x^{-1}", "1/x", "\\frac{2}{2x}", "x^(-1)", "x^-1"],
+    ["3x^2y", "3yx^2", "3x^2 y", "x^2y*3", "3xy^2"],
+    ["2^{10}", "1024", "2^10", "1,024", "2^{11}"],
+    ["\\frac{\\sqrt{6}}{3}", "\\sqrt{\\frac{2}{3}}", "\\frac{2}{\\sqrt{6}}", "0.8165", "\\frac{\\sqrt6}{2}"],
+    ["e^2", "e^{2}", "7.389", "e*e", "2e"],
+    ["a+b", "b+a", "a + b", "ab", "a-b"],
+    ["5!", "120", "5 \\cdot 4 \\cdot 3 \\cdot 2", "\\frac{6!}{6}", "4!"],
+    ["(2, -3)", "(2,-3)", "(2, - 3)", "(-3, 2)", "x=2, y=-3", "(2.0, -3.0)"],
+    ["\\frac{9}{4}", "2.25", "2\\frac14", "\\left(\\frac{3}{2}\\right)^2", "9/4", "\\frac{18}{8}"],
+    ["\\frac{\\sqrt{3}}{3}x", "\\frac{x}{\\sqrt{3}}", "\\frac{x\\sqrt3}{3}", "0.577x", "\\sqrt{3}x"],
+    ["2\\sqrt{2}-1", "-1+2\\sqrt2", "\\sqrt{8}-1", "1.828", "2\\sqrt{2}+1"],
 ]
 
 
@@ -280,7 +295,7 @@ def main():
     cases = []
     for rule, make in RULES.items():
         seen = set()
-        while sum(c["rule"] == rule for c in cases) < CASES_PER_RULE:
+        while sum(c["rule"] == rule for c in cases) < CASES_PER_RULE[rule]:
             source, solution, truth = make(rng)
             key = (source, solution, truth)
             if key in seen:

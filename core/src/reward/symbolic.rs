@@ -547,7 +547,7 @@ fn rational(e: &Expr) -> Option<(i128, i128)> {
 
 /// Whether the square-free part of `n` has an odd number of prime factors (the sign the
 /// conjugating pass gives `sqrt(n)`); `n` ≥ 1.
-fn odd_squarefree(mut n: u128) -> Option<bool> {
+fn odd_squarefree(mut n: u128) -> bool {
     let mut odd = false;
     let mut p = 2u128;
     while p * p <= n {
@@ -556,7 +556,7 @@ fn odd_squarefree(mut n: u128) -> Option<bool> {
             break;
         }
         let mut k = 0;
-        while n % p == 0 {
+        while n.is_multiple_of(p) {
             n /= p;
             k += 1;
         }
@@ -569,7 +569,7 @@ fn odd_squarefree(mut n: u128) -> Option<bool> {
             odd = !odd;
         }
     }
-    Some(odd)
+    odd
 }
 
 /// A root of an expression that holds another root or π (`\sqrt{5+2\sqrt{6}}`): its conjugate
@@ -635,7 +635,10 @@ fn eval(e: &Expr, vars: &[(String, f64)], pass: Pass) -> Option<(C, f64)> {
                     let root = x.sqrt();
                     let negate = pass.conjugate
                         && match rational(a) {
-                            Some((n, d)) => odd_squarefree(n.unsigned_abs() * d.unsigned_abs())?,
+                            Some((n, d)) => n
+                                .unsigned_abs()
+                                .checked_mul(d.unsigned_abs())
+                                .is_some_and(odd_squarefree),
                             // sqrt of a Float is a Float in sympy; of a symbol, kept symbolic.
                             None => has_symbol(a),
                         };

@@ -116,6 +116,17 @@ mod pyeval {
         }
     }
 
+    /// Python's `//` on integers (rounds towards minus infinity); None on overflow.
+    fn floor_div(x: i128, y: i128) -> Option<i128> {
+        let q = x.checked_div(y)?;
+        let inexact = x.checked_rem(y)? != 0;
+        Some(if inexact && (x < 0) != (y < 0) {
+            q - 1
+        } else {
+            q
+        })
+    }
+
     fn arith(op: &str, a: Val, b: Val) -> Result<Val, Raise> {
         if let (Val::Int(x), Val::Int(y)) = (&a, &b) {
             let (x, y) = (*x, *y);
@@ -123,10 +134,8 @@ mod pyeval {
                 "+" => x.checked_add(y),
                 "-" => x.checked_sub(y),
                 "*" => x.checked_mul(y),
-                "//" if y != 0 => Some(x.div_euclid(y) - i128::from(y < 0 && x.rem_euclid(y) != 0)),
-                "%" if y != 0 => {
-                    Some(x - y * (x.div_euclid(y) - i128::from(y < 0 && x.rem_euclid(y) != 0)))
-                }
+                "//" if y != 0 => floor_div(x, y),
+                "%" if y != 0 => floor_div(x, y).and_then(|q| x.checked_sub(y.checked_mul(q)?)),
                 "^" => Some(x ^ y),
                 "**" if y >= 0 => u32::try_from(y).ok().and_then(|y| x.checked_pow(y)),
                 "/" | "//" | "%" if y == 0 => return Err(Raise),
@@ -257,7 +266,7 @@ mod pyeval {
         fn unary(&mut self) -> Result<Val, Raise> {
             if self.at("-") {
                 return match self.unary()? {
-                    Val::Int(i) => Ok(Val::Int(-i)),
+                    Val::Int(i) => i.checked_neg().map(Val::Int).ok_or(Raise),
                     Val::Float(x) => Ok(Val::Float(-x)),
                     _ => Err(Raise),
                 };
@@ -515,9 +524,8 @@ fn math_equal(prediction: Val, reference: Val, pi: f64) -> Result<bool, Raise> {
         if rf == '(' && rl == ')' {
             let chars: Vec<char> = prediction.chars().collect();
             let open = chars.iter().position(|&c| c == '(').map_or(0, |k| k + 1);
-            let body: String = chars[open.min(chars.len())..chars.len() - 1]
-                .iter()
-                .collect();
+            let end = chars.len() - 1;
+            let body: String = chars[open.min(end)..end].iter().collect();
             let r = inner(&reference);
             let (pp, rp): (Vec<&str>, Vec<&str>) =
                 (body.split(',').collect(), r.split(',').collect());
@@ -727,6 +735,73 @@ mod tests {
         assert_eq!(pyeval::eval("[1, [2]]").unwrap().repr(), "[1, [2]]");
         assert!(pyeval::eval("x").is_err() && pyeval::eval("\\frac{1}{2}").is_err());
         assert!(pyeval::eval("1*3.14^2").is_err());
+    }
+
+    /// Arbitrary text never panics (Python raises and scores 0, or scores; never a crash).
+    #[test]
+    fn arbitrary_input_never_panics() {
+        const PIECES: [&str; 40] = [
+            "\\boxed{",
+            "\\fbox{",
+            "}",
+            "{",
+            "\\frac",
+            "\\sqrt",
+            "[",
+            "]",
+            "(",
+            ")",
+            "\\pi",
+            "answer is ",
+            "Answer:",
+            "=",
+            ". ",
+            "_",
+            "^",
+            "-",
+            "+",
+            "*",
+            "/",
+            "//",
+            "%",
+            "$",
+            ",",
+            "x",
+            "Point(",
+            "Matrix([",
+            "\\begin{pmatrix}",
+            "\\\\",
+            "&",
+            "0",
+            "7",
+            "1e308",
+            "99999999999999999999999999999999999999999",
+            "!",
+            "\\text{",
+            " ",
+            "Interval(",
+            "é",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        for _ in 0..3000 {
+            let mut text = |max: usize| {
+                let k = 1 + next(max);
+                (0..k)
+                    .map(|_| PIECES[next(PIECES.len())])
+                    .collect::<String>()
+            };
+            let (a, b) = (text(8), text(5));
+            let score = compute_score(&a, &b);
+            assert!(score == 0.0 || score == 1.0);
+            let g = super::super::geo3k::compute_score(&a, &b);
+            assert!((0.0..=1.0).contains(&g));
+        }
     }
 
     #[test]

@@ -17,4 +17,5 @@ pub mod report;
 pub mod reward;
 pub mod sft;
 pub mod trainer;
+pub mod weight_slots;
 pub mod workers;

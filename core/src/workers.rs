@@ -5,10 +5,16 @@
 //! traits by sending each call to its ranks (splitting the batch over data-parallel ranks and
 //! gathering the outputs), so the trainer's loop does not change when it scales out.
 
+use std::path::Path;
+
 use verl_plugin_api::{
-    Batch, DType, GenerateOutput, GenerateRequest, Metric, PluginError, TensorRef, WeightSource,
+    Batch, DType, GenerateOutput, GenerateRequest, Handover, Metric, PluginError, TensorRef,
+    WeightSource, WeightSourceKind,
 };
 use verl_plugin_host::{CheckpointHandle, EngineHandle, RolloutHandle};
+
+use crate::builtin::weight_sync::WEIGHTS_FILE;
+use crate::weight_slots::SlotStore;
 
 /// A training backend for one role (actor, ref or critic), already initialised.
 pub trait EngineWorker {
@@ -90,6 +96,9 @@ pub enum SyncError {
     /// The actor lent weights holding a NaN or an infinity; nothing was handed over.
     #[error("the actor's weights hold non-finite values (tensor `{tensor}`)")]
     NonFinite { tensor: String },
+    /// The two-slot store the weights were handed over in could not be read.
+    #[error("reading the handed-over weights: {0}")]
+    Slots(#[from] crate::weight_slots::SlotError),
 }
 
 /// The first of `weights` (floating-point dtypes) holding a NaN or an infinity. One read of the
@@ -157,14 +166,28 @@ pub fn sync_weights(
         error,
     };
     let handover = weight_sync.send_weights(&lent).map_err(publish)?;
-    let handover_json = WeightSource::encode_handover(&handover);
-    rollout
-        .update_weights(&WeightSource::from_handover(
+    let mut update = |handover: &Handover, version: u64| {
+        rollout.update_weights(&WeightSource::from_handover(
             version,
             &views,
-            &handover_json,
+            &WeightSource::encode_handover(handover),
         ))
-        .map_err(SyncError::Update)?;
+    };
+    let slots = (handover.kind == WeightSourceKind::File)
+        .then(|| SlotStore::of_slot_dir(Path::new(&handover.path), WEIGHTS_FILE))
+        .flatten();
+    match slots {
+        // A double-buffered store: the rollout loads the newest complete slot while holding it
+        // (no writer can rewrite it meanwhile), after its checksum was verified.
+        Some(store) => {
+            let (_, updated) = store.read(|payload, record| {
+                let dir = payload.parent().unwrap_or(payload);
+                update(&Handover::file(dir.to_string_lossy()), record.version)
+            })?;
+            updated.map_err(SyncError::Update)?;
+        }
+        None => update(&handover, version).map_err(SyncError::Update)?,
+    }
     drop(views);
     weight_sync.finalize().map_err(publish)?;
     Ok(stats)

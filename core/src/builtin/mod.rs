@@ -4,7 +4,7 @@
 
 mod console;
 mod file_logger;
-mod weight_sync;
+pub(crate) mod weight_sync;
 
 use verl_plugin_api::PluginBuilder;
 use verl_plugin_host::BuiltinPlugin;

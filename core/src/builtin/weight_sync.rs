@@ -1,11 +1,15 @@
 //! Weight sync from the trainer to the rollout (verl's checkpoint engines). `naive` hands the
 //! actor's tensors over by reference — trainer and rollout share the process; `disk` writes them as
 //! a safetensors directory and hands the rollout its path, the route to a rollout in another
-//! process (e.g. an inference server's reload from disk).
+//! process (e.g. an inference server's reload from disk). With `double_buffer`, `disk` writes into
+//! a two-slot store ([`crate::weight_slots`]) instead: the slot the rollout may still be reading is
+//! never rewritten, and [`crate::workers::sync_weights`] loads a slot while holding it — what a
+//! rollout that reads while the trainer writes (an asynchronous trainer) needs.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use crate::weight_slots::SlotStore;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use verl_plugin_api::{
@@ -36,12 +40,16 @@ impl CheckpointEngine for NaiveWeightSync {
 struct DiskConfig {
     /// Directory for the handover directories; default `<run_dir>/weight_sync`.
     path: Option<PathBuf>,
+    /// Write into two alternating slots with a checksum and a version each, flipping a pointer
+    /// (instead of one directory per step, removed after the rollout loaded it).
+    double_buffer: bool,
 }
 
 #[derive(Default)]
 pub struct DiskWeightSync {
     dir: PathBuf,
     last: Option<PathBuf>,
+    slots: Option<SlotStore>,
 }
 
 /// Metadata key of the weights' version in the safetensors header.
@@ -77,6 +85,10 @@ fn io_error(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> PluginErro
     }
 }
 
+fn slot_error(e: crate::weight_slots::SlotError) -> PluginError {
+    PluginError::new(verl_plugin_api::ErrorKind::IO, e.to_string())
+}
+
 impl CheckpointEngine for DiskWeightSync {
     fn capabilities() -> CheckpointCapabilities {
         CheckpointCapabilities::default().handover(WeightSourceKind::File)
@@ -88,7 +100,14 @@ impl CheckpointEngine for DiskWeightSync {
         self.dir = config
             .path
             .unwrap_or_else(|| PathBuf::from(&init.run.run_dir).join("weight_sync"));
-        std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))
+        std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))?;
+        if config.double_buffer {
+            let store = SlotStore::open(&self.dir, WEIGHTS_FILE).map_err(slot_error)?;
+            // Versions are the run's steps: an earlier run's slots would look newer.
+            store.clear().map_err(slot_error)?;
+            self.slots = Some(store);
+        }
+        Ok(())
     }
 
     /// Writes `<dir>/step_<version>/model.safetensors` under a temporary name and renames the
@@ -107,6 +126,17 @@ impl CheckpointEngine for DiskWeightSync {
             .collect::<Result<Vec<_>, PluginError>>()?;
         let metadata =
             HashMap::from([(VERSION_METADATA_KEY.to_owned(), weights.version.to_string())]);
+        if let Some(store) = &self.slots {
+            let record = store
+                .publish(weights.version, |file| {
+                    safetensors::serialize_to_file(views, Some(metadata), file)
+                        .map_err(|e| e.to_string())
+                })
+                .map_err(slot_error)?;
+            return Ok(Handover::file(
+                store.slot_dir(record.slot).to_string_lossy(),
+            ));
+        }
         let name = format!("step_{}", weights.version);
         let target = self.dir.join(&name);
         let tmp = self.dir.join(format!(".{name}.tmp"));
@@ -135,6 +165,7 @@ impl CheckpointEngine for DiskWeightSync {
 
 #[cfg(test)]
 mod tests {
+    use crate::weight_slots::SlotStore;
     use verl_plugin_api::{NamedTensor, RunContext, Tensor};
 
     use super::*;
@@ -192,6 +223,47 @@ mod tests {
         }
         sync.finalize().unwrap();
         assert!(!target.exists());
+    }
+
+    #[test]
+    fn double_buffered_disk_alternates_two_checked_slots() {
+        let dir = tempfile::tempdir().unwrap();
+        // A slot left by an earlier run, with a newer version than this run's first step.
+        let stale = SlotStore::open(dir.path().join("weight_sync"), WEIGHTS_FILE).unwrap();
+        stale
+            .publish(99, |p| std::fs::write(p, b"old").map_err(|e| e.to_string()))
+            .unwrap();
+        let mut sync = DiskWeightSync::default();
+        let mut run = RunContext::default();
+        run.run_dir = dir.path().to_string_lossy().into_owned();
+        sync.init(&ComponentInit::new(
+            serde_json::json!({"double_buffer": true}),
+            run,
+        ))
+        .unwrap();
+        let owned = tensors();
+        let views: Vec<_> = owned.iter().map(NamedTensor::as_ref).collect();
+        let mut paths = Vec::new();
+        for version in [1, 2, 3] {
+            let handover = sync
+                .send_weights(&WeightSource::memory(version, &views))
+                .unwrap();
+            sync.finalize().unwrap();
+            paths.push(PathBuf::from(&handover.path));
+            let store = SlotStore::of_slot_dir(&paths[paths.len() - 1], WEIGHTS_FILE)
+                .expect("the handover is a slot of a store");
+            let (record, bytes) = store.read(|p, _| std::fs::read(p).unwrap()).unwrap();
+            assert_eq!(record.version, version);
+            let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            assert_eq!(
+                metadata.metadata().as_ref().unwrap()[VERSION_METADATA_KEY],
+                version.to_string()
+            );
+        }
+        let slot = |k: usize| dir.path().join(format!("weight_sync/slot_{k}"));
+        assert_eq!(paths, [slot(0), slot(1), slot(0)]);
+        // The previous version stays complete in the other slot (finalize removes nothing).
+        assert!(slot(1).join(WEIGHTS_FILE).is_file());
     }
 
     #[test]

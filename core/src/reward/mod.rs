@@ -5,13 +5,18 @@
 //! ([`manager`]) turns the scores into each response's reward, as verl's `naive` and `dapo`
 //! managers do.
 
+pub mod geo3k;
 pub mod gsm8k;
+mod latex_text;
 pub mod manager;
 pub mod math;
 pub mod math_dapo;
+pub mod prime_math;
+mod prm800k;
 mod py;
 pub mod search_r1;
 pub mod select;
+mod symbolic;
 
 use serde_json::Value;
 use verl_plugin_api::{
@@ -52,7 +57,17 @@ const SEARCH_R1_SOURCES: [&str; 7] = [
     "searchR1_bamboogle",
 ];
 
-const KNOWN_SOURCES: [&str; 16] = [
+/// `data_source` values verl scores with PRIME's math rule.
+const PRIME_MATH_SOURCES: [&str; 6] = [
+    "numina_aops_forum",
+    "numina_synthetic_math",
+    "numina_amc_aime",
+    "numina_synthetic_amc",
+    "numina_cn_k12",
+    "numina_olympiads",
+];
+
+const KNOWN_SOURCES: [&str; 23] = [
     gsm8k::DATA_SOURCE,
     MATH_SOURCES[0],
     MATH_SOURCES[1],
@@ -61,6 +76,13 @@ const KNOWN_SOURCES: [&str; 16] = [
     DAPO_SOURCES[1],
     DAPO_SOURCES[2],
     "aime*",
+    PRIME_MATH_SOURCES[0],
+    PRIME_MATH_SOURCES[1],
+    PRIME_MATH_SOURCES[2],
+    PRIME_MATH_SOURCES[3],
+    PRIME_MATH_SOURCES[4],
+    PRIME_MATH_SOURCES[5],
+    geo3k::DATA_SOURCE,
     SEARCH_R1_SOURCES[0],
     SEARCH_R1_SOURCES[1],
     SEARCH_R1_SOURCES[2],
@@ -98,6 +120,10 @@ pub fn rule_score(
         RewardScore::new(s.score)
             .with("acc", s.acc)
             .with("pred", s.pred)
+    } else if PRIME_MATH_SOURCES.contains(&data_source) {
+        RewardScore::new(prime_math::compute_score(response, &truth))
+    } else if data_source == geo3k::DATA_SOURCE {
+        RewardScore::new(geo3k::compute_score(response, &truth))
     } else if SEARCH_R1_SOURCES.contains(&data_source) {
         let targets =
             search_r1::targets(ground_truth).map_err(|reason| RewardError::GroundTruth {
@@ -190,6 +216,14 @@ mod tests {
         assert_eq!(compute_score(synthetic::DATA_SOURCE, "579", "579"), Ok(0.0));
         assert_eq!(compute_score("aime2025", "Answer: 7", "7"), Ok(1.0));
         assert_eq!(compute_score("math_dapo", "Answer: 8", "7"), Ok(-1.0));
+        assert_eq!(
+            compute_score("numina_olympiads", "The answer is \\boxed{0.5}", "\\frac12"),
+            Ok(1.0)
+        );
+        assert_eq!(
+            compute_score("hiyouga/geometry3k", "<think>x</think>\\boxed{60}", "60"),
+            Ok(1.0)
+        );
         let err = compute_score("my/data", "x", "y").unwrap_err();
         assert!(err.to_string().contains("my/data") && err.to_string().contains("openai/gsm8k"));
     }

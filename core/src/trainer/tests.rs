@@ -427,6 +427,55 @@ impl Rollout for FileOnlyRollout {
     }
 }
 
+/// The fake rollout, taking its weights from the double-buffered disk store: each load checks
+/// that the handover is a slot the sync holds (a writer's exclusive lock on it fails) and reads
+/// the actor's tensor from the slot's file.
+struct SlotRollout {
+    inner: FakeRollout,
+}
+
+impl Rollout for SlotRollout {
+    fn capabilities() -> RolloutCapabilities {
+        RolloutCapabilities::default().weight_sources([WeightSourceKind::File])
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.inner.init(init)
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        self.inner.generate(request)
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        use std::os::fd::AsRawFd;
+        let handover = source.handover()?;
+        let dir = PathBuf::from(&handover.path);
+        let lock = std::fs::File::open(dir.with_extension("lock")).map_err(|e| {
+            PluginError::other(format!("no slot lock beside {}: {e}", dir.display()))
+        })?;
+        // SAFETY: a non-blocking flock on a descriptor this function owns.
+        let taken = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        if taken {
+            return Err(PluginError::other(
+                "the slot is not held while the rollout loads it",
+            ));
+        }
+        let bytes = std::fs::read(dir.join(crate::builtin::weight_sync::WEIGHTS_FILE))
+            .map_err(|e| PluginError::other(e.to_string()))?;
+        let file = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| PluginError::other(e.to_string()))?;
+        // The fake engine lends one tensor, `w`; a file handover carries no views.
+        let data = file
+            .tensor("w")
+            .map_err(|e| PluginError::other(e.to_string()))?;
+        let value = f32::from_le_bytes(data.data()[..4].try_into().unwrap());
+        self.inner.log.push(Event::UpdateWeights {
+            version: source.version,
+            value,
+        });
+        self.inner.version = Some(source.version);
+        Ok(())
+    }
+}
+
 struct FakeSync {
     log: Log,
 }
@@ -526,6 +575,22 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                     }
                 },
             )
+            .rollout("slots", 0, "the fake rollout, from the slot store", {
+                let log = log.clone();
+                move || SlotRollout {
+                    inner: FakeRollout {
+                        log: log.clone(),
+                        version: None,
+                    },
+                }
+            })
+            .checkpoint(
+                "disk",
+                0,
+                "the built-in disk weight sync",
+                crate::builtin::DiskWeightSync::default,
+            )
+            .config_section("disk")
             .rollout("file-only", 0, "takes weights from files", move || {
                 l4.push(Event::Created("rollout"));
                 FileOnlyRollout
@@ -2060,4 +2125,34 @@ fn rollout_response_length_bounds_generation() {
     };
     assert_eq!(lengths(None), [8]);
     assert_eq!(lengths(Some(5)), [5]);
+}
+
+/// With the disk weight sync double-buffered, the rollout loads every version from a slot held
+/// against the writer, and gets the same weights at the same versions as by memory.
+#[test]
+fn double_buffered_disk_sync_hands_over_every_version_from_a_held_slot() {
+    let s = setup();
+    let updates = |log: &Log| -> Vec<(u64, f32)> {
+        log.events()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::UpdateWeights { version, value } => Some((version, value)),
+                _ => None,
+            })
+            .collect()
+    };
+    let memory_log = Log::default();
+    fit(s.config("memory"), &memory_log, Faults::default()).unwrap();
+    let mut c = s.config("slots");
+    c.actor_rollout_ref.rollout.name = "slots".into();
+    let engine = &mut c.actor_rollout_ref.rollout.checkpoint_engine;
+    engine.backend = "disk".into();
+    engine.engine_kwargs = json!({"disk": {"double_buffer": true}});
+    let slot_log = Log::default();
+    fit(c, &slot_log, Faults::default()).unwrap();
+    let expected = updates(&memory_log);
+    assert!(expected.len() >= 5, "{expected:?}");
+    assert_eq!(updates(&slot_log), expected);
+    let store = s.run_dir("slots").join("weight_sync");
+    assert!(store.join(crate::weight_slots::CURRENT).is_file());
 }

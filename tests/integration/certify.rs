@@ -84,7 +84,12 @@ fn engine_and_rollout_plugins_certify_against_the_fixture() {
     assert_eq!(fsdp.len(), 6, "{fsdp:#?}");
     // Plugin API 2.1: the trainer's object exchange between ranks.
     assert_eq!(status(&fsdp, "engine fsdp object_exchange"), "pass");
-    let native = assert_certifies("verl_plugin_native", &[], &[]);
+    // In-process generation: nothing to put to sleep.
+    let native = assert_certifies(
+        "verl_plugin_native",
+        &[],
+        &["rollout native sleep_and_wake_keep_the_weights"],
+    );
     assert_eq!(
         status(&native, "rollout native weight_update_changes_output"),
         "pass"

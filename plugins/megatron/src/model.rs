@@ -135,9 +135,9 @@ impl Split {
     }
 }
 
-/// `rows` rounded up to a multiple of `parts`.
+/// `rows` rounded up to a multiple of `parts` (both positive; `i64::div_ceil` is unstable).
 fn padded_rows(rows: i64, parts: i64) -> i64 {
-    rows.div_ceil(parts) * parts
+    (rows + parts - 1) / parts * parts
 }
 
 /// The logit of a padding row of the vocabulary: e^(z − max) is exactly 0 in f32.

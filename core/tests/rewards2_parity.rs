@@ -6,10 +6,12 @@
 //! equality check (each listed with the reason; a listed case that agrees, or a new
 //! disagreement, fails the test).
 
-use std::collections::BTreeMap;
-
 use serde_json::Value;
 use verl_core::reward::rule_score;
+
+#[path = "support/rule_cases.rs"]
+mod rule_cases;
+use rule_cases::{Tally, assert_every_rule_matches};
 
 const REFERENCE: &str = include_str!("data/verl_rewards2_reference.json");
 
@@ -21,7 +23,7 @@ const KNOWN_DIFFERENCES: [(usize, &str); 0] = [];
 fn prime_math_and_geo3k_match_verl() {
     let reference: Value = serde_json::from_str(REFERENCE).expect("the reference parses");
     let cases = reference["cases"].as_array().expect("cases");
-    let mut per_rule: BTreeMap<&str, (usize, Vec<String>)> = BTreeMap::new();
+    let mut per_rule = Tally::new();
     let mut known = 0;
     for (i, case) in cases.iter().enumerate() {
         let rule = case["rule"].as_str().expect("rule");
@@ -52,22 +54,6 @@ fn prime_math_and_geo3k_match_verl() {
             ));
         }
     }
-    for rule in ["prime_math", "geo3k"] {
-        let (count, _) = &per_rule[rule];
-        assert!(*count >= 300, "{rule}: only {count} cases");
-    }
-    let failures: Vec<&String> = per_rule.values().flat_map(|(_, f)| f).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases differ from verl:\n{}",
-        failures.len(),
-        cases.len(),
-        failures
-            .iter()
-            .take(40)
-            .map(|s| s.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    assert_every_rule_matches(&per_rule, &["prime_math", "geo3k"], cases.len());
     assert_eq!(known, KNOWN_DIFFERENCES.len());
 }

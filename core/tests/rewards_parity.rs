@@ -3,10 +3,12 @@
 //! verl checkout; the verl commit is in the file): every case's score, and for DAPO's rule its
 //! `acc` and `pred`, must be equal.
 
-use std::collections::BTreeMap;
-
 use serde_json::Value;
 use verl_core::reward::{ground_truth_value, rule_score};
+
+#[path = "support/rule_cases.rs"]
+mod rule_cases;
+use rule_cases::{Tally, assert_every_rule_matches};
 
 const REFERENCE: &str = include_str!("data/verl_rewards_reference.json");
 
@@ -22,7 +24,7 @@ fn ground_truth(case: &Value) -> Value {
 fn rule_rewards_match_verl() {
     let reference: Value = serde_json::from_str(REFERENCE).expect("the reference parses");
     let cases = reference["cases"].as_array().expect("cases");
-    let mut per_rule: BTreeMap<&str, (usize, Vec<String>)> = BTreeMap::new();
+    let mut per_rule = Tally::new();
     for (i, case) in cases.iter().enumerate() {
         let rule = case["rule"].as_str().expect("rule");
         let source = case["data_source"].as_str().expect("data_source");
@@ -53,21 +55,9 @@ fn rule_rewards_match_verl() {
             ));
         }
     }
-    for rule in ["gsm8k", "math", "math_dapo", "search_r1"] {
-        let (count, _) = &per_rule[rule];
-        assert!(*count >= 300, "{rule}: only {count} cases");
-    }
-    let failures: Vec<&String> = per_rule.values().flat_map(|(_, f)| f).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases differ from verl:\n{}",
-        failures.len(),
+    assert_every_rule_matches(
+        &per_rule,
+        &["gsm8k", "math", "math_dapo", "search_r1"],
         cases.len(),
-        failures
-            .iter()
-            .take(30)
-            .map(|s| s.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
     );
 }

@@ -37,7 +37,7 @@ use serde_json::Value;
 
 pub use audit::{AuditContext, Finding, RULES, Rule, Severity, Treatment, audit, rule_for};
 pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
-pub use plugin::EngineRole;
+pub use plugin::{EngineRole, TokenBudget};
 pub use schema::*;
 pub use sections::{PluginSection, PluginSections, SectionKind, Slot};
 

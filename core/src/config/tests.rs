@@ -1003,7 +1003,7 @@ fn verl_style_overrides_are_acted_on_or_reported() {
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
             Error,
         ),
-        ("actor_rollout_ref.actor.use_dynamic_bsz=True", Error),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=True", Acted),
         ("actor_rollout_ref.model.lora_rank=32", Error),
         (
             "actor_rollout_ref.model.enable_activation_offload=True",
@@ -1067,7 +1067,8 @@ fn verl_style_overrides_are_acted_on_or_reported() {
     for (arg, expected) in [
         ("critic.optim.lr=3e-5", Acted),
         ("critic.model.fsdp_config.param_offload=True", Error),
-        ("critic.use_dynamic_bsz=True", Error),
+        ("critic.use_dynamic_bsz=True", Acted),
+        ("critic.forward_max_token_len_per_gpu=4096", Warning),
     ] {
         assert_eq!(
             outcome(&["algorithm.adv_estimator=gae", arg], &ctx),
@@ -1089,7 +1090,7 @@ fn findings_name_key_value_origin_and_follow_components() {
         "actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 2\n    gpu_memory_utilization: 0.6\n",
     );
     let args = [
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.model.lora_rank=32",
         "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
         "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
@@ -1099,10 +1100,9 @@ fn findings_name_key_value_origin_and_follow_components() {
     let shown: Vec<String> = findings.iter().map(ToString::to_string).collect();
     assert_eq!(
         shown[0],
-        "config key `actor_rollout_ref.actor.use_dynamic_bsz`=true (from command-line override \
-         `actor_rollout_ref.actor.use_dynamic_bsz=true`) is not supported yet: micro-batches have a \
-         fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching \
-         by a token budget is not implemented (trainer.strict_config=false runs without it)"
+        "config key `actor_rollout_ref.model.lora_rank`=32 (from command-line override \
+         `actor_rollout_ref.model.lora_rank=32`) is not supported yet: LoRA adapters are not \
+         implemented: every parameter is trained (trainer.strict_config=false runs without it)"
     );
     let summary: Vec<(&str, &str, Severity)> = findings
         .iter()
@@ -1113,8 +1113,8 @@ fn findings_name_key_value_origin_and_follow_components() {
         summary,
         [
             (
-                "actor_rollout_ref.actor.use_dynamic_bsz",
-                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                "actor_rollout_ref.model.lora_rank",
+                "command-line override `actor_rollout_ref.model.lora_rank=32`",
                 Severity::Error
             ),
             (
@@ -1191,8 +1191,8 @@ fn findings_name_key_value_origin_and_follow_components() {
                 Severity::Error
             ),
             (
-                "actor_rollout_ref.actor.use_dynamic_bsz",
-                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                "actor_rollout_ref.model.lora_rank",
+                "command-line override `actor_rollout_ref.model.lora_rank=32`",
                 Severity::Error
             ),
         ]

@@ -5,6 +5,7 @@
 //! every rank runs this loop on its share of the batch (module `spmd`).
 
 mod guard;
+pub mod perf;
 mod records;
 mod spmd;
 #[cfg(test)]
@@ -1631,6 +1632,25 @@ fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
             }),
         ),
     ];
+    // verl asserts at the first batch that a micro-batch's token budget holds one padded
+    // sequence (its prompt and response columns); say so before anything runs.
+    let width = data.max_prompt_length + config.response_length();
+    for (role, used) in [
+        (EngineRole::Actor, true),
+        (EngineRole::Ref, config.ref_enabled()),
+        (EngineRole::Critic, config.critic_enabled()),
+    ] {
+        let budgets = config.token_budgets(role);
+        for (key, tokens) in budgets.into_iter().flatten().filter(|_| used) {
+            if tokens < width {
+                return invalid(format!(
+                    "{key}={tokens} is smaller than one sequence: data.max_prompt_length + the \
+                     response length = {width} tokens (verl asserts max_token_len >= the padded \
+                     sequence length)"
+                ));
+            }
+        }
+    }
     for (key, size) in mini_batches {
         match size {
             Some(0) => return invalid(format!("{key} must be at least 1")),

@@ -1620,7 +1620,7 @@ fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
 fn bad_batch_sizes_are_named_before_anything_runs() {
     let s = setup();
     type Change = fn(&mut Config);
-    let cases: [(&str, Change); 8] = [
+    let cases: [(&str, Change); 10] = [
         ("data.train_batch_size must be at least 1", |c| {
             c.data.train_batch_size = 0
         }),
@@ -1658,6 +1658,21 @@ fn bad_batch_sizes_are_named_before_anything_runs() {
                     rollout.log_prob_micro_batch_size,
                     rollout.log_prob_micro_batch_size_per_gpu,
                 ) = (Some(4), Some(2));
+            },
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2 is smaller than one sequence",
+            |c| {
+                c.actor_rollout_ref.actor.use_dynamic_bsz = true;
+                c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 2;
+            },
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=3 is smaller than one sequence",
+            |c| {
+                let rollout = &mut c.actor_rollout_ref.rollout;
+                rollout.log_prob_use_dynamic_bsz = Some(true);
+                rollout.log_prob_max_token_len_per_gpu = Some(3);
             },
         ),
     ];

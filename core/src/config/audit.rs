@@ -413,6 +413,7 @@ pub const RULES: &[Rule] = &[
     acted("trainer.deterministic"),
     acted("trainer.strict_config"),
     acted("trainer.nan_policy"),
+    acted("trainer.device_peak_flops"),
     no_effect("trainer.use_legacy_worker_impl", NO_RAY),
     // Ours: the jobs built on the trainer.
     acted("quickstart"),

@@ -848,6 +848,10 @@ pub struct TrainerConfig {
     pub strict_config: bool,
     /// verl's choice of worker implementation; there are no verl workers here.
     pub use_legacy_worker_impl: String,
+    /// Ours: the device's peak FLOP/s for the `perf/mfu/*` metrics; None: verl's per-device table
+    /// (`verl/utils/flops_counter.py`: CPU 448e9, H100/H200 989e12, A100 312e12, …; an unknown
+    /// device gives MFU 0).
+    pub device_peak_flops: Option<f64>,
     /// Logger sections (see [`Config::sections`]).
     #[serde(flatten)]
     pub sections: Sections,
@@ -886,6 +890,7 @@ impl Default for TrainerConfig {
             nan_policy: NanPolicy::Error,
             strict_config: true,
             use_legacy_worker_impl: "auto".into(),
+            device_peak_flops: None,
             sections: Sections::new(),
         }
     }

@@ -1063,6 +1063,68 @@ fn verl_style_overrides_are_acted_on_or_reported() {
         let args: Vec<&str> = base.iter().copied().chain([arg]).collect();
         assert_eq!(outcome(&args, &ctx), expected, "{arg}");
     }
+    // verl reads a pass's row count or its token budget, never both: the other is reported.
+    for (args, expected) in [
+        (
+            &[
+                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+            ][..],
+            Acted,
+        ),
+        (
+            &[
+                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            ][..],
+            Warning,
+        ),
+        // The old log-probs batch by rows and fall back to the PPO micro-batch size.
+        (
+            &[
+                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=False",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            ][..],
+            Acted,
+        ),
+        // A log-prob budget whose switch is off (the actor's default) is not read.
+        (
+            &[
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192",
+            ][..],
+            Warning,
+        ),
+        (
+            &[
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
+            ][..],
+            Acted,
+        ),
+    ] {
+        let args: Vec<&str> = base.iter().chain(args).copied().collect();
+        assert_eq!(outcome(&args, &ctx), expected, "{args:?}");
+    }
+    let config = load(
+        None,
+        &[],
+        &[
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        ],
+    )
+    .unwrap();
+    let findings = audit(&config, &ctx);
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert_eq!(
+        findings[0].to_string(),
+        "config key `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`=16 (from command-line \
+         override `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16`) has no effect: \
+         actor_rollout_ref.actor.use_dynamic_bsz is true: micro-batches are cut by a token budget"
+    );
     // The critic's own keys are acted on when a critic is trained, and its offload is an error.
     for (arg, expected) in [
         ("critic.optim.lr=3e-5", Acted),

@@ -235,6 +235,7 @@ pub struct Trainer {
     free_cache_engine: bool,
     /// The rollout was put to sleep and not woken yet.
     rollout_asleep: bool,
+    perf: perf::EnginePerf,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -450,6 +451,12 @@ impl Trainer {
 
         let kl = &config.algorithm.kl_ctrl;
         let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
+        let perf = perf::EnginePerf::new(
+            &config,
+            &run.device_type,
+            placement.device_name(),
+            run.world_size as usize,
+        );
         let checkpoints = CheckpointManager::new(&run_dir, config.trainer.max_actor_ckpt_to_keep);
         // The run directory is rank 0's to tidy: the others only write into checkpoints it
         // prepares.
@@ -487,6 +494,7 @@ impl Trainer {
             ranks,
             free_cache_engine,
             rollout_asleep: false,
+            perf,
         })
     }
 
@@ -1161,6 +1169,12 @@ impl Trainer {
                 .into_iter()
                 .map(|(k, v)| Metric::new(k, v)),
         );
+        let seqlens: Vec<u64> = prompt_lengths
+            .iter()
+            .zip(&responses)
+            .map(|(p, r)| (p + r.len()) as u64)
+            .collect();
+        metrics.extend(self.perf.metrics(&seqlens, &timing));
         metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
         metrics.push(Metric::new("perf/time_per_step", step_time));
         // verl's throughput is per device: tokens / (time × devices).

@@ -19,6 +19,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 use serde_json::Value;
+use verl_plugin_api::Metric;
+
+use crate::config::Config;
+use crate::data::expand_home;
 
 /// verl's `_DEVICE_FLOPS`: peak FLOP/s by a name the device's product name contains.
 const DEVICE_FLOPS: &[(&str, f64)] = &[
@@ -150,6 +154,87 @@ pub fn mfu(flops: f64, seconds: f64, peak: f64, devices: usize) -> f64 {
         flops / seconds / peak / devices.max(1) as f64
     } else {
         0.0
+    }
+}
+
+/// What the trainer needs for the perf metrics of a step.
+#[derive(Debug, Clone)]
+pub struct EnginePerf {
+    actor: FlopsCounter,
+    /// With a critic.
+    critic: Option<FlopsCounter>,
+    actor_epochs: usize,
+    critic_epochs: usize,
+    peak_flops: f64,
+    devices: usize,
+    device_type: String,
+}
+
+impl EnginePerf {
+    /// For `config`'s models (a model whose `config.json` cannot be read counts no FLOPs, with a
+    /// warning) on `devices` devices named `device_name` of type `device_type`.
+    pub fn new(config: &Config, device_type: &str, device_name: &str, devices: usize) -> Self {
+        let counter = |role: &str, dir: &str| {
+            FlopsCounter::from_model_dir(&expand_home(dir)).unwrap_or_else(|e| {
+                tracing::warn!("perf/mfu/{role} is 0: no FLOP estimate ({e})");
+                FlopsCounter { dense: None }
+            })
+        };
+        let arr = &config.actor_rollout_ref;
+        let critic = config.critic_enabled().then(|| {
+            let path = config.critic.model.get("path").and_then(Value::as_str);
+            counter("critic", path.unwrap_or(&arr.model.path))
+        });
+        let peak_flops = config
+            .trainer
+            .device_peak_flops
+            .unwrap_or_else(|| device_peak_flops(device_name));
+        if peak_flops.is_infinite() {
+            tracing::warn!(
+                "perf/mfu/* are 0: no peak FLOP/s for the device `{device_name}` in verl's table; \
+                 set trainer.device_peak_flops"
+            );
+        }
+        Self {
+            actor: counter("actor", &arr.model.path),
+            critic,
+            actor_epochs: arr.actor.ppo_epochs,
+            critic_epochs: config.critic.ppo_epochs.unwrap_or(arr.actor.ppo_epochs),
+            peak_flops,
+            devices,
+            device_type: device_type.to_owned(),
+        }
+    }
+
+    /// The step's perf metrics: the MFU of each timed engine call in `timing` (`old_log_prob`,
+    /// `update_critic`, `update_actor`) over sequences of `seqlens` tokens (prompt + response,
+    /// verl's `global_token_num`), and the memory metrics.
+    pub fn metrics(&self, seqlens: &[u64], timing: &[(&str, f64)]) -> Vec<Metric> {
+        let time = |name: &str| timing.iter().find(|(n, _)| *n == name).map(|(_, t)| *t);
+        let mut out = Vec::new();
+        let mut push = |key: &'static str, counter: &FlopsCounter, passes: f64, seconds: f64| {
+            let flops = counter.flops(seqlens) * passes;
+            out.push(Metric::new(
+                key,
+                mfu(flops, seconds, self.peak_flops, self.devices),
+            ));
+        };
+        // A forward pass is a third of a forward and backward pass (verl's engine workers).
+        if let Some(t) = time("old_log_prob") {
+            push("perf/mfu/actor_infer", &self.actor, 1.0 / 3.0, t);
+        }
+        if let (Some(t), Some(critic)) = (time("update_critic"), &self.critic) {
+            push("perf/mfu/critic", critic, self.critic_epochs as f64, t);
+        }
+        if let Some(t) = time("update_actor") {
+            push("perf/mfu/actor", &self.actor, self.actor_epochs as f64, t);
+        }
+        out.extend(
+            memory_metrics(&self.device_type)
+                .into_iter()
+                .map(|(k, v)| Metric::new(k, v)),
+        );
+        out
     }
 }
 

@@ -1084,7 +1084,7 @@ fn validation_and_checkpoints_follow_their_frequencies_and_the_last_step() {
     assert_eq!(checkpoint_steps(&s.run_dir("every3")), vec![3, 5]);
 }
 
-/// `(step, metrics without timings)` of every log.
+/// `(step, metrics without timings and measurements of the machine)` of every log.
 fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
     logs(events)
         .into_iter()
@@ -1094,7 +1094,7 @@ fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
                 .filter(|(k, _)| {
                     !k.starts_with("timing_s/")
                         && !k.starts_with("timing_per_token_ms/")
-                        && !["perf/time_per_step", "perf/throughput"].contains(&k.as_str())
+                        && (!k.starts_with("perf/") || k.as_str() == "perf/total_num_tokens")
                 })
                 .map(|(k, v)| (k.clone(), *v))
                 .collect();
@@ -2075,4 +2075,50 @@ fn rollout_response_length_bounds_generation() {
     };
     assert_eq!(lengths(None), [8]);
     assert_eq!(lengths(Some(5)), [5]);
+}
+
+/// verl's engine perf metrics on every step: the MFU of the old log-probs, the critic and the
+/// actor from one FLOP count of the step's sequences (so each × its call's time × the peak gives
+/// the same FLOPs, ⅓ for the forward pass, × ppo_epochs for updates), and the memory metrics.
+#[test]
+fn perf_metrics_follow_verls_flop_count() {
+    let s = setup();
+    std::fs::write(
+        s.model.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 64, "vocab_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}"#,
+    )
+    .unwrap();
+    let mut c = s.config("perf");
+    c.algorithm.adv_estimator = AdvEstimator::Gae;
+    c.actor_rollout_ref.actor.ppo_epochs = 2;
+    c.critic.ppo_epochs = Some(3);
+    c.trainer.total_training_steps = Some(2);
+    c.trainer.device_peak_flops = Some(1e9);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+    for (step, m) in logs(&events) {
+        let flops = |mfu: &str, time: &str, passes: f64| {
+            m[&format!("perf/mfu/{mfu}")] * m[&format!("timing_s/{time}")] * 1e9 / passes
+        };
+        let actor = flops("actor", "update_actor", 2.0);
+        assert!(actor > 0.0, "step {step}: {m:?}");
+        for (other, what) in [
+            (flops("actor_infer", "old_log_prob", 1.0 / 3.0), "actor_infer"),
+            (flops("critic", "update_critic", 3.0), "critic"),
+        ] {
+            assert!(
+                (other - actor).abs() <= 1e-9 * actor,
+                "step {step}: {what} {other} vs actor {actor}"
+            );
+        }
+        for key in [
+            "perf/max_memory_allocated_gb",
+            "perf/max_memory_reserved_gb",
+            "perf/cpu_memory_used_gb",
+        ] {
+            assert!(m[key] > 0.0, "step {step}: {key}");
+        }
+    }
 }

@@ -18,7 +18,12 @@ fn float(v: &Value) -> f64 {
 fn flop_estimates_and_device_peaks_match_verl() {
     let reference: Value = serde_json::from_str(JSON).expect("reference JSON");
     let (mut dense, mut unknown) = (0, 0);
-    for (i, case) in reference["cases"].as_array().expect("cases").iter().enumerate() {
+    for (i, case) in reference["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .enumerate()
+    {
         let counter = FlopsCounter::from_config(&case["config"]).expect("a config");
         let seqlens: Vec<u64> = case["seqlens"]
             .as_array()

@@ -106,7 +106,10 @@ pub enum BalanceError {
         "a micro-batch budget of {max_token_len} tokens is smaller than one sequence: the batch's \
          rows are {max_seq_len} tokens wide (prompt + response, padded)"
     )]
-    TokenBudget { max_token_len: u64, max_seq_len: u64 },
+    TokenBudget {
+        max_token_len: u64,
+        max_seq_len: u64,
+    },
 }
 
 /// verl's `get_seqlen_balanced_partitions`: `k` partitions of the indices of `values` with sums
@@ -159,7 +162,6 @@ pub fn balanced_partitions(
     }
     Ok(partitions)
 }
-
 
 /// How many micro-batches verl's `rearrange_micro_batches` cuts rows of `seqlens` real tokens
 /// into with a budget of `max_token_len` tokens each: enough for the total

@@ -45,11 +45,20 @@ fn micro_batches_match_verl() {
                 let restored: Vec<usize> = inverse.iter().map(|&p| order[p]).collect();
                 assert_eq!(restored, (0..seqlens.len()).collect::<Vec<_>>(), "case {i}");
             }
-            (Value::Null, Err(BalanceError::TokenBudget { max_token_len, max_seq_len })) => {
+            (
+                Value::Null,
+                Err(BalanceError::TokenBudget {
+                    max_token_len,
+                    max_seq_len,
+                }),
+            ) => {
                 refused += 1;
                 assert_eq!((max_token_len, max_seq_len), (budget, width), "case {i}");
                 assert!(
-                    case["error"].as_str().unwrap().contains("max_token_len must be greater"),
+                    case["error"]
+                        .as_str()
+                        .unwrap()
+                        .contains("max_token_len must be greater"),
                     "case {i}: verl's error {}",
                     case["error"]
                 );
@@ -57,7 +66,17 @@ fn micro_batches_match_verl() {
             (verl, ours) => failures.push(format!("case {i}: verl {verl}, ours {ours:?}")),
         }
     }
-    assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
-    assert!(split >= 200 && refused >= 20 && several >= 100, "{split} {refused} {several}");
-    eprintln!("{split} splits ({several} into several micro-batches) and {refused} refusals as verl's");
+    assert!(
+        failures.is_empty(),
+        "{} differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert!(
+        split >= 200 && refused >= 20 && several >= 100,
+        "{split} {refused} {several}"
+    );
+    eprintln!(
+        "{split} splits ({several} into several micro-batches) and {refused} refusals as verl's"
+    );
 }

@@ -112,7 +112,8 @@ impl FlopsCounter {
     /// From `<dir>/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, String> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let config: Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         Self::from_config(&config).map_err(|e| format!("{}: {e}", path.display()))
@@ -129,9 +130,7 @@ impl FlopsCounter {
         let Some(d) = &self.dense else {
             return 0.0;
         };
-        let head_dim = d
-            .head_dim
-            .unwrap_or(d.hidden_size / d.num_attention_heads);
+        let head_dim = d.head_dim.unwrap_or(d.hidden_size / d.num_attention_heads);
         let q_size = d.num_attention_heads * head_dim;
         let kv_size = d.num_key_value_heads * head_dim;
         let mlp = d.hidden_size * d.intermediate_size * 3;
@@ -143,7 +142,10 @@ impl FlopsCounter {
         let tokens: u64 = seqlens.iter().sum();
         let square_sum: f64 = seqlens.iter().map(|&s| (s as f64) * (s as f64)).sum();
         6.0 * dense as f64 * tokens as f64
-            + 6.0 * square_sum * head_dim as f64 * (d.num_attention_heads * d.num_hidden_layers) as f64
+            + 6.0
+                * square_sum
+                * head_dim as f64
+                * (d.num_attention_heads * d.num_hidden_layers) as f64
     }
 }
 
@@ -242,7 +244,9 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// `field` of a `/proc` file in `key: value kB` lines, in bytes.
 fn kib_field(text: &str, field: &str) -> Option<f64> {
-    let value = text.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
+    let value = text
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
     let kib: f64 = value.trim().strip_suffix("kB")?.trim().parse().ok()?;
     Some(kib * 1024.0)
 }

@@ -2105,7 +2105,10 @@ fn perf_metrics_follow_verls_flop_count() {
         let actor = flops("actor", "update_actor", 2.0);
         assert!(actor > 0.0, "step {step}: {m:?}");
         for (other, what) in [
-            (flops("actor_infer", "old_log_prob", 1.0 / 3.0), "actor_infer"),
+            (
+                flops("actor_infer", "old_log_prob", 1.0 / 3.0),
+                "actor_infer",
+            ),
             (flops("critic", "update_critic", 3.0), "critic"),
         ] {
             assert!(

@@ -717,8 +717,8 @@ fn token_budget_micro_batches_equal_fixed_ones() {
         let (batch, width) = varied_batch(model);
         // The budgets really regroup the rows: several micro-batches, not in row order.
         let lens = seqlens(&batch);
-        let count = verl_seqlen_balancing::micro_batch_count(&lens, width as u64, width as u64)
-            .unwrap();
+        let count =
+            verl_seqlen_balancing::micro_batch_count(&lens, width as u64, width as u64).unwrap();
         let parts = verl_seqlen_balancing::micro_batches(&lens, count).unwrap();
         assert!(parts.len() >= 4, "{parts:?}");
         assert_ne!(parts.concat(), (0..lens.len()).collect::<Vec<_>>());
@@ -796,7 +796,10 @@ fn token_budget_micro_batches_equal_fixed_ones() {
                 );
             }
             let moved = weights_diff(&before, &weights(&mut fixed));
-            assert!(moved > 100.0 * TOLERANCE, "{model} {extra}: moved {moved:e}");
+            assert!(
+                moved > 100.0 * TOLERANCE,
+                "{model} {extra}: moved {moved:e}"
+            );
         }
     }
     eprintln!(
@@ -867,9 +870,10 @@ fn token_budget_below_one_row_is_an_error() {
     assert_eq!(err.kind, ErrorKind::INVALID_CONFIG);
     assert!(
         err.message.contains("`log_prob_max_token_len_per_gpu`")
-            && err
-                .message
-                .contains(&format!("budget of {} tokens is smaller than one sequence", width - 2))
+            && err.message.contains(&format!(
+                "budget of {} tokens is smaller than one sequence",
+                width - 2
+            ))
             && err.message.contains(&format!("{width} tokens wide")),
         "{}",
         err.message

@@ -575,7 +575,10 @@ fn play_dynamic(group: ProcessGroup) {
             verl_seqlen_balancing::micro_batch_count(&mine, width as u64, width as u64).unwrap()
         })
         .collect();
-    assert!(counts[0] < counts[1], "the ranks need {counts:?} micro-batches");
+    assert!(
+        counts[0] < counts[1],
+        "the ranks need {counts:?} micro-batches"
+    );
     let mut mine = by_length[rank * half..(rank + 1) * half].to_vec();
     mine.sort_unstable();
 
@@ -617,7 +620,12 @@ fn play_dynamic(group: ProcessGroup) {
     );
     let got = worker.update_actor(&local).unwrap();
     let want = common::update(&mut whole, &batch);
-    for key in ["actor/pg_loss", "actor/kl_loss", "actor/loss", "actor/grad_norm"] {
+    for key in [
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/loss",
+        "actor/grad_norm",
+    ] {
         let (mine, theirs) = (common::metric(&got, key), common::metric(&want, key));
         assert_close_value(
             &format!("{key}: {mine} vs {theirs}"),

@@ -334,7 +334,11 @@ impl Comm {
     }
 
     /// Reduces `values` over the data-parallel ranks, in place (f64 end to end).
-    pub fn all_reduce_dp(&self, values: &mut [f64], op: ReduceOp) -> verl_torch_runtime::Result<()> {
+    pub fn all_reduce_dp(
+        &self,
+        values: &mut [f64],
+        op: ReduceOp,
+    ) -> verl_torch_runtime::Result<()> {
         if values.is_empty() || self.dp_size() == 1 {
             return Ok(());
         }

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
-use verl_plugin_api::{TensorRef, keys};
 use verl_distributed::ReduceOp;
+use verl_plugin_api::{TensorRef, keys};
 use verl_torch_runtime::actor::{ActorWorker, Reduction, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{

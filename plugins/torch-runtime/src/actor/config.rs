@@ -377,12 +377,13 @@ impl ActorConfig {
             (None, None) => micro_batch,
         };
         // Budgets are checked where they are used (verl reads them only then).
-        let tokens = |key: &'static str, max_token_len: usize| -> Result<MicroBatching, ActorError> {
-            Ok(MicroBatching::Tokens {
-                max_token_len: positive(key, max_token_len)?,
-                key,
-            })
-        };
+        let tokens =
+            |key: &'static str, max_token_len: usize| -> Result<MicroBatching, ActorError> {
+                Ok(MicroBatching::Tokens {
+                    max_token_len: positive(key, max_token_len)?,
+                    key,
+                })
+            };
         let ppo_budget = || tokens("ppo_max_token_len_per_gpu", self.ppo_max_token_len_per_gpu);
         let update_batching = if self.use_dynamic_bsz {
             ppo_budget()?
@@ -398,7 +399,8 @@ impl ActorConfig {
                     .map(|m| ("forward_max_token_len_per_gpu", m)),
             ),
             Role::Actor | Role::Ref => (
-                self.log_prob_use_dynamic_bsz.unwrap_or(self.use_dynamic_bsz),
+                self.log_prob_use_dynamic_bsz
+                    .unwrap_or(self.use_dynamic_bsz),
                 self.log_prob_max_token_len_per_gpu
                     .map(|m| ("log_prob_max_token_len_per_gpu", m)),
             ),
@@ -620,7 +622,10 @@ mod tests {
         let s = settings(r#","log_prob_use_dynamic_bsz":true,"ppo_micro_batch_size_per_gpu":2"#)
             .unwrap();
         assert_eq!(s.micro_batch, MicroBatching::Rows(Some(2)));
-        assert_eq!(s.forward_micro_batch, tokens(16384, "ppo_max_token_len_per_gpu"));
+        assert_eq!(
+            s.forward_micro_batch,
+            tokens(16384, "ppo_max_token_len_per_gpu")
+        );
         // The critic's forward budget is its own key; its log-prob keys do not apply.
         let critic = |extra: &str| {
             serde_json::from_str::<ActorConfig>(&format!(

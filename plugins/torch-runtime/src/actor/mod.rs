@@ -41,9 +41,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{Batch, Metric, TensorRef, keys};
-use verl_seqlen_balancing::{
-    BalanceError, inverse_permutation, micro_batch_count, micro_batches,
-};
+use verl_seqlen_balancing::{BalanceError, inverse_permutation, micro_batch_count, micro_batches};
 
 pub use config::{
     ActorConfig, ActorSettings, MicroBatching, OptimConfig, PolicyLossConfig, Role,
@@ -486,14 +484,12 @@ impl<S: Strategy> ActorWorker<S> {
             key: key.to_owned(),
             reason: e.to_string(),
         };
-        let local = micro_batch_count(&seqlens, mask.size()[1] as u64, budget)
-            .map_err(config_error)?;
+        let local =
+            micro_batch_count(&seqlens, mask.size()[1] as u64, budget).map_err(config_error)?;
         let mut count = [local as f64];
         self.strategy.all_reduce(&mut count, Reduction::Max)?;
-        let partitions =
-            micro_batches(&seqlens, count[0] as usize).map_err(|e| {
-                ActorError::Batch(format!("`{key}` micro-batches: {e}"))
-            })?;
+        let partitions = micro_batches(&seqlens, count[0] as usize)
+            .map_err(|e| ActorError::Batch(format!("`{key}` micro-batches: {e}")))?;
         let device = self.strategy.device();
         let index = |rows: &[usize]| {
             let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();

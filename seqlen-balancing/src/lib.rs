@@ -196,7 +196,7 @@ pub fn micro_batches(seqlens: &[u64], count: usize) -> Result<Vec<Vec<usize>>, B
     let mut partitions = balanced_partitions(&workloads, count, false)?;
     let key = |p: &Vec<usize>| (p.iter().map(|&i| workloads[i]).sum::<u64>(), p[0]);
     // Stable, like Python's `sort(reverse=True)`.
-    partitions.sort_by(|a, b| key(b).cmp(&key(a)));
+    partitions.sort_by_key(|p| std::cmp::Reverse(key(p)));
     let evens_reversed = partitions.iter().step_by(2).rev().cloned();
     let odds = partitions.iter().skip(1).step_by(2).cloned();
     Ok(evens_reversed.chain(odds).collect())

@@ -14,15 +14,15 @@ FLOP/s per device name as JSON (default: core/tests/data/verl_flops_reference.js
 `core/tests/flops_parity.rs` replays it without Python. Standard library only.
 """
 
-import __future__
 import ast
 import inspect
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import verl_source
 
 SEED = 20261203
 DENSE = ["qwen2", "llama", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl", "minicpmv", "minicpmo", "seed_oss", "glm4v", "mimo"]
@@ -32,22 +32,17 @@ DEVICES = ["CPU", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H20", "NVIDIA 
 
 
 def load(verl_dir: Path) -> dict:
-    source_path = verl_dir / "verl" / "utils" / "flops_counter.py"
-    if not source_path.is_file():
-        sys.exit(f"{verl_dir} is not a verl checkout: no verl/utils/flops_counter.py")
-    tree = ast.parse(source_path.read_text())
-    wanted = {"_DEVICE_FLOPS", "ESTIMATE_FUNC"}
-    picked = [
-        n
-        for n in tree.body
-        if (isinstance(n, ast.FunctionDef) and (n.name == "get_device_flops" or n.name.startswith("_estimate_")))
-        or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in wanted for t in n.targets))
-    ]
-    module = ast.Module(body=picked, type_ignores=[])
-    namespace = {"inspect": inspect}
-    flags = __future__.annotations.compiler_flag
-    exec(compile(module, str(source_path), "exec", flags=flags, dont_inherit=True), namespace)
-    return namespace
+    def wanted(node):
+        if isinstance(node, ast.FunctionDef):
+            return node.name == "get_device_flops" or node.name.startswith("_estimate_")
+        return isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) in ("_DEVICE_FLOPS", "ESTIMATE_FUNC") for t in node.targets
+        )
+
+    relpath = "verl/utils/flops_counter.py"
+    verl = verl_source.load(verl_dir, relpath, wanted, {"inspect": inspect})
+    verl_source.require(verl, ["_DEVICE_FLOPS", "ESTIMATE_FUNC", "get_device_flops"], relpath)
+    return verl
 
 
 def main():
@@ -56,12 +51,7 @@ def main():
     verl_dir = Path(sys.argv[1])
     out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("core/tests/data/verl_flops_reference.json")
     verl = load(verl_dir)
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(verl_dir), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = verl_source.commit(verl_dir)
     rng = random.Random(SEED)
     cases = []
     for i in range(200):

@@ -17,13 +17,10 @@ seqlen-balancing/tests/data/verl_micro_batches_reference.json by default;
 `seqlen-balancing/tests/micro_batches_parity.rs` replays it without Python.
 """
 
-import __future__
-import ast
 import copy
 import heapq
 import json
 import random
-import subprocess
 import sys
 from itertools import chain
 from pathlib import Path
@@ -31,6 +28,8 @@ from types import SimpleNamespace
 
 import torch
 from torch import distributed as dist
+
+import verl_source
 
 SEED = 20261202
 WANTED = [
@@ -46,15 +45,6 @@ WANTED = [
 
 
 def load_functions(verl_dir: Path) -> dict:
-    source_path = verl_dir / "verl" / "utils" / "seqlen_balancing.py"
-    if not source_path.is_file():
-        sys.exit(f"{verl_dir} is not a verl checkout: no verl/utils/seqlen_balancing.py")
-    tree = ast.parse(source_path.read_text())
-    picked = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in WANTED]
-    missing = set(WANTED) - {n.name for n in picked}
-    if missing:
-        sys.exit(f"{source_path} lacks {sorted(missing)}")
-    module = ast.Module(body=picked, type_ignores=[])
     # `tu.index_select_tensor_dict` on a plain dict of tensors, as verl's does on a TensorDict.
     tu = SimpleNamespace(index_select_tensor_dict=lambda batch, idx: {k: v[idx] for k, v in batch.items()})
     namespace = {
@@ -66,9 +56,10 @@ def load_functions(verl_dir: Path) -> dict:
         "tu": tu,
         "get_device_name": lambda: "cpu",
     }
-    flags = __future__.annotations.compiler_flag
-    exec(compile(module, str(source_path), "exec", flags=flags, dont_inherit=True), namespace)
-    return namespace
+    relpath = "verl/utils/seqlen_balancing.py"
+    verl = verl_source.load(verl_dir, relpath, verl_source.functions(WANTED), namespace)
+    verl_source.require(verl, WANTED, relpath)
+    return verl
 
 
 def main():
@@ -79,12 +70,7 @@ def main():
         Path(sys.argv[2]) if len(sys.argv) == 3 else Path("seqlen-balancing/tests/data/verl_micro_batches_reference.json")
     )
     verl = load_functions(verl_dir)
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(verl_dir), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = verl_source.commit(verl_dir)
     rng = random.Random(SEED)
     cases = []
     for i in range(300):

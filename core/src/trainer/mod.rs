@@ -236,6 +236,8 @@ pub struct Trainer {
     /// The rollout was put to sleep and not woken yet.
     rollout_asleep: bool,
     perf: perf::EnginePerf,
+    /// Seconds spent scoring training responses in the current step (`timing_s/reward`).
+    reward_seconds: f64,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -495,6 +497,7 @@ impl Trainer {
             free_cache_engine,
             rollout_asleep: false,
             perf,
+            reward_seconds: 0.0,
         })
     }
 
@@ -840,6 +843,15 @@ impl Trainer {
 
     /// The rows' rewards: the reward component's scores through the reward manager.
     fn score(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
+        let started = Instant::now();
+        let rewards = self.score_untimed(val, rows);
+        if !val {
+            self.reward_seconds += started.elapsed().as_secs_f64();
+        }
+        rewards
+    }
+
+    fn score_untimed(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
         let data = if val { &self.val } else { &self.train };
         let items = rows
             .iter()
@@ -928,8 +940,12 @@ impl Trainer {
         let mut metrics: Vec<Metric> = Vec::new();
 
         let t = Instant::now();
+        self.reward_seconds = 0.0;
         let (mut rows, mut scores, gen_batches) = self.collect_batch(step)?;
-        timing.push(("gen", t.elapsed().as_secs_f64()));
+        // verl times scoring apart from generation.
+        let reward = std::mem::take(&mut self.reward_seconds);
+        timing.push(("gen", t.elapsed().as_secs_f64() - reward));
+        timing.push(("reward", reward));
         self.rollout_sleep()?;
         if self.config.algorithm.filter_groups.enable {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));

@@ -810,6 +810,8 @@ fn each_step_runs_in_verls_order() {
             assert_eq!(metrics["actor/pg_loss"], 0.5);
             assert_eq!(metrics.contains_key("critic/vf_loss"), critic);
             assert!(metrics.contains_key("timing_s/update_weights"));
+            // Scoring is timed apart from generation, as in verl.
+            assert!(metrics["timing_s/reward"] > 0.0 && metrics["timing_s/gen"] > 0.0);
             // verl's rollout-vs-actor metrics: |e^-0.5 − 0.5| on the wrong answers' tokens, 0 on
             // the right ones'.
             let diff = (-0.5f64).exp() - 0.5;

@@ -451,6 +451,30 @@ fn named(views: Vec<verl_plugin_api::TensorRef<'_>>) -> Vec<verl_plugin_api::Nam
     views.iter().map(|view| view.to_named()).collect()
 }
 
+/// verl's actor semantics (`ActorWorker`) for the section `config` on the model sharded over
+/// `group`.
+fn sharded_worker(
+    config: &serde_json::Value,
+    group: &Arc<Mutex<ProcessGroup>>,
+) -> ActorWorker<ShardedStrategy> {
+    let settings = serde_json::from_value::<ActorConfig>(config.clone())
+        .unwrap()
+        .validate()
+        .unwrap();
+    let model = settings.model.load(Device::Cpu, Head::Lm, 7).unwrap();
+    let options = ShardOptions {
+        optimizer: Some(settings.optimizer),
+        ..ShardOptions::default()
+    };
+    let sharded = ShardedModel::new(model, &mut group.lock().unwrap(), options).unwrap();
+    let spec = settings.model.clone();
+    ActorWorker::new(
+        settings,
+        ShardedStrategy::new(sharded, Arc::clone(group), spec),
+        7,
+    )
+}
+
 /// verl's actor semantics (`ActorWorker`) on the sharded model, every rank with the whole
 /// batch, against the `fsdp` engine (one rank, unsharded) loaded through the ABI: the same
 /// log-probs; on one rank also the same update (metrics, weights), a checkpoint that resumes
@@ -465,24 +489,7 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
     );
     let mut engine = common::engine(&config);
     let batch = common::ppo_batch(&mut engine, "tiny-llama");
-    let new_worker = || {
-        let settings = serde_json::from_value::<ActorConfig>(config.clone())
-            .unwrap()
-            .validate()
-            .unwrap();
-        let model = settings.model.load(Device::Cpu, Head::Lm, 7).unwrap();
-        let options = ShardOptions {
-            optimizer: Some(settings.optimizer),
-            ..ShardOptions::default()
-        };
-        let sharded = ShardedModel::new(model, &mut group.lock().unwrap(), options).unwrap();
-        let spec = settings.model.clone();
-        ActorWorker::new(
-            settings,
-            ShardedStrategy::new(sharded, Arc::clone(&group), spec),
-            7,
-        )
-    };
+    let new_worker = || sharded_worker(&config, &group);
     let mut worker = new_worker();
     assert_close(
         "log-probs",
@@ -595,22 +602,7 @@ fn play_dynamic(group: ProcessGroup) {
         json!({"ppo_mini_batch_size": half, "ppo_micro_batch_size_per_gpu": null,
                "use_dynamic_bsz": true, "ppo_max_token_len_per_gpu": width}),
     );
-    let settings = serde_json::from_value::<ActorConfig>(config)
-        .unwrap()
-        .validate()
-        .unwrap();
-    let model = settings.model.load(Device::Cpu, Head::Lm, 7).unwrap();
-    let options = ShardOptions {
-        optimizer: Some(settings.optimizer),
-        ..ShardOptions::default()
-    };
-    let sharded = ShardedModel::new(model, &mut group.lock().unwrap(), options).unwrap();
-    let spec = settings.model.clone();
-    let mut worker = ActorWorker::new(
-        settings,
-        ShardedStrategy::new(sharded, Arc::clone(&group), spec),
-        7,
-    );
+    let mut worker = sharded_worker(&config, &group);
     let local = select_rows(&batch, &mine);
     let index = Tensor::from_slice(&mine.iter().map(|&r| r as i64).collect::<Vec<_>>());
     assert_close(

@@ -248,6 +248,37 @@ pub fn weights(engine: &mut EngineHandle) -> Vec<NamedTensor> {
         .collect()
 }
 
+/// The update metrics that do not depend on how rows are grouped into micro-batches: the
+/// mini-batch's loss values, the gradient norm and the learning rate (the per-micro-batch means —
+/// clip fractions, KL, entropy — do, in verl too).
+pub const GROUPING_FREE_METRICS: [&str; 5] = [
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/lr",
+];
+
+/// The largest difference of `keys` between two updates' metrics, relative to values above 1.
+pub fn metrics_diff(got: &[Metric], want: &[Metric], keys: &[&str]) -> f64 {
+    keys.iter()
+        .map(|key| {
+            let (mine, theirs) = (metric(got, key), metric(want, key));
+            (mine - theirs).abs() / theirs.abs().max(1.0)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// An engine's values of `batch`.
+pub fn values(engine: &mut EngineHandle, batch: &Batch) -> Tensor {
+    engine
+        .compute_values(batch)
+        .unwrap()
+        .require(keys::VALUES)
+        .unwrap()
+        .clone()
+}
+
 pub fn metric(metrics: &[Metric], key: &str) -> f64 {
     metrics
         .iter()

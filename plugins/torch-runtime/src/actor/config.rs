@@ -360,7 +360,9 @@ impl ActorConfig {
             .ppo_micro_batch_size_per_gpu
             .map(|m| positive("ppo_micro_batch_size_per_gpu", m))
             .transpose()?;
+        // Updates by a token budget do not read it (verl checks it only without one).
         if let Some(micro) = micro_batch
+            && !self.use_dynamic_bsz
             && mini_batch % micro != 0
         {
             return Err(invalid(
@@ -600,7 +602,7 @@ mod tests {
     #[test]
     fn token_budgets_follow_verl_defaults() {
         let tokens = |max_token_len, key| MicroBatching::Tokens { max_token_len, key };
-        let s = settings(r#","use_dynamic_bsz":true,"ppo_micro_batch_size_per_gpu":2"#).unwrap();
+        let s = settings(r#","use_dynamic_bsz":true,"ppo_micro_batch_size_per_gpu":3"#).unwrap();
         // The log-prob switch and budget default to the update's, as verl interpolates them.
         assert_eq!(s.micro_batch, tokens(16384, "ppo_max_token_len_per_gpu"));
         assert_eq!(s.forward_micro_batch, s.micro_batch);

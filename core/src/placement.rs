@@ -69,6 +69,9 @@ impl std::fmt::Display for RankSource {
 pub struct Placement {
     run: RunContext,
     source: RankSource,
+    /// The product name of this rank's device (`CPU` on the CPU, as verl names it), for the
+    /// peak FLOP/s of the MFU metrics; empty when the platform cannot tell.
+    device_name: String,
 }
 
 /// Reads one rendezvous variable through `env`.
@@ -200,7 +203,20 @@ impl Placement {
         run.master_addr = master_addr;
         run.master_port = master_port;
         run.seed = seed;
-        Ok(Self { run, source })
+        let device_name = if on_cpu {
+            "CPU".to_owned()
+        } else {
+            device
+                .device_names
+                .get(local_rank as usize)
+                .cloned()
+                .unwrap_or_default()
+        };
+        Ok(Self {
+            run,
+            source,
+            device_name,
+        })
     }
 
     /// Where the rank came from.
@@ -302,7 +318,12 @@ impl Placement {
         Self {
             run,
             source: RankSource::Single,
+            device_name: self.device_name.clone(),
         }
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
     }
 
     /// The context with the run's names and output directory filled in.
@@ -366,6 +387,7 @@ mod tests {
             (run.device.as_str(), run.device_index, run.seed),
             ("cpu", None, 7)
         );
+        assert_eq!(p.device_name(), "CPU");
     }
 
     #[test]
@@ -378,10 +400,15 @@ mod tests {
             ("MASTER_ADDR", "10.0.0.1"),
             ("MASTER_PORT", "29500"),
         ];
-        let p = Placement::with_env(&device("cuda"), 0, env(&vars)).unwrap();
+        let mut gpus = device("cuda");
+        gpus.device_names = vec!["NVIDIA H100 80GB HBM3".into(), "NVIDIA H200".into()];
+        let p = Placement::with_env(&gpus, 0, env(&vars)).unwrap();
         let run = p.run();
         assert_eq!((run.rank, run.world_size, run.local_rank), (3, 4, 1));
         assert_eq!((run.device.as_str(), run.device_index), ("cuda:1", Some(1)));
+        // The local rank's device, for the MFU metrics' peak FLOP/s.
+        assert_eq!(p.device_name(), "NVIDIA H200");
+        assert_eq!(p.alone().device_name(), "NVIDIA H200");
         assert_eq!(
             (
                 run.master_addr.as_str(),

@@ -16,34 +16,24 @@ four lines below in `balance_order`, transcribed from that method. Standard libr
 `core/tests/balance_parity.rs` replays the file without Python.
 """
 
-import __future__
-import ast
 import heapq
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
+
+import verl_source
 
 SEED = 20261201
 WANTED = ["calculate_workload", "karmarkar_karp", "get_seqlen_balanced_partitions", "log_seqlen_unbalance"]
 
 
 def load_functions(verl_dir: Path) -> dict:
-    source_path = verl_dir / "verl" / "utils" / "seqlen_balancing.py"
-    if not source_path.is_file():
-        sys.exit(f"{verl_dir} is not a verl checkout: no verl/utils/seqlen_balancing.py")
-    tree = ast.parse(source_path.read_text())
-    picked = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in WANTED]
-    missing = set(WANTED) - {n.name for n in picked}
-    if missing:
-        sys.exit(f"{source_path} lacks {sorted(missing)}")
-    module = ast.Module(body=picked, type_ignores=[])
+    relpath = "verl/utils/seqlen_balancing.py"
     namespace = {"heapq": heapq, "List": list, "Tuple": tuple}
-    # Annotations (torch.Tensor) stay unevaluated, as under `from __future__ import annotations`.
-    flags = __future__.annotations.compiler_flag
-    exec(compile(module, str(source_path), "exec", flags=flags, dont_inherit=True), namespace)
-    return namespace
+    verl = verl_source.load(verl_dir, relpath, verl_source.functions(WANTED), namespace)
+    verl_source.require(verl, WANTED, relpath)
+    return verl
 
 
 def balance_order(verl, seqlens, k):
@@ -63,12 +53,7 @@ def main():
     verl_dir = Path(sys.argv[1])
     out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("core/tests/data/verl_balance_reference.json")
     verl = load_functions(verl_dir)
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(verl_dir), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = verl_source.commit(verl_dir)
     rng = random.Random(SEED)
     cases = []
 

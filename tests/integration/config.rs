@@ -51,7 +51,7 @@ fn config_check_lists_what_is_not_acted_on() {
     let dir = plugins.path().to_str().unwrap();
     let overrides = [
         "trainer.n_gpus_per_node=8",
-        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.model.lora_rank=32",
         "++actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
         "+ray_kwargs.ray_init.num_cpus=4",
@@ -93,7 +93,7 @@ fn config_check_lists_what_is_not_acted_on() {
     );
     assert_eq!(by_key("trainer.n_gpus_per_node")["severity"], "error");
     assert_eq!(
-        by_key("actor_rollout_ref.actor.use_dynamic_bsz")["severity"],
+        by_key("actor_rollout_ref.model.lora_rank")["severity"],
         "error"
     );
     assert_eq!(

@@ -120,6 +120,33 @@ fn a_short_run_logs_verl_metrics_and_writes_checkpoints() {
             && text.contains("\"global_seqlen/balanced_max\"")
             && text.contains("\"response_length_non_aborted/mean\"")
     );
+    // verl's engine perf metrics (the quickstart's Llama has verl's dense FLOP estimate; CPU:
+    // 448 GFLOP/s, the peak RSS for the allocator peaks) and the update's loss, every step.
+    let mut keys = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        let record: Value = serde_json::from_str(line).unwrap();
+        let data = record["data"].as_object().unwrap();
+        keys.extend(data.keys().cloned());
+        if !data.contains_key("actor/pg_loss") {
+            continue; // validation before training
+        }
+        for key in [
+            "perf/mfu/actor",
+            "perf/mfu/actor_infer",
+            "perf/max_memory_allocated_gb",
+            "perf/max_memory_reserved_gb",
+            "perf/cpu_memory_used_gb",
+            "actor/loss",
+        ] {
+            let value = data[key].as_f64().unwrap_or(f64::NAN);
+            assert!(value.is_finite(), "{key} = {value} in {line}");
+            if key != "actor/loss" {
+                assert!(value > 0.0, "{key} = {value} in {line}");
+            }
+        }
+        assert!(data["perf/mfu/actor"].as_f64().unwrap() < 1.0);
+    }
+    eprintln!("{} keys logged: {keys:?}", keys.len());
     for step in [2, 4, 6] {
         let dir = run_dir.join(format!("global_step_{step}"));
         assert!(

@@ -14,7 +14,7 @@ use std::fmt;
 use serde_json::Value;
 use verl_plugin_api::{ConfigKeys, KeyNote};
 
-use super::Config;
+use super::{Config, EngineRole};
 
 /// What verl-core does with a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,9 +62,6 @@ const fn rule(key: &'static str, treatment: Treatment) -> Rule {
 }
 
 const PARALLEL: &str = "every rank holds the whole model (data parallel over the job's ranks); model and sequence parallelism are not implemented";
-const DYNAMIC_BSZ: &str = "micro-batches have a fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching by a token budget is not implemented";
-const TOKEN_BUDGET: &str =
-    "a token budget only applies with use_dynamic_bsz, which is not implemented";
 const OFFLOAD: &str =
     "CPU offloading is not implemented: parameters, gradients and activations stay on the device";
 const LORA: &str = "LoRA adapters are not implemented: every parameter is trained";
@@ -161,11 +158,8 @@ pub const RULES: &[Rule] = &[
     acted("actor_rollout_ref.actor.ppo_mini_batch_size"),
     acted("actor_rollout_ref.actor.ppo_micro_batch_size"),
     acted("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    unsupported("actor_rollout_ref.actor.use_dynamic_bsz", DYNAMIC_BSZ),
-    no_effect(
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        TOKEN_BUDGET,
-    ),
+    acted("actor_rollout_ref.actor.use_dynamic_bsz"),
+    acted("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
     acted("actor_rollout_ref.actor.clip_ratio"),
     acted("actor_rollout_ref.actor.clip_ratio_low"),
     acted("actor_rollout_ref.actor.clip_ratio_high"),
@@ -207,14 +201,8 @@ pub const RULES: &[Rule] = &[
     acted("actor_rollout_ref.ref.strategy"),
     acted("actor_rollout_ref.ref.log_prob_micro_batch_size"),
     acted("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
-    unsupported(
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-        DYNAMIC_BSZ,
-    ),
-    no_effect(
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        TOKEN_BUDGET,
-    ),
+    acted("actor_rollout_ref.ref.log_prob_use_dynamic_bsz"),
+    acted("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
     unsupported(
         "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
         PARALLEL,
@@ -281,14 +269,8 @@ pub const RULES: &[Rule] = &[
     no_effect("actor_rollout_ref.rollout.load_format", INFERENCE_SERVER),
     acted("actor_rollout_ref.rollout.log_prob_micro_batch_size"),
     acted("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
-    unsupported(
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        DYNAMIC_BSZ,
-    ),
-    no_effect(
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-        TOKEN_BUDGET,
-    ),
+    acted("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"),
+    acted("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
     no_effect(
         "actor_rollout_ref.rollout.disable_log_stats",
         INFERENCE_SERVER,
@@ -331,9 +313,9 @@ pub const RULES: &[Rule] = &[
     acted("critic.ppo_micro_batch_size_per_gpu"),
     acted("critic.forward_micro_batch_size"),
     acted("critic.forward_micro_batch_size_per_gpu"),
-    unsupported("critic.use_dynamic_bsz", DYNAMIC_BSZ),
-    no_effect("critic.ppo_max_token_len_per_gpu", TOKEN_BUDGET),
-    no_effect("critic.forward_max_token_len_per_gpu", TOKEN_BUDGET),
+    acted("critic.use_dynamic_bsz"),
+    acted("critic.ppo_max_token_len_per_gpu"),
+    acted("critic.forward_max_token_len_per_gpu"),
     acted("critic.ppo_epochs"),
     acted("critic.shuffle"),
     no_effect("critic.data_loader_seed", SEED_FROM_RUN),
@@ -435,6 +417,7 @@ pub const RULES: &[Rule] = &[
     acted("trainer.deterministic"),
     acted("trainer.strict_config"),
     acted("trainer.nan_policy"),
+    acted("trainer.device_peak_flops"),
     no_effect("trainer.use_legacy_worker_impl", NO_RAY),
     // Ours: the jobs built on the trainer.
     acted("quickstart"),
@@ -611,6 +594,8 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
         }
     };
 
+    let batching = unused_batching_keys(config);
+
     let mut findings = Vec::new();
     for_each_leaf(&tree, &mut Vec::new(), &mut |path, value| {
         let key = path.join(".");
@@ -643,6 +628,10 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
             && let Some(why) = unused_role(&key)
         {
             findings.push(finding(&key, value, false, why.to_owned()));
+            return;
+        }
+        if let Some((_, why)) = batching.iter().find(|(k, _)| *k == key.as_str()) {
+            findings.push(finding(&key, value, false, why.clone()));
             return;
         }
         let Some(rule) = rule else { return };
@@ -701,6 +690,106 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
     }
     findings.sort_by(|a, b| a.key.cmp(&b.key));
     findings
+}
+
+/// The micro-batch keys no pass of the run reads, each with why: verl batches a pass either by
+/// rows (`*micro_batch_size*`) or, with `use_dynamic_bsz`, by a token budget
+/// (`*max_token_len_per_gpu`), never both. A forward pass by rows without its own size falls
+/// back to the PPO micro-batch size (`Config::engine_json`).
+fn unused_batching_keys(config: &Config) -> Vec<(&'static str, String)> {
+    const ACTOR_ROWS: [&str; 2] = [
+        "actor_rollout_ref.actor.ppo_micro_batch_size",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    ];
+    const CRITIC_ROWS: [&str; 2] = [
+        "critic.ppo_micro_batch_size",
+        "critic.ppo_micro_batch_size_per_gpu",
+    ];
+    // Per pass: its role, which of `token_budgets` it is (0 forward, 1 update), the switch, the
+    // row keys it reads when not batching by tokens, and its own budget key.
+    let passes: [(EngineRole, usize, &str, Vec<&'static str>, &'static str); 5] = [
+        (
+            EngineRole::Actor,
+            1,
+            "actor_rollout_ref.actor.use_dynamic_bsz",
+            ACTOR_ROWS.to_vec(),
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        ),
+        (
+            EngineRole::Actor,
+            0,
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+            [
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+            ]
+            .into_iter()
+            .chain(ACTOR_ROWS)
+            .collect(),
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        ),
+        (
+            EngineRole::Ref,
+            0,
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+            [
+                "actor_rollout_ref.ref.log_prob_micro_batch_size",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            ]
+            .into_iter()
+            .chain(ACTOR_ROWS)
+            .collect(),
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        ),
+        (
+            EngineRole::Critic,
+            1,
+            "critic.use_dynamic_bsz",
+            CRITIC_ROWS.to_vec(),
+            "critic.ppo_max_token_len_per_gpu",
+        ),
+        (
+            EngineRole::Critic,
+            0,
+            "critic.use_dynamic_bsz",
+            [
+                "critic.forward_micro_batch_size",
+                "critic.forward_micro_batch_size_per_gpu",
+            ]
+            .into_iter()
+            .chain(CRITIC_ROWS)
+            .collect(),
+            "critic.forward_max_token_len_per_gpu",
+        ),
+    ];
+    let used = |role| match role {
+        EngineRole::Actor => true,
+        EngineRole::Ref => config.ref_enabled(),
+        EngineRole::Critic => config.critic_enabled(),
+    };
+    let (mut rows_read, mut budgets_read) = (Vec::new(), Vec::new());
+    for (role, pass, _, rows, _) in passes.iter().filter(|p| used(p.0)) {
+        match config.token_budgets(*role)[*pass] {
+            Some((key, _)) => budgets_read.push(key),
+            None => rows_read.extend(rows.iter().copied()),
+        }
+    }
+    let mut unused = Vec::new();
+    for (_, _, switch, rows, budget) in passes.iter().filter(|p| used(p.0)) {
+        if !budgets_read.contains(budget) {
+            unused.push((
+                *budget,
+                format!("a token budget only applies with {switch}=true"),
+            ));
+        }
+        for key in rows.iter().filter(|k| !rows_read.contains(k)) {
+            unused.push((
+                *key,
+                format!("{switch} is true: micro-batches are cut by a token budget"),
+            ));
+        }
+    }
+    unused
 }
 
 /// Calls `f` with each key (dotted, `path` and below) where `value` differs from `default`:

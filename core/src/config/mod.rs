@@ -39,7 +39,7 @@ pub use audit::{
     AuditContext, AuditScope, Finding, RULES, Rule, Severity, Treatment, audit, rule_for,
 };
 pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
-pub use plugin::{EngineRole, REF_INHERITS_MEGATRON};
+pub use plugin::{EngineRole, REF_INHERITS_MEGATRON, TokenBudget};
 pub use schema::*;
 pub use sections::{PluginSection, PluginSections, SectionKind, Slot};
 

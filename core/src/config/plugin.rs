@@ -49,7 +49,60 @@ fn section<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).expect("config sections serialise")
 }
 
+/// A token budget of verl's `use_dynamic_bsz` in effect: the key it comes from and its value.
+pub type TokenBudget = (&'static str, usize);
+
 impl Config {
+    /// The token budgets `role`'s engine batches by (verl's `use_dynamic_bsz`), with verl's
+    /// interpolated defaults: `[forward, update]` — its forward passes (`compute_log_prob` with
+    /// the rollout's or the ref's `log_prob_*` keys, `compute_values` with the critic's
+    /// `forward_max_token_len_per_gpu`) and its updates; `None` where it batches by rows.
+    pub fn token_budgets(&self, role: EngineRole) -> [Option<TokenBudget>; 2] {
+        let arr = &self.actor_rollout_ref;
+        let actor = &arr.actor;
+        let actor_budget: TokenBudget = (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            actor.ppo_max_token_len_per_gpu,
+        );
+        let log_prob = |on: Option<bool>, budget: Option<usize>, key: &'static str| {
+            on.unwrap_or(actor.use_dynamic_bsz)
+                .then(|| budget.map_or(actor_budget, |b| (key, b)))
+        };
+        match role {
+            EngineRole::Actor => [
+                log_prob(
+                    arr.rollout.log_prob_use_dynamic_bsz,
+                    arr.rollout.log_prob_max_token_len_per_gpu,
+                    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                ),
+                actor.use_dynamic_bsz.then_some(actor_budget),
+            ],
+            EngineRole::Ref => [
+                log_prob(
+                    arr.reference.log_prob_use_dynamic_bsz,
+                    arr.reference.log_prob_max_token_len_per_gpu,
+                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                ),
+                None,
+            ],
+            EngineRole::Critic => {
+                let c = &self.critic;
+                let update: TokenBudget = (
+                    "critic.ppo_max_token_len_per_gpu",
+                    c.ppo_max_token_len_per_gpu,
+                );
+                let on = c.use_dynamic_bsz.unwrap_or(actor.use_dynamic_bsz);
+                [
+                    on.then(|| {
+                        c.forward_max_token_len_per_gpu
+                            .map_or(update, |b| ("critic.forward_max_token_len_per_gpu", b))
+                    }),
+                    on.then_some(update),
+                ]
+            }
+        }
+    }
+
     /// Whether a critic is trained: `critic.enable`, else whether the estimator needs one.
     pub fn critic_enabled(&self) -> bool {
         self.critic
@@ -144,6 +197,7 @@ impl Config {
                     arr.rollout.log_prob_micro_batch_size_per_gpu,
                     arr.rollout.log_prob_micro_batch_size
                 ));
+                self.log_prob_budget(&mut v, role);
                 v["model"] = self.model_json();
                 v
             }
@@ -164,6 +218,7 @@ impl Config {
                     arr.reference.log_prob_micro_batch_size_per_gpu,
                     arr.reference.log_prob_micro_batch_size
                 ));
+                self.log_prob_budget(&mut v, role);
                 // Never used to update, but kept consistent with the micro-batch sizes it shares.
                 v["ppo_mini_batch_size"] = json!(arr.actor.ppo_mini_batch_size * n);
                 v["model"] = self.model_json();
@@ -186,6 +241,9 @@ impl Config {
                     c.forward_micro_batch_size
                 ));
                 v["ppo_epochs"] = json!(c.ppo_epochs.unwrap_or(arr.actor.ppo_epochs));
+                let [forward, update] = self.token_budgets(role);
+                v["use_dynamic_bsz"] = json!(update.is_some());
+                v["forward_max_token_len_per_gpu"] = json!(forward.map(|(_, b)| b));
                 v["loss_agg_mode"] = json!(
                     c.loss_agg_mode
                         .as_deref()
@@ -229,6 +287,14 @@ impl Config {
             merged.extend(own.clone());
         }
         reference["megatron"] = Value::Object(merged);
+    }
+
+    /// `log_prob_use_dynamic_bsz` and `log_prob_max_token_len_per_gpu` of `role`'s
+    /// `compute_log_prob`, resolved (the rollout's for the actor's old log-probs, as in verl).
+    fn log_prob_budget(&self, v: &mut Value, role: EngineRole) {
+        let [forward, _] = self.token_budgets(role);
+        v["log_prob_use_dynamic_bsz"] = json!(forward.is_some());
+        v["log_prob_max_token_len_per_gpu"] = json!(forward.map(|(_, b)| b));
     }
 
     /// The rollout's config: `actor_rollout_ref.rollout` plus `model`, with `prompt_length` and
@@ -345,6 +411,76 @@ mod tests {
             c.engine_json(EngineRole::Critic)["model"]["path"],
             "/critic"
         );
+    }
+
+    #[test]
+    fn token_budgets_follow_verl_interpolation() {
+        let mut c = Config::default();
+        assert_eq!(c.token_budgets(EngineRole::Actor), [None, None]);
+        assert_eq!(c.token_budgets(EngineRole::Critic), [None, None]);
+        let actor = c.engine_json(EngineRole::Actor);
+        assert_eq!(
+            (
+                &actor["use_dynamic_bsz"],
+                &actor["log_prob_use_dynamic_bsz"]
+            ),
+            (&json!(false), &json!(false))
+        );
+        // The actor's switch and budget reach the rollout's and the ref's log-probs and the
+        // critic, as verl's `${oc.select:actor_rollout_ref.actor.…}` defaults do.
+        c.actor_rollout_ref.actor.use_dynamic_bsz = true;
+        c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 100;
+        let actor_budget = Some(("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 100));
+        assert_eq!(
+            c.token_budgets(EngineRole::Actor),
+            [actor_budget, actor_budget]
+        );
+        assert_eq!(c.token_budgets(EngineRole::Ref), [actor_budget, None]);
+        assert_eq!(
+            c.token_budgets(EngineRole::Critic),
+            [
+                Some(("critic.ppo_max_token_len_per_gpu", 32768)),
+                Some(("critic.ppo_max_token_len_per_gpu", 32768))
+            ]
+        );
+        // Each role's own keys win.
+        c.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu = Some(200);
+        c.actor_rollout_ref.reference.log_prob_use_dynamic_bsz = Some(false);
+        c.critic.forward_max_token_len_per_gpu = Some(300);
+        assert_eq!(
+            c.token_budgets(EngineRole::Actor)[0],
+            Some((
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                200
+            ))
+        );
+        assert_eq!(c.token_budgets(EngineRole::Ref), [None, None]);
+        assert_eq!(
+            c.token_budgets(EngineRole::Critic)[0],
+            Some(("critic.forward_max_token_len_per_gpu", 300))
+        );
+        let actor = c.engine_json(EngineRole::Actor);
+        assert_eq!(
+            (
+                &actor["use_dynamic_bsz"],
+                &actor["ppo_max_token_len_per_gpu"],
+                &actor["log_prob_use_dynamic_bsz"],
+                &actor["log_prob_max_token_len_per_gpu"]
+            ),
+            (&json!(true), &json!(100), &json!(true), &json!(200))
+        );
+        let reference = c.engine_json(EngineRole::Ref);
+        assert_eq!(reference["log_prob_use_dynamic_bsz"], json!(false));
+        let critic = c.engine_json(EngineRole::Critic);
+        assert_eq!(
+            (
+                &critic["use_dynamic_bsz"],
+                &critic["forward_max_token_len_per_gpu"]
+            ),
+            (&json!(true), &json!(300))
+        );
+        c.critic.use_dynamic_bsz = Some(false);
+        assert_eq!(c.token_budgets(EngineRole::Critic), [None, None]);
     }
 
     #[test]

@@ -408,8 +408,10 @@ pub struct RefConfig {
     pub strategy: Option<String>,
     pub log_prob_micro_batch_size: Option<usize>,
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
-    pub log_prob_use_dynamic_bsz: bool,
-    pub log_prob_max_token_len_per_gpu: usize,
+    /// None: `actor.use_dynamic_bsz` (verl's interpolation).
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// None: `actor.ppo_max_token_len_per_gpu` (verl's interpolation).
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
     pub ulysses_sequence_parallel_size: usize,
     pub profiler: Value,
     /// The engine's section, not inherited from the actor's (verl's ref has its own).
@@ -423,8 +425,8 @@ impl Default for RefConfig {
             strategy: None,
             log_prob_micro_batch_size: None,
             log_prob_micro_batch_size_per_gpu: None,
-            log_prob_use_dynamic_bsz: false,
-            log_prob_max_token_len_per_gpu: 16384,
+            log_prob_use_dynamic_bsz: None,
+            log_prob_max_token_len_per_gpu: None,
             ulysses_sequence_parallel_size: 1,
             profiler: empty_object(),
             sections: Sections::new(),
@@ -510,8 +512,10 @@ pub struct RolloutConfig {
     pub load_format: String,
     pub log_prob_micro_batch_size: Option<usize>,
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
-    pub log_prob_use_dynamic_bsz: bool,
-    pub log_prob_max_token_len_per_gpu: usize,
+    /// None: `actor.use_dynamic_bsz` (verl's interpolation).
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// None: `actor.ppo_max_token_len_per_gpu` (verl's interpolation).
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
     pub disable_log_stats: bool,
     pub calculate_log_probs: bool,
     pub skip_tokenizer_init: bool,
@@ -550,8 +554,8 @@ impl Default for RolloutConfig {
             load_format: "dummy".into(),
             log_prob_micro_batch_size: None,
             log_prob_micro_batch_size_per_gpu: None,
-            log_prob_use_dynamic_bsz: false,
-            log_prob_max_token_len_per_gpu: 16384,
+            log_prob_use_dynamic_bsz: None,
+            log_prob_max_token_len_per_gpu: None,
             disable_log_stats: true,
             calculate_log_probs: false,
             skip_tokenizer_init: true,
@@ -579,8 +583,10 @@ pub struct CriticConfig {
     pub ppo_micro_batch_size_per_gpu: Option<usize>,
     pub forward_micro_batch_size: Option<usize>,
     pub forward_micro_batch_size_per_gpu: Option<usize>,
-    pub use_dynamic_bsz: bool,
+    /// None: `actor_rollout_ref.actor.use_dynamic_bsz` (verl's interpolation).
+    pub use_dynamic_bsz: Option<bool>,
     pub ppo_max_token_len_per_gpu: usize,
+    /// None: `ppo_max_token_len_per_gpu` (verl's interpolation).
     pub forward_max_token_len_per_gpu: Option<usize>,
     pub ppo_epochs: Option<usize>,
     pub shuffle: bool,
@@ -607,7 +613,7 @@ impl Default for CriticConfig {
             ppo_micro_batch_size_per_gpu: None,
             forward_micro_batch_size: None,
             forward_micro_batch_size_per_gpu: None,
-            use_dynamic_bsz: false,
+            use_dynamic_bsz: None,
             ppo_max_token_len_per_gpu: 32768,
             forward_max_token_len_per_gpu: None,
             ppo_epochs: None,
@@ -845,6 +851,10 @@ pub struct TrainerConfig {
     pub strict_config: bool,
     /// verl's choice of worker implementation; there are no verl workers here.
     pub use_legacy_worker_impl: String,
+    /// Ours: the device's peak FLOP/s for the `perf/mfu/*` metrics; None: verl's per-device table
+    /// (`verl/utils/flops_counter.py`: CPU 448e9, H100/H200 989e12, A100 312e12, …; an unknown
+    /// device gives MFU 0).
+    pub device_peak_flops: Option<f64>,
     /// Logger sections (see [`Config::sections`]).
     #[serde(flatten)]
     pub sections: Sections,
@@ -883,6 +893,7 @@ impl Default for TrainerConfig {
             nan_policy: NanPolicy::Error,
             strict_config: true,
             use_legacy_worker_impl: "auto".into(),
+            device_peak_flops: None,
             sections: Sections::new(),
         }
     }

@@ -1003,7 +1003,7 @@ fn verl_style_overrides_are_acted_on_or_reported() {
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
             Error,
         ),
-        ("actor_rollout_ref.actor.use_dynamic_bsz=True", Error),
+        ("actor_rollout_ref.actor.use_dynamic_bsz=True", Acted),
         ("actor_rollout_ref.model.lora_rank=32", Error),
         (
             "actor_rollout_ref.model.enable_activation_offload=True",
@@ -1064,11 +1064,74 @@ fn verl_style_overrides_are_acted_on_or_reported() {
         let args: Vec<&str> = base.iter().copied().chain([arg]).collect();
         assert_eq!(outcome(&args, &ctx), expected, "{arg}");
     }
+    // verl reads a pass's row count or its token budget, never both: the other is reported.
+    for (args, expected) in [
+        (
+            &[
+                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+            ][..],
+            Acted,
+        ),
+        (
+            &[
+                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            ][..],
+            Warning,
+        ),
+        // The old log-probs batch by rows and fall back to the PPO micro-batch size.
+        (
+            &[
+                "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=False",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            ][..],
+            Acted,
+        ),
+        // A log-prob budget whose switch is off (the actor's default) is not read.
+        (
+            &[
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192",
+            ][..],
+            Warning,
+        ),
+        (
+            &[
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
+            ][..],
+            Acted,
+        ),
+    ] {
+        let args: Vec<&str> = base.iter().chain(args).copied().collect();
+        assert_eq!(outcome(&args, &ctx), expected, "{args:?}");
+    }
+    let config = load(
+        None,
+        &[],
+        &[
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        ],
+    )
+    .unwrap();
+    let findings = audit(&config, &ctx);
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert_eq!(
+        findings[0].to_string(),
+        "config key `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`=16 (from command-line \
+         override `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16`) has no effect: \
+         actor_rollout_ref.actor.use_dynamic_bsz is true: micro-batches are cut by a token budget"
+    );
     // The critic's own keys are acted on when a critic is trained, and its offload is an error.
     for (arg, expected) in [
         ("critic.optim.lr=3e-5", Acted),
         ("critic.model.fsdp_config.param_offload=True", Error),
-        ("critic.use_dynamic_bsz=True", Error),
+        ("critic.use_dynamic_bsz=True", Acted),
+        ("critic.forward_max_token_len_per_gpu=4096", Warning),
     ] {
         assert_eq!(
             outcome(&["algorithm.adv_estimator=gae", arg], &ctx),
@@ -1090,7 +1153,7 @@ fn findings_name_key_value_origin_and_follow_components() {
         "actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 2\n    gpu_memory_utilization: 0.6\n",
     );
     let args = [
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.model.lora_rank=32",
         "+actor_rollout_ref.actor.fsdp_config.param_offload=true",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
         "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
@@ -1100,10 +1163,9 @@ fn findings_name_key_value_origin_and_follow_components() {
     let shown: Vec<String> = findings.iter().map(ToString::to_string).collect();
     assert_eq!(
         shown[0],
-        "config key `actor_rollout_ref.actor.use_dynamic_bsz`=true (from command-line override \
-         `actor_rollout_ref.actor.use_dynamic_bsz=true`) is not supported yet: micro-batches have a \
-         fixed size (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu); batching \
-         by a token budget is not implemented (trainer.strict_config=false runs without it)"
+        "config key `actor_rollout_ref.model.lora_rank`=32 (from command-line override \
+         `actor_rollout_ref.model.lora_rank=32`) is not supported yet: LoRA adapters are not \
+         implemented: every parameter is trained (trainer.strict_config=false runs without it)"
     );
     let summary: Vec<(&str, &str, Severity)> = findings
         .iter()
@@ -1114,8 +1176,8 @@ fn findings_name_key_value_origin_and_follow_components() {
         summary,
         [
             (
-                "actor_rollout_ref.actor.use_dynamic_bsz",
-                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                "actor_rollout_ref.model.lora_rank",
+                "command-line override `actor_rollout_ref.model.lora_rank=32`",
                 Severity::Error
             ),
             (
@@ -1193,8 +1255,8 @@ fn findings_name_key_value_origin_and_follow_components() {
                 Severity::Error
             ),
             (
-                "actor_rollout_ref.actor.use_dynamic_bsz",
-                "command-line override `actor_rollout_ref.actor.use_dynamic_bsz=true`",
+                "actor_rollout_ref.model.lora_rank",
+                "command-line override `actor_rollout_ref.model.lora_rank=32`",
                 Severity::Error
             ),
         ]

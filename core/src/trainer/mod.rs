@@ -5,6 +5,7 @@
 //! every rank runs this loop on its share of the batch (module `spmd`).
 
 mod guard;
+pub mod perf;
 mod records;
 mod spmd;
 #[cfg(test)]
@@ -240,6 +241,9 @@ pub struct Trainer {
     free_cache_engine: bool,
     /// The rollout was put to sleep and not woken yet.
     rollout_asleep: bool,
+    perf: perf::EnginePerf,
+    /// Seconds spent scoring training responses in the current step (`timing_s/reward`).
+    reward_seconds: f64,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -455,6 +459,12 @@ impl Trainer {
 
         let kl = &config.algorithm.kl_ctrl;
         let kl_ctrl = KlController::new(kl.kind, kl.kl_coef, kl.target_kl, kl.horizon)?;
+        let perf = perf::EnginePerf::new(
+            &config,
+            &run.device_type,
+            placement.device_name(),
+            run.world_size as usize,
+        );
         let checkpoints = CheckpointManager::new(&run_dir, config.trainer.max_actor_ckpt_to_keep);
         // The run directory is rank 0's to tidy: the others only write into checkpoints it
         // prepares.
@@ -492,6 +502,8 @@ impl Trainer {
             ranks,
             free_cache_engine,
             rollout_asleep: false,
+            perf,
+            reward_seconds: 0.0,
         })
     }
 
@@ -837,6 +849,15 @@ impl Trainer {
 
     /// The rows' rewards: the reward component's scores through the reward manager.
     fn score(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
+        let started = Instant::now();
+        let rewards = self.score_untimed(val, rows);
+        if !val {
+            self.reward_seconds += started.elapsed().as_secs_f64();
+        }
+        rewards
+    }
+
+    fn score_untimed(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
         let data = if val { &self.val } else { &self.train };
         let items = rows
             .iter()
@@ -925,8 +946,12 @@ impl Trainer {
         let mut metrics: Vec<Metric> = Vec::new();
 
         let t = Instant::now();
+        self.reward_seconds = 0.0;
         let (mut rows, mut scores, gen_batches) = self.collect_batch(step)?;
-        timing.push(("gen", t.elapsed().as_secs_f64()));
+        // verl times scoring apart from generation.
+        let reward = std::mem::take(&mut self.reward_seconds);
+        timing.push(("gen", t.elapsed().as_secs_f64() - reward));
+        timing.push(("reward", reward));
         self.rollout_sleep()?;
         if self.config.algorithm.filter_groups.enable {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
@@ -1166,6 +1191,12 @@ impl Trainer {
                 .into_iter()
                 .map(|(k, v)| Metric::new(k, v)),
         );
+        let seqlens: Vec<u64> = prompt_lengths
+            .iter()
+            .zip(&responses)
+            .map(|(p, r)| (p + r.len()) as u64)
+            .collect();
+        metrics.extend(self.perf.metrics(&seqlens, &timing));
         metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
         metrics.push(Metric::new("perf/time_per_step", step_time));
         // verl's throughput is per device: tokens / (time × devices).
@@ -1637,6 +1668,25 @@ fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
             }),
         ),
     ];
+    // verl asserts at the first batch that a micro-batch's token budget holds one padded
+    // sequence (its prompt and response columns); say so before anything runs.
+    let width = data.max_prompt_length + config.response_length();
+    for (role, used) in [
+        (EngineRole::Actor, true),
+        (EngineRole::Ref, config.ref_enabled()),
+        (EngineRole::Critic, config.critic_enabled()),
+    ] {
+        let budgets = config.token_budgets(role);
+        for (key, tokens) in budgets.into_iter().flatten().filter(|_| used) {
+            if tokens < width {
+                return invalid(format!(
+                    "{key}={tokens} is smaller than one sequence: data.max_prompt_length + the \
+                     response length = {width} tokens (verl asserts max_token_len >= the padded \
+                     sequence length)"
+                ));
+            }
+        }
+    }
     for (key, size) in mini_batches {
         match size {
             Some(0) => return invalid(format!("{key} must be at least 1")),

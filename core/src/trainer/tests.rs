@@ -875,6 +875,8 @@ fn each_step_runs_in_verls_order() {
             assert_eq!(metrics["actor/pg_loss"], 0.5);
             assert_eq!(metrics.contains_key("critic/vf_loss"), critic);
             assert!(metrics.contains_key("timing_s/update_weights"));
+            // Scoring is timed apart from generation, as in verl.
+            assert!(metrics["timing_s/reward"] > 0.0 && metrics["timing_s/gen"] > 0.0);
             // verl's rollout-vs-actor metrics: |e^-0.5 − 0.5| on the wrong answers' tokens, 0 on
             // the right ones'.
             let diff = (-0.5f64).exp() - 0.5;
@@ -1149,7 +1151,7 @@ fn validation_and_checkpoints_follow_their_frequencies_and_the_last_step() {
     assert_eq!(checkpoint_steps(&s.run_dir("every3")), vec![3, 5]);
 }
 
-/// `(step, metrics without timings)` of every log.
+/// `(step, metrics without timings and measurements of the machine)` of every log.
 fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
     logs(events)
         .into_iter()
@@ -1159,7 +1161,7 @@ fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
                 .filter(|(k, _)| {
                     !k.starts_with("timing_s/")
                         && !k.starts_with("timing_per_token_ms/")
-                        && !["perf/time_per_step", "perf/throughput"].contains(&k.as_str())
+                        && (!k.starts_with("perf/") || k.as_str() == "perf/total_num_tokens")
                 })
                 .map(|(k, v)| (k.clone(), *v))
                 .collect();
@@ -1685,7 +1687,7 @@ fn leftovers_are_cleaned_and_the_export_is_swapped_in_whole() {
 fn bad_batch_sizes_are_named_before_anything_runs() {
     let s = setup();
     type Change = fn(&mut Config);
-    let cases: [(&str, Change); 8] = [
+    let cases: [(&str, Change); 10] = [
         ("data.train_batch_size must be at least 1", |c| {
             c.data.train_batch_size = 0
         }),
@@ -1723,6 +1725,21 @@ fn bad_batch_sizes_are_named_before_anything_runs() {
                     rollout.log_prob_micro_batch_size,
                     rollout.log_prob_micro_batch_size_per_gpu,
                 ) = (Some(4), Some(2));
+            },
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2 is smaller than one sequence",
+            |c| {
+                c.actor_rollout_ref.actor.use_dynamic_bsz = true;
+                c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 2;
+            },
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=3 is smaller than one sequence",
+            |c| {
+                let rollout = &mut c.actor_rollout_ref.rollout;
+                rollout.log_prob_use_dynamic_bsz = Some(true);
+                rollout.log_prob_max_token_len_per_gpu = Some(3);
             },
         ),
     ];
@@ -2155,4 +2172,53 @@ fn double_buffered_disk_sync_hands_over_every_version_from_a_held_slot() {
     assert_eq!(updates(&slot_log), expected);
     let store = s.run_dir("slots").join("weight_sync");
     assert!(store.join(crate::weight_slots::CURRENT).is_file());
+}
+
+/// verl's engine perf metrics on every step: the MFU of the old log-probs, the critic and the
+/// actor from one FLOP count of the step's sequences (so each × its call's time × the peak gives
+/// the same FLOPs, ⅓ for the forward pass, × ppo_epochs for updates), and the memory metrics.
+#[test]
+fn perf_metrics_follow_verls_flop_count() {
+    let s = setup();
+    std::fs::write(
+        s.model.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 64, "vocab_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}"#,
+    )
+    .unwrap();
+    let mut c = s.config("perf");
+    c.algorithm.adv_estimator = AdvEstimator::Gae;
+    c.actor_rollout_ref.actor.ppo_epochs = 2;
+    c.critic.ppo_epochs = Some(3);
+    c.trainer.total_training_steps = Some(2);
+    c.trainer.device_peak_flops = Some(1e9);
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let events = log.events();
+    for (step, m) in logs(&events) {
+        let flops = |mfu: &str, time: &str, passes: f64| {
+            m[&format!("perf/mfu/{mfu}")] * m[&format!("timing_s/{time}")] * 1e9 / passes
+        };
+        let actor = flops("actor", "update_actor", 2.0);
+        assert!(actor > 0.0, "step {step}: {m:?}");
+        for (other, what) in [
+            (
+                flops("actor_infer", "old_log_prob", 1.0 / 3.0),
+                "actor_infer",
+            ),
+            (flops("critic", "update_critic", 3.0), "critic"),
+        ] {
+            assert!(
+                (other - actor).abs() <= 1e-9 * actor,
+                "step {step}: {what} {other} vs actor {actor}"
+            );
+        }
+        for key in [
+            "perf/max_memory_allocated_gb",
+            "perf/max_memory_reserved_gb",
+            "perf/cpu_memory_used_gb",
+        ] {
+            assert!(m[key] > 0.0, "step {step}: {key}");
+        }
+    }
 }

@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 use verl_distributed::{DistError, Options, ProcessGroup, ReduceOp};
 use verl_plugin_api::{PluginError, RunContext};
 use verl_torch_runtime::ModelError;
+use verl_torch_runtime::actor::Reduction;
 
 /// The process's group while any engine holds it.
 static GROUP: Mutex<Weak<Mutex<ProcessGroup>>> = Mutex::new(Weak::new());
@@ -35,18 +36,23 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Sums `values` over `group`'s ranks in place, f64 end to end, through a tensor on `device`
+/// Reduces `values` over `group`'s ranks in place, f64 end to end, through a tensor on `device`
 /// (NCCL reduces device tensors only).
-pub fn all_reduce_sum(
+pub fn all_reduce(
     group: &mut ProcessGroup,
     values: &mut [f64],
+    op: Reduction,
     device: Device,
 ) -> Result<(), DistError> {
     if values.is_empty() {
         return Ok(());
     }
     let mut tensor = Tensor::from_slice(values).to_device(device);
-    group.all_reduce(&mut tensor, ReduceOp::Sum)?;
+    let op = match op {
+        Reduction::Sum => ReduceOp::Sum,
+        Reduction::Max => ReduceOp::Max,
+    };
+    group.all_reduce(&mut tensor, op)?;
     let summed =
         Vec::<f64>::try_from(&tensor.to_device(Device::Cpu)).map_err(|e| DistError::Invalid {
             op: "all_reduce".into(),
@@ -118,10 +124,10 @@ impl Ranks {
         self.group.as_ref()
     }
 
-    /// Sums `values` over the ranks, in place (f64 end to end).
-    pub fn all_reduce_sum(&self, values: &mut [f64]) -> Result<(), DistError> {
+    /// Reduces `values` over the ranks, in place (f64 end to end).
+    pub fn all_reduce(&self, values: &mut [f64], op: Reduction) -> Result<(), DistError> {
         match &self.group {
-            Some(group) => all_reduce_sum(&mut lock(group), values, Device::Cpu),
+            Some(group) => all_reduce(&mut lock(group), values, op, Device::Cpu),
             None => Ok(()),
         }
     }

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use tch::{Device, Tensor};
 use verl_plugin_api::{ComponentInit, TensorRef};
-use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role, Rows, Strategy};
+use verl_torch_runtime::actor::{
+    ActorConfig, ActorError, ActorWorker, Reduction, Role, Rows, Strategy,
+};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng,
@@ -231,8 +233,8 @@ impl Strategy for LocalModel {
         self.model.save_pretrained(dir, Some(&self.spec.path))
     }
 
-    fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
-        self.ranks.all_reduce_sum(values).map_err(model_error)
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+        self.ranks.all_reduce(values, op).map_err(model_error)
     }
 
     /// Every replica's accumulated gradients, summed (each rank's loss is already its share of

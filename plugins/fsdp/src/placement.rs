@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
-use verl_torch_runtime::actor::{Rows, Strategy};
+use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
 use verl_torch_runtime::{LrSchedule, ResponseScores, Rng};
 
 use crate::engine::LocalModel;
@@ -92,8 +92,8 @@ impl Strategy for Placement {
         each!(self, s => s.export_hf(dir))
     }
 
-    fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
-        each!(self, s => s.all_reduce_sum(values))
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.all_reduce(values, op))
     }
 
     fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {

@@ -451,6 +451,30 @@ fn named(views: Vec<verl_plugin_api::TensorRef<'_>>) -> Vec<verl_plugin_api::Nam
     views.iter().map(|view| view.to_named()).collect()
 }
 
+/// verl's actor semantics (`ActorWorker`) for the section `config` on the model sharded over
+/// `group`.
+fn sharded_worker(
+    config: &serde_json::Value,
+    group: &Arc<Mutex<ProcessGroup>>,
+) -> ActorWorker<ShardedStrategy> {
+    let settings = serde_json::from_value::<ActorConfig>(config.clone())
+        .unwrap()
+        .validate()
+        .unwrap();
+    let model = settings.model.load(Device::Cpu, Head::Lm, 7).unwrap();
+    let options = ShardOptions {
+        optimizer: Some(settings.optimizer),
+        ..ShardOptions::default()
+    };
+    let sharded = ShardedModel::new(model, &mut group.lock().unwrap(), options).unwrap();
+    let spec = settings.model.clone();
+    ActorWorker::new(
+        settings,
+        ShardedStrategy::new(sharded, Arc::clone(group), spec),
+        7,
+    )
+}
+
 /// verl's actor semantics (`ActorWorker`) on the sharded model, every rank with the whole
 /// batch, against the `fsdp` engine (one rank, unsharded) loaded through the ABI: the same
 /// log-probs; on one rank also the same update (metrics, weights), a checkpoint that resumes
@@ -465,24 +489,7 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
     );
     let mut engine = common::engine(&config);
     let batch = common::ppo_batch(&mut engine, "tiny-llama");
-    let new_worker = || {
-        let settings = serde_json::from_value::<ActorConfig>(config.clone())
-            .unwrap()
-            .validate()
-            .unwrap();
-        let model = settings.model.load(Device::Cpu, Head::Lm, 7).unwrap();
-        let options = ShardOptions {
-            optimizer: Some(settings.optimizer),
-            ..ShardOptions::default()
-        };
-        let sharded = ShardedModel::new(model, &mut group.lock().unwrap(), options).unwrap();
-        let spec = settings.model.clone();
-        ActorWorker::new(
-            settings,
-            ShardedStrategy::new(sharded, Arc::clone(&group), spec),
-            7,
-        )
-    };
+    let new_worker = || sharded_worker(&config, &group);
     let mut worker = new_worker();
     assert_close(
         "log-probs",
@@ -537,6 +544,93 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
     }
 }
 
+/// The rows `rows` of every tensor of `batch`.
+fn select_rows(batch: &verl_plugin_api::Batch, rows: &[usize]) -> verl_plugin_api::Batch {
+    let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    let index = Tensor::from_slice(&index);
+    let mut out = verl_plugin_api::Batch {
+        meta_json: batch.meta_json.clone(),
+        ..Default::default()
+    };
+    for named in &batch.tensors {
+        let name = named.name.as_str();
+        let t = verl_torch_runtime::interop::to_tch(name, &named.tensor, Device::Cpu).unwrap();
+        let picked = verl_torch_runtime::interop::from_tch(name, &t.index_select(0, &index));
+        out.insert(name, picked.unwrap());
+    }
+    out
+}
+
+/// verl's `use_dynamic_bsz` on the sharded model over 2 ranks whose rows need different numbers
+/// of token-budget micro-batches (the shorter half of the batch on rank 0): every rank runs as
+/// many as the rank that needs most (verl's `same_micro_num_in_dp`; the per-block gathers pair up
+/// only so), and the log-probs and the update equal one rank's — the `fsdp` engine, unsharded,
+/// fixed micro-batches — on the whole batch.
+fn play_dynamic(group: ProcessGroup) {
+    let rank = group.rank() as usize;
+    assert_eq!(group.world_size(), 2);
+    let group = Arc::new(Mutex::new(group));
+    let (batch, width) = common::varied_batch("tiny-llama");
+    let lens = common::seqlens(&batch);
+    let mut by_length: Vec<usize> = (0..lens.len()).collect();
+    by_length.sort_by_key(|&i| (lens[i], i));
+    let half = lens.len() / 2;
+    let counts: Vec<usize> = by_length
+        .chunks(half)
+        .map(|rows| {
+            let mine: Vec<u64> = rows.iter().map(|&i| lens[i]).collect();
+            verl_seqlen_balancing::micro_batch_count(&mine, width as u64, width as u64).unwrap()
+        })
+        .collect();
+    assert!(
+        counts[0] < counts[1],
+        "the ranks need {counts:?} micro-batches"
+    );
+    let mut mine = by_length[rank * half..(rank + 1) * half].to_vec();
+    mine.sort_unstable();
+
+    let whole_config = common::actor_config(
+        "tiny-llama",
+        json!({"ppo_mini_batch_size": 2 * half, "ppo_micro_batch_size_per_gpu": 2,
+               "use_kl_loss": true, "entropy_coeff": 0.01}),
+    );
+    let mut whole = common::engine(&whole_config);
+    let batch = common::with_ppo_fields(&mut whole, batch);
+    let mut config = whole_config.clone();
+    common::merge(
+        &mut config,
+        json!({"ppo_mini_batch_size": half, "ppo_micro_batch_size_per_gpu": null,
+               "use_dynamic_bsz": true, "ppo_max_token_len_per_gpu": width}),
+    );
+    let mut worker = sharded_worker(&config, &group);
+    let local = select_rows(&batch, &mine);
+    let index = Tensor::from_slice(&mine.iter().map(|&r| r as i64).collect::<Vec<_>>());
+    assert_close(
+        "log-probs",
+        &log_probs_of(&worker.compute_log_prob(&local).unwrap()),
+        &log_probs_of(&whole.compute_log_prob(&batch).unwrap()).index_select(0, &index),
+    );
+    let got = worker.update_actor(&local).unwrap();
+    let want = common::update(&mut whole, &batch);
+    for key in [
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/loss",
+        "actor/grad_norm",
+    ] {
+        let (mine, theirs) = (common::metric(&got, key), common::metric(&want, key));
+        assert_close_value(
+            &format!("{key}: {mine} vs {theirs}"),
+            (mine - theirs).abs() / theirs.abs().max(1.0),
+        );
+    }
+    let trained = named(worker.weights().unwrap());
+    assert_close_value(
+        "weights after an update",
+        common::weights_diff(&trained, &common::weights(&mut whole)),
+    );
+}
+
 /// Rank 0 reports the largest difference its checks saw.
 fn report_worst(rank: u32) {
     if rank == 0 {
@@ -554,6 +648,11 @@ fn rank_main(case: &str) {
         "worker" => {
             let rank = group.rank();
             play_worker(group, Path::new(&env(DIR)));
+            return report_worst(rank);
+        }
+        "dynamic" => {
+            let rank = group.rank();
+            play_dynamic(group);
             return report_worst(rank);
         }
         other => panic!("unknown case {other}"),
@@ -696,6 +795,7 @@ fn main() {
             let dir = tempfile::tempdir().unwrap();
             run("worker", 1, "", Some(dir.path()));
         }),
+        ("token_budget_2_ranks", || run("dynamic", 2, "", None)),
         ("worker_2_ranks", || {
             let dir = tempfile::tempdir().unwrap();
             run("worker", 2, "", Some(dir.path()));

@@ -333,13 +333,17 @@ impl Comm {
         })
     }
 
-    /// Sums `values` over the data-parallel ranks, in place (f64 end to end).
-    pub fn all_reduce_dp(&self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
+    /// Reduces `values` over the data-parallel ranks, in place (f64 end to end).
+    pub fn all_reduce_dp(
+        &self,
+        values: &mut [f64],
+        op: ReduceOp,
+    ) -> verl_torch_runtime::Result<()> {
         if values.is_empty() || self.dp_size() == 1 {
             return Ok(());
         }
         let mut tensor = Tensor::from_slice(values);
-        self.all_reduce(Scope::Data, &mut tensor, ReduceOp::Sum)?;
+        self.all_reduce(Scope::Data, &mut tensor, op)?;
         let summed = Vec::<f64>::try_from(&tensor).map_err(|e| ModelError::Torch(e.to_string()))?;
         values.copy_from_slice(&summed);
         Ok(())

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
+use verl_distributed::ReduceOp;
 use verl_plugin_api::{TensorRef, keys};
-use verl_torch_runtime::actor::{ActorWorker, Rows, Strategy};
+use verl_torch_runtime::actor::{ActorWorker, Reduction, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     AdamW, AdamWConfig, CausalLM, LrSchedule, ModelError, ModelOptions, ModelSpec, ResponseScores,
@@ -377,9 +378,19 @@ impl Strategy for TpStrategy {
         whole.save_pretrained(dir, Some(&self.spec.path))
     }
 
-    fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
         self.check()?;
-        self.model.comm().all_reduce_dp(values)
+        let op = match op {
+            Reduction::Sum => ReduceOp::Sum,
+            Reduction::Max => ReduceOp::Max,
+        };
+        self.model.comm().all_reduce_dp(values, op)
+    }
+
+    /// verl's Megatron worker: `max_token_len × context_parallel_size` (each context-parallel
+    /// rank runs its share of every sequence).
+    fn token_budget_scale(&self) -> usize {
+        self.model.comm().cp_size() as usize
     }
 
     /// Shards held by several tensor-parallel ranks made whole, then every gradient summed over

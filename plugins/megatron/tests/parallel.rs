@@ -550,6 +550,61 @@ fn play_load(model: &Path, megatron: Value, dir: &Path) {
     compare_weights("weights after resuming", &got, &want);
 }
 
+/// `use_dynamic_bsz` on the megatron engine: log-probs and 3 updates with micro-batches by a
+/// token budget — per rank the smallest verl accepts, which verl's Megatron worker multiplies by
+/// the context-parallel size — equal the one-rank `fsdp` engine's with fixed micro-batches.
+fn play_token_budget(model: &Path, megatron: Value) {
+    let run = run_context();
+    let (rank, world) = (run.rank as usize, run.world_size as usize);
+    let vocab = vocab_of(model);
+    let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
+    // AdamW amplifies fp32 summation-order differences in proportion to lr (see the fsdp
+    // engine's token-budget test): half the parity tests' lr keeps them below the tolerance.
+    let lr = json!({"optim": {"lr": 5e-4}});
+    let mut reference_config = actor_config(model, None);
+    common::merge(&mut reference_config, lr.clone());
+    let mut reference = common::engine(&reference_config);
+    let width = global_batch(vocab, ROWS)
+        .require(keys::INPUT_IDS)
+        .unwrap()
+        .shape[1] as usize;
+    let mut config = actor_config(model, Some(megatron));
+    common::merge(&mut config, lr);
+    common::merge(
+        &mut config,
+        json!({"use_dynamic_bsz": true, "ppo_micro_batch_size_per_gpu": null,
+               "ppo_max_token_len_per_gpu": width.div_ceil(cp)}),
+    );
+    let mut engine = megatron_engine(&config);
+    let (start, len) = part(ROWS, rank, world);
+    for step in 0..UPDATES {
+        let batch = ppo_batch(&mut reference, step, vocab);
+        let local = narrow_batch(&batch, start, len);
+        let (got, want) = (
+            engine.compute_log_prob(&local).unwrap(),
+            reference.compute_log_prob(&batch).unwrap(),
+        );
+        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
+            assert_close(
+                &format!("{key} before update {step}"),
+                max_diff(g, &narrow(w, start, len)),
+            );
+        }
+        let want = common::update(&mut reference, &batch);
+        let got = common::update(&mut engine, &local);
+        assert_close(
+            &format!("update {step}: {got:?} vs {want:?}"),
+            common::metrics_diff(&got, &want, &common::GROUPING_FREE_METRICS),
+        );
+        compare_weights(
+            &format!("weights after update {step}"),
+            &common::weights(&mut engine),
+            &common::weights(&mut reference),
+        );
+    }
+}
+
 fn rank_main(case: &str) {
     let model = PathBuf::from(env(MODEL));
     let megatron: Value = serde_json::from_str(&env(PARALLEL)).unwrap();
@@ -559,6 +614,7 @@ fn rank_main(case: &str) {
         "critic" => play_critic(&model, megatron),
         "widths" => play_widths(&model, megatron),
         "lengths" => play_lengths(&model, megatron),
+        "token_budget" => play_token_budget(&model, megatron),
         "save" => play_save(&model, megatron, &dir),
         "load" => play_load(&model, megatron, &dir),
         other => panic!("unknown case {other}"),
@@ -727,6 +783,18 @@ fn main() {
             critic("llama-tied", 2, json!({"tensor_model_parallel_size": 2}))
         }),
         ("cp2_qwen2_gqa_bias", || context("qwen2-gqa", 2, 1, 2)),
+        ("token_budget_cp2_qwen2_gqa", || {
+            let dir = tempfile::tempdir().unwrap();
+            let path = model_dir("qwen2-gqa", dir.path());
+            let parallel = json!({"context_parallel_size": 2});
+            run("token_budget", 2, &path, &parallel, dir.path());
+        }),
+        ("token_budget_dp2_tp2_sp_llama_tied", || {
+            let dir = tempfile::tempdir().unwrap();
+            let path = model_dir("llama-tied", dir.path());
+            let parallel = json!({"tensor_model_parallel_size": 2, "sequence_parallel": true});
+            run("token_budget", 4, &path, &parallel, dir.path());
+        }),
         ("cp2_llama_tied", || context("llama-tied", 2, 1, 2)),
         ("tp2_sp_cp2_qwen2_gqa_4_ranks", || {
             context("qwen2-gqa", 4, 2, 2)

@@ -3,7 +3,7 @@
 //! (shared with the other engines of the process, hence behind a mutex).
 //!
 //! Every method communicates, so every rank calls each one at the same point — including
-//! `all_reduce_sum` (the worker's global counts and metrics, over the same group),
+//! `all_reduce` (the worker's global counts, metrics and micro-batch counts, over the same group),
 //! `save` (each rank writes its shard, rank 0 the layout and the training state) and
 //! `export_hf` (every rank gathers, rank 0 writes). `Strategy::clip_grad_norm` and
 //! `Strategy::step` cannot return an error: a collective failure there is kept, reported as
@@ -16,14 +16,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Device, Tensor};
 use verl_distributed::{Backend, Options, ProcessGroup, Rendezvous};
 use verl_plugin_api::{RunContext, TensorRef};
-use verl_torch_runtime::actor::{Rows, Strategy};
+use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState,
 };
 
 use super::{ShardError, ShardOptions, ShardedModel};
-use crate::dist::{Ranks, all_reduce_sum};
+use crate::dist::{Ranks, all_reduce};
 
 /// Written by rank 0 next to the shards: the optimizer's update count, its settings, the
 /// schedule and the worker's generator.
@@ -260,8 +260,8 @@ impl Strategy for ShardedStrategy {
         self.run(|model, group| model.export_hf(group, dir, Some(&self.spec.path)))
     }
 
-    fn all_reduce_sum(&mut self, values: &mut [f64]) -> verl_torch_runtime::Result<()> {
-        self.run(|model, group| Ok(all_reduce_sum(group, values, model.model().device())?))
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+        self.run(|model, group| Ok(all_reduce(group, values, op, model.model().device())?))
     }
 
     /// Nothing to do: the backward pass has already reduce-scattered (summed) every block's

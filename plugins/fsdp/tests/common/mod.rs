@@ -179,10 +179,45 @@ pub fn log_probs(engine: &mut EngineHandle, batch: &Batch) -> Tensor {
         .clone()
 }
 
-/// A PPO batch: old log-probs from the engine itself (so the first ratio is 1), per-sequence
-/// advantages, and the reference = old log-probs.
+/// A PPO batch of the fixture's sequences (see [`with_ppo_fields`]).
 pub fn ppo_batch(engine: &mut EngineHandle, model: &str) -> Batch {
-    let (mut batch, _) = fixture_batch(model);
+    with_ppo_fields(engine, fixture_batch(model).0)
+}
+
+/// Eight rows of varied lengths for the token-budget tests: the fixture's four sequences and
+/// four prefixes of them (verl's layout: prompts of 3..=10 tokens left-padded, responses of 3 to
+/// 29 tokens right-padded). Returns the batch and its padded width.
+pub fn varied_batch(model: &str) -> (Batch, usize) {
+    let seqs: Vec<Vec<i64>> = expected(model)
+        .sequences
+        .into_iter()
+        .map(|s| s.ids)
+        .collect();
+    let prefixes = [(1, 20), (1, 26), (0, 12), (1, 30)];
+    let all: Vec<Vec<i64>> = seqs
+        .iter()
+        .cloned()
+        .chain(prefixes.iter().map(|&(i, n)| seqs[i][..n].to_vec()))
+        .collect();
+    let (batch, _) = layout(&all);
+    let width = batch.require(keys::INPUT_IDS).unwrap().shape[1] as usize;
+    (batch, width)
+}
+
+/// The real tokens of each row.
+pub fn seqlens(batch: &Batch) -> Vec<u64> {
+    let mask = batch.require(keys::ATTENTION_MASK).unwrap();
+    let width = mask.shape[1] as usize;
+    mask.to_vec::<i64>()
+        .unwrap()
+        .chunks(width)
+        .map(|row| row.iter().sum::<i64>() as u64)
+        .collect()
+}
+
+/// `batch` made a PPO batch: old log-probs from the engine itself (so the first ratio is 1),
+/// per-sequence advantages, and the reference = old log-probs.
+pub fn with_ppo_fields(engine: &mut EngineHandle, mut batch: Batch) -> Batch {
     let old = log_probs(engine, &batch);
     let shape = old.shape.to_vec();
     let (b, r) = (shape[0] as usize, shape[1] as usize);
@@ -211,6 +246,37 @@ pub fn weights(engine: &mut EngineHandle) -> Vec<NamedTensor> {
         .iter()
         .map(|view| view.to_named())
         .collect()
+}
+
+/// The update metrics that do not depend on how rows are grouped into micro-batches: the
+/// mini-batch's loss values, the gradient norm and the learning rate (the per-micro-batch means —
+/// clip fractions, KL, entropy — do, in verl too).
+pub const GROUPING_FREE_METRICS: [&str; 5] = [
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/lr",
+];
+
+/// The largest difference of `keys` between two updates' metrics, relative to values above 1.
+pub fn metrics_diff(got: &[Metric], want: &[Metric], keys: &[&str]) -> f64 {
+    keys.iter()
+        .map(|key| {
+            let (mine, theirs) = (metric(got, key), metric(want, key));
+            (mine - theirs).abs() / theirs.abs().max(1.0)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// An engine's values of `batch`.
+pub fn values(engine: &mut EngineHandle, batch: &Batch) -> Tensor {
+    engine
+        .compute_values(batch)
+        .unwrap()
+        .require(keys::VALUES)
+        .unwrap()
+        .clone()
 }
 
 pub fn metric(metrics: &[Metric], key: &str) -> f64 {

@@ -112,6 +112,9 @@ fn default_kl_loss_type() -> String {
 fn default_cliprange_value() -> f64 {
     0.5
 }
+fn default_max_token_len() -> usize {
+    16384
+}
 
 /// verl's `optim` section. Keys verl may leave `null` are options.
 #[derive(Debug, Clone, Deserialize)]
@@ -176,6 +179,21 @@ pub struct ActorConfig {
     /// critic keys); default the PPO micro-batch size, then the whole batch.
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
     pub forward_micro_batch_size_per_gpu: Option<usize>,
+    /// verl's `use_dynamic_bsz`: micro-batches by a token budget instead of a row count — in
+    /// updates (`ppo_max_token_len_per_gpu`) and in the critic's `compute_values`
+    /// (`forward_max_token_len_per_gpu`).
+    #[serde(default)]
+    pub use_dynamic_bsz: bool,
+    /// Real (unpadded) tokens per micro-batch and rank with `use_dynamic_bsz`.
+    #[serde(default = "default_max_token_len")]
+    pub ppo_max_token_len_per_gpu: usize,
+    /// `compute_log_prob` by a token budget (verl's rollout and ref `log_prob_use_dynamic_bsz`);
+    /// default `use_dynamic_bsz`, as verl's config interpolates it.
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// Its budget; default `ppo_max_token_len_per_gpu`.
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
+    /// The critic's `compute_values` budget; default `ppo_max_token_len_per_gpu`.
+    pub forward_max_token_len_per_gpu: Option<usize>,
     #[serde(default = "one")]
     pub ppo_epochs: usize,
     /// Shuffle the batch before splitting it into mini-batches, each epoch (seeded, checkpointed).
@@ -218,8 +236,10 @@ pub struct ActorSettings {
     pub clip_grad: f64,
     pub schedule: LrSchedule,
     pub mini_batch: usize,
-    pub micro_batch: Option<usize>,
-    pub forward_micro_batch: Option<usize>,
+    /// How an update's mini-batches are cut.
+    pub micro_batch: MicroBatching,
+    /// How `compute_log_prob` / `compute_values` cut their rows.
+    pub forward_micro_batch: MicroBatching,
     pub epochs: usize,
     pub shuffle: bool,
     pub clip: ClipConfig,
@@ -231,6 +251,20 @@ pub struct ActorSettings {
     /// `Some((coef, penalty))` when `use_kl_loss`.
     pub kl_loss: Option<(f64, KlPenalty)>,
     pub cliprange_value: f64,
+}
+
+/// How rows are cut into micro-batches (forward passes, and gradient accumulation in updates).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroBatching {
+    /// At most this many rows each, in order; all rows at once when `None`.
+    Rows(Option<usize>),
+    /// verl's `use_dynamic_bsz`: balanced micro-batches of about `max_token_len` real tokens each
+    /// (per rank; a strategy may scale it, see `Strategy::token_budget_scale`), outputs restored
+    /// to the input order. `key` names the setting in errors.
+    Tokens {
+        max_token_len: usize,
+        key: &'static str,
+    },
 }
 
 fn invalid(key: &str, reason: impl Into<String>) -> ActorError {
@@ -326,7 +360,9 @@ impl ActorConfig {
             .ppo_micro_batch_size_per_gpu
             .map(|m| positive("ppo_micro_batch_size_per_gpu", m))
             .transpose()?;
+        // Updates by a token budget do not read it (verl checks it only without one).
         if let Some(micro) = micro_batch
+            && !self.use_dynamic_bsz
             && mini_batch % micro != 0
         {
             return Err(invalid(
@@ -334,13 +370,47 @@ impl ActorConfig {
                 format!("{micro} does not divide ppo_mini_batch_size {mini_batch}"),
             ));
         }
-        let forward_micro_batch = match (
+        let forward_rows = match (
             self.log_prob_micro_batch_size_per_gpu,
             self.forward_micro_batch_size_per_gpu,
         ) {
             (Some(m), _) => Some(positive("log_prob_micro_batch_size_per_gpu", m)?),
             (None, Some(m)) => Some(positive("forward_micro_batch_size_per_gpu", m)?),
             (None, None) => micro_batch,
+        };
+        // Budgets are checked where they are used (verl reads them only then).
+        let tokens =
+            |key: &'static str, max_token_len: usize| -> Result<MicroBatching, ActorError> {
+                Ok(MicroBatching::Tokens {
+                    max_token_len: positive(key, max_token_len)?,
+                    key,
+                })
+            };
+        let ppo_budget = || tokens("ppo_max_token_len_per_gpu", self.ppo_max_token_len_per_gpu);
+        let update_batching = if self.use_dynamic_bsz {
+            ppo_budget()?
+        } else {
+            MicroBatching::Rows(micro_batch)
+        };
+        // verl: the critic's forward follows its `use_dynamic_bsz`; log-probs follow the
+        // rollout's (actor) or the ref's `log_prob_use_dynamic_bsz`.
+        let (forward_dynamic, forward_budget) = match self.role {
+            Role::Critic => (
+                self.use_dynamic_bsz,
+                self.forward_max_token_len_per_gpu
+                    .map(|m| ("forward_max_token_len_per_gpu", m)),
+            ),
+            Role::Actor | Role::Ref => (
+                self.log_prob_use_dynamic_bsz
+                    .unwrap_or(self.use_dynamic_bsz),
+                self.log_prob_max_token_len_per_gpu
+                    .map(|m| ("log_prob_max_token_len_per_gpu", m)),
+            ),
+        };
+        let forward_micro_batch = match (forward_dynamic, forward_budget) {
+            (false, _) => MicroBatching::Rows(forward_rows),
+            (true, Some((key, m))) => tokens(key, m)?,
+            (true, None) => ppo_budget()?,
         };
         let clip = ClipConfig {
             clip_ratio_low: non_negative(
@@ -388,7 +458,7 @@ impl ActorConfig {
                 decay,
             },
             mini_batch,
-            micro_batch,
+            micro_batch: update_batching,
             forward_micro_batch,
             epochs: positive("ppo_epochs", self.ppo_epochs)?,
             shuffle: self.shuffle,
@@ -480,7 +550,10 @@ mod tests {
             (s.schedule.base_lr, s.optimizer.weight_decay, s.clip_grad),
             (1e-6, 0.01, 1.0)
         );
-        assert_eq!((s.mini_batch, s.micro_batch, s.epochs), (256, None, 1));
+        assert_eq!(
+            (s.mini_batch, s.micro_batch, s.forward_micro_batch, s.epochs),
+            (256, MicroBatching::Rows(None), MicroBatching::Rows(None), 1)
+        );
         assert_eq!(
             (
                 s.clip.clip_ratio_low,
@@ -527,6 +600,55 @@ mod tests {
     }
 
     #[test]
+    fn token_budgets_follow_verl_defaults() {
+        let tokens = |max_token_len, key| MicroBatching::Tokens { max_token_len, key };
+        let s = settings(r#","use_dynamic_bsz":true,"ppo_micro_batch_size_per_gpu":3"#).unwrap();
+        // The log-prob switch and budget default to the update's, as verl interpolates them.
+        assert_eq!(s.micro_batch, tokens(16384, "ppo_max_token_len_per_gpu"));
+        assert_eq!(s.forward_micro_batch, s.micro_batch);
+        let s = settings(
+            r#","use_dynamic_bsz":true,"ppo_max_token_len_per_gpu":64,"log_prob_max_token_len_per_gpu":96"#,
+        )
+        .unwrap();
+        assert_eq!(s.micro_batch, tokens(64, "ppo_max_token_len_per_gpu"));
+        assert_eq!(
+            s.forward_micro_batch,
+            tokens(96, "log_prob_max_token_len_per_gpu")
+        );
+        // Each switch on its own.
+        let s = settings(
+            r#","use_dynamic_bsz":true,"log_prob_use_dynamic_bsz":false,"log_prob_micro_batch_size_per_gpu":3"#,
+        )
+        .unwrap();
+        assert_eq!(s.forward_micro_batch, MicroBatching::Rows(Some(3)));
+        let s = settings(r#","log_prob_use_dynamic_bsz":true,"ppo_micro_batch_size_per_gpu":2"#)
+            .unwrap();
+        assert_eq!(s.micro_batch, MicroBatching::Rows(Some(2)));
+        assert_eq!(
+            s.forward_micro_batch,
+            tokens(16384, "ppo_max_token_len_per_gpu")
+        );
+        // The critic's forward budget is its own key; its log-prob keys do not apply.
+        let critic = |extra: &str| {
+            serde_json::from_str::<ActorConfig>(&format!(
+                r#"{{"role":"critic","model":{{"path":"m"}},"use_dynamic_bsz":true{extra}}}"#
+            ))
+            .unwrap()
+            .validate()
+            .unwrap()
+        };
+        assert_eq!(
+            critic(r#","forward_max_token_len_per_gpu":128,"log_prob_use_dynamic_bsz":false"#)
+                .forward_micro_batch,
+            tokens(128, "forward_max_token_len_per_gpu")
+        );
+        assert_eq!(
+            critic(r#","ppo_max_token_len_per_gpu":32"#).forward_micro_batch,
+            tokens(32, "ppo_max_token_len_per_gpu")
+        );
+    }
+
+    #[test]
     fn invalid_values_name_the_key() {
         for (extra, key) in [
             (
@@ -556,6 +678,14 @@ mod tests {
                 "tau_neg",
             ),
             (r#","ppo_epochs":0"#, "ppo_epochs"),
+            (
+                r#","use_dynamic_bsz":true,"ppo_max_token_len_per_gpu":0"#,
+                "ppo_max_token_len_per_gpu",
+            ),
+            (
+                r#","log_prob_use_dynamic_bsz":true,"log_prob_max_token_len_per_gpu":0"#,
+                "log_prob_max_token_len_per_gpu",
+            ),
         ] {
             let err = settings(extra).unwrap_err().to_string();
             assert!(err.contains(&format!("`{key}`")), "{extra}: {err}");

@@ -6,17 +6,26 @@
 //! only what differs: its forward and backward, its optimizer, its checkpoint files and its weights
 //! ([`Strategy`]).
 //!
-//! Loss scaling follows verl's global-batch normalisation: every micro-batch's loss is aggregated
-//! with the mini-batch's token count (token-mean) or sequence count (seq-mean modes) as the
-//! denominator, so the accumulated gradient equals the mini-batch's loss gradient whatever the
-//! micro-batch size. Metrics are averaged as verl's `reduce_metrics` does (mean of the collected
-//! values), with the loss values (`pg_loss`, `kl_loss`, `vf_loss`) collected per mini-batch (the sum
-//! of its micro-batches' contributions, i.e. the mini-batch loss) and the rest per micro-batch.
+//! Micro-batches hold a fixed number of rows (`ppo_micro_batch_size_per_gpu`, …), or, with verl's
+//! `use_dynamic_bsz`, a token budget (`ppo_max_token_len_per_gpu`, …): verl's
+//! `rearrange_micro_batches` (Karmarkar–Karp over a FLOP estimate, [`verl_seqlen_balancing`]),
+//! with per-row outputs put back in the input order.
+//!
+//! Loss scaling follows verl's global-batch normalisation (its engine workers' `global_batch_info`):
+//! every micro-batch's loss is aggregated with the mini-batch's token count (token-mean) or
+//! sequence count (seq-mean modes) as the denominator, so the accumulated gradient equals the
+//! mini-batch's loss gradient however the rows are grouped into micro-batches — fixed or by
+//! tokens. (verl's legacy `dp_actor` instead scales each micro-batch's own mean by its share of
+//! the mini-batch's rows, which differs from the mini-batch's token mean when micro-batches hold
+//! different token counts.) Metrics are averaged as verl's `reduce_metrics` does (mean of the collected
+//! values), with the loss values (`pg_loss`, `kl_loss`, `loss`, `vf_loss`) collected per mini-batch
+//! (the sum of its micro-batches' contributions, i.e. the mini-batch loss) and the rest per
+//! micro-batch.
 //! `actor/entropy` comes from `update_actor` only when `entropy_coeff != 0`, as in verl, whose
 //! trainer otherwise reports it from `compute_log_prob`'s `entropys`.
 //!
 //! Data parallelism: a strategy whose ranks each hold a slice of the batch sums across them
-//! ([`Strategy::all_reduce_sum`], [`Strategy::reduce_gradients`]) the mini-batch's token and
+//! ([`Strategy::all_reduce`], [`Strategy::reduce_gradients`]) the mini-batch's token and
 //! sequence counts (so each rank's loss is its share of the global loss: local sum / global
 //! count), the gradients (before clipping: the grad-norm is global), the loss values and the
 //! metrics (means over every rank's collected values). Every rank then reports the same metrics
@@ -32,9 +41,11 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{Batch, Metric, TensorRef, keys};
+use verl_seqlen_balancing::{BalanceError, inverse_permutation, micro_batch_count, micro_batches};
 
 pub use config::{
-    ActorConfig, ActorSettings, OptimConfig, PolicyLossConfig, Role, engine_section_keys,
+    ActorConfig, ActorSettings, MicroBatching, OptimConfig, PolicyLossConfig, Role,
+    engine_section_keys,
 };
 pub use error::ActorError;
 pub use rows::{Meta, Rows};
@@ -88,12 +99,25 @@ pub trait Strategy {
     /// The full weights as views (see `verl_plugin_api::Engine::weights`).
     fn weights(&mut self) -> crate::Result<Vec<TensorRef<'_>>>;
     fn export_hf(&self, dir: &Path) -> crate::Result<()>;
-    /// Sums `values` in place over the data-parallel ranks (every rank calls it at the same
+    /// Reduces `values` in place over the data-parallel ranks (every rank calls it at the same
     /// point).
-    fn all_reduce_sum(&mut self, values: &mut [f64]) -> crate::Result<()>;
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> crate::Result<()>;
+    /// What a rank's token budget (`use_dynamic_bsz`) is multiplied by: verl's Megatron worker
+    /// multiplies it by the context-parallel size, each rank holding that share of every
+    /// sequence.
+    fn token_budget_scale(&self) -> usize {
+        1
+    }
     /// Makes each rank's gradients the sum of every rank's accumulated gradients (of what it
     /// holds), before they are clipped.
     fn reduce_gradients(&mut self) -> crate::Result<()>;
+}
+
+/// A reduction over the data-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    Sum,
+    Max,
 }
 
 /// What a trainable role carries besides its strategy.
@@ -159,6 +183,25 @@ fn scalar(t: &Tensor) -> f64 {
 type MicroStep<'a, S> = dyn FnMut(&S, &Rows, &AggScale, &mut Metrics) -> Result<Vec<(&'static str, f64)>, ActorError>
     + 'a;
 
+/// A call's rows cut into micro-batches.
+struct MicroBatches {
+    batches: Vec<Rows>,
+    /// With a token budget (whose micro-batches regroup the rows): where each input row sits in
+    /// the micro-batches' concatenated outputs (verl's `restore_dynamic_batch`).
+    order: Option<Tensor>,
+}
+
+impl MicroBatches {
+    /// The micro-batches' per-row outputs as one tensor in the input's row order.
+    fn restore(&self, outputs: &[Tensor]) -> Tensor {
+        let all = Tensor::cat(outputs, 0);
+        match &self.order {
+            Some(order) => all.index_select(0, order),
+            None => all,
+        }
+    }
+}
+
 /// An engine role (actor, ref or critic) on a strategy.
 pub struct ActorWorker<S> {
     settings: ActorSettings,
@@ -209,12 +252,13 @@ impl<S: Strategy> ActorWorker<S> {
             &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
             self.strategy.device(),
         )?;
+        let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
         let (mut log_probs, mut entropys) = (Vec::new(), Vec::new());
         tch::no_grad(|| -> Result<(), ActorError> {
-            for micro in rows.chunks(self.settings.forward_micro_batch) {
+            for rows in &micro.batches {
                 let scores =
                     self.strategy
-                        .scores(&micro, meta.temperature, meta.calculate_entropy)?;
+                        .scores(rows, meta.temperature, meta.calculate_entropy)?;
                 log_probs.push(scores.log_probs);
                 entropys.extend(scores.entropy);
             }
@@ -223,12 +267,12 @@ impl<S: Strategy> ActorWorker<S> {
         let mut out = Batch::default();
         out.insert(
             keys::LOG_PROBS,
-            from_tch(keys::LOG_PROBS, &Tensor::cat(&log_probs, 0))?,
+            from_tch(keys::LOG_PROBS, &micro.restore(&log_probs))?,
         );
         if meta.calculate_entropy {
             out.insert(
                 keys::ENTROPYS,
-                from_tch(keys::ENTROPYS, &Tensor::cat(&entropys, 0))?,
+                from_tch(keys::ENTROPYS, &micro.restore(&entropys))?,
             );
         }
         Ok(out)
@@ -241,15 +285,18 @@ impl<S: Strategy> ActorWorker<S> {
             &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
             self.strategy.device(),
         )?;
+        let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
         let values = tch::no_grad(|| -> Result<Vec<Tensor>, ActorError> {
-            rows.chunks(self.settings.forward_micro_batch)
-                .map(|m| Ok(self.strategy.values(&m)?))
+            micro
+                .batches
+                .iter()
+                .map(|m| Ok(self.strategy.values(m)?))
                 .collect()
         })?;
         let mut out = Batch::default();
         out.insert(
             keys::VALUES,
-            from_tch(keys::VALUES, &Tensor::cat(&values, 0))?,
+            from_tch(keys::VALUES, &micro.restore(&values))?,
         );
         Ok(out)
     }
@@ -322,16 +369,16 @@ impl<S: Strategy> ActorWorker<S> {
         rows: Rows,
         micro_step: &mut MicroStep<'_, S>,
     ) -> Result<Vec<Metric>, ActorError> {
-        let s = &self.settings;
-        let training = self
-            .training
-            .as_mut()
-            .expect("trainable roles have training state");
-        let lr = training.schedule.lr_at(training.updates);
+        let s = self.settings.clone();
+        let lr = {
+            let training = self.training("update")?;
+            training.schedule.lr_at(training.updates)
+        };
         let mut metrics = Metrics::default();
         let mut skipped = 0u32;
         for _ in 0..s.epochs {
             let order = if s.shuffle {
+                let training = self.training.as_mut().expect("checked above");
                 rows.select(&permutation(
                     &mut training.rng,
                     rows.rows(),
@@ -353,7 +400,7 @@ impl<S: Strategy> ActorWorker<S> {
                             .sum(Kind::Float),
                     ),
                 ];
-                self.strategy.all_reduce_sum(&mut counts)?;
+                self.strategy.all_reduce(&mut counts, Reduction::Sum)?;
                 let [tokens, seqs] = counts;
                 let scale = AggScale {
                     batch_num_tokens: Some(tokens.max(1.0)),
@@ -361,15 +408,16 @@ impl<S: Strategy> ActorWorker<S> {
                     loss_scale_factor: s.loss_scale_factor,
                     ..AggScale::default()
                 };
+                let micro_batches = self.micro_batches(&mini, s.micro_batch)?;
                 let mut losses: BTreeMap<&'static str, f64> = BTreeMap::new();
-                for micro in mini.chunks(s.micro_batch) {
-                    for (key, value) in micro_step(&self.strategy, &micro, &scale, &mut metrics)? {
+                for micro in &micro_batches.batches {
+                    for (key, value) in micro_step(&self.strategy, micro, &scale, &mut metrics)? {
                         *losses.entry(key).or_default() += value;
                     }
                 }
                 // The global mini-batch's loss values: the sum of every rank's share.
                 let mut values: Vec<f64> = losses.values().copied().collect();
-                self.strategy.all_reduce_sum(&mut values)?;
+                self.strategy.all_reduce(&mut values, Reduction::Sum)?;
                 let finite_loss = values.iter().all(|v| v.is_finite());
                 losses
                     .into_keys()
@@ -394,14 +442,64 @@ impl<S: Strategy> ActorWorker<S> {
                 );
             }
         }
-        training.updates += 1;
-        let mut out = metrics.into_means(|totals| self.strategy.all_reduce_sum(totals))?;
+        self.training.as_mut().expect("checked above").updates += 1;
+        let mut out =
+            metrics.into_means(|totals| self.strategy.all_reduce(totals, Reduction::Sum))?;
         out.push(Metric::new(format!("{prefix}/lr"), lr));
         out.push(Metric::new(
             format!("{prefix}/{SKIPPED_UPDATES}"),
             f64::from(skipped),
         ));
         Ok(out)
+    }
+
+    /// `rows` cut into micro-batches as `batching` says. With a token budget these are verl's
+    /// `rearrange_micro_batches` (`verl_seqlen_balancing::micro_batches`), as many on every
+    /// data-parallel rank (the most any rank needs: verl's `same_micro_num_in_dp`, which a
+    /// sharded model relies on to gather its blocks in step).
+    fn micro_batches(
+        &mut self,
+        rows: &Rows,
+        batching: MicroBatching,
+    ) -> Result<MicroBatches, ActorError> {
+        let (max_token_len, key) = match batching {
+            MicroBatching::Rows(size) => {
+                return Ok(MicroBatches {
+                    batches: rows.chunks(size).collect(),
+                    order: None,
+                });
+            }
+            MicroBatching::Tokens { max_token_len, key } => (max_token_len, key),
+        };
+        let mask = rows.get(keys::ATTENTION_MASK);
+        let seqlens: Vec<u64> = Vec::<i64>::try_from(
+            mask.sum_dim_intlist(-1, false, Kind::Int64)
+                .to_device(Device::Cpu),
+        )?
+        .into_iter()
+        .map(|n| n.max(0) as u64)
+        .collect();
+        let budget = (max_token_len * self.strategy.token_budget_scale()) as u64;
+        let config_error = |e: BalanceError| ActorError::Config {
+            key: key.to_owned(),
+            reason: e.to_string(),
+        };
+        let local =
+            micro_batch_count(&seqlens, mask.size()[1] as u64, budget).map_err(config_error)?;
+        let mut count = [local as f64];
+        self.strategy.all_reduce(&mut count, Reduction::Max)?;
+        let partitions = micro_batches(&seqlens, count[0] as usize)
+            .map_err(|e| ActorError::Batch(format!("`{key}` micro-batches: {e}")))?;
+        let device = self.strategy.device();
+        let index = |rows: &[usize]| {
+            let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+            Tensor::from_slice(&rows).to_device(device)
+        };
+        let order = partitions.concat();
+        Ok(MicroBatches {
+            batches: partitions.iter().map(|p| rows.select(&index(p))).collect(),
+            order: Some(index(&inverse_permutation(&order))),
+        })
     }
 
     fn training(&self, op: &str) -> Result<&Training, ActorError> {
@@ -508,7 +606,10 @@ fn actor_micro_step<S: Strategy>(
             losses.push(("actor/kl_loss", scalar(&kl_loss)));
             terms.push(kl_loss * coef);
         }
-        Ok(Tensor::stack(&terms, 0).sum(Kind::Float))
+        // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
+        let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
+        losses.push(("actor/loss", scalar(&loss)));
+        Ok(loss)
     })?;
     if let Some((coef, _)) = s.kl_loss {
         metrics.push("actor/kl_coef", coef);

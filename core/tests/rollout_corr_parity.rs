@@ -74,7 +74,9 @@ fn check(case: &Value, set: &Value) -> Result<(), String> {
     ours.sort();
     theirs.sort();
     if ours != theirs {
-        return Err(format!("metric keys differ: ours {ours:?}, verl {theirs:?}"));
+        return Err(format!(
+            "metric keys differ: ours {ours:?}, verl {theirs:?}"
+        ));
     }
     for (key, value) in expected {
         let e = value.as_f64().expect("a number");

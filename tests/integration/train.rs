@@ -340,18 +340,41 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
     // (the rest would mostly find a resumed attempt finished). A round
     // resumes its run after every kill until an attempt finishes first; the run is then checked
     // and the next round starts from scratch, until 10 kills have landed.
-    let seed = std::env::var("VERL_KILL_HARNESS_SEED").map_or(0x5eed_0fc0_ffee, |s| {
-        s.parse().expect("VERL_KILL_HARNESS_SEED: a u64")
-    });
+    let kills = random_kills(
+        |run_dir| args(run_dir, 6, 1),
+        full.mul_f64(0.6),
+        0x5eed_0fc0_ffee,
+        |_, run_dir| assert_like_the_reference(run_dir),
+    );
+    eprintln!(
+        "kill harness: {} kills in {:.1} s",
+        kills + 4,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Rounds of seeded random kills: a round starts a run from scratch and SIGKILLs it after a
+/// delay drawn over `spread`, resuming it (`resume_mode=auto`) after every kill until an attempt
+/// finishes first; `check(round, run_dir)` then judges the run. Rounds go on until 10 kills have
+/// landed, at 3 or more points of training (the latest checkpoint when killed). Returns how many
+/// landed. `VERL_KILL_HARNESS_SEED` picks another seed than `seed`.
+fn random_kills(
+    args: impl Fn(&Path) -> Vec<String>,
+    spread: Duration,
+    seed: u64,
+    check: impl Fn(usize, &Path),
+) -> usize {
+    let seed = std::env::var("VERL_KILL_HARNESS_SEED")
+        .map_or(seed, |s| s.parse().expect("VERL_KILL_HARNESS_SEED: a u64"));
     let mut rng = Rng(seed.max(1));
     // (round, delay, latest checkpoint when killed)
     let mut kills = Vec::new();
     for round in 0.. {
         let dir = tempfile::tempdir().unwrap();
         let run_dir = dir.path().join("run");
-        let round_args = args(&run_dir, 6, 1);
+        let round_args = args(&run_dir);
         loop {
-            let delay = full.mul_f64(0.6 * rng.next_f64());
+            let delay = spread.mul_f64(rng.next_f64());
             let attempt = Attempt::start(&round_args, None);
             std::thread::sleep(delay);
             if !attempt.kill() {
@@ -359,7 +382,7 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
             }
             kills.push((round, delay, latest_checkpoint(&run_dir)));
         }
-        assert_like_the_reference(&run_dir);
+        check(round, &run_dir);
         if kills.len() >= 10 {
             break;
         }
@@ -370,11 +393,7 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
         progress.len() >= 3,
         "the kills landed at too few points of training to prove anything: {kills:?}"
     );
-    eprintln!(
-        "kill harness: {} kills in {:.1} s",
-        kills.len() + 4,
-        started.elapsed().as_secs_f64()
-    );
+    kills.len()
 }
 
 /// `trainer.training_mode=one_step_off` runs of 6 steps with a checkpoint per step and
@@ -383,6 +402,9 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
 fn one_step_off_args(run_dir: &Path) -> Vec<String> {
     let mut args = args(run_dir, 6, 1);
     args.push("trainer.training_mode=one_step_off".to_owned());
+    // Rollout correction on the lagging samples: IS weights reach the fsdp engine's loss.
+    args.push("actor_rollout_ref.rollout.calculate_log_probs=true".to_owned());
+    args.push("algorithm.rollout_correction.rollout_is=token".to_owned());
     args.push(format!(
         "trainer.rollout_data_dir={}",
         run_dir.join("rollouts").display()
@@ -401,7 +423,10 @@ fn consumed(run_dir: &Path) -> (Vec<u64>, std::collections::BTreeMap<String, Str
             let sample: Value = serde_json::from_str(line).unwrap();
             indices.push(sample["index"].as_u64().unwrap());
         }
-        files.insert(path.file_name().unwrap().to_string_lossy().into_owned(), text);
+        files.insert(
+            path.file_name().unwrap().to_string_lossy().into_owned(),
+            text,
+        );
     }
     indices.sort_unstable();
     (indices, files)
@@ -427,46 +452,35 @@ fn killed_anywhere_a_one_step_off_run_trains_on_every_prompt_once() {
     let by_step = step_metrics(&whole);
     assert_eq!(by_step[&1]["training/staleness_mean"], 0.0);
     assert_eq!(by_step[&2]["training/staleness_mean"], 1.0);
+    // Step 1 trains on samples of the weights it starts from, step 2 on those of one update back.
+    let kl = |step: u64| by_step[&step]["rollout_corr/kl"].as_f64().unwrap().abs();
+    assert!(kl(2) > kl(1), "rollout_corr/kl: step 1 {}, step 2 {}", kl(1), kl(2));
+    assert!(by_step[&2].contains_key("rollout_corr/rollout_is_mean"));
 
-    let seed = std::env::var("VERL_KILL_HARNESS_SEED").map_or(0x0ff_5eed, |s| {
-        s.parse().expect("VERL_KILL_HARNESS_SEED: a u64")
-    });
-    let mut rng = Rng(seed.max(1));
-    let mut kills = Vec::new();
-    for round in 0.. {
-        let dir = tempfile::tempdir().unwrap();
-        let run_dir = dir.path().join("run");
-        let round_args = one_step_off_args(&run_dir);
-        loop {
-            let delay = full.mul_f64(0.8 * rng.next_f64());
-            let attempt = Attempt::start(&round_args, None);
-            std::thread::sleep(delay);
-            if !attempt.kill() {
-                break;
-            }
-            kills.push((round, delay, latest_checkpoint(&run_dir)));
-        }
-        let (indices, files) = consumed(&run_dir);
-        assert_eq!(indices, whole_indices, "round {round}: prompts skipped or repeated");
-        assert!(files == whole_files, "round {round}: other samples than the uninterrupted run's");
-        assert_eq!(step_metrics(&run_dir), step_metrics(&whole), "round {round}");
-        assert!(
-            final_weights(&run_dir) == final_weights(&whole),
-            "round {round}: final weights differ"
-        );
-        if kills.len() >= 10 {
-            break;
-        }
-    }
-    eprintln!("seed {seed:#x}: kills (round, delay, latest checkpoint): {kills:?}");
-    let progress: std::collections::BTreeSet<u64> = kills.iter().map(|k| k.2).collect();
-    assert!(
-        progress.len() >= 3,
-        "the kills landed at too few points of training to prove anything: {kills:?}"
+    let kills = random_kills(
+        one_step_off_args,
+        full.mul_f64(0.8),
+        0x0ff_5eed,
+        |round, run_dir| {
+            let (indices, files) = consumed(run_dir);
+            assert_eq!(
+                indices, whole_indices,
+                "round {round}: prompts skipped or repeated"
+            );
+            assert!(
+                files == whole_files,
+                "round {round}: other samples than the uninterrupted run's"
+            );
+            assert_eq!(step_metrics(run_dir), step_metrics(&whole), "round {round}");
+            assert!(
+                final_weights(run_dir) == final_weights(&whole),
+                "round {round}: final weights differ"
+            );
+        },
     );
     eprintln!(
         "one-step-off kill harness: {} kills in {:.1} s (uninterrupted run {:.1} s)",
-        kills.len(),
+        kills,
         started.elapsed().as_secs_f64(),
         full.as_secs_f64()
     );

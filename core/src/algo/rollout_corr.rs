@@ -124,7 +124,10 @@ fn parse_rs(options: &str, thresholds: Option<&str>) -> Result<Vec<RsCriterion>,
         if !RS_OPTIONS.contains(&option) {
             return Err(invalid(
                 "rollout_rs",
-                format!("unknown option `{option}` (one of {})", RS_OPTIONS.join(", ")),
+                format!(
+                    "unknown option `{option}` (one of {})",
+                    RS_OPTIONS.join(", ")
+                ),
             ));
         }
         if !names.contains(&option) {
@@ -270,15 +273,23 @@ fn clamped_std(values: &[f32], lo: f64, hi: f64, mask: &[f32]) -> f64 {
 
 /// Masked mean over the whole matrix.
 fn masked_mean(values: &[f32], mask: &[f32]) -> f64 {
-    mean_of(values.iter().map(|&v| f64::from(v)).zip(mask.iter().copied()))
+    mean_of(
+        values
+            .iter()
+            .map(|&v| f64::from(v))
+            .zip(mask.iter().copied()),
+    )
 }
 
 fn plain_mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len() as f64
 }
 
-/// torch's `std()`: unbiased.
+/// torch's `std()` (unbiased), or 0 for fewer than two values, as verl guards it.
 fn unbiased_std(values: &[f64]) -> f64 {
+    if values.len() < 2 {
+        return 0.0;
+    }
     let mean = plain_mean(values);
     let ss: f64 = values.iter().map(|v| (v - mean).powi(2)).sum();
     (ss / (values.len() as f64 - 1.0)).sqrt()
@@ -329,7 +340,11 @@ impl Rows<'_> {
         (0..self.count())
             .map(|i| {
                 let row = &values[i * self.cols..(i + 1) * self.cols];
-                mean_of(row.iter().map(|&v| f64::from(v)).zip(self.mask(i).iter().copied()))
+                mean_of(
+                    row.iter()
+                        .map(|&v| f64::from(v))
+                        .zip(self.mask(i).iter().copied()),
+                )
             })
             .collect()
     }
@@ -424,7 +439,11 @@ fn is_weights(
         IsLevel::Sequence => {
             let sums = rows.sums(log_ratio);
             (0..log_ratio.len())
-                .map(|j| (sums[j / cols.max(1)] as f32).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp())
+                .map(|j| {
+                    (sums[j / cols.max(1)] as f32)
+                        .clamp(-SAFETY_BOUND, SAFETY_BOUND)
+                        .exp()
+                })
                 .collect()
         }
     };
@@ -439,10 +458,7 @@ fn is_weights(
             let sums: Vec<f32> = rows.sums(log_ratio).iter().map(|&s| s as f32).collect();
             let log_max = sums.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let log_min = sums.iter().copied().fold(f32::INFINITY, f32::min);
-            put(
-                "rollout_is_max",
-                f64::from(log_max.min(SAFETY_BOUND).exp()),
-            );
+            put("rollout_is_max", f64::from(log_max.min(SAFETY_BOUND).exp()));
             put("rollout_is_min", f64::from(log_min.exp()));
             let (log_hi, log_lo) = ((threshold as f32).ln(), (lower as f32).ln());
             let fraction = |hit: &dyn Fn(f32) -> bool| {
@@ -463,11 +479,20 @@ fn is_weights(
             };
             put("rollout_is_ratio_fraction_high", share(&|w| w > hi));
             put("rollout_is_ratio_fraction_low", share(&|w| w < lo));
-            put("rollout_is_max", max_of(valid().map(|(&w, _)| f64::from(w))));
-            put("rollout_is_min", min_of(valid().map(|(&w, _)| f64::from(w))));
+            put(
+                "rollout_is_max",
+                max_of(valid().map(|(&w, _)| f64::from(w))),
+            );
+            put(
+                "rollout_is_min",
+                min_of(valid().map(|(&w, _)| f64::from(w))),
+            );
         }
     }
-    put("rollout_is_std", clamped_std(&weights, lower, threshold, mask));
+    put(
+        "rollout_is_std",
+        clamped_std(&weights, lower, threshold, mask),
+    );
     let clamped: Vec<f32> = weights
         .iter()
         .map(|&w| clamp(f64::from(w), lower, threshold) as f32)
@@ -486,10 +511,7 @@ fn is_weights(
     );
     let seq = rows.means(&weights);
     put("rollout_is_seq_mean", plain_mean(&seq));
-    put(
-        "rollout_is_seq_std",
-        if seq.len() > 1 { unbiased_std(&seq) } else { 0.0 },
-    );
+    put("rollout_is_seq_std", unbiased_std(&seq));
     put("rollout_is_seq_max", max_of(seq.iter().copied()));
     put("rollout_is_seq_min", min_of(seq.iter().copied()));
     put(
@@ -651,27 +673,30 @@ fn rejection_mask(
                 if k1 { token_share(&|v| v < lo) } else { 0.0 },
             );
         }
-        put("std", clamped_std(&stat, f64::from(lo), f64::from(hi), mask));
+        put(
+            "std",
+            clamped_std(&stat, f64::from(lo), f64::from(hi), mask),
+        );
         // verl's sequence summaries; at least one sequence is valid (checked above).
         put("seq_mean", plain_mean(&seq_valid));
-        put(
-            "seq_std",
-            if seq_valid.len() > 1 {
-                unbiased_std(&seq_valid)
-            } else {
-                0.0
-            },
-        );
+        put("seq_std", unbiased_std(&seq_valid));
         put("seq_max", max_of(seq_valid.iter().copied()));
         put("seq_min", min_of(seq_valid.iter().copied()));
-        put("seq_max_deviation", max_of(seq_valid.iter().map(|s| s.abs())));
+        put(
+            "seq_max_deviation",
+            max_of(seq_valid.iter().map(|s| s.abs())),
+        );
         put("seq_fraction_high", seq_share(&|s| s > hi));
         if k1 {
             put("seq_fraction_low", seq_share(&|s| s < lo));
         }
         put(
             "masked_fraction",
-            mean_of(keep.iter().zip(mask).map(|(&k, &m)| (f64::from(1.0 - k), m))),
+            mean_of(
+                keep.iter()
+                    .zip(mask)
+                    .map(|(&k, &m)| (f64::from(1.0 - k), m)),
+            ),
         );
         let rejected_rows = (0..rows.count())
             .filter(|&i| {
@@ -728,10 +753,7 @@ fn offpolicy_metrics(
     let mean_rollout = rows.means(rollout);
     let ppl = |means: &[f64]| plain_mean(&means.iter().map(|m| (-m).exp()).collect::<Vec<_>>());
     put("training_ppl", ppl(&mean_train));
-    put(
-        "training_log_ppl",
-        -plain_mean(&mean_train),
-    );
+    put("training_log_ppl", -plain_mean(&mean_train));
     let diff: Vec<f32> = rollout.iter().zip(old).map(|(&r, &o)| r - o).collect();
     put("kl", masked_mean(&diff, mask));
     let k3: Vec<f32> = log_ratio.iter().map(|&l| l.exp() - l - 1.0).collect();
@@ -787,7 +809,8 @@ mod tests {
         let old = m(&[&[ln(0.6), ln(0.1)], &[ln(0.2), 0.0]]);
         let rollout = m(&[&[ln(0.2), ln(0.4)], &[ln(0.2), -5.0]]);
         let mask = m(&[&[1.0, 1.0], &[1.0, 0.0]]);
-        let settings = RolloutCorrection::new(Some(IsLevel::Token), 2.0, false, None, None).unwrap();
+        let settings =
+            RolloutCorrection::new(Some(IsLevel::Token), 2.0, false, None, None).unwrap();
         let out = rollout_correction(&old, &rollout, &mask, &settings).unwrap();
         let w = out.is_weights.unwrap();
         // ratios 3 → truncated to 2, 0.25, 1; padding 0.
@@ -814,7 +837,10 @@ mod tests {
         let out = rollout_correction(&old, &rollout, &mask, &settings).unwrap();
         assert_eq!(out.response_mask, m(&[&[0.0, 0.0], &[1.0, 1.0]]));
         assert!(out.is_weights.is_none());
-        assert_eq!(out.metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 0.5);
+        assert_eq!(
+            out.metrics["rollout_corr/rollout_rs_seq_masked_fraction"],
+            0.5
+        );
         assert!((out.metrics["rollout_corr/kl"] - 1.5).abs() < 1e-6);
     }
 

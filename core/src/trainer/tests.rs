@@ -545,13 +545,18 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                     }
                 },
             )
-            .rollout("logprobs", 0, "the fake rollout, with log-probs", move || {
-                l8.push(Event::Created("rollout"));
-                LogProbRollout(FakeRollout {
-                    log: l8.clone(),
-                    version: None,
-                })
-            })
+            .rollout(
+                "logprobs",
+                0,
+                "the fake rollout, with log-probs",
+                move || {
+                    l8.push(Event::Created("rollout"));
+                    LogProbRollout(FakeRollout {
+                        log: l8.clone(),
+                        version: None,
+                    })
+                },
+            )
             .rollout("file-only", 0, "takes weights from files", move || {
                 l4.push(Event::Created("rollout"));
                 FileOnlyRollout
@@ -2171,13 +2176,22 @@ fn one_step_off_generates_the_next_batch_one_version_behind() {
             .unwrap()
     };
     for step in 1..5u64 {
-        let next_generated = position(&|e| matches!(e, Event::Generate { n: 2, .. }), step as usize);
-        let trained = position(&|e| matches!(e, Event::UpdateActor { .. }), step as usize - 1);
+        let next_generated = position(
+            &|e| matches!(e, Event::Generate { n: 2, .. }),
+            step as usize,
+        );
+        let trained = position(
+            &|e| matches!(e, Event::UpdateActor { .. }),
+            step as usize - 1,
+        );
         let synced = position(
             &|e| matches!(e, Event::UpdateWeights { version, .. } if *version == step),
             0,
         );
-        let logged = position(&|e| matches!(e, Event::Log { step: s, .. } if *s == step), 0);
+        let logged = position(
+            &|e| matches!(e, Event::Log { step: s, .. } if *s == step),
+            0,
+        );
         assert!(
             next_generated < synced && trained < synced && synced < logged,
             "step {step}: batch {} generated at {next_generated}, update at {trained}, sync at \
@@ -2194,8 +2208,16 @@ fn one_step_off_generates_the_next_batch_one_version_behind() {
     for (step, m) in &logged {
         assert!(m.contains_key("timing_s/gen"), "step {step}");
         let overlapped = *step < 5;
-        assert_eq!(m.contains_key("timing_s/generate_async"), overlapped, "{step}");
-        assert_eq!(m.contains_key("timing_s/sync_rollout_weights"), overlapped, "{step}");
+        assert_eq!(
+            m.contains_key("timing_s/generate_async"),
+            overlapped,
+            "{step}"
+        );
+        assert_eq!(
+            m.contains_key("timing_s/sync_rollout_weights"),
+            overlapped,
+            "{step}"
+        );
     }
     assert!(
         logs(&sync.events())
@@ -2269,7 +2291,11 @@ fn a_resumed_one_step_off_run_trains_on_exactly_the_uninterrupted_batches() {
             assert_eq!(dump, whole_dump, "{run}: the same samples, step by step");
             // The resumed run generates only the batches after the one its checkpoint carries.
             let generated = train_generations(&events);
-            let from = if checkpoint == 0 { 0 } else { checkpoint as usize + 1 };
+            let from = if checkpoint == 0 {
+                0
+            } else {
+                checkpoint as usize + 1
+            };
             assert_eq!(
                 generated[..],
                 train_generations(&whole.events())[from..],
@@ -2307,7 +2333,11 @@ fn rollout_correction_reaches_the_update() {
         })
         .collect();
     assert_eq!(update_keys.len(), 2);
-    assert!(update_keys.iter().all(|k| k.contains(&"rollout_is_weights".to_owned())));
+    assert!(
+        update_keys
+            .iter()
+            .all(|k| k.contains(&"rollout_is_weights".to_owned()))
+    );
     for (step, m) in logs(&events) {
         let fraction = m["rollout_corr/rollout_rs_masked_fraction"];
         assert!(fraction > 0.4 && fraction < 0.6, "step {step}: {fraction}");
@@ -2326,14 +2356,25 @@ fn rollout_correction_reaches_the_update() {
     let log = Log::default();
     fit(bypass.clone(), &log, Faults::default()).unwrap();
     let events = log.events();
-    assert!(!events.iter().any(|e| matches!(e, Event::LogProb { role, .. } if role == "actor")));
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::LogProb { role, .. } if role == "actor"))
+    );
     assert_eq!(
-        events.iter().filter(|e| matches!(e, Event::UpdateActor { .. })).count(),
+        events
+            .iter()
+            .filter(|e| matches!(e, Event::UpdateActor { .. }))
+            .count(),
         2
     );
 
     let refused = |c: Config, wanted: &str| {
-        let err = match Trainer::new(c, &registry(&Log::default(), Faults::default()), &placement(&[])) {
+        let err = match Trainer::new(
+            c,
+            &registry(&Log::default(), Faults::default()),
+            &placement(&[]),
+        ) {
             Ok(_) => panic!("expected {wanted}"),
             Err(err) => err.to_string(),
         };
@@ -2341,14 +2382,23 @@ fn rollout_correction_reaches_the_update() {
     };
     let mut without = c.clone();
     without.actor_rollout_ref.rollout.calculate_log_probs = false;
-    refused(without, "actor_rollout_ref.rollout.calculate_log_probs=true");
+    refused(
+        without,
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    );
     let mut both = bypass.clone();
     both.algorithm.rollout_correction.rollout_is = Some(IsLevel::Sequence);
     refused(both, "bypass_mode=true with rollout_is or rollout_rs");
     let mut bad = c.clone();
     bad.algorithm.rollout_correction.rollout_rs = Some("seq_k9".into());
-    refused(bad, "algorithm.rollout_correction.rollout_rs: unknown option `seq_k9`");
+    refused(
+        bad,
+        "algorithm.rollout_correction.rollout_rs: unknown option `seq_k9`",
+    );
     let mut two_ranks_off = one_step_off(&s, "refused");
     two_ranks_off.algorithm.filter_groups.enable = true;
-    refused(two_ranks_off, "one_step_off does not support algorithm.filter_groups.enable=true");
+    refused(
+        two_ranks_off,
+        "one_step_off does not support algorithm.filter_groups.enable=true",
+    );
 }

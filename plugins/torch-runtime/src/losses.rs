@@ -319,7 +319,7 @@ pub struct PolicyBatch<'a> {
 
 /// The per-token loss times the rollout-correction IS weights, when there are any (as every
 /// `compute_policy_loss_*` of verl does before aggregating).
-fn weighted(pg_losses: Tensor, batch: &PolicyBatch<'_>) -> Tensor {
+fn rollout_weighted(pg_losses: Tensor, batch: &PolicyBatch<'_>) -> Tensor {
     match batch.rollout_is_weights {
         Some(weights) => pg_losses * weights,
         None => pg_losses,
@@ -344,7 +344,7 @@ pub fn policy_loss(
         PolicyLossMode::Gspo => Ok(policy_loss_gspo(batch, clip, scale)),
         PolicyLossMode::Sapo => Ok(policy_loss_sapo(batch, options, scale)),
         PolicyLossMode::Gpg => {
-            let pg_losses = weighted(-batch.log_prob * batch.advantages, &batch);
+            let pg_losses = rollout_weighted(-batch.log_prob * batch.advantages, &batch);
             Ok(PolicyLoss {
                 pg_loss: agg_loss(&pg_losses, batch.response_mask, agg, scale),
                 metrics: Vec::new(),
@@ -410,7 +410,7 @@ pub fn policy_loss_vanilla(
         mask,
     );
 
-    let pg_losses = weighted(dual_clipped.where_self(&negative, &clipped), &batch);
+    let pg_losses = rollout_weighted(dual_clipped.where_self(&negative, &clipped), &batch);
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![
@@ -436,6 +436,7 @@ pub fn policy_loss_dppo(
         log_prob,
         advantages,
         response_mask: mask,
+        ..
     } = batch;
     let negative_approx_kl = log_ratio(&batch, true);
     let ratio = negative_approx_kl.exp();
@@ -465,7 +466,7 @@ pub fn policy_loss_dppo(
     };
     let valid = float(&valid_positive.where_self(&advantages.gt(0.0), &valid_negative)).detach();
 
-    let pg_losses = weighted(-advantages * &truncated * log_prob * &valid, &batch);
+    let pg_losses = rollout_weighted(-advantages * &truncated * log_prob * &valid, &batch);
     let pg_clipfrac = masked_mean(&(-&valid + 1.0), mask);
     let pg_clipfrac_lower = masked_mean(&(float(&ratio.gt(clip.clip_ratio_c)) * &valid), mask);
     PolicyLoss {
@@ -498,7 +499,7 @@ pub fn policy_loss_gspo(batch: PolicyBatch<'_>, clip: &ClipConfig, scale: &AggSc
 
     let losses1 = -advantages * &ratio;
     let losses2 = -advantages * ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
-    let pg_losses = weighted(losses1.maximum(&losses2), &batch);
+    let pg_losses = rollout_weighted(losses1.maximum(&losses2), &batch);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
         metrics: vec![
@@ -533,7 +534,7 @@ pub fn policy_loss_sapo(
         .to_kind(advantages.kind())
         .to_device(advantages.device());
     let gates = (&tau * (ratio - 1.0)).sigmoid() * (tau.reciprocal() * 4.0);
-    let pg_losses = weighted(-gates * advantages, &batch);
+    let pg_losses = rollout_weighted(-gates * advantages, &batch);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
         metrics: vec![
@@ -611,7 +612,7 @@ pub fn policy_loss_clip_cov(
         .index_fill(0, &chosen, 0.0)
         .view_as(advantages);
     let pg_clipfrac = masked_mean(&float(&corr.eq(0.0)), mask);
-    let pg_losses = weighted(losses1.maximum(&losses2) * corr, &batch);
+    let pg_losses = rollout_weighted(losses1.maximum(&losses2) * corr, &batch);
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![
@@ -654,7 +655,10 @@ pub fn policy_loss_kl_cov(
         let (_, top) = cov.topk(k, 0, true, true);
         penalised = penalised.index_fill(0, &valid.index_select(0, &top), 1);
     }
-    let pg_losses = weighted(losses_kl.where_self(&penalised.view_as(advantages), &losses1), &batch);
+    let pg_losses = rollout_weighted(
+        losses_kl.where_self(&penalised.view_as(advantages), &losses1),
+        &batch,
+    );
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![(PPO_KL, scalar(&ppo_kl_abs))],
@@ -686,7 +690,8 @@ pub fn policy_loss_geo_mean(
     let mut pg_losses = -seq_advantage * ratio;
     if let Some(weights) = batch.rollout_is_weights {
         // One weight per sequence: the geometric mean of its tokens' weights, as verl.
-        let log_weights = ((weights + 1e-10).log() * &maskf).sum_dim_intlist(-1, false, Kind::Float);
+        let log_weights =
+            ((weights + 1e-10).log() * &maskf).sum_dim_intlist(-1, false, Kind::Float);
         pg_losses = pg_losses * (log_weights / &lengths).exp();
     }
     let sequences = scale
@@ -733,7 +738,10 @@ pub fn policy_loss_dro(
         )
     })?;
     let log_ratio = log_ratio(&batch, false);
-    let pg_losses = weighted(-(batch.log_prob * batch.advantages - log_ratio.square() * (0.5 * beta)), &batch);
+    let pg_losses = rollout_weighted(
+        -(batch.log_prob * batch.advantages - log_ratio.square() * (0.5 * beta)),
+        &batch,
+    );
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, batch.response_mask, agg, scale),
         metrics: vec![(
@@ -760,7 +768,7 @@ pub fn policy_loss_cispo(
     let negative_approx_kl = log_ratio(&batch, true);
     let ratio = negative_approx_kl.exp();
     let clipped = ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
-    let pg_losses = weighted(-clipped.detach() * advantages * log_prob, &batch);
+    let pg_losses = rollout_weighted(-clipped.detach() * advantages * log_prob, &batch);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![

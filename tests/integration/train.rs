@@ -452,9 +452,6 @@ fn killed_anywhere_a_one_step_off_run_trains_on_every_prompt_once() {
     let by_step = step_metrics(&whole);
     assert_eq!(by_step[&1]["training/staleness_mean"], 0.0);
     assert_eq!(by_step[&2]["training/staleness_mean"], 1.0);
-    // Step 1 trains on samples of the weights it starts from, step 2 on those of one update back.
-    let kl = |step: u64| by_step[&step]["rollout_corr/kl"].as_f64().unwrap().abs();
-    assert!(kl(2) > kl(1), "rollout_corr/kl: step 1 {}, step 2 {}", kl(1), kl(2));
     assert!(by_step[&2].contains_key("rollout_corr/rollout_is_mean"));
 
     let kills = random_kills(

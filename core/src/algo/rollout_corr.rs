@@ -65,6 +65,11 @@ pub struct RolloutCorrection {
     pub rollout_rs: Vec<RsCriterion>,
 }
 
+/// Positive (NaN is not).
+fn positive(x: f64) -> bool {
+    x > 0.0
+}
+
 fn invalid(key: &str, reason: impl std::fmt::Display) -> AlgoError {
     AlgoError::RolloutCorrection(format!("algorithm.rollout_correction.{key}: {reason}"))
 }
@@ -80,7 +85,7 @@ impl RolloutCorrection {
         rollout_rs: Option<&str>,
         rollout_rs_threshold: Option<&str>,
     ) -> Result<Self, AlgoError> {
-        if rollout_is.is_some() && !(rollout_is_threshold > 0.0) {
+        if rollout_is.is_some() && !positive(rollout_is_threshold) {
             return Err(invalid(
                 "rollout_is_threshold",
                 format!("must be positive, got {rollout_is_threshold}"),
@@ -197,7 +202,7 @@ fn parse_rs(options: &str, thresholds: Option<&str>) -> Result<Vec<RsCriterion>,
                         (1.0 / upper, upper)
                     }
                 };
-                if !(lower > 0.0 && upper > 0.0) {
+                if !(positive(lower) && positive(upper)) {
                     return Err(invalid(
                         "rollout_rs_threshold",
                         format!("the bounds for {name} must be positive, got `{spec}`"),
@@ -212,7 +217,7 @@ fn parse_rs(options: &str, thresholds: Option<&str>) -> Result<Vec<RsCriterion>,
                     ));
                 }
                 let upper = number(spec, name)?;
-                if !(upper > 0.0) {
+                if !positive(upper) {
                     return Err(invalid(
                         "rollout_rs_threshold",
                         format!("the bound for {name} must be positive, got `{spec}`"),

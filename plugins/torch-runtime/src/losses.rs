@@ -692,7 +692,7 @@ pub fn policy_loss_geo_mean(
         // One weight per sequence: the geometric mean of its tokens' weights, as verl.
         let log_weights =
             ((weights + 1e-10).log() * &maskf).sum_dim_intlist(-1, false, Kind::Float);
-        pg_losses = pg_losses * (log_weights / &lengths).exp();
+        pg_losses *= (log_weights / &lengths).exp();
     }
     let sequences = scale
         .global_batch_size

@@ -367,18 +367,41 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
     // (the rest would mostly find a resumed attempt finished). A round
     // resumes its run after every kill until an attempt finishes first; the run is then checked
     // and the next round starts from scratch, until 10 kills have landed.
-    let seed = std::env::var("VERL_KILL_HARNESS_SEED").map_or(0x5eed_0fc0_ffee, |s| {
-        s.parse().expect("VERL_KILL_HARNESS_SEED: a u64")
-    });
+    let kills = random_kills(
+        |run_dir| args(run_dir, 6, 1),
+        full.mul_f64(0.6),
+        0x5eed_0fc0_ffee,
+        |_, run_dir| assert_like_the_reference(run_dir),
+    );
+    eprintln!(
+        "kill harness: {} kills in {:.1} s",
+        kills + 4,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Rounds of seeded random kills: a round starts a run from scratch and SIGKILLs it after a
+/// delay drawn over `spread`, resuming it (`resume_mode=auto`) after every kill until an attempt
+/// finishes first; `check(round, run_dir)` then judges the run. Rounds go on until 10 kills have
+/// landed, at 3 or more points of training (the latest checkpoint when killed). Returns how many
+/// landed. `VERL_KILL_HARNESS_SEED` picks another seed than `seed`.
+fn random_kills(
+    args: impl Fn(&Path) -> Vec<String>,
+    spread: Duration,
+    seed: u64,
+    check: impl Fn(usize, &Path),
+) -> usize {
+    let seed = std::env::var("VERL_KILL_HARNESS_SEED")
+        .map_or(seed, |s| s.parse().expect("VERL_KILL_HARNESS_SEED: a u64"));
     let mut rng = Rng(seed.max(1));
     // (round, delay, latest checkpoint when killed)
     let mut kills = Vec::new();
     for round in 0.. {
         let dir = tempfile::tempdir().unwrap();
         let run_dir = dir.path().join("run");
-        let round_args = args(&run_dir, 6, 1);
+        let round_args = args(&run_dir);
         loop {
-            let delay = full.mul_f64(0.6 * rng.next_f64());
+            let delay = spread.mul_f64(rng.next_f64());
             let attempt = Attempt::start(&round_args, None);
             std::thread::sleep(delay);
             if !attempt.kill() {
@@ -386,7 +409,7 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
             }
             kills.push((round, delay, latest_checkpoint(&run_dir)));
         }
-        assert_like_the_reference(&run_dir);
+        check(round, &run_dir);
         if kills.len() >= 10 {
             break;
         }
@@ -397,10 +420,93 @@ fn killed_anywhere_a_run_resumes_with_every_step_recorded_once() {
         progress.len() >= 3,
         "the kills landed at too few points of training to prove anything: {kills:?}"
     );
+    kills.len()
+}
+
+/// `trainer.training_mode=one_step_off` runs of 6 steps with a checkpoint per step and
+/// `trainer.rollout_data_dir` (one file per trained step: the step's samples with their prompt
+/// indices).
+fn one_step_off_args(run_dir: &Path) -> Vec<String> {
+    let mut args = args(run_dir, 6, 1);
+    args.push("trainer.training_mode=one_step_off".to_owned());
+    // Rollout correction on the lagging samples: IS weights reach the fsdp engine's loss.
+    args.push("actor_rollout_ref.rollout.calculate_log_probs=true".to_owned());
+    args.push("algorithm.rollout_correction.rollout_is=token".to_owned());
+    args.push(format!(
+        "trainer.rollout_data_dir={}",
+        run_dir.join("rollouts").display()
+    ));
+    args
+}
+
+/// The prompt indices a run trained on (a multiset, sorted), and every dumped line by step.
+fn consumed(run_dir: &Path) -> (Vec<u64>, std::collections::BTreeMap<String, String>) {
+    let mut indices = Vec::new();
+    let mut files = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(run_dir.join("rollouts")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for line in text.lines() {
+            let sample: Value = serde_json::from_str(line).unwrap();
+            indices.push(sample["index"].as_u64().unwrap());
+        }
+        files.insert(
+            path.file_name().unwrap().to_string_lossy().into_owned(),
+            text,
+        );
+    }
+    indices.sort_unstable();
+    (indices, files)
+}
+
+/// Exact resume of a one-step-off run under the kill harness: SIGKILLed at seeded random moments
+/// (at least 10 kills), each time resumed with `resume_mode=auto`, a run trains on the multiset
+/// of prompt indices an uninterrupted one-step-off run trains on — in fact on the same samples,
+/// step by step, since a checkpoint carries the batch generated ahead — and ends with its records
+/// and its final weights, bit for bit.
+#[test]
+fn killed_anywhere_a_one_step_off_run_trains_on_every_prompt_once() {
+    reference(); // makes the shared data and model
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole");
+    let started = Instant::now();
+    Attempt::start(&one_step_off_args(&whole), None).finish();
+    let full = started.elapsed();
+    let (whole_indices, whole_files) = consumed(&whole);
+    // 6 steps × 8 prompts × n = 4.
+    assert_eq!(whole_indices.len(), 6 * 8 * 4);
+    assert_eq!(whole_files.len(), 6);
+    let by_step = step_metrics(&whole);
+    assert_eq!(by_step[&1]["training/staleness_mean"], 0.0);
+    assert_eq!(by_step[&2]["training/staleness_mean"], 1.0);
+    assert!(by_step[&2].contains_key("rollout_corr/rollout_is_mean"));
+
+    let kills = random_kills(
+        one_step_off_args,
+        full.mul_f64(0.8),
+        0x0ff_5eed,
+        |round, run_dir| {
+            let (indices, files) = consumed(run_dir);
+            assert_eq!(
+                indices, whole_indices,
+                "round {round}: prompts skipped or repeated"
+            );
+            assert!(
+                files == whole_files,
+                "round {round}: other samples than the uninterrupted run's"
+            );
+            assert_eq!(step_metrics(run_dir), step_metrics(&whole), "round {round}");
+            assert!(
+                final_weights(run_dir) == final_weights(&whole),
+                "round {round}: final weights differ"
+            );
+        },
+    );
     eprintln!(
-        "kill harness: {} kills in {:.1} s",
-        kills.len() + 4,
-        started.elapsed().as_secs_f64()
+        "one-step-off kill harness: {} kills in {:.1} s (uninterrupted run {:.1} s)",
+        kills,
+        started.elapsed().as_secs_f64(),
+        full.as_secs_f64()
     );
 }
 

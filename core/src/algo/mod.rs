@@ -9,6 +9,7 @@ mod balance;
 mod filter;
 mod kl;
 mod metrics;
+mod rollout_corr;
 mod tensor;
 
 pub use advantage::{
@@ -22,6 +23,7 @@ pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_pena
 pub use metrics::{
     DataMetricsInput, compute_data_metrics, rollout_probs_diff, timing_metrics, validation_metrics,
 };
+pub use rollout_corr::{Correction, IsLevel, RolloutCorrection, rollout_correction};
 pub use tensor::{Matrix, place_scores};
 
 /// What can go wrong in an algorithm call: always a caller's shape or configuration mistake.
@@ -65,4 +67,7 @@ pub enum AlgoError {
         "dynamic sampling generated {0} batches without filling the batch (algorithm.filter_groups.max_num_gen_batches); the data may be too easy or too hard"
     )]
     TooManyGenBatches(u64),
+    /// `algorithm.rollout_correction` settings or inputs verl would refuse.
+    #[error("rollout correction: {0}")]
+    RolloutCorrection(String),
 }

@@ -373,6 +373,16 @@ pub const RULES: &[Rule] = &[
     acted("algorithm.filter_groups.enable"),
     acted("algorithm.filter_groups.max_num_gen_batches"),
     acted("algorithm.filter_groups.metric"),
+    acted("algorithm.rollout_correction.rollout_is"),
+    acted("algorithm.rollout_correction.rollout_is_threshold"),
+    acted("algorithm.rollout_correction.rollout_is_batch_normalize"),
+    acted("algorithm.rollout_correction.rollout_rs"),
+    acted("algorithm.rollout_correction.rollout_rs_threshold"),
+    acted("algorithm.rollout_correction.bypass_mode"),
+    unsupported(
+        "algorithm.rollout_correction.loss_type",
+        "bypass mode trains with the PPO-clip loss (ppo_clip); its REINFORCE loss is not implemented in the engines",
+    ),
     // trainer
     acted("trainer.balance_batch"),
     acted("trainer.total_epochs"),
@@ -381,13 +391,10 @@ pub const RULES: &[Rule] = &[
     acted("trainer.experiment_name"),
     acted("trainer.logger"),
     acted("trainer.log_val_generations"),
-    no_effect(
-        "trainer.rollout_data_dir",
-        "generations are not dumped to files; log_val_generations shows validation samples",
-    ),
+    acted("trainer.rollout_data_dir"),
     no_effect(
         "trainer.validation_data_dir",
-        "generations are not dumped to files; log_val_generations shows validation samples",
+        "validation generations are not dumped to files; log_val_generations shows validation samples",
     ),
     rule("trainer.nnodes", Treatment::WorldSize),
     rule("trainer.n_gpus_per_node", Treatment::WorldSize),
@@ -418,6 +425,7 @@ pub const RULES: &[Rule] = &[
     acted("trainer.strict_config"),
     acted("trainer.nan_policy"),
     acted("trainer.device_peak_flops"),
+    acted("trainer.training_mode"),
     no_effect("trainer.use_legacy_worker_impl", NO_RAY),
     // Ours: the jobs built on the trainer.
     acted("quickstart"),

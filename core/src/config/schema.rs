@@ -7,7 +7,10 @@ use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
 
-use crate::algo::{AdvEstimator, AdvantageParams, AlgoError, KlController, KlCtrlType, KlPenalty};
+use crate::algo::{
+    AdvEstimator, AdvantageParams, AlgoError, IsLevel, KlController, KlCtrlType, KlPenalty,
+    RolloutCorrection,
+};
 use crate::data::Truncation;
 
 /// verl accepts a single string where a list is expected (`trainer.logger=console`,
@@ -725,6 +728,70 @@ impl KlCtrlConfig {
     }
 }
 
+/// `algorithm.rollout_correction` (verl's `RolloutCorrectionConfig`): importance weights and
+/// rejection sampling between the rollout's and the trainer's log-probs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutCorrectionConfig {
+    /// `token` | `sequence`; None: no IS weights.
+    pub rollout_is: Option<IsLevel>,
+    /// Upper truncation of the IS weights; None also disables them, as in verl.
+    pub rollout_is_threshold: Option<f64>,
+    /// Comma-separated rejection criteria (`token_k1`, `seq_mean_k3`, …); None: no rejection.
+    pub rollout_rs: Option<String>,
+    /// One threshold, or one per criterion (a number or a comma-separated string).
+    pub rollout_rs_threshold: Option<RsThreshold>,
+    /// Old log-probs are the rollout's (no recomputation by the actor).
+    pub bypass_mode: bool,
+    /// Bypass mode's loss: `ppo_clip` | `reinforce`.
+    pub loss_type: String,
+    pub rollout_is_batch_normalize: bool,
+}
+
+impl Default for RolloutCorrectionConfig {
+    fn default() -> Self {
+        Self {
+            rollout_is: None,
+            rollout_is_threshold: Some(2.0),
+            rollout_rs: None,
+            rollout_rs_threshold: None,
+            bypass_mode: false,
+            loss_type: "ppo_clip".into(),
+            rollout_is_batch_normalize: false,
+        }
+    }
+}
+
+/// `rollout_rs_threshold`: verl takes a number or a string.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RsThreshold {
+    Number(f64),
+    Text(String),
+}
+
+impl RolloutCorrectionConfig {
+    /// The checked settings; errors name the key.
+    pub fn settings(&self) -> Result<RolloutCorrection, AlgoError> {
+        let threshold = self.rollout_rs_threshold.as_ref().map(|t| match t {
+            RsThreshold::Number(n) => n.to_string(),
+            RsThreshold::Text(s) => s.clone(),
+        });
+        // verl computes IS weights only with both the level and a threshold.
+        let (level, is_threshold) = match (self.rollout_is, self.rollout_is_threshold) {
+            (Some(level), Some(t)) => (Some(level), t),
+            _ => (None, 2.0),
+        };
+        RolloutCorrection::new(
+            level,
+            is_threshold,
+            self.rollout_is_batch_normalize,
+            self.rollout_rs.as_deref(),
+            threshold.as_deref(),
+        )
+    }
+}
+
 /// DAPO dynamic sampling.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -750,6 +817,7 @@ pub struct AlgorithmConfig {
     /// GDPO's reward components and their weights (keys of a reward's result dict).
     pub gdpo_reward_keys: Option<Vec<String>>,
     pub gdpo_reward_weights: Option<Vec<f64>>,
+    pub rollout_correction: RolloutCorrectionConfig,
 }
 
 impl Default for AlgorithmConfig {
@@ -765,6 +833,7 @@ impl Default for AlgorithmConfig {
             filter_groups: FilterGroupsConfig::default(),
             gdpo_reward_keys: None,
             gdpo_reward_weights: None,
+            rollout_correction: RolloutCorrectionConfig::default(),
         }
     }
 }
@@ -791,6 +860,18 @@ pub enum ResumeMode {
     Disable,
     /// Resume from `resume_from_path`.
     ResumePath,
+}
+
+/// `trainer.training_mode` (ours).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainingMode {
+    /// Generate, then train on what was generated (verl's `main_ppo`).
+    #[default]
+    Sync,
+    /// Step k+1's batch is generated while step k trains, one weight version behind (verl's
+    /// `one_step_off_policy`).
+    OneStepOff,
 }
 
 /// `trainer.nan_policy` (ours): what a step whose loss, gradient norm or weights are not finite does.
@@ -846,6 +927,9 @@ pub struct TrainerConfig {
     /// Ours: bit-identical resumed runs (deterministic kernels, no thread-count dependence).
     pub deterministic: bool,
     pub nan_policy: NanPolicy,
+    /// Ours: how generation and training interleave (verl picks this by entry point: its
+    /// `one_step_off_policy` and `fully_async_policy` recipes).
+    pub training_mode: TrainingMode,
     /// Ours: a key that is set but not supported (it would change what is trained) stops the
     /// run; false turns those errors into warnings.
     pub strict_config: bool,
@@ -891,6 +975,7 @@ impl Default for TrainerConfig {
             seed: 42,
             deterministic: false,
             nan_policy: NanPolicy::Error,
+            training_mode: TrainingMode::Sync,
             strict_config: true,
             use_legacy_worker_impl: "auto".into(),
             device_peak_flops: None,

@@ -16,6 +16,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -31,11 +32,11 @@ use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, Rewar
 use crate::algo::{
     AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
     Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
-    compute_data_metrics, filter_groups, place_scores, timing_metrics,
+    compute_data_metrics, filter_groups, place_scores, rollout_correction, timing_metrics,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
-use crate::config::{Config, EngineRole, NanPolicy, ResumeMode, Slot};
+use crate::config::{Config, EngineRole, NanPolicy, ResumeMode, Slot, TrainingMode};
 use crate::data::{
     ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt,
     expand_home, load_samples,
@@ -155,9 +156,16 @@ struct TrainerState {
     /// checkpoints of earlier versions.
     #[serde(default)]
     records: Vec<StepRecord>,
+    /// `one_step_off`: the next step's batch, already generated (with the weights of the step
+    /// before this one), so a resumed run trains on it as the interrupted one would have.
+    #[serde(default)]
+    pending: Option<Collected>,
 }
 
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// verl's batch key for the truncated rollout-correction IS weights, which multiply the per-token
+/// policy loss in the actor.
+const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
 /// verl's batch key for Σπ² over the vocabulary per response token, which an engine returns from
 /// `compute_log_prob` when the meta asks for `calculate_sum_pi_squared`.
 const SUM_PI_SQUARED: &str = "sum_pi_squared";
@@ -183,7 +191,7 @@ fn rollout_log_probs(rows: &[Row], width: usize) -> Result<Option<Matrix>, Train
 }
 
 /// One generated response and where it came from.
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Row {
     /// Index into the dataset.
     sample: usize,
@@ -192,6 +200,143 @@ struct Row {
     response: Vec<u32>,
     /// The rollout's log-prob of each response token (empty when it returned none).
     rollout_log_probs: Vec<f32>,
+    /// The weight version (the global step whose weights) the rollout generated it with.
+    weight_version: u64,
+}
+
+/// A training batch, generated and scored: what a step trains on. In `one_step_off` mode the
+/// next step's is generated while this one trains, and a checkpoint carries it, so a resumed
+/// run trains on exactly the batch the interrupted one would have.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Collected {
+    rows: Vec<Row>,
+    /// The rows' scores as bits (exact through JSON, NaN included).
+    scores: Vec<u64>,
+    /// Generation rounds it took (`algorithm.filter_groups`).
+    gen_batches: usize,
+}
+
+impl Collected {
+    fn new(rows: Vec<Row>, scores: &[f64], gen_batches: usize) -> Self {
+        Self {
+            rows,
+            scores: score_bits(scores),
+            gen_batches,
+        }
+    }
+}
+
+/// What the end of a step reports on, from the training half of it.
+struct Trained {
+    token_level_scores: Matrix,
+    token_level_rewards: Matrix,
+    advantages: Matrix,
+    returns: Matrix,
+    mask: Matrix,
+    values: Option<Matrix>,
+    prompt_lengths: Vec<usize>,
+    response_lengths: Vec<usize>,
+}
+
+/// What generating and scoring takes: the rollout, the reward and the tokenizer. In
+/// `one_step_off` mode it moves to a thread that generates the next batch while the engines
+/// train on this one.
+struct Generation {
+    rollout: Box<dyn RolloutWorker + Send>,
+    rollout_name: String,
+    reward: RewardHandle,
+    /// The reward component's name, for errors.
+    reward_name: String,
+    reward_manager: RewardManager,
+    tokenizer: tokenizers::Tokenizer,
+    /// Seconds spent scoring since the trainer last took them (`timing_s/reward`).
+    reward_seconds: f64,
+}
+
+impl Generation {
+    /// Generates `sampling.n` responses for each prompt of `mine` (indices into `data`), which
+    /// sit at positions `offset..` of the step's prompts (their seeds and group ids follow the
+    /// position), and scores them. Rows come back grouped by prompt.
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &mut self,
+        data: &[(Sample, TokenizedPrompt)],
+        mine: &[usize],
+        offset: usize,
+        sampling: SamplingParams,
+        first_group: u64,
+        weight_version: u64,
+    ) -> Result<(Vec<Row>, Rewards), TrainError> {
+        let mut rows: Vec<Row> = Vec::new();
+        if !mine.is_empty() {
+            let prompts = mine.iter().map(|&i| data[i].1.ids.clone()).collect();
+            let request_seed = sampling.seed.unwrap_or_default();
+            let seeds = (offset..offset + mine.len())
+                .map(|i| prompt_seed(request_seed, i as u64))
+                .collect();
+            let request = GenerateRequest::new(prompts, sampling).with_seeds(seeds);
+            let name = &self.rollout_name;
+            let output = self
+                .rollout
+                .generate(&request)
+                .context(|| format!("generating with `{name}`"))?;
+            for c in &output.completions {
+                let index = c.prompt_index as usize;
+                let &sample = mine.get(index).ok_or_else(|| {
+                    TrainError::Invalid(format!(
+                        "rollout `{name}` returned a completion of prompt {index}, but the request had {} prompts",
+                        mine.len()
+                    ))
+                })?;
+                rows.push(Row {
+                    sample,
+                    group: first_group + (offset + index) as u64,
+                    response: c.response_ids.clone(),
+                    rollout_log_probs: c.logprobs.clone(),
+                    weight_version,
+                });
+            }
+            rows.sort_by_key(|r| r.group);
+        }
+        let started = Instant::now();
+        let rewards = self.score(data, &rows);
+        self.reward_seconds += started.elapsed().as_secs_f64();
+        Ok((rows, rewards?))
+    }
+
+    /// The rows' rewards: the reward component's scores through the reward manager.
+    fn score(
+        &mut self,
+        data: &[(Sample, TokenizedPrompt)],
+        rows: &[Row],
+    ) -> Result<Rewards, TrainError> {
+        let items = rows
+            .iter()
+            .map(|row| {
+                let sample = &data[row.sample].0;
+                let text = self
+                    .tokenizer
+                    .decode(&row.response, true)
+                    .map_err(|e| TrainError::Invalid(format!("decoding a response: {e}")))?;
+                Ok(verl_plugin_api::RewardItem::new(
+                    sample.data_source.clone(),
+                    text,
+                    reward::ground_truth_value(&sample.reward_model.ground_truth),
+                )
+                .extra_info(sample.extra_info.clone()))
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        if items.is_empty() {
+            return Ok(Rewards::default());
+        }
+        let name = &self.reward_name;
+        let output = self
+            .reward
+            .compute(&verl_plugin_api::RewardRequest::new(items))
+            .context(|| format!("scoring with the reward `{name}`"))?;
+        let lengths: Vec<usize> = rows.iter().map(|r| r.response.len()).collect();
+        Ok(self.reward_manager.apply(&output.scores, &lengths))
+    }
 }
 
 /// Generated rows with their rewards and the reward's extra information, row by row.
@@ -214,15 +359,13 @@ pub struct Trainer {
     actor: Box<dyn EngineWorker>,
     reference: Option<Box<dyn EngineWorker>>,
     critic: Option<Box<dyn EngineWorker>>,
-    rollout: Box<dyn RolloutWorker>,
+    /// Away only while a `one_step_off` step generates the next batch on its own thread.
+    generation: Option<Generation>,
     weight_sync: CheckpointHandle,
-    reward: RewardHandle,
-    /// The reward component's name, for errors.
-    reward_name: String,
-    reward_manager: RewardManager,
     trackers: Trackers,
     tokenizer: tokenizers::Tokenizer,
-    train: Vec<(Sample, TokenizedPrompt)>,
+    /// Shared with the thread that generates the next batch (`one_step_off`).
+    train: Arc<Vec<(Sample, TokenizedPrompt)>>,
     val: Vec<(Sample, TokenizedPrompt)>,
     loader: DataLoader,
     kl_ctrl: KlController,
@@ -242,8 +385,10 @@ pub struct Trainer {
     /// The rollout was put to sleep and not woken yet.
     rollout_asleep: bool,
     perf: perf::EnginePerf,
-    /// Seconds spent scoring training responses in the current step (`timing_s/reward`).
-    reward_seconds: f64,
+    /// The weight version the rollout holds: the global step whose weights it was last given.
+    rollout_version: u64,
+    /// `one_step_off`: the next step's batch, generated while this one trained.
+    pending: Option<Collected>,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -401,7 +546,9 @@ impl Trainer {
             .map(|c| engine(EngineRole::Critic, c))
             .transpose()?;
 
+        // The rollout generates while the engines train in `one_step_off`: it never sleeps.
         let free_cache_engine = config.actor_rollout_ref.rollout.free_cache_engine
+            && config.trainer.training_mode == TrainingMode::Sync
             && components
                 .rollout
                 .capabilities::<RolloutCapabilities>()
@@ -482,14 +629,19 @@ impl Trainer {
             actor,
             reference,
             critic,
-            rollout: Box::new(rollout),
+            generation: Some(Generation {
+                rollout: Box::new(rollout),
+                rollout_name: components.rollout.name.clone(),
+                reward,
+                reward_name: reward_component.name,
+                reward_manager,
+                tokenizer: tokenizer.clone(),
+                reward_seconds: 0.0,
+            }),
             weight_sync,
-            reward,
-            reward_name: reward_component.name,
-            reward_manager,
             trackers,
             tokenizer,
-            train,
+            train: Arc::new(train),
             val,
             loader,
             kl_ctrl,
@@ -503,7 +655,8 @@ impl Trainer {
             free_cache_engine,
             rollout_asleep: false,
             perf,
-            reward_seconds: 0.0,
+            rollout_version: 0,
+            pending: None,
         })
     }
 
@@ -793,39 +946,19 @@ impl Trainer {
     ) -> Result<Generated, TrainError> {
         let part = self.ranks.part(indices.len());
         let mine = &indices[part.clone()];
-        let mut rows: Vec<Row> = Vec::new();
-        if !mine.is_empty() {
-            let data = if val { &self.val } else { &self.train };
-            let prompts = mine.iter().map(|&i| data[i].1.ids.clone()).collect();
-            let request_seed = sampling.seed.unwrap_or_default();
-            let seeds = part
-                .clone()
-                .map(|i| prompt_seed(request_seed, i as u64))
-                .collect();
-            let request = GenerateRequest::new(prompts, sampling).with_seeds(seeds);
-            let name = &self.config.actor_rollout_ref.rollout.name;
-            let output = self
-                .rollout
-                .generate(&request)
-                .context(|| format!("generating with `{name}`"))?;
-            for c in &output.completions {
-                let index = c.prompt_index as usize;
-                let &sample = mine.get(index).ok_or_else(|| {
-                    TrainError::Invalid(format!(
-                        "rollout `{name}` returned a completion of prompt {index}, but the request had {} prompts",
-                        mine.len()
-                    ))
-                })?;
-                rows.push(Row {
-                    sample,
-                    group: first_group + (part.start + index) as u64,
-                    response: c.response_ids.clone(),
-                    rollout_log_probs: c.logprobs.clone(),
-                });
-            }
-            rows.sort_by_key(|r| r.group);
-        }
-        let rewards = self.score(val, &rows)?;
+        let data = if val { &self.val } else { &*self.train };
+        let (rows, rewards) = self
+            .generation
+            .as_mut()
+            .expect("generation is back after each step")
+            .generate(
+                data,
+                mine,
+                part.start,
+                sampling,
+                first_group,
+                self.rollout_version,
+            )?;
         if self.ranks.single() {
             return Ok(Generated { rows, rewards });
         }
@@ -847,50 +980,10 @@ impl Trainer {
         Ok(all)
     }
 
-    /// The rows' rewards: the reward component's scores through the reward manager.
-    fn score(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
-        let started = Instant::now();
-        let rewards = self.score_untimed(val, rows);
-        if !val {
-            self.reward_seconds += started.elapsed().as_secs_f64();
-        }
-        rewards
-    }
-
-    fn score_untimed(&mut self, val: bool, rows: &[Row]) -> Result<Rewards, TrainError> {
-        let data = if val { &self.val } else { &self.train };
-        let items = rows
-            .iter()
-            .map(|row| {
-                let sample = &data[row.sample].0;
-                let text = self
-                    .tokenizer
-                    .decode(&row.response, true)
-                    .map_err(|e| TrainError::Invalid(format!("decoding a response: {e}")))?;
-                Ok(verl_plugin_api::RewardItem::new(
-                    sample.data_source.clone(),
-                    text,
-                    reward::ground_truth_value(&sample.reward_model.ground_truth),
-                )
-                .extra_info(sample.extra_info.clone()))
-            })
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        if items.is_empty() {
-            return Ok(Rewards::default());
-        }
-        let name = &self.reward_name;
-        let output = self
-            .reward
-            .compute(&verl_plugin_api::RewardRequest::new(items))
-            .context(|| format!("scoring with the reward `{name}`"))?;
-        let lengths: Vec<usize> = rows.iter().map(|r| r.response.len()).collect();
-        Ok(self.reward_manager.apply(&output.scores, &lengths))
-    }
-
     /// Generates and scores a training batch, `data.gen_batch_size` prompts a round; with DAPO's
     /// `filter_groups` keeps generating until `train_batch_size` prompts have responses whose
     /// metric differs (verl's `ray_dapo_trainer`).
-    fn collect_batch(&mut self, step: u64) -> Result<(Vec<Row>, Vec<f64>, usize), TrainError> {
+    fn collect_batch(&mut self, step: u64) -> Result<Collected, TrainError> {
         let filter = self.config.algorithm.filter_groups.clone();
         let target = self.config.data.train_batch_size;
         let round = self.config.data.gen_batch_size.unwrap_or(target);
@@ -909,7 +1002,7 @@ impl Trainer {
             } = self.generate(false, &indices, sampling, first_group)?;
             gen_batches += 1;
             if !filter.enable {
-                return Ok((new_rows, rewards.rewards, gen_batches));
+                return Ok(Collected::new(new_rows, &rewards.rewards, gen_batches));
             }
             let metric = rewards.filter_metric(filter.metric.as_deref())?;
             let new_scores = rewards.rewards;
@@ -930,12 +1023,12 @@ impl Trainer {
                         first_groups.push(row.group);
                     }
                 }
-                let (rows, scores) = rows
+                let (rows, scores): (Vec<Row>, Vec<f64>) = rows
                     .into_iter()
                     .zip(scores)
                     .filter(|(row, _)| first_groups.contains(&row.group))
                     .unzip();
-                return Ok((rows, scores, gen_batches));
+                return Ok(Collected::new(rows, &scores, gen_batches));
             }
         }
     }
@@ -945,14 +1038,204 @@ impl Trainer {
         let mut timing: Vec<(&str, f64)> = Vec::new();
         let mut metrics: Vec<Metric> = Vec::new();
 
+        // The batch generated while the previous step trained (`one_step_off`, or from the
+        // checkpoint a run resumed from), else generated now.
         let t = Instant::now();
-        self.reward_seconds = 0.0;
-        let (mut rows, mut scores, gen_batches) = self.collect_batch(step)?;
+        self.generation_mut().reward_seconds = 0.0;
+        let collected = match self.pending.take() {
+            Some(pending) => pending,
+            None => self.collect_batch(step)?,
+        };
         // verl times scoring apart from generation.
-        let reward = std::mem::take(&mut self.reward_seconds);
-        timing.push(("gen", t.elapsed().as_secs_f64() - reward));
-        timing.push(("reward", reward));
+        let mut reward = std::mem::take(&mut self.generation_mut().reward_seconds);
+        let mut gen_wait = t.elapsed().as_secs_f64() - reward;
+        let one_step_off = self.config.trainer.training_mode == TrainingMode::OneStepOff;
+        let trained = if one_step_off && step < self.total_steps {
+            // verl's one-step-off policy: step k+1's prompts are generated with the weights the
+            // rollout holds (the previous step's) while the engines train on step k's, so the
+            // rollout is one weight version behind the policy it feeds.
+            let indices = self.next_indices();
+            let sampling = self.sampling(step + 1, false);
+            let mut generation = self
+                .generation
+                .take()
+                .expect("generation is back after each step");
+            let data = Arc::clone(&self.train);
+            let version = self.rollout_version;
+            let (trained, joined, waited) = std::thread::scope(|scope| {
+                let next = scope.spawn(move || {
+                    let t = Instant::now();
+                    let out = generation.generate(&data, &indices, 0, sampling, 0, version);
+                    (generation, out, t.elapsed().as_secs_f64())
+                });
+                let trained = self.train_on(step, collected, false, &mut timing, &mut metrics);
+                let t = Instant::now();
+                let joined = next.join();
+                (trained, joined, t.elapsed().as_secs_f64())
+            });
+            let (mut generation, next, generated_in) =
+                joined.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            reward += std::mem::take(&mut generation.reward_seconds);
+            self.generation = Some(generation);
+            gen_wait += waited;
+            let trained = trained?;
+            let (rows, rewards) = next?;
+            self.pending = Some(Collected::new(rows, &rewards.rewards, 1));
+            timing.push(("generate_async", generated_in));
+            if step > self.config.trainer.critic_warmup {
+                let t = Instant::now();
+                self.sync_after_update(step)?;
+                timing.push(("sync_rollout_weights", t.elapsed().as_secs_f64()));
+            }
+            trained
+        } else {
+            self.train_on(step, collected, true, &mut timing, &mut metrics)?
+        };
+        timing.insert(0, ("gen", gen_wait));
+        timing.insert(1, ("reward", reward));
+
+        // Awake for validation and the next step (a step without an update synced nothing).
+        self.rollout_wake()?;
+
+        let Trained {
+            token_level_scores,
+            token_level_rewards,
+            advantages,
+            returns,
+            mask,
+            values,
+            prompt_lengths,
+            response_lengths,
+        } = trained;
+        let data_metrics = compute_data_metrics(&DataMetricsInput {
+            token_level_scores: &token_level_scores,
+            token_level_rewards: &token_level_rewards,
+            advantages: &advantages,
+            returns: &returns,
+            response_mask: &mask,
+            values: values.as_ref(),
+            prompt_lengths: &prompt_lengths,
+            max_prompt_length: self.config.data.max_prompt_length,
+            max_response_length: self.config.response_length(),
+        })?;
+        metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
+
+        let world = self.ranks.world_size.max(1) as usize;
+        let step_time = step_start.elapsed().as_secs_f64();
+        let prompt_tokens: usize = prompt_lengths.iter().sum();
+        let response_tokens: usize = response_lengths.iter().sum();
+        let tokens = prompt_tokens + response_tokens;
+        timing.push(("step", step_time));
+        metrics.extend(
+            timing_metrics(&timing, prompt_tokens, response_tokens)
+                .into_iter()
+                .map(|(k, v)| Metric::new(k, v)),
+        );
+        let seqlens: Vec<u64> = prompt_lengths
+            .iter()
+            .zip(&response_lengths)
+            .map(|(p, r)| (p + r) as u64)
+            .collect();
+        metrics.extend(self.perf.metrics(&seqlens, &timing));
+        metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
+        metrics.push(Metric::new("perf/time_per_step", step_time));
+        // verl's throughput is per device: tokens / (time × devices).
+        metrics.push(Metric::new(
+            "perf/throughput",
+            tokens as f64 / (step_time * world as f64),
+        ));
+        metrics.push(Metric::new("training/global_step", step as f64));
+        metrics.push(Metric::new(
+            "training/epoch",
+            self.loader.state().epoch as f64,
+        ));
+        Ok(metrics)
+    }
+
+    /// verl's `trainer.rollout_data_dir`: the step's samples as `<dir>/<step>.jsonl`, one line
+    /// each with verl's `input`, `output`, `gts`, `score` and `step`, plus `index`, the prompt's
+    /// row in the training data (ours). Written whole (a step redone after a resume writes it
+    /// again), so the directory holds one file per trained step.
+    fn dump_generations(
+        &self,
+        step: u64,
+        dir: &Path,
+        rows: &[Row],
+        scores: &[f64],
+    ) -> Result<(), TrainError> {
+        let decode = |ids: &[u32]| {
+            self.tokenizer
+                .decode(ids, true)
+                .map_err(|e| TrainError::Invalid(format!("decoding a sample: {e}")))
+        };
+        let mut text = String::new();
+        for (row, score) in rows.iter().zip(scores) {
+            let (sample, prompt) = &self.train[row.sample];
+            let line = json!({
+                "input": decode(&prompt.ids)?,
+                "output": decode(&row.response)?,
+                "gts": reward::ground_truth_value(&sample.reward_model.ground_truth),
+                "score": score,
+                "step": step,
+                "index": row.sample,
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |error| TrainError::Io { path, error }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let path = dir.join(format!("{step}.jsonl"));
+        let partial = dir.join(format!(".{step}.jsonl.partial"));
+        std::fs::write(&partial, text).map_err(io(&partial))?;
+        std::fs::rename(&partial, &path).map_err(io(&path))
+    }
+
+    /// Actor weights → rollout after step `step`'s update; non-finite weights stop the run.
+    fn sync_after_update(&mut self, step: u64) -> Result<(), TrainError> {
+        self.sync_weights(step).map_err(|e| match e {
+            TrainError::Sync(SyncError::NonFinite { tensor }) => {
+                self.non_finite(step, NonFinite::Weights { tensor })
+            }
+            e => e,
+        })
+    }
+
+    /// The training half of step `step` on `collected`: log-probs, values, advantages and the
+    /// updates, then (with `sync`) the weight sync.
+    fn train_on(
+        &mut self,
+        step: u64,
+        collected: Collected,
+        sync: bool,
+        timing: &mut Vec<(&'static str, f64)>,
+        metrics: &mut Vec<Metric>,
+    ) -> Result<Trained, TrainError> {
+        let Collected {
+            mut rows,
+            scores,
+            gen_batches,
+        } = collected;
+        let mut scores = scores_of(&scores);
         self.rollout_sleep()?;
+        if self.config.trainer.training_mode != TrainingMode::Sync {
+            // How many versions behind the policy being updated (step − 1) each sample is.
+            let behind: Vec<f64> = rows
+                .iter()
+                .map(|r| (step - 1).saturating_sub(r.weight_version) as f64)
+                .collect();
+            let n = behind.len().max(1) as f64;
+            metrics.push(Metric::new(
+                "training/staleness_mean",
+                behind.iter().sum::<f64>() / n,
+            ));
+            metrics.push(Metric::new(
+                "training/staleness_max",
+                behind.iter().copied().fold(0.0, f64::max),
+            ));
+        }
         if self.config.algorithm.filter_groups.enable {
             metrics.push(Metric::new("train/num_gen_batches", gen_batches as f64));
         }
@@ -977,6 +1260,11 @@ impl Trainer {
             metrics.extend(balanced.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
         }
 
+        if let Some(dir) = &self.config.trainer.rollout_data_dir
+            && self.ranks.leader()
+        {
+            self.dump_generations(step, &expand_home(dir), &rows, &scores)?;
+        }
         let prompts: Vec<Vec<u32>> = rows
             .iter()
             .map(|r| self.train[r.sample].1.ids.clone())
@@ -999,40 +1287,56 @@ impl Trainer {
         .context(|| "batch".to_owned())?;
         let mine = self.ranks.part(rows.len());
 
-        let t = Instant::now();
-        let local = self.local(&batch, &mine)?;
-        let old = self
-            .actor
-            .compute_log_prob(&local)
-            .context(|| "computing old log-probs".to_owned())?;
-        let old_log_probs = batch::matrix(
-            keys::LOG_PROBS,
-            old.require(keys::LOG_PROBS)
-                .context(|| "actor output".to_owned())?,
-        )
-        .context(|| "actor output".to_owned())?;
-        let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
-        if let Some(entropy) = old.get(keys::ENTROPYS) {
-            let entropy =
-                batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
-            let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
-            metrics.push(Metric::new(
-                "actor/entropy",
-                crate::algo::masked_mean(&entropy, &mask)?,
-            ));
-        }
-        // Σπ² per token, for the optimal token baselines, when the engine reports it.
-        let sum_pi_squared = old
-            .get(SUM_PI_SQUARED)
-            .map(|t| batch::matrix(SUM_PI_SQUARED, t))
-            .transpose()
+        let rollout_lp = rollout_log_probs(&rows, mask.cols())?;
+        let correction = self.config.algorithm.rollout_correction.clone();
+        let (old_log_probs, sum_pi_squared) = if correction.bypass_mode {
+            // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
+            // recomputation is skipped.
+            let old = rollout_lp.clone().ok_or_else(|| {
+                TrainError::Invalid(format!(
+                    "algorithm.rollout_correction.bypass_mode: rollout `{}` returned no log-probs",
+                    self.config.actor_rollout_ref.rollout.name
+                ))
+            })?;
+            (old, None)
+        } else {
+            let t = Instant::now();
+            let local = self.local(&batch, &mine)?;
+            let old = self
+                .actor
+                .compute_log_prob(&local)
+                .context(|| "computing old log-probs".to_owned())?;
+            let old_log_probs = batch::matrix(
+                keys::LOG_PROBS,
+                old.require(keys::LOG_PROBS)
+                    .context(|| "actor output".to_owned())?,
+            )
             .context(|| "actor output".to_owned())?;
+            let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
+            if let Some(entropy) = old.get(keys::ENTROPYS) {
+                let entropy =
+                    batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
+                let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
+                metrics.push(Metric::new(
+                    "actor/entropy",
+                    crate::algo::masked_mean(&entropy, &mask)?,
+                ));
+            }
+            // Σπ² per token, for the optimal token baselines, when the engine reports it.
+            let sum_pi_squared = old
+                .get(SUM_PI_SQUARED)
+                .map(|t| batch::matrix(SUM_PI_SQUARED, t))
+                .transpose()
+                .context(|| "actor output".to_owned())?;
+            timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
+            if let Some(rollout_log_probs) = &rollout_lp {
+                let diff =
+                    crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
+                metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
+            }
+            (old_log_probs, sum_pi_squared)
+        };
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
-        timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
-        if let Some(rollout_log_probs) = rollout_log_probs(&rows, mask.cols())? {
-            let diff = crate::algo::rollout_probs_diff(&rollout_log_probs, &old_log_probs, &mask)?;
-            metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
-        }
 
         let mut ref_log_probs = None;
         if self.reference.is_some() {
@@ -1096,6 +1400,26 @@ impl Trainer {
             }
             _ => token_level_scores.clone(),
         };
+        // Rollout correction (verl's decoupled mode: π_old recomputed, weighed against the
+        // rollout's π): IS weights for the loss and the rejection mask, after the rewards.
+        let mut train_mask = mask.clone();
+        let mut is_weights = None;
+        if !correction.bypass_mode
+            && self.config.actor_rollout_ref.rollout.calculate_log_probs
+            && let Some(rollout_lp) = &rollout_lp
+        {
+            let settings = correction.settings()?;
+            let out = rollout_correction(&old_log_probs, rollout_lp, &mask, &settings)?;
+            metrics.extend(out.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
+            if out.response_mask != mask {
+                batch.insert(keys::RESPONSE_MASK, batch::tensor(&out.response_mask));
+            }
+            train_mask = out.response_mask;
+            if let Some(w) = out.is_weights {
+                batch.insert(ROLLOUT_IS_WEIGHTS, batch::tensor(&w));
+                is_weights = Some(w);
+            }
+        }
         let groups: Vec<u64> = rows.iter().map(|r| r.group).collect();
         let baselines = if self.config.algorithm.adv_estimator.needs_greedy_baseline() {
             Some(self.greedy_baselines(step, &rows)?)
@@ -1114,7 +1438,8 @@ impl Trainer {
             reward_baselines: baselines.as_deref(),
             old_log_probs: Some(&old_log_probs),
             sum_pi_squared: sum_pi_squared.as_ref(),
-            ..AdvantageInput::new(&token_level_rewards, &mask, &groups)
+            rollout_is_weights: is_weights.as_ref(),
+            ..AdvantageInput::new(&token_level_rewards, &train_mask, &groups)
         };
         let (advantages, returns) = compute_advantage(algorithm.adv_estimator, &params, &input)?;
         batch.insert(keys::ADVANTAGES, batch::tensor(&advantages));
@@ -1145,14 +1470,11 @@ impl Trainer {
             }
             metrics.extend(out.iter().cloned());
             timing.push(("update_actor", t.elapsed().as_secs_f64()));
-            let t = Instant::now();
-            self.sync_weights(step).map_err(|e| match e {
-                TrainError::Sync(SyncError::NonFinite { tensor }) => {
-                    self.non_finite(step, NonFinite::Weights { tensor })
-                }
-                e => e,
-            })?;
-            timing.push(("update_weights", t.elapsed().as_secs_f64()));
+            if sync {
+                let t = Instant::now();
+                self.sync_after_update(step)?;
+                timing.push(("update_weights", t.elapsed().as_secs_f64()));
+            }
         }
         if skipped {
             self.skipped_steps += 1;
@@ -1164,52 +1486,16 @@ impl Trainer {
             ));
         }
 
-        // Awake for validation and the next step (a step without an update synced nothing).
-        self.rollout_wake()?;
-
-        let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        let data_metrics = compute_data_metrics(&DataMetricsInput {
-            token_level_scores: &token_level_scores,
-            token_level_rewards: &token_level_rewards,
-            advantages: &advantages,
-            returns: &returns,
-            response_mask: &mask,
-            values: values.as_ref(),
-            prompt_lengths: &prompt_lengths,
-            max_prompt_length: self.config.data.max_prompt_length,
-            max_response_length: self.config.response_length(),
-        })?;
-        metrics.extend(data_metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
-
-        let step_time = step_start.elapsed().as_secs_f64();
-        let prompt_tokens: usize = prompt_lengths.iter().sum();
-        let response_tokens: usize = responses.iter().map(Vec::len).sum();
-        let tokens = prompt_tokens + response_tokens;
-        timing.push(("step", step_time));
-        metrics.extend(
-            timing_metrics(&timing, prompt_tokens, response_tokens)
-                .into_iter()
-                .map(|(k, v)| Metric::new(k, v)),
-        );
-        let seqlens: Vec<u64> = prompt_lengths
-            .iter()
-            .zip(&responses)
-            .map(|(p, r)| (p + r.len()) as u64)
-            .collect();
-        metrics.extend(self.perf.metrics(&seqlens, &timing));
-        metrics.push(Metric::new("perf/total_num_tokens", tokens as f64));
-        metrics.push(Metric::new("perf/time_per_step", step_time));
-        // verl's throughput is per device: tokens / (time × devices).
-        metrics.push(Metric::new(
-            "perf/throughput",
-            tokens as f64 / (step_time * world as f64),
-        ));
-        metrics.push(Metric::new("training/global_step", step as f64));
-        metrics.push(Metric::new(
-            "training/epoch",
-            self.loader.state().epoch as f64,
-        ));
-        Ok(metrics)
+        Ok(Trained {
+            token_level_scores,
+            token_level_rewards,
+            advantages,
+            returns,
+            mask,
+            values,
+            prompt_lengths: prompts.iter().map(Vec::len).collect(),
+            response_lengths: responses.iter().map(Vec::len).collect(),
+        })
     }
 
     /// `trainer.nan_policy` on `role`'s update: `Ok(true)` when it was skipped.
@@ -1251,9 +1537,15 @@ impl Trainer {
     /// With `rollout.free_cache_engine` the rollout frees its memory while the engines train:
     /// sleep level 1 (KV cache dropped, weights kept off the device and restored on waking, verl's
     /// colocated mode), which stays right in a step that syncs no weights (`critic_warmup`).
+    fn generation_mut(&mut self) -> &mut Generation {
+        self.generation
+            .as_mut()
+            .expect("generation is back after each step")
+    }
+
     fn rollout_sleep(&mut self) -> Result<(), TrainError> {
         if self.free_cache_engine && !self.rollout_asleep {
-            self.rollout.sleep(1).context(|| {
+            self.generation_mut().rollout.sleep(1).context(|| {
                 "putting the rollout to sleep (actor_rollout_ref.rollout.free_cache_engine)"
                     .to_owned()
             })?;
@@ -1264,7 +1556,7 @@ impl Trainer {
 
     fn rollout_wake(&mut self) -> Result<(), TrainError> {
         if self.rollout_asleep {
-            self.rollout.wake_up().context(|| {
+            self.generation_mut().rollout.wake_up().context(|| {
                 "waking the rollout (actor_rollout_ref.rollout.free_cache_engine)".to_owned()
             })?;
             self.rollout_asleep = false;
@@ -1280,13 +1572,18 @@ impl Trainer {
             .rollout
             .checkpoint_engine
             .backend;
+        let rollout = self
+            .generation
+            .as_mut()
+            .expect("generation is back after each step");
         sync_weights(
             self.actor.as_mut(),
             &mut self.weight_sync,
             backend,
-            self.rollout.as_mut(),
+            rollout.rollout.as_mut(),
             step,
         )?;
+        self.rollout_version = step;
         Ok(())
     }
 
@@ -1396,6 +1693,7 @@ impl Trainer {
                 kl_coef: self.kl_ctrl.value,
                 skipped_steps: self.skipped_steps,
                 records: self.records.clone(),
+                pending: self.pending.clone(),
             };
             let path = dir.join(TRAINER_STATE_FILE);
             std::fs::write(
@@ -1522,6 +1820,7 @@ impl Trainer {
         self.global_step = state.global_step;
         self.records = state.records;
         self.skipped_steps = state.skipped_steps;
+        self.pending = state.pending;
         self.sync_weights(state.global_step).map_err(|e| match e {
             TrainError::Sync(SyncError::NonFinite { tensor }) => TrainError::NonFiniteCheckpoint {
                 dir: dir.to_path_buf(),
@@ -1880,6 +2179,43 @@ impl Components {
                 "actor_rollout_ref.rollout.calculate_log_probs=true, but rollout `{}` does not return log-probs",
                 self.rollout.name
             )));
+        }
+        if config.trainer.training_mode == TrainingMode::OneStepOff {
+            // The next batch is generated on a thread of its own, by this process's rollout in
+            // one request: the rank exchange, DAPO's extra rounds and ReMax's greedy rollouts
+            // (which need the rollout during the update) are not done there.
+            let refused = if run.world_size > 1 {
+                Some(format!("{} ranks (one rank only)", run.world_size))
+            } else if config.algorithm.filter_groups.enable {
+                Some("algorithm.filter_groups.enable=true".to_owned())
+            } else if config.algorithm.adv_estimator.needs_greedy_baseline() {
+                Some("algorithm.adv_estimator=remax (its greedy baseline needs the rollout during the update)".to_owned())
+            } else {
+                None
+            };
+            if let Some(what) = refused {
+                return Err(TrainError::Invalid(format!(
+                    "trainer.training_mode=one_step_off does not support {what}"
+                )));
+            }
+        }
+        let correction = &config.algorithm.rollout_correction;
+        let checked = correction.settings()?;
+        if (checked.corrects() || correction.bypass_mode) && !settings.calculate_log_probs {
+            return Err(TrainError::Invalid(
+                "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode) needs the rollout's \
+                 log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
+                    .to_owned(),
+            ));
+        }
+        if correction.bypass_mode && checked.corrects() {
+            // verl's bypass loss recomputes the weights and the rejection mask from the current
+            // policy inside the loss, which the engines here do not do.
+            return Err(TrainError::Invalid(
+                "algorithm.rollout_correction.bypass_mode=true with rollout_is or rollout_rs is not \
+                 supported: use bypass_mode=false (decoupled mode) for importance weights and rejection"
+                    .to_owned(),
+            ));
         }
         if settings.free_cache_engine && !rollout_caps.sleep_wake {
             tracing::info!(

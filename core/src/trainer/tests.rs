@@ -16,9 +16,9 @@ use verl_plugin_api::{
 use verl_plugin_host::{DeviceReport, Registry};
 
 use super::{NonFinite, RunSummary, TrainError, Trainer};
-use crate::algo::AdvEstimator;
+use crate::algo::{AdvEstimator, IsLevel};
 use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
-use crate::config::{Config, NanPolicy, ResumeMode};
+use crate::config::{Config, NanPolicy, ResumeMode, RsThreshold, TrainingMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
 use crate::placement::Placement;
 
@@ -412,6 +412,24 @@ impl Rollout for SleepyRollout {
     }
 }
 
+/// The fake rollout, declaring its log-probs (for `rollout.calculate_log_probs`).
+struct LogProbRollout(FakeRollout);
+
+impl Rollout for LogProbRollout {
+    fn capabilities() -> RolloutCapabilities {
+        FakeRollout::capabilities().logprobs(true)
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.0.init(init)
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        self.0.generate(request)
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        self.0.update_weights(source)
+    }
+}
+
 /// A rollout that only reloads weights from files.
 struct FileOnlyRollout;
 
@@ -533,6 +551,7 @@ impl Tracker for FakeTracker {
 /// A fresh registry holding only the fakes (all named `fake`, plus `no-critic` and `file-only`)
 /// and the real `file` tracker.
 fn registry(log: &Log, faults: Faults) -> Registry {
+    let l8 = log.clone();
     let (l1, l2, l3, l4, l5, l6, l7) = (
         log.clone(),
         log.clone(),
@@ -591,6 +610,18 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                 crate::builtin::DiskWeightSync::default,
             )
             .config_section("disk")
+            .rollout(
+                "logprobs",
+                0,
+                "the fake rollout, with log-probs",
+                move || {
+                    l8.push(Event::Created("rollout"));
+                    LogProbRollout(FakeRollout {
+                        log: l8.clone(),
+                        version: None,
+                    })
+                },
+            )
             .rollout("file-only", 0, "takes weights from files", move || {
                 l4.push(Event::Created("rollout"));
                 FileOnlyRollout
@@ -2221,4 +2252,313 @@ fn perf_metrics_follow_verls_flop_count() {
             assert!(m[key] > 0.0, "step {step}: {key}");
         }
     }
+}
+/// The training generations' weight versions, in order.
+fn train_versions(events: &[Event]) -> Vec<Option<u64>> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Generate { n: 2, version, .. } => Some(*version),
+            _ => None,
+        })
+        .collect()
+}
+
+fn one_step_off(s: &Setup, run: &str) -> Config {
+    let mut c = s.config(run);
+    c.trainer.training_mode = TrainingMode::OneStepOff;
+    c.trainer.rollout_data_dir = Some(s.run_dir(run).join("rollouts").display().to_string());
+    c
+}
+
+/// Every `<step>.jsonl` of `trainer.rollout_data_dir`: the dataset indices each step trained on,
+/// and the lines as written.
+fn dumped(dir: &Path) -> BTreeMap<u64, (Vec<u64>, String)> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let step: u64 = name
+                .strip_suffix(".jsonl")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("unexpected file {name}"));
+            let text = std::fs::read_to_string(&path).unwrap();
+            let mut indices: Vec<u64> = text
+                .lines()
+                .map(|line| {
+                    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+                    assert_eq!(v["step"], step);
+                    assert!(v["input"].is_string() && v["output"].is_string());
+                    v["index"].as_u64().unwrap()
+                })
+                .collect();
+            indices.sort_unstable();
+            (step, (indices, text))
+        })
+        .collect()
+}
+
+/// `trainer.training_mode=one_step_off` (verl's one-step-off policy): batch k+1 is generated
+/// while step k trains, with the weights the rollout holds then (step k−1's), from the same
+/// prompts and seeds a synchronous run uses; the weights of step k reach the rollout after that
+/// generation; each step reports its samples' staleness and verl's one-step-off timings.
+#[test]
+fn one_step_off_generates_the_next_batch_one_version_behind() {
+    let s = setup();
+    let sync = Log::default();
+    fit(s.config("sync"), &sync, Faults::default()).unwrap();
+    let log = Log::default();
+    let summary = fit(one_step_off(&s, "off"), &log, Faults::default()).unwrap();
+    assert_eq!(summary.global_step, 5);
+    let events = log.events();
+    assert_eq!(
+        train_generations(&events),
+        train_generations(&sync.events()),
+        "the same prompts and seeds, in the same order"
+    );
+    // Synchronous: batch k by step k−1's weights. One step off: by step k−2's.
+    assert_eq!(
+        train_versions(&sync.events()),
+        [None, Some(1), Some(2), Some(3), Some(4)]
+    );
+    assert_eq!(
+        train_versions(&events),
+        [None, None, Some(1), Some(2), Some(3)]
+    );
+    let position = |wanted: &dyn Fn(&Event) -> bool, nth: usize| {
+        events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| wanted(e))
+            .nth(nth)
+            .map(|(i, _)| i)
+            .unwrap()
+    };
+    for step in 1..5u64 {
+        let next_generated = position(
+            &|e| matches!(e, Event::Generate { n: 2, .. }),
+            step as usize,
+        );
+        let trained = position(
+            &|e| matches!(e, Event::UpdateActor { .. }),
+            step as usize - 1,
+        );
+        let synced = position(
+            &|e| matches!(e, Event::UpdateWeights { version, .. } if *version == step),
+            0,
+        );
+        let logged = position(
+            &|e| matches!(e, Event::Log { step: s, .. } if *s == step),
+            0,
+        );
+        assert!(
+            next_generated < synced && trained < synced && synced < logged,
+            "step {step}: batch {} generated at {next_generated}, update at {trained}, sync at \
+             {synced}, log at {logged}",
+            step + 1
+        );
+    }
+    let logged = logs(&events);
+    let staleness: Vec<f64> = logged
+        .iter()
+        .map(|(_, m)| m["training/staleness_mean"])
+        .collect();
+    assert_eq!(staleness, [0.0, 1.0, 1.0, 1.0, 1.0]);
+    for (step, m) in &logged {
+        assert!(m.contains_key("timing_s/gen"), "step {step}");
+        let overlapped = *step < 5;
+        assert_eq!(
+            m.contains_key("timing_s/generate_async"),
+            overlapped,
+            "{step}"
+        );
+        assert_eq!(
+            m.contains_key("timing_s/sync_rollout_weights"),
+            overlapped,
+            "{step}"
+        );
+    }
+    assert!(
+        logs(&sync.events())
+            .iter()
+            .all(|(_, m)| !m.contains_key("training/staleness_mean")),
+        "a synchronous run logs no staleness"
+    );
+    // The dump has one file per step, the prompts of a synchronous run's batches.
+    let dumps = dumped(&s.run_dir("off").join("rollouts"));
+    assert_eq!(dumps.keys().copied().collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+}
+
+/// Exact resume of a one-step-off run: a checkpoint carries the batch generated for the next
+/// step, so a run stopped by a failure in any step and resumed (`resume_mode=auto`) trains on
+/// exactly the batches of an uninterrupted run — no prompt skipped, none trained twice, the same
+/// samples — and logs the same records; the carried batch is not generated again.
+#[test]
+fn a_resumed_one_step_off_run_trains_on_exactly_the_uninterrupted_batches() {
+    let s = setup();
+    let configure = |run: &str, save_freq: i64| {
+        let mut c = one_step_off(&s, run);
+        c.trainer.save_freq = save_freq;
+        c
+    };
+    let whole = Log::default();
+    fit(configure("whole", 1), &whole, Faults::default()).unwrap();
+    let whole_logs = comparable_logs(&whole.events());
+    let whole_dump = dumped(&s.run_dir("whole").join("rollouts"));
+    let consumed = |dump: &BTreeMap<u64, (Vec<u64>, String)>| {
+        let mut all: Vec<u64> = dump.values().flat_map(|(i, _)| i.clone()).collect();
+        all.sort_unstable();
+        all
+    };
+    // 5 steps × 4 prompts × 2 responses over 8 prompts: each prompt's n responses, 2.5 epochs.
+    assert_eq!(consumed(&whole_dump).len(), 40);
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(s.run_dir("whole").join("global_step_2/trainer_state.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        state["pending"]["rows"].as_array().map(Vec::len),
+        Some(8),
+        "checkpoint 2 carries batch 3"
+    );
+
+    for save_freq in [1, 2] {
+        for fail_at in 1..=5u64 {
+            let run = format!("failed{fail_at}-every{save_freq}");
+            let faults = Faults {
+                fail_update_at: Some(fail_at),
+                ..Faults::default()
+            };
+            fit(configure(&run, save_freq), &Log::default(), faults).unwrap_err();
+            let resumed = Log::default();
+            fit(configure(&run, save_freq), &resumed, Faults::default()).unwrap();
+            let events = resumed.events();
+            // The checkpoint's own records first (those since the previous checkpoint), then
+            // every later step's, each as the uninterrupted run logged it.
+            let checkpoint = (fail_at - 1) / save_freq as u64 * save_freq as u64;
+            let resumed_logs = comparable_logs(&events);
+            let first = resumed_logs[0].0;
+            assert!(first <= checkpoint + 1, "{run}: first record {first}");
+            assert_eq!(
+                resumed_logs[..],
+                whole_logs[first as usize - 1..],
+                "{run}: the records differ from the uninterrupted run's"
+            );
+            let dump = dumped(&s.run_dir(&run).join("rollouts"));
+            assert_eq!(consumed(&dump), consumed(&whole_dump), "{run}");
+            assert_eq!(dump, whole_dump, "{run}: the same samples, step by step");
+            // The resumed run generates only the batches after the one its checkpoint carries.
+            let generated = train_generations(&events);
+            let from = if checkpoint == 0 {
+                0
+            } else {
+                checkpoint as usize + 1
+            };
+            assert_eq!(
+                generated[..],
+                train_generations(&whole.events())[from..],
+                "{run}: resumed after checkpoint {checkpoint}"
+            );
+        }
+    }
+}
+
+/// Rollout correction in the trainer (verl's decoupled mode): with the rollout's log-probs, the
+/// IS weights go to the actor's update as `rollout_is_weights`, rejected tokens leave the
+/// response mask, and the `rollout_corr/` metrics are logged; asked without the rollout's
+/// log-probs, or in bypass mode with weights, the run is refused before it starts.
+#[test]
+fn rollout_correction_reaches_the_update() {
+    let s = setup();
+    let mut c = s.config("corrected");
+    c.trainer.total_training_steps = Some(2);
+    c.actor_rollout_ref.rollout.name = "logprobs".into();
+    c.actor_rollout_ref.rollout.calculate_log_probs = true;
+    let rc = &mut c.algorithm.rollout_correction;
+    rc.rollout_is = Some(IsLevel::Token);
+    // The fake rollout's wrong answers are at ln ½ against the engine's −½: a log-ratio of
+    // 0.19, outside ±ln 1.1, so their tokens are rejected; the right ones (ratio 1) stay.
+    rc.rollout_rs = Some("token_k1".into());
+    rc.rollout_rs_threshold = Some(RsThreshold::Number(1.1));
+    let log = Log::default();
+    fit(c.clone(), &log, Faults::default()).unwrap();
+    let events = log.events();
+    let update_keys: Vec<&Vec<String>> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateActor { keys, .. } => Some(keys),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(update_keys.len(), 2);
+    assert!(
+        update_keys
+            .iter()
+            .all(|k| k.contains(&"rollout_is_weights".to_owned()))
+    );
+    for (step, m) in logs(&events) {
+        let fraction = m["rollout_corr/rollout_rs_masked_fraction"];
+        assert!(fraction > 0.4 && fraction < 0.6, "step {step}: {fraction}");
+        assert_eq!(m["rollout_corr/rollout_rs_seq_masked_fraction"], 0.5);
+        // The largest weight is the wrong answers' e^0.19 (below the threshold of 2).
+        assert!((m["rollout_corr/rollout_is_max"] - (-0.5 - 0.5f64.ln()).exp()).abs() < 1e-5);
+        assert!(m.contains_key("rollout_corr/kl") && m.contains_key("rollout_corr/chi2_seq"));
+    }
+
+    // Bypass mode: the rollout's log-probs are the old policy's; the actor computes none.
+    let mut bypass = s.config("bypass");
+    bypass.trainer.total_training_steps = Some(2);
+    bypass.actor_rollout_ref.rollout.name = "logprobs".into();
+    bypass.actor_rollout_ref.rollout.calculate_log_probs = true;
+    bypass.algorithm.rollout_correction.bypass_mode = true;
+    let log = Log::default();
+    fit(bypass.clone(), &log, Faults::default()).unwrap();
+    let events = log.events();
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::LogProb { role, .. } if role == "actor"))
+    );
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, Event::UpdateActor { .. }))
+            .count(),
+        2
+    );
+
+    let refused = |c: Config, wanted: &str| {
+        let err = match Trainer::new(
+            c,
+            &registry(&Log::default(), Faults::default()),
+            &placement(&[]),
+        ) {
+            Ok(_) => panic!("expected {wanted}"),
+            Err(err) => err.to_string(),
+        };
+        assert!(err.contains(wanted), "{err}");
+    };
+    let mut without = c.clone();
+    without.actor_rollout_ref.rollout.calculate_log_probs = false;
+    refused(
+        without,
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    );
+    let mut both = bypass.clone();
+    both.algorithm.rollout_correction.rollout_is = Some(IsLevel::Sequence);
+    refused(both, "bypass_mode=true with rollout_is or rollout_rs");
+    let mut bad = c.clone();
+    bad.algorithm.rollout_correction.rollout_rs = Some("seq_k9".into());
+    refused(
+        bad,
+        "algorithm.rollout_correction.rollout_rs: unknown option `seq_k9`",
+    );
+    let mut two_ranks_off = one_step_off(&s, "refused");
+    two_ranks_off.algorithm.filter_groups.enable = true;
+    refused(
+        two_ranks_off,
+        "one_step_off does not support algorithm.filter_groups.enable=true",
+    );
 }

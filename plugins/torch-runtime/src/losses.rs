@@ -312,6 +312,18 @@ pub struct PolicyBatch<'a> {
     pub log_prob: &'a Tensor,
     pub advantages: &'a Tensor,
     pub response_mask: &'a Tensor,
+    /// verl's `rollout_is_weights` (rollout correction): truncated importance weights that
+    /// multiply the per-token loss; `None` without rollout correction.
+    pub rollout_is_weights: Option<&'a Tensor>,
+}
+
+/// The per-token loss times the rollout-correction IS weights, when there are any (as every
+/// `compute_policy_loss_*` of verl does before aggregating).
+fn rollout_weighted(pg_losses: Tensor, batch: &PolicyBatch<'_>) -> Tensor {
+    match batch.rollout_is_weights {
+        Some(weights) => pg_losses * weights,
+        None => pg_losses,
+    }
 }
 
 /// Computes the policy loss of `mode`. GSPO and SAPO always aggregate with seq-mean-token-mean
@@ -332,7 +344,7 @@ pub fn policy_loss(
         PolicyLossMode::Gspo => Ok(policy_loss_gspo(batch, clip, scale)),
         PolicyLossMode::Sapo => Ok(policy_loss_sapo(batch, options, scale)),
         PolicyLossMode::Gpg => {
-            let pg_losses = -batch.log_prob * batch.advantages;
+            let pg_losses = rollout_weighted(-batch.log_prob * batch.advantages, &batch);
             Ok(PolicyLoss {
                 pg_loss: agg_loss(&pg_losses, batch.response_mask, agg, scale),
                 metrics: Vec::new(),
@@ -398,7 +410,7 @@ pub fn policy_loss_vanilla(
         mask,
     );
 
-    let pg_losses = dual_clipped.where_self(&negative, &clipped);
+    let pg_losses = rollout_weighted(dual_clipped.where_self(&negative, &clipped), &batch);
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![
@@ -424,6 +436,7 @@ pub fn policy_loss_dppo(
         log_prob,
         advantages,
         response_mask: mask,
+        ..
     } = batch;
     let negative_approx_kl = log_ratio(&batch, true);
     let ratio = negative_approx_kl.exp();
@@ -453,7 +466,7 @@ pub fn policy_loss_dppo(
     };
     let valid = float(&valid_positive.where_self(&advantages.gt(0.0), &valid_negative)).detach();
 
-    let pg_losses = -advantages * &truncated * log_prob * &valid;
+    let pg_losses = rollout_weighted(-advantages * &truncated * log_prob * &valid, &batch);
     let pg_clipfrac = masked_mean(&(-&valid + 1.0), mask);
     let pg_clipfrac_lower = masked_mean(&(float(&ratio.gt(clip.clip_ratio_c)) * &valid), mask);
     PolicyLoss {
@@ -486,7 +499,7 @@ pub fn policy_loss_gspo(batch: PolicyBatch<'_>, clip: &ClipConfig, scale: &AggSc
 
     let losses1 = -advantages * &ratio;
     let losses2 = -advantages * ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
-    let pg_losses = losses1.maximum(&losses2);
+    let pg_losses = rollout_weighted(losses1.maximum(&losses2), &batch);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
         metrics: vec![
@@ -521,7 +534,7 @@ pub fn policy_loss_sapo(
         .to_kind(advantages.kind())
         .to_device(advantages.device());
     let gates = (&tau * (ratio - 1.0)).sigmoid() * (tau.reciprocal() * 4.0);
-    let pg_losses = -gates * advantages;
+    let pg_losses = rollout_weighted(-gates * advantages, &batch);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, scale),
         metrics: vec![
@@ -599,7 +612,7 @@ pub fn policy_loss_clip_cov(
         .index_fill(0, &chosen, 0.0)
         .view_as(advantages);
     let pg_clipfrac = masked_mean(&float(&corr.eq(0.0)), mask);
-    let pg_losses = losses1.maximum(&losses2) * corr;
+    let pg_losses = rollout_weighted(losses1.maximum(&losses2) * corr, &batch);
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![
@@ -642,7 +655,10 @@ pub fn policy_loss_kl_cov(
         let (_, top) = cov.topk(k, 0, true, true);
         penalised = penalised.index_fill(0, &valid.index_select(0, &top), 1);
     }
-    let pg_losses = losses_kl.where_self(&penalised.view_as(advantages), &losses1);
+    let pg_losses = rollout_weighted(
+        losses_kl.where_self(&penalised.view_as(advantages), &losses1),
+        &batch,
+    );
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![(PPO_KL, scalar(&ppo_kl_abs))],
@@ -671,7 +687,13 @@ pub fn policy_loss_geo_mean(
     let lengths = maskf.sum_dim_intlist(-1, false, Kind::Float) + 1e-8;
     let ratio = ((kl_min * &maskf).sum_dim_intlist(-1, false, Kind::Float) / &lengths).exp();
     let seq_advantage = (advantages * &maskf).sum_dim_intlist(-1, false, Kind::Float) / &lengths;
-    let pg_losses = -seq_advantage * ratio;
+    let mut pg_losses = -seq_advantage * ratio;
+    if let Some(weights) = batch.rollout_is_weights {
+        // One weight per sequence: the geometric mean of its tokens' weights, as verl.
+        let log_weights =
+            ((weights + 1e-10).log() * &maskf).sum_dim_intlist(-1, false, Kind::Float);
+        pg_losses *= (log_weights / &lengths).exp();
+    }
     let sequences = scale
         .global_batch_size
         .unwrap_or(advantages.size()[0] as f64)
@@ -716,7 +738,10 @@ pub fn policy_loss_dro(
         )
     })?;
     let log_ratio = log_ratio(&batch, false);
-    let pg_losses = -(batch.log_prob * batch.advantages - log_ratio.square() * (0.5 * beta));
+    let pg_losses = rollout_weighted(
+        -(batch.log_prob * batch.advantages - log_ratio.square() * (0.5 * beta)),
+        &batch,
+    );
     Ok(PolicyLoss {
         pg_loss: agg_loss(&pg_losses, batch.response_mask, agg, scale),
         metrics: vec![(
@@ -743,7 +768,7 @@ pub fn policy_loss_cispo(
     let negative_approx_kl = log_ratio(&batch, true);
     let ratio = negative_approx_kl.exp();
     let clipped = ratio.clamp(1.0 - clip.clip_ratio_low, 1.0 + clip.clip_ratio_high);
-    let pg_losses = -clipped.detach() * advantages * log_prob;
+    let pg_losses = rollout_weighted(-clipped.detach() * advantages * log_prob, &batch);
     PolicyLoss {
         pg_loss: agg_loss(&pg_losses, mask, agg, scale),
         metrics: vec![
@@ -976,6 +1001,7 @@ mod tests {
             log_prob: &log_prob,
             advantages: &advantages,
             response_mask: &mask,
+            rollout_is_weights: None,
         };
         let out = policy_loss_vanilla(batch, &clip, LossAggMode::TokenMean, &AggScale::default())
             .unwrap();
@@ -1018,6 +1044,7 @@ mod tests {
             log_prob: &log_prob,
             advantages: &advantages,
             response_mask: &mask,
+            rollout_is_weights: None,
         };
         let clip = ClipConfig {
             clip_ratio_low: 0.2,
@@ -1059,6 +1086,7 @@ mod tests {
             log_prob: &ones,
             advantages: &ones,
             response_mask: &ones,
+            rollout_is_weights: None,
         };
         let run = |mode, options: PolicyLossOptions| {
             policy_loss(
@@ -1107,6 +1135,7 @@ mod tests {
                 log_prob: &log_prob,
                 advantages: &advantages,
                 response_mask: &mask,
+                rollout_is_weights: None,
             },
             &ClipConfig::default(),
             &options,

@@ -2,7 +2,8 @@
 //! (`core/tests/data/verl_algos_reference.json`, made by
 //! `scripts/reference/algos_reference.py`): loss aggregation in every mode and with global batch
 //! normalisers, every policy loss (value, gradient with respect to the log-probs, metrics), the
-//! KL estimators (value and gradient), the value loss and the entropy loss.
+//! KL estimators (value and gradient), the value loss and the entropy loss; and the policy losses
+//! with rollout-correction IS weights.
 
 #[path = "../../../core/tests/support/verl_reference.rs"]
 mod verl_reference;
@@ -93,6 +94,7 @@ fn policy_case(set: &Value, case: &Value) -> Result<(), String> {
         .parse()
         .map_err(|e: verl_torch_runtime::ModelError| e.to_string())?;
     let log_prob = tensor(&set["log_prob"]).set_requires_grad(true);
+    let weights = set.get("rollout_is_weights").map(tensor);
     let out = policy_loss(
         loss_mode,
         PolicyBatch {
@@ -100,6 +102,7 @@ fn policy_case(set: &Value, case: &Value) -> Result<(), String> {
             log_prob: &log_prob,
             advantages: &tensor(&set["advantages"]),
             response_mask: &tensor(&set["mask"]),
+            rollout_is_weights: weights.as_ref(),
         },
         &clip,
         &options,
@@ -194,4 +197,32 @@ fn losses_match_verl() {
         assert!(counts.get(kind).is_some_and(|&n| n >= 10), "{kind}");
     }
     checked.assert_no_failures();
+}
+
+/// The losses with rollout-correction IS weights, against verl b178a3c's `compute_policy_loss_*`
+/// with `rollout_is_weights` (`core/tests/data/verl_rollout_corr_reference.json`, made by
+/// `scripts/reference/rollout_corr_reference.py`, weights from verl's own
+/// `compute_rollout_correction_weights`, token and sequence level).
+#[test]
+fn losses_with_rollout_is_weights_match_verl() {
+    let root: Value = serde_json::from_str(include_str!(
+        "../../../core/tests/data/verl_rollout_corr_reference.json"
+    ))
+    .expect("reference JSON");
+    let inputs = root["loss_inputs"].as_array().expect("loss_inputs");
+    let cases = root["loss_cases"].as_array().expect("loss_cases");
+    let mut names = std::collections::BTreeSet::new();
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|case| {
+            let set = &inputs[case["input"].as_u64().expect("input") as usize];
+            assert!(set.get("rollout_is_weights").is_some());
+            names.insert(case["name"].as_str().expect("name").to_owned());
+            policy_case(set, case)
+                .err()
+                .map(|e| format!("{} {}: {e}", case["name"], case["mode"]))
+        })
+        .collect();
+    assert_eq!(names.len(), 8, "{names:?}");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -60,6 +60,7 @@ fn update(model: &CausalLM, opt: &mut AdamW, schedule: &LrSchedule, b: &Batch) -
             log_prob: &scores.log_probs,
             advantages: &b.advantages,
             response_mask: &response_mask,
+            rollout_is_weights: None,
         },
         &ClipConfig::default(),
         &PolicyLossOptions::default(),

@@ -315,6 +315,9 @@ impl<S: Strategy> ActorWorker<S> {
         if self.settings.kl_loss.is_some() {
             wanted.push(keys::REF_LOG_PROB);
         }
+        if batch.get(ROLLOUT_IS_WEIGHTS).is_some() {
+            wanted.push(ROLLOUT_IS_WEIGHTS);
+        }
         let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let settings = self.settings.clone();
         self.update("actor", rows, &mut |strategy, micro, scale, metrics| {
@@ -556,6 +559,10 @@ impl<S: Strategy> ActorWorker<S> {
     }
 }
 
+/// verl's batch key for the rollout-correction IS weights the trainer sends (decoupled mode):
+/// they multiply the per-token policy loss.
+const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
+
 fn actor_micro_step<S: Strategy>(
     s: &ActorSettings,
     strategy: &S,
@@ -578,6 +585,7 @@ fn actor_micro_step<S: Strategy>(
                 log_prob: &scores.log_probs,
                 advantages: micro.get(keys::ADVANTAGES),
                 response_mask,
+                rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
             },
             &s.clip,
             &s.loss_options,

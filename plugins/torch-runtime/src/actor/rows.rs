@@ -112,12 +112,13 @@ impl Rows {
     }
 
     pub fn get(&self, key: &str) -> &Tensor {
-        &self
-            .tensors
-            .iter()
-            .find(|(k, _)| *k == key)
+        self.try_get(key)
             .unwrap_or_else(|| panic!("`{key}` was loaded"))
-            .1
+    }
+
+    /// A tensor that was loaded only when the batch had it.
+    pub fn try_get(&self, key: &str) -> Option<&Tensor> {
+        self.tensors.iter().find(|(k, _)| *k == key).map(|(_, t)| t)
     }
 
     /// The block context of these rows' forward pass on `model`: one packed stream of their

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Step time of trainer.training_mode=sync vs one_step_off on the quickstart, in one run each.
+#
+#   bash scripts/bench-training-modes.sh RELEASE_DIR [STEPS] [WORK_DIR]
+#
+# RELEASE_DIR holds a release build: the `verl-core` binary and the native, fsdp and trackers
+# plugins (cargo build --release -p verl-core -p verl-plugin-native -p verl-plugin-fsdp
+# -p verl-plugin-trackers). Both runs share the quickstart's data and warmed-up model (made by the
+# first) and train STEPS steps (default 30) without validation or checkpoints; the mean and median
+# of `timing_s/step` over steps 2.. (step 1 of one_step_off generates its batch up front) are
+# printed per mode, with `timing_s/gen` (time spent waiting for generation).
+set -euo pipefail
+release=${1:?usage: bench-training-modes.sh RELEASE_DIR [STEPS] [WORK_DIR]}
+steps=${2:-30}
+work=${3:-$(mktemp -d)}
+plugins="$work/plugins"
+mkdir -p "$plugins"
+for p in native fsdp trackers; do
+    cp "$release/libverl_plugin_$p.so" "$plugins/"
+done
+repo=$(cd "$(dirname "$0")/.." && pwd)
+for mode in sync one_step_off; do
+    "$release/verl-core" run --plugin-dir "$plugins" --config "$repo/examples/quickstart.yaml" \
+        "quickstart.dir=$work/quickstart" \
+        "data.train_files=[$work/quickstart/data/train.parquet]" \
+        "data.val_files=[$work/quickstart/data/test.parquet]" \
+        "actor_rollout_ref.model.path=$work/quickstart/model-sft" \
+        "trainer.default_local_dir=$work/run-$mode" \
+        "trainer.total_training_steps=$steps" trainer.test_freq=-1 trainer.save_freq=-1 \
+        trainer.val_before_train=false "trainer.training_mode=$mode" 'trainer.logger=[file]' \
+        >"$work/$mode.log" 2>&1
+done
+python3 - "$work" <<'EOF'
+import json, statistics, sys
+work = sys.argv[1]
+for mode in ["sync", "one_step_off"]:
+    rows = [json.loads(l) for l in open(f"{work}/run-{mode}/metrics.jsonl")]
+    data = [r["data"] for r in rows if isinstance(r.get("data"), dict) and r.get("step", 0) >= 2]
+    step = [d["timing_s/step"] for d in data if "timing_s/step" in d]
+    gen = [d["timing_s/gen"] for d in data if "timing_s/gen" in d]
+    acc = [d[k] for d in data for k in d if k.startswith("critic/score/mean")]
+    print(f"{mode:13s} steps 2..{len(step) + 1}: step mean {statistics.mean(step):.3f} s, "
+          f"median {statistics.median(step):.3f} s; waiting for generation mean "
+          f"{statistics.mean(gen):.3f} s; mean score {statistics.mean(acc):.3f}")
+EOF

@@ -614,6 +614,54 @@ mod tests {
     }
 
     #[test]
+    fn reads_qwen_moe_configs_and_names_missing_moe_keys() {
+        let qwen2 = parse(
+            r#"{"architectures":["Qwen2MoeForCausalLM"],"vocab_size":10,"hidden_size":8,
+                "intermediate_size":8,"num_hidden_layers":4,"num_attention_heads":2,
+                "num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":4,
+                "shared_expert_intermediate_size":6,"decoder_sparse_step":2,"mlp_only_layers":[3]}"#,
+        )
+        .unwrap();
+        let moe = qwen2.moe.as_ref().unwrap();
+        assert_eq!(moe.shared_expert_intermediate_size, Some(6));
+        assert!(qwen2.qkv_bias && !qwen2.qk_norm && !moe.norm_topk_prob);
+        // Layer 1 is sparse (step 2); 0 and 2 are not on the step, 3 is mlp-only.
+        let sparse: Vec<bool> = (0..4).map(|l| moe.is_sparse(l)).collect();
+        assert_eq!(sparse, [false, true, false, false]);
+        let qwen3 = parse(
+            r#"{"model_type":"qwen3_moe","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_local_experts":4,
+                "num_experts_per_tok":2,"moe_intermediate_size":4,"norm_topk_prob":true}"#,
+        )
+        .unwrap();
+        let moe = qwen3.moe.as_ref().unwrap();
+        assert!(qwen3.qk_norm && !qwen3.qkv_bias && moe.norm_topk_prob && moe.num_experts == 4);
+        assert_eq!(moe.shared_expert_intermediate_size, None);
+        let err = parse(
+            r#"{"model_type":"qwen3_moe","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_experts":2,
+                "num_experts_per_tok":3,"moe_intermediate_size":4}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("num_experts_per_tok (3) exceeds num_experts (2)"),
+            "{err}"
+        );
+        let err = parse(
+            r#"{"model_type":"qwen2_moe","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_experts":2,
+                "num_experts_per_tok":1,"moe_intermediate_size":4}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("`shared_expert_intermediate_size` is missing"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn errors_name_the_file_and_the_problem() {
         let err = parse(r#"{"architectures":["MistralForCausalLM"]}"#)
             .unwrap_err()

@@ -358,3 +358,57 @@ fn bad_replay_input_is_refused_naming_the_key() {
         .to_string();
     assert!(err.contains("no experts"), "{err}");
 }
+
+#[test]
+fn the_router_trains_under_replay_and_the_aux_loss_has_a_gradient() {
+    let model = load("tiny-qwen3-moe");
+    let ids = Tensor::from_slice(&expected("tiny-qwen3-moe").sequences[1].ids).view([1, -1]);
+    let n = ids.size()[1];
+    let mask = ids.ones_like();
+    let (_, recorded) = tch::no_grad(|| model.forward_routed(&ids, &mask, None)).unwrap();
+    let grads = |aux_coef: f64| {
+        model.named_tensors().iter().for_each(|(_, t)| {
+            let mut g = t.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        });
+        let (logits, router) = model
+            .forward_routed(&ids, &mask, Some(&recorded.experts))
+            .unwrap();
+        let lp = log_probs_from_logits(&logits.narrow(1, 0, n - 1), &ids.narrow(1, 1, n - 1));
+        let moe = model.config().moe.as_ref().unwrap();
+        let aux = load_balancing_loss(
+            &router.logits,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            None,
+        )
+        .unwrap();
+        (lp.mean(Kind::Float).neg() + aux * aux_coef).backward();
+        let named = model.named_tensors();
+        let norm = |name: &str| {
+            named
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap()
+                .1
+                .grad()
+                .norm()
+                .double_value(&[])
+        };
+        (
+            norm("model.layers.0.mlp.gate.weight"),
+            norm("model.layers.1.mlp.experts.0.up_proj.weight"),
+        )
+    };
+    // Replayed experts keep the router in the graph through their weights.
+    let (router, expert) = grads(0.0);
+    assert!(router > 0.0 && expert > 0.0, "{router} {expert}");
+    // The aux loss adds its own gradient to the router.
+    let (with_aux, _) = grads(10.0);
+    assert!(
+        (with_aux - router).abs() > 1e-6 * router,
+        "{with_aux} vs {router}"
+    );
+}

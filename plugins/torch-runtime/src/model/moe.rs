@@ -118,9 +118,8 @@ pub fn load_balancing_loss(
             &selected.reshape([-1]),
             &weight.repeat_interleave_self_int(top_k, 0, None),
         );
-        prob_per_expert =
-            prob_per_expert + (probs * weight.unsqueeze(-1)).sum_dim_intlist(0, false, Kind::Float);
-        rows = rows + weight.sum(Kind::Float);
+        prob_per_expert += (probs * weight.unsqueeze(-1)).sum_dim_intlist(0, false, Kind::Float);
+        rows += weight.sum(Kind::Float);
     }
     Ok(
         (tokens_per_expert / &rows * (prob_per_expert / &rows)).sum(Kind::Float)

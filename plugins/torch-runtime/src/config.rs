@@ -261,7 +261,7 @@ impl ModelConfig {
         let moe = match architecture {
             Architecture::Llama | Architecture::Qwen2 => None,
             Architecture::Qwen2Moe | Architecture::Qwen3Moe => {
-                Some(moe_config(&hf, architecture, &invalid)?)
+                Some(moe_config(&hf, architecture, &invalid, &required)?)
             }
         };
         Ok(Self {
@@ -404,16 +404,13 @@ impl ModelConfig {
 }
 
 /// The [`MoeConfig`] of a Qwen2-MoE / Qwen3-MoE `config.json`, with transformers' defaults.
+/// `positive` checks a required positive field (see `ModelConfig::from_hf`).
 fn moe_config(
     hf: &HfConfig,
     architecture: Architecture,
     invalid: &impl Fn(String) -> ModelError,
+    positive: &impl Fn(Option<i64>, &str) -> Result<i64>,
 ) -> Result<MoeConfig> {
-    let positive = |value: Option<i64>, field: &str| match value {
-        Some(v) if v > 0 => Ok(v),
-        Some(v) => Err(invalid(format!("`{field}` must be positive, not {v}"))),
-        None => Err(invalid(format!("`{field}` is missing"))),
-    };
     let num_experts = positive(hf.num_experts.or(hf.num_local_experts), "num_experts")?;
     let top_k = positive(hf.num_experts_per_tok, "num_experts_per_tok")?;
     if top_k > num_experts {

@@ -51,6 +51,8 @@ fn config() -> ModelConfig {
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,
+        qk_norm: false,
+        moe: None,
     }
 }
 

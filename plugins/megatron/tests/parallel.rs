@@ -88,6 +88,8 @@ fn model_config(name: &str) -> ModelConfig {
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,
+        qk_norm: false,
+        moe: None,
     };
     match name {
         "qwen2-gqa" => qwen2(2),

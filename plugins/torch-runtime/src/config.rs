@@ -7,12 +7,15 @@ use serde_json::{Value, json};
 
 use crate::error::{ModelError, Result, read_json};
 
-/// The decoder families this crate implements. They share one architecture and differ only in
-/// which projections carry a bias.
+/// The decoder families this crate implements. They share one architecture and differ in which
+/// projections carry a bias, whether queries and keys are normed per head (Qwen3-MoE) and whether
+/// the MLP is a mixture of experts ([`MoeConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
     Llama,
     Qwen2,
+    Qwen2Moe,
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -21,6 +24,8 @@ impl Architecture {
         match self {
             Self::Llama => "LlamaForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -29,7 +34,38 @@ impl Architecture {
         match self {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
+            Self::Qwen2Moe => "qwen2_moe",
+            Self::Qwen3Moe => "qwen3_moe",
         }
+    }
+}
+
+/// The mixture-of-experts MLP of Qwen2-MoE / Qwen3-MoE (transformers' `Qwen2MoeSparseMoeBlock`):
+/// a router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub num_experts: i64,
+    pub num_experts_per_tok: i64,
+    pub moe_intermediate_size: i64,
+    /// Qwen2-MoE's shared expert (gated by `sigmoid(shared_expert_gate(x))`); `None` for
+    /// Qwen3-MoE, which has none.
+    pub shared_expert_intermediate_size: Option<i64>,
+    /// Renormalise the top-k routing weights to sum to one.
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is sparse, …
+    pub decoder_sparse_step: i64,
+    /// … except these, which keep a dense MLP of `intermediate_size`.
+    pub mlp_only_layers: Vec<i64>,
+    /// Weight of the load-balancing loss in the training loss (when `output_router_logits`).
+    pub router_aux_loss_coef: f64,
+    /// transformers adds the aux loss to the loss only when this is set (or asked per call).
+    pub output_router_logits: bool,
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer` has the sparse MLP (transformers' `Qwen2MoeDecoderLayer`).
+    pub fn is_sparse(&self, layer: i64) -> bool {
+        !self.mlp_only_layers.contains(&layer) && (layer + 1) % self.decoder_sparse_step == 0
     }
 }
 
@@ -62,6 +98,12 @@ pub struct ModelConfig {
     pub bos_token_id: Option<i64>,
     pub eos_token_ids: Vec<i64>,
     pub pad_token_id: Option<i64>,
+    /// RMS norms over each query and key head before the rotation (Qwen3: `q_norm`, `k_norm`).
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// The mixture-of-experts MLP; `None` for a dense model.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
 }
 
 /// The subset of a Hugging Face config this crate reads; everything optional so that we can name
@@ -92,6 +134,19 @@ struct HfConfig {
     bos_token_id: Option<i64>,
     eos_token_id: Option<TokenIds>,
     pad_token_id: Option<i64>,
+    // Mixture of experts (Qwen2-MoE / Qwen3-MoE).
+    qkv_bias: Option<bool>,
+    num_experts: Option<i64>,
+    /// transformers ≥ 5 writes Qwen3-MoE's `num_experts` under this name.
+    num_local_experts: Option<i64>,
+    num_experts_per_tok: Option<i64>,
+    moe_intermediate_size: Option<i64>,
+    shared_expert_intermediate_size: Option<i64>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<i64>,
+    mlp_only_layers: Option<Vec<i64>>,
+    router_aux_loss_coef: Option<f64>,
+    output_router_logits: Option<bool>,
 }
 
 /// `eos_token_id` is an int or a list of ints in Hugging Face files.
@@ -133,6 +188,8 @@ impl ModelConfig {
                 // Token classification = the same decoder under a value head (a saved critic).
                 "LlamaForCausalLM" | "LlamaForTokenClassification" => Architecture::Llama,
                 "Qwen2ForCausalLM" | "Qwen2ForTokenClassification" => Architecture::Qwen2,
+                "Qwen2MoeForCausalLM" | "Qwen2MoeForTokenClassification" => Architecture::Qwen2Moe,
+                "Qwen3MoeForCausalLM" | "Qwen3MoeForTokenClassification" => Architecture::Qwen3Moe,
                 other => {
                     return Err(ModelError::UnsupportedArchitecture {
                         path: path.to_owned(),
@@ -143,6 +200,8 @@ impl ModelConfig {
             None => match hf.model_type.as_deref() {
                 Some("llama") => Architecture::Llama,
                 Some("qwen2") => Architecture::Qwen2,
+                Some("qwen2_moe") => Architecture::Qwen2Moe,
+                Some("qwen3_moe") => Architecture::Qwen3Moe,
                 other => {
                     return Err(ModelError::UnsupportedArchitecture {
                         path: path.to_owned(),
@@ -195,6 +254,15 @@ impl ModelConfig {
             // Qwen2 hard-codes bias on q/k/v and none elsewhere.
             Architecture::Qwen2 => (true, false, false),
             Architecture::Llama => (attention_bias, attention_bias, hf.mlp_bias.unwrap_or(false)),
+            // transformers' Qwen2MoeAttention: q/k/v bias from `qkv_bias` (default true).
+            Architecture::Qwen2Moe => (hf.qkv_bias.unwrap_or(true), false, false),
+            Architecture::Qwen3Moe => (attention_bias, attention_bias, false),
+        };
+        let moe = match architecture {
+            Architecture::Llama | Architecture::Qwen2 => None,
+            Architecture::Qwen2Moe | Architecture::Qwen3Moe => {
+                Some(moe_config(&hf, architecture, &invalid, &required)?)
+            }
         };
         Ok(Self {
             architecture,
@@ -217,6 +285,8 @@ impl ModelConfig {
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
             pad_token_id: hf.pad_token_id,
+            qk_norm: architecture == Architecture::Qwen3Moe,
+            moe,
         })
     }
 
@@ -247,9 +317,31 @@ impl ModelConfig {
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         });
-        if self.architecture == Architecture::Llama {
-            config["attention_bias"] = json!(self.qkv_bias);
-            config["mlp_bias"] = json!(self.mlp_bias);
+        match self.architecture {
+            Architecture::Llama => {
+                config["attention_bias"] = json!(self.qkv_bias);
+                config["mlp_bias"] = json!(self.mlp_bias);
+            }
+            Architecture::Qwen2Moe => config["qkv_bias"] = json!(self.qkv_bias),
+            Architecture::Qwen3Moe => config["attention_bias"] = json!(self.qkv_bias),
+            Architecture::Qwen2 => {}
+        }
+        if let Some(moe) = &self.moe {
+            for (key, value) in [
+                ("num_experts", json!(moe.num_experts)),
+                ("num_experts_per_tok", json!(moe.num_experts_per_tok)),
+                ("moe_intermediate_size", json!(moe.moe_intermediate_size)),
+                ("norm_topk_prob", json!(moe.norm_topk_prob)),
+                ("decoder_sparse_step", json!(moe.decoder_sparse_step)),
+                ("mlp_only_layers", json!(moe.mlp_only_layers)),
+                ("router_aux_loss_coef", json!(moe.router_aux_loss_coef)),
+                ("output_router_logits", json!(moe.output_router_logits)),
+            ] {
+                config[key] = value;
+            }
+            if let Some(size) = moe.shared_expert_intermediate_size {
+                config["shared_expert_intermediate_size"] = json!(size);
+            }
         }
         // Both spellings: transformers < 5 reads `rope_theta` + `rope_scaling`, ≥ 5 reads
         // `rope_parameters`.
@@ -286,15 +378,64 @@ impl ModelConfig {
             + bias(self.qkv_bias, q + 2 * kv)
             + bias(self.o_bias, hidden);
         let mlp = 3 * hidden * inter + bias(self.mlp_bias, 2 * inter + hidden);
+        let qk_norm = bias(self.qk_norm, 2 * int(self.head_dim));
+        let layer_mlp = |layer: i64| match &self.moe {
+            Some(moe) if moe.is_sparse(layer) => {
+                let shared = moe
+                    .shared_expert_intermediate_size
+                    .map_or(0, |s| 3 * hidden * int(s) + hidden);
+                let experts = int(moe.num_experts);
+                experts * 3 * hidden * int(moe.moe_intermediate_size) + experts * hidden + shared
+            }
+            _ => mlp,
+        };
+        let layers: u128 = (0..self.num_hidden_layers)
+            .map(|l| attention + qk_norm + layer_mlp(l) + 2 * hidden)
+            .sum();
         let embeddings = int(self.vocab_size) * hidden;
         let head = bias(!self.tie_word_embeddings, embeddings);
-        embeddings + int(self.num_hidden_layers) * (attention + mlp + 2 * hidden) + hidden + head
+        embeddings + layers + hidden + head
     }
 
     /// Number of query heads sharing one key/value head.
     pub fn kv_groups(&self) -> i64 {
         self.num_attention_heads / self.num_key_value_heads
     }
+}
+
+/// The [`MoeConfig`] of a Qwen2-MoE / Qwen3-MoE `config.json`, with transformers' defaults.
+/// `positive` checks a required positive field (see `ModelConfig::from_hf`).
+fn moe_config(
+    hf: &HfConfig,
+    architecture: Architecture,
+    invalid: &impl Fn(String) -> ModelError,
+    positive: &impl Fn(Option<i64>, &str) -> Result<i64>,
+) -> Result<MoeConfig> {
+    let num_experts = positive(hf.num_experts.or(hf.num_local_experts), "num_experts")?;
+    let top_k = positive(hf.num_experts_per_tok, "num_experts_per_tok")?;
+    if top_k > num_experts {
+        return Err(invalid(format!(
+            "num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})"
+        )));
+    }
+    let shared_expert_intermediate_size = match architecture {
+        Architecture::Qwen2Moe => Some(positive(
+            hf.shared_expert_intermediate_size,
+            "shared_expert_intermediate_size",
+        )?),
+        _ => None,
+    };
+    Ok(MoeConfig {
+        num_experts,
+        num_experts_per_tok: top_k,
+        moe_intermediate_size: positive(hf.moe_intermediate_size, "moe_intermediate_size")?,
+        shared_expert_intermediate_size,
+        norm_topk_prob: hf.norm_topk_prob.unwrap_or(false),
+        decoder_sparse_step: positive(hf.decoder_sparse_step.or(Some(1)), "decoder_sparse_step")?,
+        mlp_only_layers: hf.mlp_only_layers.clone().unwrap_or_default(),
+        router_aux_loss_coef: hf.router_aux_loss_coef.unwrap_or(0.001),
+        output_router_logits: hf.output_router_logits.unwrap_or(false),
+    })
 }
 
 /// A scaled variant of rotary embeddings (transformers' `rope_type`).
@@ -466,6 +607,54 @@ mod tests {
         assert_eq!(
             linear.rope_scaling,
             Some(RopeScaling::Linear { factor: 2.0 })
+        );
+    }
+
+    #[test]
+    fn reads_qwen_moe_configs_and_names_missing_moe_keys() {
+        let qwen2 = parse(
+            r#"{"architectures":["Qwen2MoeForCausalLM"],"vocab_size":10,"hidden_size":8,
+                "intermediate_size":8,"num_hidden_layers":4,"num_attention_heads":2,
+                "num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":4,
+                "shared_expert_intermediate_size":6,"decoder_sparse_step":2,"mlp_only_layers":[3]}"#,
+        )
+        .unwrap();
+        let moe = qwen2.moe.as_ref().unwrap();
+        assert_eq!(moe.shared_expert_intermediate_size, Some(6));
+        assert!(qwen2.qkv_bias && !qwen2.qk_norm && !moe.norm_topk_prob);
+        // Layer 1 is sparse (step 2); 0 and 2 are not on the step, 3 is mlp-only.
+        let sparse: Vec<bool> = (0..4).map(|l| moe.is_sparse(l)).collect();
+        assert_eq!(sparse, [false, true, false, false]);
+        let qwen3 = parse(
+            r#"{"model_type":"qwen3_moe","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_local_experts":4,
+                "num_experts_per_tok":2,"moe_intermediate_size":4,"norm_topk_prob":true}"#,
+        )
+        .unwrap();
+        let moe = qwen3.moe.as_ref().unwrap();
+        assert!(qwen3.qk_norm && !qwen3.qkv_bias && moe.norm_topk_prob && moe.num_experts == 4);
+        assert_eq!(moe.shared_expert_intermediate_size, None);
+        let err = parse(
+            r#"{"model_type":"qwen3_moe","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_experts":2,
+                "num_experts_per_tok":3,"moe_intermediate_size":4}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("num_experts_per_tok (3) exceeds num_experts (2)"),
+            "{err}"
+        );
+        let err = parse(
+            r#"{"model_type":"qwen2_moe","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_experts":2,
+                "num_experts_per_tok":1,"moe_intermediate_size":4}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("`shared_expert_intermediate_size` is missing"),
+            "{err}"
         );
     }
 

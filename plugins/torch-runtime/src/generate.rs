@@ -79,6 +79,12 @@ pub struct Completion {
     /// recomputes as old log-probs), `log_softmax(logits)` when greedy.
     pub logprobs: Vec<f32>,
     pub finish_reason: FinishReason,
+    /// Mixture-of-experts models: the experts each token the model ran used (verl's
+    /// `routed_experts`), `[prompt + response − 1 tokens][sparse layers][k]` flattened — every
+    /// prompt token and every response token but the last, which is never fed back. Empty for a
+    /// dense model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub routed_experts: Vec<i64>,
 }
 
 impl SamplingParams {
@@ -255,6 +261,14 @@ impl CausalLM {
         let mut rngs = params.row_rngs(rows);
         let mut out: Vec<Completion> = (0..rows).map(|r| Completion::empty(r / params.n)).collect();
         let mut done = vec![false; rows];
+        // Each row's prompt tokens' experts (left padding dropped), then one token's per step.
+        if let Some(routing) = decoder.routing() {
+            for (r, completion) in out.iter_mut().enumerate() {
+                let len = prompts[r / params.n].len() as i64;
+                completion.routed_experts =
+                    flat_i64(&routing.get(r as i64).narrow(0, width - len, len))?;
+            }
+        }
 
         for step in 0..params.max_new_tokens {
             let (tokens, logprobs) = pick(&logits, params, &mut rngs)?;
@@ -274,6 +288,13 @@ impl CausalLM {
             }
             // Finished rows keep decoding with the rest of the batch; their tokens are dropped.
             logits = decoder.step(&tokens)?;
+            if let Some(routing) = decoder.routing() {
+                for (r, completion) in out.iter_mut().enumerate().filter(|(r, _)| !done[*r]) {
+                    completion
+                        .routed_experts
+                        .extend(flat_i64(&routing.get(r as i64))?);
+                }
+            }
         }
         Ok(out)
     }
@@ -287,8 +308,14 @@ impl Completion {
             response_ids: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: FinishReason::Length,
+            routed_experts: Vec::new(),
         }
     }
+}
+
+/// The values of an int64 tensor, flattened.
+fn flat_i64(t: &Tensor) -> Result<Vec<i64>> {
+    Vec::<i64>::try_from(&t.reshape([-1])).map_err(|e| ModelError::Torch(e.to_string()))
 }
 
 /// Chooses one token per row from fp32 `logits [rows, V]`; returns the tokens and their

@@ -21,11 +21,14 @@ mod spec;
 mod tokenizer;
 mod weights;
 
-pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
+pub use config::{Architecture, GenerationConfig, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
-pub use model::{BlockContext, CausalLM, Head, ModelOptions, Packing, TensorParallel};
+pub use model::{
+    BlockContext, CausalLM, Head, ModelOptions, Packing, RouterOutput, TensorParallel,
+    load_balancing_loss,
+};
 pub use optim::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, OPTIMIZER_FILE, TRAIN_STATE_FILE, TrainState,
     load_training_state, load_training_state_from, save_training_state,

@@ -13,9 +13,12 @@ use crate::rng::Rng;
 use crate::weights;
 
 mod cpu_step;
+mod moe;
 mod packed;
 
 use cpu_step::StepBuffers;
+pub use moe::{RouterOutput, load_balancing_loss};
+use moe::{Routing, SparseMoe};
 pub use packed::Packing;
 
 /// What sits on top of the final norm.
@@ -239,10 +242,11 @@ impl Rope {
     }
 }
 
-/// Rotary tables and what each query attends, for one forward pass.
+/// Rotary tables, what each query attends and the experts' routing, for one forward pass.
 struct Context {
     rope: Rope,
     attend: Attend,
+    routing: Routing,
 }
 
 /// Which keys each query attends.
@@ -337,6 +341,9 @@ pub(crate) struct Decoder<'m> {
     /// Whether steps run through [`cpu_step`] (created with the buffers at the first step).
     cpu_kernels: bool,
     buffers: Option<StepBuffers>,
+    /// The experts of the tokens the last prefill or step ran, `[rows, tokens, sparse layers,
+    /// k]` int64 on CPU (`None` for a dense model).
+    routing: Option<Tensor>,
 }
 
 impl<'m> Decoder<'m> {
@@ -365,8 +372,10 @@ impl<'m> Decoder<'m> {
             .masked_fill_(&padding, f64::NEG_INFINITY);
         cache.next_positions = attention_mask.sum_dim_intlist(-1, true, Kind::Int64);
         let logits = model.decode_logits(&hidden.select(1, width - 1), weights.as_ref())?;
+        let routing = model.routed_experts(&context, batch, width);
         let decoder = Self {
             model,
+            routing,
             cache,
             cpu_kernels: path == DecodePath::Kernels
                 && weights.is_some()
@@ -381,6 +390,14 @@ impl<'m> Decoder<'m> {
     /// step only.
     pub(crate) fn repeat_interleave(&mut self, n: i64) {
         self.cache.repeat_interleave(n);
+        if let Some(routing) = &mut self.routing {
+            *routing = routing.repeat_interleave_self_int(n, 0, None);
+        }
+    }
+
+    /// The experts of the tokens the last prefill or step ran (see [`Self::routing`]).
+    pub(crate) fn routing(&self) -> Option<&Tensor> {
+        self.routing.as_ref()
     }
 
     /// Feeds each row's next token; returns the next-token logits `[rows, vocab]` in fp32,
@@ -399,7 +416,9 @@ impl<'m> Decoder<'m> {
         let context = Context {
             rope: cache.rope.at(&cache.next_positions),
             attend: Attend::Mask(cache.mask.narrow(3, 0, cache.len + 1)),
+            routing: Routing::default(),
         };
+        let rows = tokens.size()[0];
         let hidden = model.run(
             &tokens.view([-1, 1]),
             &context,
@@ -407,6 +426,7 @@ impl<'m> Decoder<'m> {
             self.weights.as_ref(),
         );
         cache.next_positions += 1;
+        self.routing = model.routed_experts(&context, rows, 1);
         model.decode_logits(&hidden.squeeze_dim(1), self.weights.as_ref())
     }
 }
@@ -416,6 +436,8 @@ struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Qwen3's per-head RMS norms of queries and keys, before the rotation.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
@@ -429,6 +451,12 @@ impl Attention {
             k_proj: Linear::new(&path / "k_proj", h, c.num_key_value_heads * d, c.qkv_bias),
             v_proj: Linear::new(&path / "v_proj", h, c.num_key_value_heads * d, c.qkv_bias),
             o_proj: Linear::new(&path / "o_proj", c.num_attention_heads * d, h, c.o_bias),
+            qk_norm: c.qk_norm.then(|| {
+                (
+                    RmsNorm::new(&path / "q_norm", d, c.rms_norm_eps),
+                    RmsNorm::new(&path / "k_norm", d, c.rms_norm_eps),
+                )
+            }),
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: d,
@@ -487,9 +515,17 @@ impl Attention {
             }
             None => {
                 let heads = |y: Tensor, n: i64| y.view([b, t, n, d]);
+                let (q, k) = (
+                    heads(self.q_proj.forward(x), h),
+                    heads(self.k_proj.forward(x), kv),
+                );
+                let (q, k) = match &self.qk_norm {
+                    Some((q_norm, k_norm)) => (q_norm.forward(&q), k_norm.forward(&k)),
+                    None => (q, k),
+                };
                 (
-                    rope.apply(&heads(self.q_proj.forward(x), h)),
-                    rope.apply(&heads(self.k_proj.forward(x), kv)),
+                    rope.apply(&q),
+                    rope.apply(&k),
                     heads(self.v_proj.forward(x), kv),
                 )
             }
@@ -544,11 +580,16 @@ struct Mlp {
 
 impl Mlp {
     fn new(path: nn::Path, c: &ModelConfig) -> Self {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Self::sized(path, c.hidden_size, c.intermediate_size, c.mlp_bias)
+    }
+
+    /// A SwiGLU MLP `hidden → intermediate → hidden` (also one expert of a sparse MLP).
+    fn sized(path: nn::Path, hidden: i64, intermediate: i64, bias: bool) -> Self {
+        let (h, i) = (hidden, intermediate);
         Self {
-            gate_proj: Linear::new(&path / "gate_proj", h, i, c.mlp_bias),
-            up_proj: Linear::new(&path / "up_proj", h, i, c.mlp_bias),
-            down_proj: Linear::new(&path / "down_proj", i, h, c.mlp_bias),
+            gate_proj: Linear::new(&path / "gate_proj", h, i, bias),
+            up_proj: Linear::new(&path / "up_proj", h, i, bias),
+            down_proj: Linear::new(&path / "down_proj", i, h, bias),
         }
     }
 
@@ -600,15 +641,22 @@ pub trait TensorParallel {
     }
 }
 
+/// A layer's MLP: dense, or a mixture of experts.
+enum Ffn {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
 struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: Ffn,
 }
 
 impl DecoderLayer {
-    fn new(path: nn::Path, c: &ModelConfig) -> Self {
+    /// Layer `index`; a sparse one is the `sparse_ordinal`-th of the model's sparse layers.
+    fn new(path: nn::Path, c: &ModelConfig, index: i64, sparse_ordinal: usize) -> Self {
         Self {
             input_layernorm: RmsNorm::new(&path / "input_layernorm", c.hidden_size, c.rms_norm_eps),
             self_attn: Attention::new(&path / "self_attn", c),
@@ -617,7 +665,12 @@ impl DecoderLayer {
                 c.hidden_size,
                 c.rms_norm_eps,
             ),
-            mlp: Mlp::new(&path / "mlp", c),
+            mlp: match &c.moe {
+                Some(moe) if moe.is_sparse(index) => {
+                    Ffn::Sparse(SparseMoe::new(&path / "mlp", c, moe, sparse_ordinal))
+                }
+                _ => Ffn::Dense(Mlp::new(&path / "mlp", c)),
+            },
         }
     }
 
@@ -632,14 +685,25 @@ impl DecoderLayer {
             x + self
                 .self_attn
                 .forward(&self.input_layernorm.forward(x), context, cache, weights);
-        &x + self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&x), weights)
+        let normed = self.post_attention_layernorm.forward(&x);
+        &x + match &self.mlp {
+            Ffn::Dense(mlp) => mlp.forward(&normed, weights),
+            Ffn::Sparse(moe) => moe.forward(&normed, &context.routing),
+        }
     }
 
-    fn projections(&self) -> [&Linear; 7] {
-        let (a, m) = (&self.self_attn, &self.mlp);
-        [
+    /// The dense MLP (`None` for a sparse layer).
+    fn dense_mlp(&self) -> Option<&Mlp> {
+        match &self.mlp {
+            Ffn::Dense(mlp) => Some(mlp),
+            Ffn::Sparse(_) => None,
+        }
+    }
+
+    /// The projections the decode weights copy (dense layers only).
+    fn projections(&self) -> Option<[&Linear; 7]> {
+        let (a, m) = (&self.self_attn, self.dense_mlp()?);
+        Some([
             &a.q_proj,
             &a.k_proj,
             &a.v_proj,
@@ -647,17 +711,17 @@ impl DecoderLayer {
             &m.gate_proj,
             &m.up_proj,
             &m.down_proj,
-        ]
+        ])
     }
 
-    fn decode_weights(&self) -> LayerWeights {
-        let (a, m) = (&self.self_attn, &self.mlp);
-        LayerWeights {
+    fn decode_weights(&self) -> Option<LayerWeights> {
+        let (a, m) = (&self.self_attn, self.dense_mlp()?);
+        Some(LayerWeights {
             qkv: DecodeLinear::new(&[&a.q_proj, &a.k_proj, &a.v_proj]),
             o: DecodeLinear::new(&[&a.o_proj]),
             gate_up: DecodeLinear::new(&[&m.gate_proj, &m.up_proj]),
             down: DecodeLinear::new(&[&m.down_proj]),
-        }
+        })
     }
 }
 
@@ -722,8 +786,13 @@ impl CausalLM {
         let c = &config;
         let embed_tokens =
             (&model / "embed_tokens").zeros("weight", &[c.vocab_size, c.hidden_size]);
+        let mut sparse = 0;
         let layers = (0..c.num_hidden_layers)
-            .map(|i| DecoderLayer::new(&model / "layers" / i, c))
+            .map(|i| {
+                let layer = DecoderLayer::new(&model / "layers" / i, c, i, sparse);
+                sparse += usize::from(matches!(layer.mlp, Ffn::Sparse(_)));
+                layer
+            })
             .collect();
         let norm = RmsNorm::new(&model / "norm", c.hidden_size, c.rms_norm_eps);
         let head = match options.head {
@@ -895,10 +964,18 @@ impl CausalLM {
     /// The decode weights for a `generate` call (CPU only), rebuilt if a parameter they copy has
     /// been written since they were made.
     fn decode_weights(&self) -> Option<DecodeWeights> {
-        if self.device() != Device::Cpu {
+        // Sparse layers and query/key norms have no fused decode form: such models decode with
+        // the tensor ops of the training forward.
+        if self.device() != Device::Cpu || self.config.moe.is_some() || self.config.qk_norm {
             return None;
         }
-        let projections = self.layers.iter().flat_map(DecoderLayer::projections);
+        let projections = self
+            .layers
+            .iter()
+            .map(DecoderLayer::projections)
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .flatten();
         let sources: Vec<(usize, i64)> = projections
             .flat_map(Linear::parameters)
             .chain(self.lm_head().ok())
@@ -915,7 +992,7 @@ impl CausalLM {
                 layers: self
                     .layers
                     .iter()
-                    .map(DecoderLayer::decode_weights)
+                    .filter_map(DecoderLayer::decode_weights)
                     .collect(),
                 lm_head: self.lm_head().ok().map(DecodeLinear::from_embedding),
             }));
@@ -966,7 +1043,44 @@ impl CausalLM {
         Context {
             rope,
             attend: Attend::Mask(mask),
+            routing: Routing::default(),
         }
+    }
+
+    /// The experts a pass over `[batch, tokens]` used, `[batch, tokens, sparse layers, k]` int64
+    /// on CPU; `None` for a dense model.
+    fn routed_experts(&self, context: &Context, batch: i64, tokens: i64) -> Option<Tensor> {
+        self.config.moe.as_ref()?;
+        let routing = RouterOutput::from_layers(context.routing.take(), batch, tokens);
+        Some(routing.experts.to_device(Device::Cpu))
+    }
+
+    /// Next-token logits `[B, T, vocab]` in fp32 and the routing of every token: each sparse
+    /// layer's router logits and the experts used. With `replay` (`[B, T, sparse layers, k]`
+    /// int64, e.g. a rollout's [`crate::Completion::routed_experts`] laid out like `input_ids`),
+    /// the tokens use those experts instead of the router's top-k, weighted by this pass's router
+    /// probabilities at them (router replay).
+    pub fn forward_routed(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        replay: Option<&Tensor>,
+    ) -> Result<(Tensor, RouterOutput)> {
+        let mut block = self.block_context(input_ids, attention_mask)?;
+        if let Some(experts) = replay {
+            block.replay_experts(self, experts)?;
+        }
+        let logits = self.logits(&self.hidden_states_in(&block))?;
+        let (b, t) = input_ids.size2().expect("checked [B, T]");
+        Ok((logits, block.take_routing(b, t)))
+    }
+
+    /// The number of sparse (mixture-of-experts) layers.
+    pub fn sparse_layers(&self) -> i64 {
+        self.layers
+            .iter()
+            .filter(|l| matches!(l.mlp, Ffn::Sparse(_)))
+            .count() as i64
     }
 
     fn embed(&self, input_ids: &Tensor) -> Tensor {
@@ -1141,6 +1255,7 @@ impl CausalLM {
             context: Context {
                 rope,
                 attend: Attend::Segments(packing.segments(slots.as_deref())),
+                routing: Routing::default(),
             },
             input_ids: match &tokens {
                 Some(t) => packed.index_select(1, t),
@@ -1182,8 +1297,16 @@ impl CausalLM {
     /// the identity.
     pub fn mlp_block(&self, layer: usize, x: &Tensor, tp: &dyn TensorParallel) -> Result<Tensor> {
         let block = self.layer(layer)?;
+        let mlp = block.dense_mlp().ok_or_else(|| {
+            ModelError::invalid_input(
+                "layer",
+                format!(
+                    "layer {layer} is a mixture of experts, which tensor parallelism does not shard"
+                ),
+            )
+        })?;
         let input = tp.enter(&block.post_attention_layernorm.forward(x))?;
-        Ok(x + row_parallel(&block.mlp.down_proj, &block.mlp.inner(&input), tp)?)
+        Ok(x + row_parallel(&mlp.down_proj, &mlp.inner(&input), tp)?)
     }
 
     /// The final norm: its output is the model's final hidden states.
@@ -1272,6 +1395,63 @@ pub(crate) enum Layout {
 }
 
 impl BlockContext {
+    /// Router replay for this pass (padded layout): the tokens use `experts` (`[B, T, sparse
+    /// layers, k]` int64, laid out like the context's ids) instead of the router's top-k.
+    pub fn replay_experts(&mut self, model: &CausalLM, experts: &Tensor) -> Result<()> {
+        let Some(moe) = &model.config.moe else {
+            return Err(ModelError::invalid_input(
+                "routed_experts",
+                "the model has no experts to replay",
+            ));
+        };
+        if matches!(self.layout, Layout::Packed(_)) {
+            return Err(ModelError::invalid_input(
+                "routed_experts",
+                "router replay needs a padded batch (use_remove_padding=false)",
+            ));
+        }
+        let ids = self.input_ids.size();
+        let want = [
+            ids[0],
+            ids[1],
+            model.sparse_layers(),
+            moe.num_experts_per_tok,
+        ];
+        if experts.size() != want || experts.kind() != Kind::Int64 {
+            return Err(ModelError::invalid_input(
+                "routed_experts",
+                format!(
+                    "must be int64 {want:?} (batch, tokens, sparse layers, top-k), got {:?} {:?}",
+                    experts.kind(),
+                    experts.size()
+                ),
+            ));
+        }
+        if experts.numel() > 0 {
+            let (lo, hi) = (
+                experts.min().int64_value(&[]),
+                experts.max().int64_value(&[]),
+            );
+            if lo < 0 || hi >= moe.num_experts {
+                return Err(ModelError::invalid_input(
+                    "routed_experts",
+                    format!(
+                        "experts must lie in [0, {}), found {lo}..={hi}",
+                        moe.num_experts
+                    ),
+                ));
+            }
+        }
+        let flat = experts.reshape([ids[0] * ids[1], want[2], want[3]]);
+        self.context.routing = Routing::replaying(&flat.to_device(self.input_ids.device()));
+        Ok(())
+    }
+
+    /// The routing recorded by the last pass over this context (`[batch, tokens]` of its ids).
+    pub fn take_routing(&self, batch: i64, tokens: i64) -> RouterOutput {
+        RouterOutput::from_layers(self.context.routing.take(), batch, tokens)
+    }
+
     /// The token ids of the context's tokens `[B, T]` (for an engine that embeds them itself;
     /// packed: `[1, T]`).
     pub fn input_ids(&self) -> &Tensor {

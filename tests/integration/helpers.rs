@@ -9,6 +9,7 @@ use std::sync::{Mutex, OnceLock};
 
 use serde_json::Value;
 use tempfile::TempDir;
+use verl_testkit::FakeRoot;
 
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -314,6 +315,21 @@ pub fn verl_core(args: &[&str], env: &[(&str, &str)]) -> Output {
     verl_core_command(args, env)
         .output()
         .expect("running verl-core")
+}
+
+/// Runs [`verl_core`] on the fake machine `root`: its fake environment only, with the device probes
+/// pointed at it (`VERL_PROBE_ROOT`), plus `extra`.
+pub fn verl_core_on(root: &FakeRoot, args: &[&str], extra: &[(&str, &str)]) -> Output {
+    let root_path = root.path().to_str().unwrap().to_owned();
+    let mut env: Vec<(&str, &str)> = root
+        .fake_env()
+        .vars()
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    env.push(("VERL_PROBE_ROOT", &root_path));
+    env.extend(extra);
+    verl_core(args, &env)
 }
 
 pub fn stdout_json(output: &Output) -> Value {

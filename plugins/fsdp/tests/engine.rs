@@ -452,6 +452,40 @@ fn other_policy_losses_and_aggregations_run() {
     }
 }
 
+/// verl's on-policy shortcut (`dp_actor.update_policy`): with one epoch and one mini-batch the old
+/// log-probs are the update's own forward, detached, so the ratio is exactly 1 and the batch's
+/// `old_log_probs` are not read: an update without them, or with wrong ones, equals the update
+/// with the engine's own recomputed ones.
+#[test]
+fn on_policy_updates_take_the_old_log_probs_from_their_own_forward() {
+    let config = actor_config("tiny-llama", json!({}));
+    let mut engine = common::engine(&config);
+    let with_old = ppo_batch(&mut engine, "tiny-llama");
+    let mut wrong = with_old.clone();
+    let shape = with_old.require(keys::OLD_LOG_PROBS).unwrap().shape.to_vec();
+    let n = (shape[0] * shape[1]) as usize;
+    wrong.insert(
+        keys::OLD_LOG_PROBS,
+        Tensor::from_slice(&shape, &vec![-50.0f32; n]).unwrap(),
+    );
+    let mut without = with_old.clone();
+    without.tensors.retain(|t| t.name != keys::OLD_LOG_PROBS);
+    let mut results = Vec::new();
+    for batch in [&with_old, &wrong, &without] {
+        let mut engine = common::engine(&config);
+        let metrics = update(&mut engine, batch);
+        assert_eq!(metric(&metrics, "actor/ppo_kl"), 0.0, "{metrics:?}");
+        assert_eq!(metric(&metrics, "actor/pg_clipfrac"), 0.0, "{metrics:?}");
+        results.push((weights(&mut engine), metric(&metrics, "actor/pg_loss")));
+    }
+    let moved = weights_diff(&results[0].0, &weights(&mut engine));
+    assert!(moved > 1e-4, "the update must move the weights ({moved})");
+    for (w, loss) in &results[1..] {
+        assert_eq!(weights_diff(w, &results[0].0), 0.0);
+        assert_eq!(*loss, results[0].1);
+    }
+}
+
 #[test]
 fn errors_name_the_problem() {
     let init_err = |config: serde_json::Value| {
@@ -532,7 +566,9 @@ fn errors_name_the_problem() {
             .message()
             .contains("init")
     );
-    let mut engine = common::engine(&base());
+    // Two mini-batches: the update is off-policy after the first, so it needs the old log-probs
+    // (with one, verl's on-policy shortcut takes them from the update's own forward).
+    let mut engine = common::engine(&actor_config("tiny-llama", json!({"ppo_mini_batch_size": 2})));
     let err = engine.update_actor(&batch).unwrap_err();
     assert!(err.message().contains("old_log_probs"), "{err}");
     let mut reference =

@@ -119,9 +119,12 @@ impl AdamW {
     /// it would leave a parameter or a moment non-finite: then nothing changes and `false` is
     /// returned. Parameters without a gradient are left alone.
     ///
-    /// The update is computed twice, once to check it (one parameter at a time, so the check
-    /// costs no more than the largest parameter's memory) and once to apply it; both passes run
-    /// the same operations, so what is applied is exactly what was checked.
+    /// The update is computed twice: once aside to check it, then in place. Both passes run the
+    /// same kernels on the same values, so what is applied is exactly what was checked (and
+    /// bit-identical to the out-of-place rule this optimizer used before). Neither pass allocates
+    /// per parameter: the check works in six buffers as long as the largest parameter, the
+    /// update's temporaries in three of them, all made once per step (on CPU every fresh tensor
+    /// is a fresh mapping whose pages are faulted in, which cost more than the arithmetic).
     #[must_use = "a refused update must be reported"]
     pub fn step(&mut self, lr: f64) -> bool {
         let grads: Vec<Tensor> = self.params.iter().map(|(_, p)| p.grad()).collect();
@@ -141,56 +144,57 @@ impl AdamW {
         agree: impl FnOnce(bool) -> std::result::Result<bool, E>,
     ) -> std::result::Result<bool, E> {
         assert_eq!(grads.len(), self.params.len(), "one gradient per parameter");
+        let rule = self.rule(lr);
+        let updated: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].defined()).collect();
+        let scratch = Scratch::for_params(updated.iter().map(|&i| &self.params[i].1));
         let finite = tch::no_grad(|| {
-            self.params
-                .iter()
-                .zip(grads)
-                .enumerate()
-                .all(|(i, ((_, param), grad))| {
-                    self.updated(i, param, grad, lr).is_none_or(|[p, m, v]| {
-                        [p, m, v]
-                            .iter()
-                            .all(|t| t.isfinite().all().int64_value(&[]) != 0)
-                    })
-                })
+            // 0 × x is NaN exactly when x is not finite: one sum per tensor, one read per step.
+            let mut sums = Vec::with_capacity(3 * updated.len());
+            for &i in &updated {
+                let param = &self.params[i].1;
+                let [mut p, mut m, mut v, sq, denom, scaled] = scratch.views(param);
+                p.copy_(param);
+                m.copy_(&self.exp_avg[i]);
+                v.copy_(&self.exp_avg_sq[i]);
+                rule.apply([&mut p, &mut m, &mut v], &grads[i], [sq, denom, scaled]);
+                for mut t in [p, m, v] {
+                    sums.push(t.g_mul_scalar_(0.0).sum(Kind::Float));
+                }
+            }
+            sums.is_empty() || Tensor::stack(&sums, 0).isnan().any().int64_value(&[]) == 0
         });
         if !agree(finite)? {
             return Ok(false);
         }
         tch::no_grad(|| {
-            for (i, ((_, param), grad)) in self.params.iter().zip(grads).enumerate() {
-                if let Some(new) = self.updated(i, param, grad, lr) {
-                    for (mut target, value) in [param, &self.exp_avg[i], &self.exp_avg_sq[i]]
-                        .into_iter()
-                        .map(Tensor::shallow_clone)
-                        .zip(new)
-                    {
-                        target.copy_(&value);
-                    }
-                }
+            for &i in &updated {
+                let [sq, denom, scaled] = scratch.views(&self.params[i].1);
+                let mut state = [
+                    self.params[i].1.shallow_clone(),
+                    self.exp_avg[i].shallow_clone(),
+                    self.exp_avg_sq[i].shallow_clone(),
+                ];
+                let [p, m, v] = &mut state;
+                rule.apply([p, m, v], &grads[i], [sq, denom, scaled]);
             }
         });
         self.steps += 1;
         Ok(true)
     }
 
-    /// Parameter `i` and its moments after the next update (torch's rule: decoupled decay,
-    /// moment updates, bias-corrected step), computed aside; `None` without a gradient.
-    fn updated(&self, i: usize, param: &Tensor, grad: &Tensor, lr: f64) -> Option<[Tensor; 3]> {
-        if !grad.defined() {
-            return None;
-        }
+    /// The next update's constants (torch's rule: decoupled decay, moment updates,
+    /// bias-corrected step).
+    fn rule(&self, lr: f64) -> AdamWRule {
         let steps = self.steps as i32 + 1;
         let (beta1, beta2) = self.config.betas;
-        let bias_correction1 = 1.0 - beta1.powi(steps);
-        let bias_correction2_sqrt = (1.0 - beta2.powi(steps)).sqrt();
-        let step_size = lr / bias_correction1;
-        let mut new_param = param.g_mul_scalar(1.0 - lr * self.config.weight_decay);
-        let exp_avg = self.exp_avg[i].lerp(grad, 1.0 - beta1);
-        let exp_avg_sq = self.exp_avg_sq[i].g_mul_scalar(beta2) + grad.square() * (1.0 - beta2);
-        let denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + self.config.eps;
-        let _ = new_param.addcdiv_(&(&exp_avg * -step_size), &denom);
-        Some([new_param, exp_avg, exp_avg_sq])
+        AdamWRule {
+            decay: 1.0 - lr * self.config.weight_decay,
+            beta1,
+            beta2,
+            bias_correction2_sqrt: (1.0 - beta2.powi(steps)).sqrt(),
+            step_size: lr / (1.0 - beta1.powi(steps)),
+            eps: self.config.eps,
+        }
     }
 
     /// Moves the moments to `device` (a no-op where they are): optimizer offloading keeps them
@@ -219,6 +223,78 @@ impl AdamW {
         let mut out = moments(EXP_AVG, &self.exp_avg);
         out.extend(moments(EXP_AVG_SQ, &self.exp_avg_sq));
         out
+    }
+}
+
+/// One AdamW update's constants, applied in place to (parameter, first moment, second moment).
+struct AdamWRule {
+    decay: f64,
+    beta1: f64,
+    beta2: f64,
+    bias_correction2_sqrt: f64,
+    step_size: f64,
+    eps: f64,
+}
+
+impl AdamWRule {
+    /// The update in place, with the arithmetic (and so the rounding) of torch's single-tensor
+    /// AdamW as this optimizer has always computed it; `temps` receive g², the denominator and
+    /// the scaled first moment.
+    fn apply(&self, [param, exp_avg, exp_avg_sq]: [&mut Tensor; 3], grad: &Tensor, temps: [Tensor; 3]) {
+        let [mut sq, mut denom, scaled] = temps;
+        let _ = param.g_mul_scalar_(self.decay);
+        let _ = exp_avg.lerp_(grad, 1.0 - self.beta1);
+        let _ = grad.mul_out(&sq, grad);
+        let _ = exp_avg_sq
+            .g_mul_scalar_(self.beta2)
+            .g_add_(&sq.g_mul_scalar_(1.0 - self.beta2));
+        let _ = exp_avg_sq.sqrt_out(&denom);
+        let _ = denom
+            .g_div_scalar_(self.bias_correction2_sqrt)
+            .g_add_scalar_(self.eps);
+        let _ = exp_avg.mul_scalar_out(&scaled, -self.step_size);
+        let _ = param.addcdiv_(&scaled, &denom);
+    }
+}
+
+/// Buffers for one step: six per parameter dtype and device, each as long as the largest
+/// parameter of its kind; views of them stand in for fresh tensors.
+struct Scratch {
+    sets: Vec<(Kind, tch::Device, Vec<Tensor>)>,
+}
+
+impl Scratch {
+    fn for_params<'a>(params: impl Iterator<Item = &'a Tensor>) -> Self {
+        let mut longest: Vec<(Kind, tch::Device, i64)> = Vec::new();
+        for p in params {
+            let (kind, device, numel) = (p.kind(), p.device(), p.numel() as i64);
+            match longest.iter_mut().find(|(k, d, _)| *k == kind && *d == device) {
+                Some((_, _, n)) => *n = (*n).max(numel),
+                None => longest.push((kind, device, numel)),
+            }
+        }
+        let sets = longest
+            .into_iter()
+            .map(|(kind, device, numel)| {
+                let buffers = (0..6)
+                    .map(|_| Tensor::empty([numel], (kind, device)))
+                    .collect();
+                (kind, device, buffers)
+            })
+            .collect();
+        Self { sets }
+    }
+
+    /// `N` (at most six) views shaped like `like`, on distinct buffers.
+    fn views<const N: usize>(&self, like: &Tensor) -> [Tensor; N] {
+        let (kind, device) = (like.kind(), like.device());
+        let (_, _, buffers) = self
+            .sets
+            .iter()
+            .find(|(k, d, _)| *k == kind && *d == device)
+            .expect("a buffer set for every parameter's dtype and device");
+        let (numel, shape) = (like.numel() as i64, like.size());
+        std::array::from_fn(|j| buffers[j].narrow(0, 0, numel).view(shape.as_slice()))
     }
 }
 

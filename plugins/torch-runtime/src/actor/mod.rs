@@ -304,14 +304,23 @@ impl<S: Strategy> ActorWorker<S> {
     pub fn update_actor(&mut self, batch: &Batch) -> Result<Vec<Metric>, ActorError> {
         self.require_role("update_actor", &[Role::Actor])?;
         let meta = Meta::of(batch)?;
+        // verl's on-policy shortcut (`dp_actor.update_policy`: `on_policy = len(mini_batches) == 1
+        // and ppo_epochs == 1` → `old_log_prob = log_prob.detach()`): the policy being updated is
+        // the one the old log-probs describe, so they are the update's own forward, detached
+        // (the ratio is exactly 1), and the batch's `old_log_probs` are neither needed nor read.
+        let rows = batch.require(keys::INPUT_IDS)?.shape.first().copied();
+        let on_policy =
+            self.settings.epochs == 1 && rows.is_some_and(|r| r <= self.settings.mini_batch as i64);
         let mut wanted = vec![
             keys::INPUT_IDS,
             keys::ATTENTION_MASK,
             keys::RESPONSES,
             keys::RESPONSE_MASK,
-            keys::OLD_LOG_PROBS,
             keys::ADVANTAGES,
         ];
+        if !on_policy {
+            wanted.push(keys::OLD_LOG_PROBS);
+        }
         if self.settings.kl_loss.is_some() {
             wanted.push(keys::REF_LOG_PROB);
         }
@@ -321,7 +330,7 @@ impl<S: Strategy> ActorWorker<S> {
         let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let settings = self.settings.clone();
         self.update("actor", rows, &mut |strategy, micro, scale, metrics| {
-            actor_micro_step(&settings, strategy, micro, scale, meta.temperature, metrics)
+            actor_micro_step(&settings, strategy, micro, scale, &meta, on_policy, metrics)
         })
     }
 
@@ -568,7 +577,8 @@ fn actor_micro_step<S: Strategy>(
     strategy: &S,
     micro: &Rows,
     scale: &AggScale,
-    temperature: f64,
+    meta: &Meta,
+    on_policy: bool,
     metrics: &mut Metrics,
 ) -> Result<Vec<(&'static str, f64)>, ActorError> {
     let response_mask = micro.get(keys::RESPONSE_MASK);
@@ -577,11 +587,14 @@ fn actor_micro_step<S: Strategy>(
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
     let with_entropy = s.entropy_coeff != 0.0;
-    strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+    strategy.backward_scores(micro, meta.temperature, with_entropy, &mut |scores| {
+        let detached = on_policy.then(|| scores.log_probs.detach());
         let pg = policy_loss(
             s.loss_mode,
             PolicyBatch {
-                old_log_prob: micro.get(keys::OLD_LOG_PROBS),
+                old_log_prob: detached
+                    .as_ref()
+                    .unwrap_or_else(|| micro.get(keys::OLD_LOG_PROBS)),
                 log_prob: &scores.log_probs,
                 advantages: micro.get(keys::ADVANTAGES),
                 response_mask,

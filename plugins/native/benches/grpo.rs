@@ -164,6 +164,16 @@ fn training_batch(
     (batch, Tensor::from_slice(&rs, &rollout_lp).unwrap())
 }
 
+/// The training batch of a generation: rule rewards, GRPO advantages, verl's layout.
+fn scored_batch(prompts: &[Vec<u32>], out: &GenerateOutput) -> (Batch, Tensor) {
+    let rewards: Vec<f32> = out
+        .completions
+        .iter()
+        .map(|c| reward(&c.response_ids))
+        .collect();
+    training_batch(prompts, out, &grpo_advantages(&rewards))
+}
+
 /// One verl-core configuration: an engine and a rollout on the same model.
 struct Verl {
     name: &'static str,
@@ -206,31 +216,28 @@ impl Verl {
         }
     }
 
-    /// One GRPO step; returns the seconds of each phase of [`PHASES`], the batch it trained on
-    /// and the rollout's log-probs.
-    fn step(&mut self, prompts: &[Vec<u32>], seed: u64) -> ([f64; 5], Batch, Tensor) {
+    fn generate(&mut self, prompts: &[Vec<u32>], seed: u64) -> GenerateOutput {
+        let mut sampling = SamplingParams::default();
+        sampling.n = N;
+        sampling.temperature = 1.0;
+        sampling.max_new_tokens = NEW_TOKENS;
+        sampling.seed = Some(seed);
+        self.rollout
+            .generate(&GenerateRequest::new(prompts.to_vec(), sampling))
+            .unwrap()
+    }
+
+    /// One GRPO step; returns the seconds of each phase of [`PHASES`] and the batch it trained on.
+    fn step(&mut self, prompts: &[Vec<u32>], seed: u64) -> ([f64; 5], Batch) {
         let mut times = [0.0; 5];
         let mut t = Instant::now();
         let mut lap = |i: usize, t: &mut Instant| {
             times[i] = t.elapsed().as_secs_f64();
             *t = Instant::now();
         };
-        let mut sampling = SamplingParams::default();
-        sampling.n = N;
-        sampling.temperature = 1.0;
-        sampling.max_new_tokens = NEW_TOKENS;
-        sampling.seed = Some(seed);
-        let out = self
-            .rollout
-            .generate(&GenerateRequest::new(prompts.to_vec(), sampling))
-            .unwrap();
+        let out = self.generate(prompts, seed);
         lap(0, &mut t);
-        let rewards: Vec<f32> = out
-            .completions
-            .iter()
-            .map(|c| reward(&c.response_ids))
-            .collect();
-        let (mut batch, rollout_lp) = training_batch(prompts, &out, &grpo_advantages(&rewards));
+        let (mut batch, _) = scored_batch(prompts, &out);
         lap(1, &mut t);
         if self.recompute {
             let old = self.engine.compute_log_prob(&batch).unwrap();
@@ -246,7 +253,7 @@ impl Verl {
             .unwrap();
         drop(views);
         lap(4, &mut t);
-        (times, batch, rollout_lp)
+        (times, batch)
     }
 }
 
@@ -348,9 +355,10 @@ fn main() {
         Verl::new(dir.path(), "packed+on-policy", true, false),
     ];
 
-    // The levers keep the numerics: on one batch, packed old log-probs equal padded ones, and the
-    // rollout's sampling log-probs (bypass) equal the engine's recomputation.
-    let (_, batch, _) = variants[0].step(&prompts, 0);
+    // The levers keep the numerics: on one batch, packed old log-probs equal padded ones; after a
+    // sync, the rollout's sampling log-probs (the old log-probs under verl's bypass mode) equal
+    // the engine's.
+    let (_, batch) = variants[0].step(&prompts, 0);
     let lp = |e: &mut FsdpEngine, b: &Batch| {
         e.compute_log_prob(b)
             .unwrap()
@@ -361,7 +369,8 @@ fn main() {
     // Both at the initial weights (variant 0 has taken a step).
     let padded = lp(&mut Verl::new(dir.path(), "check", false, true).engine, &batch);
     let packed = lp(&mut variants[1].engine, &batch);
-    let (_, synced, rollout_lp) = variants[0].step(&prompts, 1);
+    let out = variants[0].generate(&prompts, 1);
+    let (synced, rollout_lp) = scored_batch(&prompts, &out);
     let recomputed = lp(&mut variants[0].engine, &synced);
     println!(
         "numerics: packed vs padded old log-probs max |Δ| {:.1e}; after a sync, the rollout's sampling log-probs vs the engine's max |Δ| {:.1e}",
@@ -395,8 +404,10 @@ fn main() {
     let mut trl_times: Vec<[f64; 4]> = Vec::new();
     let mut trl_tokens = 0;
     for rep in 0..=reps {
+        let mut line = format!("rep {rep}{}:", if rep == 0 { " (warm-up)" } else { "" });
         for (v, times) in variants.iter_mut().zip(&mut verl_times) {
-            let (t, _, _) = v.step(&prompts, 1000 + rep as u64);
+            let (t, _) = v.step(&prompts, 1000 + rep as u64);
+            line += &format!(" {} {:.3} s,", v.name, t.iter().sum::<f64>());
             if rep > 0 {
                 times.push(t);
             }
@@ -404,6 +415,7 @@ fn main() {
         if let Some(t) = trl.as_mut() {
             match t.step() {
                 Ok((times, tokens)) => {
+                    line += &format!(" TRL {:.3} s", times[3]);
                     trl_tokens = tokens;
                     if rep > 0 {
                         trl_times.push(times);
@@ -415,6 +427,7 @@ fn main() {
                 }
             }
         }
+        println!("{line}");
     }
     let adamw = adamw_step(dir.path(), reps);
     let phase = |times: &[[f64; 5]], i: usize| median(times.iter().map(|t| t[i]).collect());
@@ -467,7 +480,7 @@ fn adamw_step(dir: &Path, reps: usize) -> (i64, f64) {
         }
     }
     assert!(count > 0, "the model has no trainable parameters");
-    let times = (0..reps.max(1) * 3)
+    let times = (0..reps.max(1))
         .map(|_| {
             let t = Instant::now();
             assert!(opt.step(LR));

@@ -462,7 +462,11 @@ fn on_policy_updates_take_the_old_log_probs_from_their_own_forward() {
     let mut engine = common::engine(&config);
     let with_old = ppo_batch(&mut engine, "tiny-llama");
     let mut wrong = with_old.clone();
-    let shape = with_old.require(keys::OLD_LOG_PROBS).unwrap().shape.to_vec();
+    let shape = with_old
+        .require(keys::OLD_LOG_PROBS)
+        .unwrap()
+        .shape
+        .to_vec();
     let n = (shape[0] * shape[1]) as usize;
     wrong.insert(
         keys::OLD_LOG_PROBS,
@@ -568,7 +572,10 @@ fn errors_name_the_problem() {
     );
     // Two mini-batches: the update is off-policy after the first, so it needs the old log-probs
     // (with one, verl's on-policy shortcut takes them from the update's own forward).
-    let mut engine = common::engine(&actor_config("tiny-llama", json!({"ppo_mini_batch_size": 2})));
+    let mut engine = common::engine(&actor_config(
+        "tiny-llama",
+        json!({"ppo_mini_batch_size": 2}),
+    ));
     let err = engine.update_actor(&batch).unwrap_err();
     assert!(err.message().contains("old_log_probs"), "{err}");
     let mut reference =

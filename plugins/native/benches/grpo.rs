@@ -151,7 +151,10 @@ fn training_batch(
         Tensor::from_slice(&[b, w], &mask).unwrap(),
     );
     let rs = [b, r as i64];
-    batch.insert(keys::RESPONSES, Tensor::from_slice(&rs, &responses).unwrap());
+    batch.insert(
+        keys::RESPONSES,
+        Tensor::from_slice(&rs, &responses).unwrap(),
+    );
     batch.insert(
         keys::RESPONSE_MASK,
         Tensor::from_slice(&rs, &response_mask).unwrap(),
@@ -241,7 +244,10 @@ impl Verl {
         lap(1, &mut t);
         if self.recompute {
             let old = self.engine.compute_log_prob(&batch).unwrap();
-            batch.insert(keys::OLD_LOG_PROBS, old.require(keys::LOG_PROBS).unwrap().clone());
+            batch.insert(
+                keys::OLD_LOG_PROBS,
+                old.require(keys::LOG_PROBS).unwrap().clone(),
+            );
         }
         lap(2, &mut t);
         self.engine.update_actor(&batch).unwrap();
@@ -337,7 +343,10 @@ fn trl_python() -> Option<PathBuf> {
 /// Largest |a − b| between two same-shaped f32 tensors.
 fn max_gap(a: &Tensor, b: &Tensor) -> f32 {
     let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn main() {
@@ -367,7 +376,10 @@ fn main() {
             .clone()
     };
     // Both at the initial weights (variant 0 has taken a step).
-    let padded = lp(&mut Verl::new(dir.path(), "check", false, true).engine, &batch);
+    let padded = lp(
+        &mut Verl::new(dir.path(), "check", false, true).engine,
+        &batch,
+    );
     let packed = lp(&mut variants[1].engine, &batch);
     let out = variants[0].generate(&prompts, 1);
     let (synced, rollout_lp) = scored_batch(&prompts, &out);
@@ -432,7 +444,8 @@ fn main() {
     let adamw = adamw_step(dir.path(), reps);
     let phase = |times: &[[f64; 5]], i: usize| median(times.iter().map(|t| t[i]).collect());
     let total = |times: &[[f64; 5]]| median(times.iter().map(|t| t.iter().sum()).collect());
-    let trl_step = (!trl_times.is_empty()).then(|| median(trl_times.iter().map(|t| t[3]).collect()));
+    let trl_step =
+        (!trl_times.is_empty()).then(|| median(trl_times.iter().map(|t| t[3]).collect()));
     for (v, times) in variants.iter().zip(&verl_times) {
         let phases: Vec<String> = PHASES
             .iter()

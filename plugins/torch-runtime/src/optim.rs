@@ -240,7 +240,12 @@ impl AdamWRule {
     /// The update in place, with the arithmetic (and so the rounding) of torch's single-tensor
     /// AdamW as this optimizer has always computed it; `temps` receive g², the denominator and
     /// the scaled first moment.
-    fn apply(&self, [param, exp_avg, exp_avg_sq]: [&mut Tensor; 3], grad: &Tensor, temps: [Tensor; 3]) {
+    fn apply(
+        &self,
+        [param, exp_avg, exp_avg_sq]: [&mut Tensor; 3],
+        grad: &Tensor,
+        temps: [Tensor; 3],
+    ) {
         let [mut sq, mut denom, scaled] = temps;
         let _ = param.g_mul_scalar_(self.decay);
         let _ = exp_avg.lerp_(grad, 1.0 - self.beta1);
@@ -268,7 +273,10 @@ impl Scratch {
         let mut longest: Vec<(Kind, tch::Device, i64)> = Vec::new();
         for p in params {
             let (kind, device, numel) = (p.kind(), p.device(), p.numel() as i64);
-            match longest.iter_mut().find(|(k, d, _)| *k == kind && *d == device) {
+            match longest
+                .iter_mut()
+                .find(|(k, d, _)| *k == kind && *d == device)
+            {
                 Some((_, _, n)) => *n = (*n).max(numel),
                 None => longest.push((kind, device, numel)),
             }

@@ -18,12 +18,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
-use common::{load_average, median, threads};
+use common::{Driven, load_average, median, threads};
 use serde_json::json;
 use tch::{Kind, Tensor};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
@@ -120,11 +119,7 @@ for line in sys.stdin:
 "#;
 
 /// The reference process: one timed run per request.
-struct Reference {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
+struct Reference(Driven);
 
 impl Reference {
     fn start(
@@ -140,50 +135,20 @@ impl Reference {
         let inputs = json!({"prompts": prompts, "ids": rows, "new_tokens": NEW_TOKENS});
         std::fs::write(&script, REFERENCE).map_err(|e| e.to_string())?;
         std::fs::write(&data, inputs.to_string()).map_err(|e| e.to_string())?;
-        let mut child = Command::new(python)
+        let mut command = Command::new(python);
+        command
             .arg(&script)
             .arg(dir)
             .arg(threads.to_string())
             .arg(&data)
-            .env("OMP_NUM_THREADS", threads.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("{}: {e}", python.display()))?;
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let mut reference = Self {
-            child,
-            stdin,
-            stdout,
-        };
-        match reference.line()?.as_str() {
-            "ready" => Ok(reference),
-            other => Err(format!("unexpected output {other:?}")),
-        }
-    }
-
-    fn line(&mut self) -> Result<String, String> {
-        let mut line = String::new();
-        match self.stdout.read_line(&mut line) {
-            Ok(0) => Err("the reference process exited (see its stderr above)".into()),
-            Ok(_) => Ok(line.trim().to_owned()),
-            Err(e) => Err(e.to_string()),
-        }
+            .env("OMP_NUM_THREADS", threads.to_string());
+        Driven::start(command).map(Self)
     }
 
     fn time(&mut self, work: &str) -> Result<f64, String> {
-        writeln!(self.stdin, "{work}").map_err(|e| e.to_string())?;
-        let line = self.line()?;
+        let line = self.0.ask(work)?;
         line.parse()
             .map_err(|_| format!("unexpected output {line:?}"))
-    }
-}
-
-impl Drop for Reference {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -16,37 +16,18 @@ mod common;
 use std::path::Path;
 use std::time::Instant;
 
-use common::{load_average, median, threads};
+use common::{ISSUE14_VOCAB as VOCAB, load_average, median, threads, write_issue14_model};
 use serde_json::json;
 use tch::{Kind, Tensor};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
 use verl_plugin_fsdp::FsdpEngine;
+use verl_torch_runtime::Rng;
 use verl_torch_runtime::interop::{from_tch, to_tch};
-use verl_torch_runtime::{CausalLM, ModelConfig, ModelOptions, Rng};
 
 const ROWS: i64 = 32;
 const PROMPT: i64 = 64;
 const RESPONSE: i64 = 32;
-const VOCAB: i64 = 512;
 const REPS: usize = 7;
-
-fn write_model(dir: &Path) {
-    let config = json!({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB,
-        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
-        "initializer_range": 0.02,
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    CausalLM::random(
-        ModelConfig::from_dir(dir).unwrap(),
-        &ModelOptions::default(),
-    )
-    .unwrap()
-    .save_pretrained(dir, None)
-    .unwrap();
-}
 
 /// The GRPO batch: row `i`'s prompt (shared by its group of 4) and response lengths drawn from
 /// the seed. Returns it with its number of real tokens.
@@ -110,7 +91,7 @@ fn engine(dir: &Path, packed: bool) -> FsdpEngine {
 fn main() {
     tch::set_num_threads(threads());
     let dir = tempfile::tempdir().unwrap();
-    write_model(dir.path());
+    write_issue14_model(dir.path());
     let (mut batch, real) = grpo_batch();
     let mut engines = [engine(dir.path(), false), engine(dir.path(), true)];
     let log_probs = |e: &mut FsdpEngine, b: &Batch| {

@@ -34,12 +34,11 @@
 #[path = "../../fsdp/benches/common/mod.rs"]
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
-use common::{load_average, median, threads};
+use common::{Driven, ISSUE14_VOCAB, load_average, median, threads, write_issue14_model};
 use serde_json::{Value, json};
 use verl_plugin_api::{
     Batch, ComponentInit, Engine, GenerateOutput, GenerateRequest, Rollout, RunContext,
@@ -47,34 +46,15 @@ use verl_plugin_api::{
 };
 use verl_plugin_fsdp::FsdpEngine;
 use verl_plugin_native::NativeRollout;
-use verl_torch_runtime::{AdamW, AdamWConfig, CausalLM, ModelConfig, ModelOptions, Rng};
+use verl_torch_runtime::{AdamW, AdamWConfig, CausalLM, ModelOptions, Rng};
 
 const PROMPTS: usize = 8;
 const N: u32 = 4;
 const NEW_TOKENS: u32 = 32;
-const VOCAB: u32 = 512;
+const VOCAB: u32 = ISSUE14_VOCAB as u32;
 const LR: f64 = 1e-6;
 const REPS: usize = 7;
 const PHASES: [&str; 5] = ["gen", "reward+adv", "old_log_prob", "update_actor", "sync"];
-
-fn write_model(dir: &Path) {
-    let config = json!({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB,
-        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
-        "initializer_range": 0.02, "hidden_act": "silu", "torch_dtype": "float32",
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    CausalLM::random(
-        ModelConfig::from_dir(dir).unwrap(),
-        &ModelOptions::default(),
-    )
-    .unwrap()
-    .save_pretrained(dir, None)
-    .unwrap();
-}
 
 /// Prompts of 16–48 tokens with ids ≥ 3 (no special token).
 fn prompts() -> Vec<Vec<u32>> {
@@ -264,11 +244,7 @@ impl Verl {
 }
 
 /// The TRL process: one GRPO step per request, its phase times as a JSON line.
-struct Trl {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
+struct Trl(Driven);
 
 const TRL_SCRIPT: &str = include_str!("grpo_trl.py");
 
@@ -280,40 +256,17 @@ impl Trl {
             "model": dir, "prompts": prompts, "n": N, "new_tokens": NEW_TOKENS, "lr": LR,
             "threads": threads(), "vocab": VOCAB,
         });
-        let mut child = Command::new(python)
+        let mut command = Command::new(python);
+        command
             .arg(&script)
             .arg(settings.to_string())
-            .env("OMP_NUM_THREADS", threads().to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("{}: {e}", python.display()))?;
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let mut trl = Self {
-            child,
-            stdin,
-            stdout,
-        };
-        match trl.line()?.as_str() {
-            "ready" => Ok(trl),
-            other => Err(format!("unexpected output {other:?}")),
-        }
-    }
-
-    fn line(&mut self) -> Result<String, String> {
-        let mut line = String::new();
-        match self.stdout.read_line(&mut line) {
-            Ok(0) => Err("the TRL process exited (see its stderr above)".into()),
-            Ok(_) => Ok(line.trim().to_owned()),
-            Err(e) => Err(e.to_string()),
-        }
+            .env("OMP_NUM_THREADS", threads().to_string());
+        Driven::start(command).map(Self)
     }
 
     /// One step: (generation, scoring, update, whole step) seconds and the generated tokens.
     fn step(&mut self) -> Result<([f64; 4], u64), String> {
-        writeln!(self.stdin, "step").map_err(|e| e.to_string())?;
-        let line = self.line()?;
+        let line = self.0.ask("step")?;
         let v: Value =
             serde_json::from_str(&line).map_err(|_| format!("unexpected output {line:?}"))?;
         let f = |k: &str| v[k].as_f64().ok_or(format!("no `{k}` in {line}"));
@@ -321,13 +274,6 @@ impl Trl {
             [f("gen")?, f("score")?, f("update")?, f("step")?],
             v["tokens"].as_u64().unwrap_or(0),
         ))
-    }
-}
-
-impl Drop for Trl {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -356,7 +302,7 @@ fn main() {
         .and_then(|r| r.parse().ok())
         .unwrap_or(REPS);
     let dir = tempfile::tempdir().unwrap();
-    write_model(dir.path());
+    write_issue14_model(dir.path());
     let prompts = prompts();
     let mut variants = [
         Verl::new(dir.path(), "padded", false, true),

@@ -330,7 +330,15 @@ impl<S: Strategy> ActorWorker<S> {
         let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let settings = self.settings.clone();
         self.update("actor", rows, &mut |strategy, micro, scale, metrics| {
-            actor_micro_step(&settings, strategy, micro, scale, &meta, on_policy, metrics)
+            actor_micro_step(
+                &settings,
+                strategy,
+                micro,
+                scale,
+                meta.temperature,
+                on_policy,
+                metrics,
+            )
         })
     }
 
@@ -577,7 +585,7 @@ fn actor_micro_step<S: Strategy>(
     strategy: &S,
     micro: &Rows,
     scale: &AggScale,
-    meta: &Meta,
+    temperature: f64,
     on_policy: bool,
     metrics: &mut Metrics,
 ) -> Result<Vec<(&'static str, f64)>, ActorError> {
@@ -587,7 +595,7 @@ fn actor_micro_step<S: Strategy>(
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
     let with_entropy = s.entropy_coeff != 0.0;
-    strategy.backward_scores(micro, meta.temperature, with_entropy, &mut |scores| {
+    strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
         let detached = on_policy.then(|| scores.log_probs.detach());
         let pg = policy_loss(
             s.loss_mode,

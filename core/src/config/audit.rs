@@ -175,6 +175,11 @@ pub const RULES: &[Rule] = &[
     acted("actor_rollout_ref.actor.tau_neg"),
     acted("actor_rollout_ref.actor.loss_agg_mode"),
     acted("actor_rollout_ref.actor.entropy_coeff"),
+    acted("actor_rollout_ref.actor.calculate_sum_pi_squared"),
+    no_effect(
+        "actor_rollout_ref.actor.sum_pi_squared_checkpointing",
+        "Σπ² is computed only in the log-prob pass, without gradients: there is no backward to recompute it in",
+    ),
     acted("actor_rollout_ref.actor.use_kl_loss"),
     acted("actor_rollout_ref.actor.kl_loss_coef"),
     acted("actor_rollout_ref.actor.kl_loss_type"),
@@ -339,37 +344,13 @@ pub const RULES: &[Rule] = &[
     // algorithm
     acted("algorithm.gamma"),
     acted("algorithm.lam"),
-    Rule {
-        also_fine: &[
-            "grpo",
-            "grpo_vectorized",
-            "gdpo",
-            "grpo_passk",
-            "rloo",
-            "rloo_vectorized",
-            "opo",
-            "gpg",
-            "reinforce_plus_plus",
-            "reinforce_plus_plus_baseline",
-            "remax",
-        ],
-        ..unsupported(
-            "algorithm.adv_estimator",
-            "the optimal token baselines need Σπ² per token from the actor (verl's actor.calculate_sum_pi_squared), which no engine here computes yet",
-        )
-    },
+    acted("algorithm.adv_estimator"),
     acted("algorithm.norm_adv_by_std_in_grpo"),
     acted("algorithm.use_kl_in_reward"),
     acted("algorithm.kl_penalty"),
     acted("algorithm.kl_ctrl"),
-    unsupported(
-        "algorithm.gdpo_reward_keys",
-        "the rule rewards give one score per response; GDPO here normalises that score as its only component",
-    ),
-    no_effect(
-        "algorithm.gdpo_reward_weights",
-        "only used with algorithm.gdpo_reward_keys",
-    ),
+    acted("algorithm.gdpo_reward_keys"),
+    acted("algorithm.gdpo_reward_weights"),
     acted("algorithm.filter_groups.enable"),
     acted("algorithm.filter_groups.max_num_gen_batches"),
     acted("algorithm.filter_groups.metric"),

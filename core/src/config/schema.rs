@@ -353,6 +353,10 @@ pub struct ActorConfig {
     /// `seq-mean-token-sum-norm`.
     pub loss_agg_mode: String,
     pub entropy_coeff: f64,
+    /// The log-prob pass also returns Σπ² per token (the optimal token baselines need it).
+    pub calculate_sum_pi_squared: bool,
+    /// verl recomputes Σπ² in the backward to save memory; no effect here.
+    pub sum_pi_squared_checkpointing: bool,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
     pub kl_loss_type: String,
@@ -388,6 +392,8 @@ impl Default for ActorConfig {
             tau_neg: 1.05,
             loss_agg_mode: "token-mean".into(),
             entropy_coeff: 0.0,
+            calculate_sum_pi_squared: false,
+            sum_pi_squared_checkpointing: false,
             use_kl_loss: false,
             kl_loss_coef: 0.001,
             kl_loss_type: "low_var_kl".into(),

@@ -30,7 +30,7 @@ use verl_plugin_api::{
 use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, RewardHandle};
 
 use crate::algo::{
-    AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
+    AdvEstimator, AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
     Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
     compute_data_metrics, filter_groups, place_scores, rollout_correction, timing_metrics,
 };
@@ -166,9 +166,6 @@ const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// verl's batch key for the truncated rollout-correction IS weights, which multiply the per-token
 /// policy loss in the actor.
 const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
-/// verl's batch key for Σπ² over the vocabulary per response token, which an engine returns from
-/// `compute_log_prob` when the meta asks for `calculate_sum_pi_squared`.
-const SUM_PI_SQUARED: &str = "sum_pi_squared";
 
 /// The rollout's log-probs as a `[rows × width]` matrix aligned with the response tokens, when it
 /// returned one per token of every response (`None` when it returned none).
@@ -214,14 +211,19 @@ struct Collected {
     scores: Vec<u64>,
     /// Generation rounds it took (`algorithm.filter_groups`).
     gen_batches: usize,
+    /// GDPO's reward components (`algorithm.gdpo_reward_keys`) per row, one per key, as bits;
+    /// empty without keys.
+    #[serde(default)]
+    components: Vec<Vec<u64>>,
 }
 
 impl Collected {
-    fn new(rows: Vec<Row>, scores: &[f64], gen_batches: usize) -> Self {
+    fn new(rows: Vec<Row>, scores: &[f64], components: &[Vec<f64>], gen_batches: usize) -> Self {
         Self {
             rows,
             scores: score_bits(scores),
             gen_batches,
+            components: components.iter().map(|c| score_bits(c)).collect(),
         }
     }
 }
@@ -980,6 +982,59 @@ impl Trainer {
         Ok(all)
     }
 
+    /// `algorithm.gdpo_reward_keys` when the estimator is GDPO (verl reads them only there).
+    fn gdpo_keys(&self) -> &[String] {
+        match (
+            self.config.algorithm.adv_estimator,
+            &self.config.algorithm.gdpo_reward_keys,
+        ) {
+            (AdvEstimator::Gdpo, Some(keys)) => keys,
+            _ => &[],
+        }
+    }
+
+    /// GDPO's component rewards as verl places them (each response's value on its last token),
+    /// one matrix per key, with verl's `gdpo/<key>/{mean,std,max,min}` metrics; `None` without
+    /// keys.
+    fn gdpo_components(
+        &self,
+        components: &[Vec<f64>],
+        mask: &Matrix,
+        metrics: &mut Vec<Metric>,
+    ) -> Result<Option<Vec<Matrix>>, TrainError> {
+        let keys = self.gdpo_keys();
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        if components.len() != mask.rows() {
+            return Err(TrainError::Invalid(format!(
+                "algorithm.gdpo_reward_keys: {} rows of reward components for {} responses",
+                components.len(),
+                mask.rows()
+            )));
+        }
+        let mut matrices = Vec::with_capacity(keys.len());
+        for (k, key) in keys.iter().enumerate() {
+            let values: Vec<f64> = components.iter().map(|row| row[k]).collect();
+            let n = values.len().max(1) as f64;
+            let mean = values.iter().sum::<f64>() / n;
+            // numpy's std (population), as verl logs it.
+            let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt();
+            let fold = |init: f64, f: fn(f64, f64) -> f64| values.iter().copied().fold(init, f);
+            for (stat, value) in [
+                ("mean", mean),
+                ("std", std),
+                ("max", fold(f64::NEG_INFINITY, f64::max)),
+                ("min", fold(f64::INFINITY, f64::min)),
+            ] {
+                metrics.push(Metric::new(format!("gdpo/{key}/{stat}"), value));
+            }
+            let scores: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+            matrices.push(place_scores(&scores, mask)?);
+        }
+        Ok(Some(matrices))
+    }
+
     /// Generates and scores a training batch, `data.gen_batch_size` prompts a round; with DAPO's
     /// `filter_groups` keeps generating until `train_batch_size` prompts have responses whose
     /// metric differs (verl's `ray_dapo_trainer`).
@@ -988,7 +1043,8 @@ impl Trainer {
         let target = self.config.data.train_batch_size;
         let round = self.config.data.gen_batch_size.unwrap_or(target);
         let mut sampler = DynamicSampler::new(target, filter.max_num_gen_batches);
-        let (mut rows, mut scores, mut gen_batches) = (Vec::new(), Vec::new(), 0usize);
+        let (mut rows, mut scores, mut components, mut gen_batches) =
+            (Vec::new(), Vec::new(), Vec::new(), 0usize);
         loop {
             let indices = self.next_indices();
             let mut sampling = self.sampling(step, false);
@@ -1001,8 +1057,14 @@ impl Trainer {
                 rewards,
             } = self.generate(false, &indices, sampling, first_group)?;
             gen_batches += 1;
+            let new_components = rewards.components(self.gdpo_keys())?;
             if !filter.enable {
-                return Ok(Collected::new(new_rows, &rewards.rewards, gen_batches));
+                return Ok(Collected::new(
+                    new_rows,
+                    &rewards.rewards,
+                    &new_components,
+                    gen_batches,
+                ));
             }
             let metric = rewards.filter_metric(filter.metric.as_deref())?;
             let new_scores = rewards.rewards;
@@ -1013,6 +1075,7 @@ impl Trainer {
                 if kept.contains(&i) {
                     rows.push(row);
                     scores.push(score);
+                    components.extend(new_components.get(i).cloned());
                 }
             }
             if sampler.record(kept_groups)? == SamplerProgress::Full {
@@ -1023,12 +1086,28 @@ impl Trainer {
                         first_groups.push(row.group);
                     }
                 }
-                let (rows, scores): (Vec<Row>, Vec<f64>) = rows
-                    .into_iter()
-                    .zip(scores)
-                    .filter(|(row, _)| first_groups.contains(&row.group))
-                    .unzip();
-                return Ok(Collected::new(rows, &scores, gen_batches));
+                let keep: Vec<bool> = rows
+                    .iter()
+                    .map(|row| first_groups.contains(&row.group))
+                    .collect();
+                let kept = |items: Vec<_>| -> Vec<_> {
+                    items
+                        .into_iter()
+                        .zip(&keep)
+                        .filter_map(|(item, &k)| k.then_some(item))
+                        .collect()
+                };
+                let components = if components.is_empty() {
+                    components
+                } else {
+                    kept(components)
+                };
+                return Ok(Collected::new(
+                    kept(rows),
+                    &kept(scores),
+                    &components,
+                    gen_batches,
+                ));
             }
         }
     }
@@ -1080,7 +1159,8 @@ impl Trainer {
             gen_wait += waited;
             let trained = trained?;
             let (rows, rewards) = next?;
-            self.pending = Some(Collected::new(rows, &rewards.rewards, 1));
+            let components = rewards.components(self.gdpo_keys())?;
+            self.pending = Some(Collected::new(rows, &rewards.rewards, &components, 1));
             timing.push(("generate_async", generated_in));
             if step > self.config.trainer.critic_warmup {
                 let t = Instant::now();
@@ -1217,8 +1297,10 @@ impl Trainer {
             mut rows,
             scores,
             gen_batches,
+            components,
         } = collected;
         let mut scores = scores_of(&scores);
+        let mut components: Vec<Vec<f64>> = components.iter().map(|c| scores_of(c)).collect();
         self.rollout_sleep()?;
         if self.config.trainer.training_mode != TrainingMode::Sync {
             // How many versions behind the policy being updated (step − 1) each sample is.
@@ -1257,6 +1339,9 @@ impl Trainer {
             })?;
             rows = permute(rows, &balanced.order);
             scores = permute(scores, &balanced.order);
+            if !components.is_empty() {
+                components = permute(components, &balanced.order);
+            }
             metrics.extend(balanced.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
         }
 
@@ -1275,7 +1360,7 @@ impl Trainer {
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
         batch.meta_json =
             json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true,
-                "calculate_sum_pi_squared": self.config.algorithm.adv_estimator.needs_sum_pi_squared() })
+                "calculate_sum_pi_squared": self.config.actor_rollout_ref.actor.calculate_sum_pi_squared })
                 .to_string()
                 .into();
         let mask = batch::matrix(
@@ -1322,12 +1407,25 @@ impl Trainer {
                     crate::algo::masked_mean(&entropy, &mask)?,
                 ));
             }
-            // Σπ² per token, for the optimal token baselines, when the engine reports it.
-            let sum_pi_squared = old
-                .get(SUM_PI_SQUARED)
-                .map(|t| batch::matrix(SUM_PI_SQUARED, t))
-                .transpose()
-                .context(|| "actor output".to_owned())?;
+            // Σπ² per token, for the optimal token baselines (asked for in the meta above).
+            let sum_pi_squared = match old.get(keys::SUM_PI_SQUARED) {
+                Some(t) => {
+                    let m = batch::matrix(keys::SUM_PI_SQUARED, t)
+                        .context(|| "actor output".to_owned())?;
+                    Some(self.gather_matrix(keys::SUM_PI_SQUARED, m)?)
+                }
+                None if self.config.algorithm.adv_estimator.needs_sum_pi_squared() => {
+                    return Err(TrainError::Invalid(format!(
+                        "algorithm.adv_estimator={}: actor engine `{}` returned no `{}` from compute_log_prob \
+                         (verl's actor.calculate_sum_pi_squared); an engine must compute it when the batch meta has \
+                         \"calculate_sum_pi_squared\": true",
+                        self.config.algorithm.adv_estimator.name(),
+                        self.config.actor_rollout_ref.actor.strategy,
+                        keys::SUM_PI_SQUARED
+                    )));
+                }
+                None => None,
+            };
             timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
             if let Some(rollout_log_probs) = &rollout_lp {
                 let diff =
@@ -1433,12 +1531,19 @@ impl Trainer {
             norm_adv_by_std_in_grpo: algorithm.norm_adv_by_std_in_grpo,
             ..AdvantageParams::default()
         };
+        let reward_components = self.gdpo_components(&components, &mask, metrics)?;
+        let reward_weights: Option<Vec<f32>> = algorithm
+            .gdpo_reward_weights
+            .as_ref()
+            .map(|w| w.iter().map(|&x| x as f32).collect());
         let input = AdvantageInput {
             values: values.as_ref(),
             reward_baselines: baselines.as_deref(),
             old_log_probs: Some(&old_log_probs),
             sum_pi_squared: sum_pi_squared.as_ref(),
             rollout_is_weights: is_weights.as_ref(),
+            reward_components: reward_components.as_deref(),
+            reward_weights: reward_weights.as_deref(),
             ..AdvantageInput::new(&token_level_rewards, &train_mask, &groups)
         };
         let (advantages, returns) = compute_advantage(algorithm.adv_estimator, &params, &input)?;
@@ -2198,6 +2303,62 @@ impl Components {
                     "trainer.training_mode=one_step_off does not support {what}"
                 )));
             }
+        }
+        let algorithm = &config.algorithm;
+        match (algorithm.adv_estimator, &algorithm.gdpo_reward_keys) {
+            (AdvEstimator::Gdpo, None) => {
+                return Err(TrainError::Invalid(
+                    "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward's \
+                     result dict to normalise one by one (as verl asserts)"
+                        .to_owned(),
+                ));
+            }
+            (AdvEstimator::Gdpo, Some(keys)) => {
+                if keys.is_empty() {
+                    return Err(TrainError::Invalid(
+                        "algorithm.gdpo_reward_keys is empty: name at least one key of the reward's result dict"
+                            .to_owned(),
+                    ));
+                }
+                if let Some(weights) = &algorithm.gdpo_reward_weights
+                    && weights.len() != keys.len()
+                {
+                    return Err(TrainError::Invalid(format!(
+                        "algorithm.gdpo_reward_weights has {} weights for {} algorithm.gdpo_reward_keys",
+                        weights.len(),
+                        keys.len()
+                    )));
+                }
+            }
+            (_, Some(_)) => tracing::warn!(
+                "algorithm.gdpo_reward_keys: only algorithm.adv_estimator=gdpo reads them (it is {})",
+                algorithm.adv_estimator.name()
+            ),
+            (_, None) => {}
+        }
+        let wants_sum_pi_squared = config.actor_rollout_ref.actor.calculate_sum_pi_squared;
+        if algorithm.adv_estimator.needs_sum_pi_squared() && !wants_sum_pi_squared {
+            return Err(TrainError::Invalid(format!(
+                "algorithm.adv_estimator={} needs Σπ² per token from the actor: set \
+                 actor_rollout_ref.actor.calculate_sum_pi_squared=True (as verl asks)",
+                algorithm.adv_estimator.name()
+            )));
+        }
+        if wants_sum_pi_squared && !algorithm.adv_estimator.needs_sum_pi_squared() {
+            tracing::warn!(
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=True: Σπ² is computed but only the optimal \
+                 token baselines use it here (verl's variance_proxy/* metrics are not computed)"
+            );
+        }
+        if algorithm.adv_estimator.needs_sum_pi_squared()
+            && algorithm.rollout_correction.bypass_mode
+        {
+            // Bypass mode skips the actor's log-prob pass, which is what computes Σπ².
+            return Err(TrainError::Invalid(format!(
+                "algorithm.adv_estimator={} needs Σπ² from the actor's log-prob pass, which \
+                 algorithm.rollout_correction.bypass_mode=true skips",
+                algorithm.adv_estimator.name()
+            )));
         }
         let correction = &config.algorithm.rollout_correction;
         let checked = correction.settings()?;

@@ -50,6 +50,9 @@ enum Event {
         role: String,
         keys: Vec<String>,
         step: u64,
+        /// `[B, R]` and the F32 tensors of [`RECORDED`] the update got, row-major.
+        shape: [i64; 2],
+        floats: BTreeMap<String, Vec<f32>>,
     },
     UpdateCritic {
         role: String,
@@ -104,6 +107,8 @@ struct Faults {
     fail_update_at: Option<u64>,
     /// `update_actor` goes non-finite at this global step.
     non_finite_at: Option<(u64, Bad)>,
+    /// `compute_log_prob` ignores the meta's `calculate_sum_pi_squared`.
+    no_sum_pi_squared: bool,
 }
 
 /// How the fake actor's update goes non-finite.
@@ -127,6 +132,20 @@ fn response_shape(batch: &Batch) -> Result<[i64; 2], PluginError> {
         &[b, r] => Ok([b, r]),
         other => Err(PluginError::other(format!("responses of shape {other:?}"))),
     }
+}
+
+/// The update batch's tensors the fake actor records.
+const RECORDED: [&str; 4] = [
+    keys::ADVANTAGES,
+    keys::RETURNS,
+    keys::RESPONSE_MASK,
+    keys::OLD_LOG_PROBS,
+];
+
+/// The fake Σπ² of row `i`, token `t`: varied over rows and tokens, so that the optimal token
+/// baseline's weights differ between the responses of a group.
+fn fake_sum_pi_squared(i: i64, t: i64) -> f32 {
+    0.1 + 0.2 * ((3 * i + t) % 4) as f32
 }
 
 fn filled(batch: &Batch, value: f32) -> Result<Tensor, PluginError> {
@@ -188,6 +207,15 @@ impl Engine for FakeEngine {
         let mut out = Batch::default();
         out.insert(keys::LOG_PROBS, filled(batch, -0.5)?);
         out.insert(keys::ENTROPYS, filled(batch, 0.25)?);
+        let meta: serde_json::Value =
+            serde_json::from_str(batch.meta_json.as_str()).unwrap_or_default();
+        if meta["calculate_sum_pi_squared"] == true && !self.faults.no_sum_pi_squared {
+            let [b, r] = response_shape(batch)?;
+            let values: Vec<f32> = (0..b)
+                .flat_map(|i| (0..r).map(move |t| fake_sum_pi_squared(i, t)))
+                .collect();
+            out.insert(keys::SUM_PI_SQUARED, Tensor::from_slice(&[b, r], &values)?);
+        }
         Ok(out)
     }
     fn compute_values(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
@@ -201,10 +229,18 @@ impl Engine for FakeEngine {
     }
     fn update_actor(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
         let step = global_steps(batch);
+        let mut floats = BTreeMap::new();
+        for key in RECORDED {
+            if let Some(t) = batch.get(key) {
+                floats.insert(key.to_owned(), t.to_vec::<f32>()?);
+            }
+        }
         self.log.push(Event::UpdateActor {
             role: self.role.clone(),
             keys: batch_keys(batch),
             step,
+            shape: response_shape(batch)?,
+            floats,
         });
         if self.faults.fail_update_at == Some(step) {
             return Err(PluginError::other(format!(
@@ -2561,4 +2597,158 @@ fn rollout_correction_reaches_the_update() {
         two_ranks_off,
         "one_step_off does not support algorithm.filter_groups.enable=true",
     );
+}
+
+/// The F32 tensors of every recorded actor update, as `[B, R]` matrices.
+fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateActor { shape, floats, .. } => Some(
+                floats
+                    .iter()
+                    .map(|(k, v)| {
+                        let m = crate::algo::Matrix::new(
+                            shape[0] as usize,
+                            shape[1] as usize,
+                            v.clone(),
+                        )
+                        .unwrap();
+                        (k.clone(), m)
+                    })
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect()
+}
+
+fn refused(c: Config, faults: Faults, wanted: &str) {
+    let err = match Trainer::new(c, &registry(&Log::default(), faults), &placement(&[]))
+        .and_then(|mut t| t.fit())
+    {
+        Ok(_) => panic!("expected {wanted}"),
+        Err(err) => err.to_string(),
+    };
+    assert!(err.contains(wanted), "{err}");
+}
+
+#[test]
+fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
+    use crate::algo::{AdvantageInput, AdvantageParams, Matrix, compute_advantage, place_scores};
+    let s = setup();
+    let mut c = s.config("otb");
+    c.trainer.total_training_steps = Some(2);
+    // Rows stay in generation order: the two responses of prompt g are rows 2g and 2g + 1.
+    c.trainer.balance_batch = false;
+    c.algorithm.adv_estimator = AdvEstimator::OptimalTokenBaseline;
+    c.actor_rollout_ref.actor.calculate_sum_pi_squared = true;
+    let log = Log::default();
+    fit(c.clone(), &log, Faults::default()).unwrap();
+    let updates = updates(&log.events());
+    assert_eq!(updates.len(), 2);
+    for update in &updates {
+        let (mask, returns) = (&update[keys::RESPONSE_MASK], &update[keys::RETURNS]);
+        let (rows, cols) = mask.shape();
+        // The outcome reward is the return at the first token (γ = 1).
+        let scores: Vec<f32> = (0..rows).map(|i| returns.row(i)[0]).collect();
+        let rewards = place_scores(&scores, mask).unwrap();
+        let spp = Matrix::new(
+            rows,
+            cols,
+            (0..rows as i64)
+                .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
+                .collect(),
+        )
+        .unwrap();
+        let groups: Vec<u64> = (0..rows as u64).map(|i| i / 2).collect();
+        let input = AdvantageInput {
+            old_log_probs: Some(&update[keys::OLD_LOG_PROBS]),
+            sum_pi_squared: Some(&spp),
+            ..AdvantageInput::new(&rewards, mask, &groups)
+        };
+        let (want, _) = compute_advantage(
+            AdvEstimator::OptimalTokenBaseline,
+            &AdvantageParams::default(),
+            &input,
+        )
+        .unwrap();
+        let got = &update[keys::ADVANTAGES];
+        assert!(got.data().iter().any(|&a| a.abs() > 0.1), "{got:?}");
+        for (a, b) in got.data().iter().zip(want.data()) {
+            assert!((a - b).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+    }
+
+    // As verl: the actor must be asked for Σπ², and must deliver it.
+    let mut unasked = c.clone();
+    unasked.actor_rollout_ref.actor.calculate_sum_pi_squared = false;
+    refused(
+        unasked,
+        Faults::default(),
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+    );
+    refused(
+        c.clone(),
+        Faults {
+            no_sum_pi_squared: true,
+            ..Faults::default()
+        },
+        "returned no `sum_pi_squared`",
+    );
+    let mut bypass = c;
+    bypass.actor_rollout_ref.rollout.name = "logprobs".into();
+    bypass.actor_rollout_ref.rollout.calculate_log_probs = true;
+    bypass.algorithm.rollout_correction.bypass_mode = true;
+    refused(bypass, Faults::default(), "bypass_mode=true skips");
+}
+
+#[test]
+fn gdpo_normalises_the_reward_components_the_keys_name() {
+    use crate::algo::masked_whiten;
+    let s = setup();
+    let run = |name: &str, edit: &dyn Fn(&mut Config)| {
+        let mut c = s.config(name);
+        c.trainer.total_training_steps = Some(2);
+        // `dapo` records each score as `acc`: a component equal to the score.
+        c.reward_model.reward_manager = "dapo".into();
+        edit(&mut c);
+        let log = Log::default();
+        fit(c, &log, Faults::default()).unwrap();
+        log.events()
+    };
+    let grpo = run("grpo", &|_| {});
+    let gdpo = run("gdpo", &|c| {
+        c.algorithm.adv_estimator = AdvEstimator::Gdpo;
+        c.algorithm.gdpo_reward_keys = Some(vec!["acc".into()]);
+        c.algorithm.gdpo_reward_weights = Some(vec![2.0]);
+    });
+    // One component equal to the score, through balance_batch's reordering: GDPO is the
+    // whitened GRPO advantage (the weight scales out) on the same rows.
+    for (g, d) in updates(&grpo).iter().zip(&updates(&gdpo)) {
+        let mask = &g[keys::RESPONSE_MASK];
+        let want = masked_whiten(&g[keys::ADVANTAGES], mask).unwrap();
+        let got = &d[keys::ADVANTAGES];
+        for ((a, b), m) in got.data().iter().zip(want.data()).zip(mask.data()) {
+            assert!((a - b * m).abs() < 1e-4, "{got:?} vs {want:?}");
+        }
+    }
+    // verl's per-component metrics: the fake rollout answers one of the two responses right.
+    for (step, m) in logs(&gdpo) {
+        assert_eq!(m["gdpo/acc/mean"], 0.5, "step {step}");
+        assert_eq!(m["gdpo/acc/std"], 0.5);
+        assert_eq!((m["gdpo/acc/max"], m["gdpo/acc/min"]), (1.0, 0.0));
+    }
+
+    let mut c = s.config("gdpo-bad");
+    c.algorithm.adv_estimator = AdvEstimator::Gdpo;
+    refused(c.clone(), Faults::default(), "needs algorithm.gdpo_reward_keys");
+    c.algorithm.gdpo_reward_keys = Some(vec!["format".into()]);
+    refused(
+        c.clone(),
+        Faults::default(),
+        "algorithm.gdpo_reward_keys: the reward gave no `format` (it gave: a score only)",
+    );
+    c.algorithm.gdpo_reward_weights = Some(vec![1.0, 2.0]);
+    refused(c, Faults::default(), "2 weights for 1 algorithm.gdpo_reward_keys");
 }

@@ -16,7 +16,7 @@ use verl_torch_runtime::actor::{
 };
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng,
+    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, ScoreOutputs,
     load_training_state, load_training_state_from, parse_device, save_training_state,
 };
 
@@ -135,17 +135,12 @@ impl Strategy for LocalModel {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
         let context = self.context(rows)?;
         let hidden = self.model.hidden_states_in(&context);
-        self.model.response_scores_in(
-            &hidden,
-            &context,
-            rows.response_len,
-            temperature,
-            with_entropy,
-        )
+        self.model
+            .response_scores_in(&hidden, &context, rows.response_len, temperature, outputs)
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -159,7 +154,7 @@ impl Strategy for LocalModel {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         self.backward(rows, |hidden, context| {
@@ -168,7 +163,7 @@ impl Strategy for LocalModel {
                 context,
                 rows.response_len,
                 temperature,
-                with_entropy,
+                outputs,
             )?)
         })
     }

@@ -7,7 +7,7 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::{LrSchedule, ResponseScores, Rng};
+use verl_torch_runtime::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
 use crate::engine::LocalModel;
 use crate::shard::strategy::ShardedStrategy;
@@ -37,9 +37,9 @@ impl Strategy for Placement {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        each!(self, s => s.scores(rows, temperature, with_entropy))
+        each!(self, s => s.scores(rows, temperature, outputs))
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -50,10 +50,10 @@ impl Strategy for Placement {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        each!(self, s => s.backward_scores(rows, temperature, with_entropy, loss))
+        each!(self, s => s.backward_scores(rows, temperature, outputs, loss))
     }
 
     fn backward_values(

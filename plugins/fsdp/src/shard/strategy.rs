@@ -19,7 +19,8 @@ use verl_plugin_api::{RunContext, TensorRef};
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState,
+    BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, ScoreOutputs,
+    TrainState,
 };
 
 use super::{ShardError, ShardOptions, ShardedModel};
@@ -140,18 +141,12 @@ impl Strategy for ShardedStrategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
         self.run(|model, group| {
             let context = self.context(model, rows)?;
             model.forward(group, &context, |m, hidden| {
-                m.response_scores_in(
-                    hidden,
-                    &context,
-                    rows.response_len,
-                    temperature,
-                    with_entropy,
-                )
+                m.response_scores_in(hidden, &context, rows.response_len, temperature, outputs)
             })
         })
     }
@@ -169,7 +164,7 @@ impl Strategy for ShardedStrategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         self.run(|model, group| {
@@ -180,7 +175,7 @@ impl Strategy for ShardedStrategy {
                     &context,
                     rows.response_len,
                     temperature,
-                    with_entropy,
+                    outputs,
                 )?)
             })
         })

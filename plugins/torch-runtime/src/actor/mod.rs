@@ -54,20 +54,20 @@ use crate::interop::from_tch;
 use crate::losses::{
     AggScale, PolicyBatch, agg_loss, kl_penalty, masked_mean, policy_loss, value_loss,
 };
-use crate::{LrSchedule, ResponseScores, Rng};
+use crate::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
 /// What an engine strategy supplies: how its (possibly sharded) model computes and learns.
 /// Everything else — verl's losses, loss scaling, mini/micro-batching, metrics, the schedule,
 /// checkpoint bookkeeping — is [`ActorWorker`]'s.
 pub trait Strategy {
     fn device(&self) -> Device;
-    /// Per-token log-probs (and entropy when asked) of the response tokens of `rows`, at
+    /// Per-token log-probs (and the `outputs` asked for) of the response tokens of `rows`, at
     /// `temperature`. Called under `no_grad`.
     fn scores(
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> crate::Result<ResponseScores>;
     /// Per-token values of the response tokens (value-head models). Called under `no_grad`.
     fn values(&self, rows: &Rows) -> crate::Result<Tensor>;
@@ -77,7 +77,7 @@ pub trait Strategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> crate::Result<Tensor>,
     ) -> crate::Result<()>;
     /// As [`Strategy::backward_scores`], through the value head.
@@ -253,27 +253,31 @@ impl<S: Strategy> ActorWorker<S> {
             self.strategy.device(),
         )?;
         let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
-        let (mut log_probs, mut entropys) = (Vec::new(), Vec::new());
+        let outputs = meta.outputs();
+        let (mut log_probs, mut entropys, mut sum_pi_squared) =
+            (Vec::new(), Vec::new(), Vec::new());
         tch::no_grad(|| -> Result<(), ActorError> {
             for rows in &micro.batches {
-                let scores =
-                    self.strategy
-                        .scores(rows, meta.temperature, meta.calculate_entropy)?;
+                let scores = self.strategy.scores(rows, meta.temperature, outputs)?;
                 log_probs.push(scores.log_probs);
                 entropys.extend(scores.entropy);
+                sum_pi_squared.extend(scores.sum_pi_squared);
             }
             Ok(())
         })?;
         let mut out = Batch::default();
-        out.insert(
-            keys::LOG_PROBS,
-            from_tch(keys::LOG_PROBS, &micro.restore(&log_probs))?,
-        );
-        if meta.calculate_entropy {
-            out.insert(
-                keys::ENTROPYS,
-                from_tch(keys::ENTROPYS, &micro.restore(&entropys))?,
-            );
+        for (key, wanted, parts) in [
+            (keys::LOG_PROBS, true, &log_probs),
+            (keys::ENTROPYS, outputs.entropy, &entropys),
+            (
+                keys::SUM_PI_SQUARED,
+                outputs.sum_pi_squared,
+                &sum_pi_squared,
+            ),
+        ] {
+            if wanted {
+                out.insert(key, from_tch(key, &micro.restore(parts))?);
+            }
         }
         Ok(out)
     }
@@ -576,8 +580,11 @@ fn actor_micro_step<S: Strategy>(
     // As verl: entropy only when it is in the loss (then also reported); otherwise the trainer
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
-    let with_entropy = s.entropy_coeff != 0.0;
-    strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+    let outputs = ScoreOutputs {
+        entropy: s.entropy_coeff != 0.0,
+        sum_pi_squared: false,
+    };
+    strategy.backward_scores(micro, temperature, outputs, &mut |scores| {
         let pg = policy_loss(
             s.loss_mode,
             PolicyBatch {

@@ -7,7 +7,7 @@ use verl_plugin_api::{Batch, keys};
 
 use super::ActorError;
 use crate::interop::{parse_config, to_tch};
-use crate::{BlockContext, CausalLM};
+use crate::{BlockContext, CausalLM, ScoreOutputs};
 
 /// The per-call settings an engine reads from `Batch::meta_json`.
 #[derive(Debug, Deserialize)]
@@ -17,6 +17,9 @@ pub struct Meta {
     pub temperature: f64,
     #[serde(default = "yes")]
     pub calculate_entropy: bool,
+    /// verl's `calculate_sum_pi_squared`: `compute_log_prob` also returns Σπ² per token.
+    #[serde(default)]
+    pub calculate_sum_pi_squared: bool,
 }
 
 fn one() -> f64 {
@@ -36,6 +39,14 @@ impl Meta {
             )));
         }
         Ok(meta)
+    }
+
+    /// The outputs `compute_log_prob` returns besides the log-probs.
+    pub fn outputs(&self) -> ScoreOutputs {
+        ScoreOutputs {
+            entropy: self.calculate_entropy,
+            sum_pi_squared: self.calculate_sum_pi_squared,
+        }
     }
 }
 

@@ -1090,21 +1090,14 @@ impl Trainer {
                     .iter()
                     .map(|row| first_groups.contains(&row.group))
                     .collect();
-                let kept = |items: Vec<_>| -> Vec<_> {
-                    items
-                        .into_iter()
-                        .zip(&keep)
-                        .filter_map(|(item, &k)| k.then_some(item))
-                        .collect()
-                };
                 let components = if components.is_empty() {
                     components
                 } else {
-                    kept(components)
+                    kept(components, &keep)
                 };
                 return Ok(Collected::new(
-                    kept(rows),
-                    &kept(scores),
+                    kept(rows, &keep),
+                    &kept(scores, &keep),
                     &components,
                     gen_batches,
                 ));
@@ -2386,6 +2379,15 @@ impl Components {
         }
         Ok(())
     }
+}
+
+/// The `items` whose `keep` is set, in order.
+fn kept<T>(items: Vec<T>, keep: &[bool]) -> Vec<T> {
+    items
+        .into_iter()
+        .zip(keep)
+        .filter_map(|(item, &k)| k.then_some(item))
+        .collect()
 }
 
 /// `items` in `order`: item `i` of the result is `items[order[i]]` (`order` a permutation).

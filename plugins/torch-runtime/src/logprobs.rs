@@ -121,10 +121,7 @@ impl CausalLM {
             outputs,
         )?;
         let mask = self.response_mask(attention_mask, response_len);
-        Ok(ResponseScores {
-            log_probs: scores.log_probs * &mask,
-            entropy: scores.entropy.map(|e| e * &mask),
-        })
+        Ok(scores.map(|t| t * &mask))
     }
 
     /// [`Self::response_scores_from_hidden`] for the final hidden states of a block context's

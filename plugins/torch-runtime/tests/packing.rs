@@ -8,7 +8,7 @@ mod common;
 
 use common::{MODELS, fixture, load};
 use tch::{Kind, Tensor};
-use verl_torch_runtime::{CausalLM, Head, ModelOptions, Rng, ScoreOutputs};
+use verl_torch_runtime::{CausalLM, Head, ModelOptions, ResponseScores, Rng, ScoreOutputs};
 
 const TOLERANCE: f64 = 1e-5;
 

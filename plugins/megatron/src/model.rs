@@ -597,9 +597,9 @@ impl TpModel {
         }
     }
 
-    /// Per-token log-probs (and the `outputs` asked for) of the last `response_len` tokens of each row, as
-    /// [`CausalLM::response_scores`] computes them on the whole model, from the vocabulary
-    /// shards. Differentiated through `tape` when given.
+    /// Per-token log-probs (and the `outputs` asked for) of the last `response_len` tokens of
+    /// each row, as [`CausalLM::response_scores`] computes them on the whole model, from the
+    /// vocabulary shards. Differentiated through `tape` when given.
     pub fn response_scores(
         &self,
         ids: &Tensor,

@@ -1026,7 +1026,10 @@ fn verl_style_overrides_are_acted_on_or_reported() {
         ("algorithm.adv_estimator=rloo_vectorized", Acted),
         ("algorithm.adv_estimator=optimal_token_baseline", Acted),
         ("algorithm.adv_estimator=tir_optimal_token_baseline", Acted),
-        ("actor_rollout_ref.actor.calculate_sum_pi_squared=True", Acted),
+        (
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+            Acted,
+        ),
         (
             "actor_rollout_ref.actor.sum_pi_squared_checkpointing=True",
             Warning,

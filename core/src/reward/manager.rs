@@ -355,19 +355,26 @@ mod tests {
     fn gdpo_components_come_from_the_result_dicts() {
         let naive = RewardManager::new("naive", &OverlongBufferConfig::default(), 8).unwrap();
         let dicts = [
-            RewardScore::new(1.5).with("format", true).with("accuracy", 0.5),
-            RewardScore::new(0.0).with("format", false).with("accuracy", -2),
+            RewardScore::new(1.5)
+                .with("format", true)
+                .with("accuracy", 0.5),
+            RewardScore::new(0.0)
+                .with("format", false)
+                .with("accuracy", -2),
         ];
         let out = naive.apply(&dicts, &[1, 1]);
         let keys = |k: &[&str]| k.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(
-            out.components(&keys(&["accuracy", "format", "score"])).unwrap(),
+            out.components(&keys(&["accuracy", "format", "score"]))
+                .unwrap(),
             vec![vec![0.5, 1.0, 1.5], vec![-2.0, 0.0, 0.0]]
         );
         assert!(out.components(&[]).unwrap().is_empty());
         let err = out.components(&keys(&["length"])).unwrap_err().to_string();
         assert!(
-            err.contains("gdpo_reward_keys") && err.contains("`length`") && err.contains("accuracy, format, score"),
+            err.contains("gdpo_reward_keys")
+                && err.contains("`length`")
+                && err.contains("accuracy, format, score"),
             "{err}"
         );
         let text = naive.apply(&[RewardScore::new(0.0).with("pred", "7")], &[1]);

@@ -30,8 +30,8 @@ use verl_plugin_api::{
 use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, RewardHandle};
 
 use crate::algo::{
-    AdvEstimator, AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
-    Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
+    AdvEstimator, AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler,
+    KlController, Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
     compute_data_metrics, filter_groups, place_scores, rollout_correction, timing_metrics,
 };
 use crate::batch;

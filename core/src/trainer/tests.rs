@@ -2742,7 +2742,11 @@ fn gdpo_normalises_the_reward_components_the_keys_name() {
 
     let mut c = s.config("gdpo-bad");
     c.algorithm.adv_estimator = AdvEstimator::Gdpo;
-    refused(c.clone(), Faults::default(), "needs algorithm.gdpo_reward_keys");
+    refused(
+        c.clone(),
+        Faults::default(),
+        "needs algorithm.gdpo_reward_keys",
+    );
     c.algorithm.gdpo_reward_keys = Some(vec!["format".into()]);
     refused(
         c.clone(),
@@ -2750,5 +2754,9 @@ fn gdpo_normalises_the_reward_components_the_keys_name() {
         "algorithm.gdpo_reward_keys: the reward gave no `format` (it gave: a score only)",
     );
     c.algorithm.gdpo_reward_weights = Some(vec![1.0, 2.0]);
-    refused(c, Faults::default(), "2 weights for 1 algorithm.gdpo_reward_keys");
+    refused(
+        c,
+        Faults::default(),
+        "2 weights for 1 algorithm.gdpo_reward_keys",
+    );
 }

@@ -86,10 +86,9 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
 /// (`fixtures/sum_pi_squared.json`) on the left/right-padded fixture batch, zero on padding.
 #[test]
 fn compute_log_prob_returns_sum_pi_squared_when_asked() {
-    let reference: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("sum_pi_squared.json")).unwrap(),
-    )
-    .unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("sum_pi_squared.json")).unwrap())
+            .unwrap();
     for model in ["tiny-llama", "tiny-qwen2"] {
         let (mut batch, lens) = fixture_batch(model);
         let mut engine = engine(&json!({"role": "ref", "model": {"path": fixture(model)}}));
@@ -119,7 +118,10 @@ fn compute_log_prob_returns_sum_pi_squared_when_asked() {
                     "{model} row {i}: {a} vs {e}"
                 );
             }
-            assert!(spp[i][lens[i]..].iter().all(|&x| x == 0.0), "padding is zero");
+            assert!(
+                spp[i][lens[i]..].iter().all(|&x| x == 0.0),
+                "padding is zero"
+            );
         }
     }
 }

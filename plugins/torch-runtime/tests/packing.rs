@@ -56,13 +56,7 @@ const ALL: ScoreOutputs = ScoreOutputs {
     sum_pi_squared: true,
 };
 
-fn packed_scores(
-    model: &CausalLM,
-    ids: &Tensor,
-    mask: &Tensor,
-    r: i64,
-    t: f64,
-) -> ResponseScores {
+fn packed_scores(model: &CausalLM, ids: &Tensor, mask: &Tensor, r: i64, t: f64) -> ResponseScores {
     let context = model.packed_block_context(ids, mask, r).unwrap();
     let hidden = model.hidden_states_in(&context);
     model

@@ -79,7 +79,10 @@ fn sum_pi_squared_matches_verl_on_transformers_logits() {
                 worst = worst.max((a - e).abs() / e);
             }
         }
-        println!("{name}: max relative |Δ| Σπ² {worst:.2e} over {} cases", cases.len());
+        println!(
+            "{name}: max relative |Δ| Σπ² {worst:.2e} over {} cases",
+            cases.len()
+        );
         assert!(worst < 1e-6, "{name}: {worst}");
     }
 }

@@ -1093,11 +1093,11 @@ impl Trainer {
                 let components = if components.is_empty() {
                     components
                 } else {
-                    kept(components, &keep)
+                    keep_marked(components, &keep)
                 };
                 return Ok(Collected::new(
-                    kept(rows, &keep),
-                    &kept(scores, &keep),
+                    keep_marked(rows, &keep),
+                    &keep_marked(scores, &keep),
                     &components,
                     gen_batches,
                 ));
@@ -2382,7 +2382,7 @@ impl Components {
 }
 
 /// The `items` whose `keep` is set, in order.
-fn kept<T>(items: Vec<T>, keep: &[bool]) -> Vec<T> {
+fn keep_marked<T>(items: Vec<T>, keep: &[bool]) -> Vec<T> {
     items
         .into_iter()
         .zip(keep)

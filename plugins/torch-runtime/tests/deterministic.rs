@@ -140,32 +140,32 @@ fn padded_sequences(rows: &[&Row], left: usize, right: usize, vocab: i64) -> (Te
     )
 }
 
-/// The compositions: (name, rows, the target's row, extra padding of the verl layout).
-fn compositions(vocab: i64) -> Vec<(&'static str, Vec<Row>, usize, (usize, usize))> {
-    let place = |mut rows: Vec<Row>, at: usize| {
+/// A batch holding the target sequence.
+struct Composition {
+    name: &'static str,
+    rows: Vec<Row>,
+    /// The target's row.
+    at: usize,
+    /// Extra padding columns of the verl layout (prompt side, response side).
+    extra: (usize, usize),
+}
+
+fn compositions(vocab: i64) -> Vec<Composition> {
+    let place = |name, seed, count, at, extra| {
+        let mut rows = others(count, vocab, seed);
         rows.insert(at, target(vocab));
-        rows
+        Composition {
+            name,
+            rows,
+            at,
+            extra,
+        }
     };
     vec![
-        ("batch 3, row 1", place(others(2, vocab, 1), 1), 1, (0, 0)),
-        (
-            "batch 3, row 0, extra padding",
-            place(others(2, vocab, 2), 0),
-            0,
-            (5, 9),
-        ),
-        (
-            "batch 8, row 7, mixed lengths",
-            place(others(7, vocab, 3), 7),
-            7,
-            (0, 0),
-        ),
-        (
-            "batch 8, row 4, extra padding",
-            place(others(7, vocab, 4), 4),
-            4,
-            (13, 2),
-        ),
+        place("batch 3, row 1", 1, 2, 1, (0, 0)),
+        place("batch 3, row 0, extra padding", 2, 2, 0, (5, 9)),
+        place("batch 8, row 7, mixed lengths", 3, 7, 7, (0, 0)),
+        place("batch 8, row 4, extra padding", 4, 7, 4, (13, 2)),
     ]
 }
 
@@ -180,7 +180,13 @@ fn engine_log_probs(model: &CausalLM) -> Vec<(String, Tensor)> {
         let (ids, mask, rl) = verl_batch(&[&t], (0, 0), vocab);
         let alone = model.response_scores(&ids, &mask, rl, 1.0, false).unwrap();
         out.push(("alone".to_string(), alone.log_probs.get(0).narrow(0, 0, r)));
-        for (name, rows, at, extra) in compositions(vocab) {
+        for Composition {
+            name,
+            rows,
+            at,
+            extra,
+        } in compositions(vocab)
+        {
             let refs: Vec<&Row> = rows.iter().collect();
             let (ids, mask, rl) = verl_batch(&refs, extra, vocab);
             let padded = model.response_scores(&ids, &mask, rl, 1.0, false).unwrap();
@@ -215,9 +221,9 @@ fn sequence_logits(model: &CausalLM) -> Vec<(String, Tensor)> {
     };
     tch::no_grad(|| {
         let mut out = vec![("alone".to_string(), logits_of(&[&t], 0, 0, 0))];
-        for (name, rows, at, _) in compositions(vocab) {
+        for Composition { name, rows, at, .. } in compositions(vocab) {
             let refs: Vec<&Row> = rows.iter().collect();
-            for (left, right) in [(0, 0), (3, 0), (0, 11), (6, 6)] {
+            for (left, right) in [(0, 0), (0, 11), (6, 6)] {
                 out.push((
                     format!("{name}, padding {left} left {right} right"),
                     logits_of(&refs, at as i64, left, right),
@@ -282,9 +288,11 @@ fn rollouts(model: &CausalLM, params: &SamplingParams) -> Vec<(String, Completio
     let vocab = model.config().vocab_size;
     let t = target(vocab);
     let mut out = Vec::new();
-    let alone = model.generate(&[t.prompt.clone()], params, &[]).unwrap();
+    let alone = model
+        .generate(std::slice::from_ref(&t.prompt), params, &[])
+        .unwrap();
     out.push(("alone".to_string(), alone[0].clone()));
-    for (name, rows, at, _) in compositions(vocab) {
+    for Composition { name, rows, at, .. } in compositions(vocab) {
         let prompts: Vec<Vec<i64>> = rows.iter().map(|r| r.prompt.clone()).collect();
         let completions = model.generate(&prompts, params, &[]).unwrap();
         out.push((name.to_string(), completions[at * params.n].clone()));
@@ -426,7 +434,9 @@ fn with_the_mode_router_replay_reproduces_rollout_log_probs_bit_for_bit() {
     model.set_batch_invariant(true);
     let vocab = model.config().vocab_size;
     let prompt = target(vocab).prompt;
-    let completion = &model.generate(&[prompt.clone()], &greedy(30), &[]).unwrap()[0];
+    let completion = &model
+        .generate(std::slice::from_ref(&prompt), &greedy(30), &[])
+        .unwrap()[0];
     let seq: Vec<i64> = prompt
         .iter()
         .chain(&completion.response_ids)

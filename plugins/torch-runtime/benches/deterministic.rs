@@ -20,7 +20,7 @@ const BATCH: i64 = 8;
 const PROMPT: i64 = 64;
 const RESPONSE: i64 = 64;
 const VOCAB: i64 = 8192;
-const REPS: usize = 5;
+const REPS: usize = 3;
 
 fn config() -> ModelConfig {
     ModelConfig {
@@ -112,6 +112,12 @@ fn main() {
             model.set_batch_invariant(on);
             score_s[i].push(time(|| score(&model)));
             generate_s[i].push(time(|| generate(&model)));
+            eprintln!(
+                "mode {}: log-probs {:.3} s, generation {:.3} s",
+                if on { "on" } else { "off" },
+                score_s[i].last().expect("timed"),
+                generate_s[i].last().expect("timed")
+            );
         }
     }
     let tokens = (BATCH * (PROMPT + RESPONSE)) as f64;

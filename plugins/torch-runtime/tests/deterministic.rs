@@ -495,3 +495,59 @@ fn switching_the_mode_off_restores_the_fast_path() {
             .is_ok()
     );
 }
+
+/// The engine trains in the mode: the update's forward and backward (with and without activation
+/// checkpointing, padded and packed) give the fast path's gradients within fp32 rounding, and
+/// the forward's log-probs are the batch-invariant ones.
+#[test]
+fn the_mode_trains_with_the_fast_paths_gradients() {
+    let mut model = load("tiny-llama");
+    model.set_trainable(true);
+    let model = model;
+    let vocab = model.config().vocab_size;
+    let rows = others(5, vocab, 9);
+    let refs: Vec<&Row> = rows.iter().collect();
+    let (ids, mask, r) = verl_batch(&refs, (2, 3), vocab);
+    let gradients = |on: bool, checkpointed: bool, packed: bool| -> Vec<Tensor> {
+        model.set_batch_invariant(on);
+        let context = if packed {
+            model.packed_block_context(&ids, &mask, r).unwrap()
+        } else {
+            model.block_context(&ids, &mask).unwrap()
+        };
+        let loss = |hidden: &Tensor| {
+            Ok(model
+                .response_scores_in(hidden, &context, r, 1.0, false)?
+                .log_probs
+                .sum(Kind::Float))
+        };
+        if checkpointed {
+            model.backward_checkpointed_in(&context, loss).unwrap();
+        } else {
+            loss(&model.hidden_states_in(&context)).unwrap().backward();
+        }
+        model
+            .named_tensors()
+            .into_iter()
+            .map(|(_, t)| {
+                let g = t.grad().copy();
+                t.grad().zero_();
+                g
+            })
+            .collect()
+    };
+    for packed in [false, true] {
+        let fast = gradients(false, false, packed);
+        for checkpointed in [false, true] {
+            let invariant = gradients(true, checkpointed, packed);
+            for (a, b) in invariant.iter().zip(&fast) {
+                let scale = b.abs().max().double_value(&[]).max(1e-3);
+                let diff = (a - b).abs().max().double_value(&[]) / scale;
+                assert!(
+                    diff < 1e-4,
+                    "packed {packed}, checkpointed {checkpointed}: {diff}"
+                );
+            }
+        }
+    }
+}

@@ -47,10 +47,14 @@ pub(super) fn rows(x: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
     } else {
         flat
     };
-    let outputs: Vec<Tensor> = (0..(count + pad) / ROW_TILE)
-        .map(|i| f(&flat.narrow(0, i * ROW_TILE, ROW_TILE)))
-        .collect();
-    let out = Tensor::cat(&outputs, 0).narrow(0, 0, count);
+    let out = if count == 0 {
+        f(&flat) // no rows: nothing to tile
+    } else {
+        let outputs: Vec<Tensor> = (0..(count + pad) / ROW_TILE)
+            .map(|i| f(&flat.narrow(0, i * ROW_TILE, ROW_TILE)))
+            .collect();
+        Tensor::cat(&outputs, 0).narrow(0, 0, count)
+    };
     let mut shape = lead.to_vec();
     shape.push(out.size()[1]);
     out.reshape(shape.as_slice())

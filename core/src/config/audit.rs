@@ -435,6 +435,11 @@ pub const RULES: &[Rule] = &[
     no_effect("global_profiler", NO_PROFILER),
 ];
 
+/// `trainer.*` keys verl-core copies into every engine and rollout section under the same name: a
+/// component that does not honour one declares it (in its `unsupported` or `no_effect` notes)
+/// and the audit reports `trainer.<key>` naming the component's reason.
+pub const RUN_WIDE: [&str; 1] = ["deterministic"];
+
 /// The rule for `key`: its own, else the one of the nearest section above it.
 pub fn rule_for(key: &str) -> Option<&'static Rule> {
     RULES
@@ -683,10 +688,16 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
                 key, default, why, ..
             } in notes
             {
+                // A run-wide key copied into every section is the trainer's.
+                let section = if RUN_WIDE.contains(&key.as_str()) {
+                    "trainer"
+                } else {
+                    section.as_str()
+                };
                 let Some(value) = config.get(&format!("{section}.{key}")) else {
                     continue;
                 };
-                let mut path = vec![section.clone(), key.clone()];
+                let mut path = vec![section.to_owned(), key.clone()];
                 for_each_change(&value, default, &mut path, &mut |key, value| {
                     // A key the command does not read was reported as such above.
                     if ctx.scope.unread(key).is_none() {

@@ -263,6 +263,7 @@ impl Config {
             }
         };
         out["role"] = json!(role.as_str());
+        out["deterministic"] = json!(self.trainer.deterministic);
         out
     }
 
@@ -305,6 +306,7 @@ impl Config {
         v["prompt_length"] = json!(rollout.prompt_length.unwrap_or(self.data.max_prompt_length));
         v["response_length"] = json!(self.response_length());
         v["model"] = self.model_json();
+        v["deterministic"] = json!(self.trainer.deterministic);
         v
     }
 }

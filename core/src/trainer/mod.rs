@@ -521,7 +521,6 @@ impl Trainer {
             let mut engine = component.create_engine()?;
             let mut section = config.engine_json(role);
             section["optim"]["total_training_steps"] = json!(total_steps);
-            section["deterministic"] = json!(config.trainer.deterministic);
             // verl's bound on a collective of the engines' process group.
             section["nccl_timeout"] = json!(config.actor_rollout_ref.nccl_timeout);
             let init = plugin_init(&config, Slot::Engine(role), component, section, &run);

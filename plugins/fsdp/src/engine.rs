@@ -73,6 +73,14 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
         Head::Lm
     };
     let mut model = settings.model.load(device, head, run.seed)?;
+    // verl-core copies `trainer.deterministic` into every engine section: the batch-invariant
+    // kernels, so log-probs match the native rollout's bit for bit (see `set_batch_invariant`).
+    model.set_batch_invariant(
+        init.config
+            .get("deterministic")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false),
+    );
     if optimizer.is_none() {
         model.set_trainable(false);
     }

@@ -138,7 +138,12 @@ impl MegatronConfig {
             "context_parallel_size",
             "sequence_parallel",
         ];
-        engine_section_keys("megatron", &defaults, &acted_on, &unsupported, &no_effect)
+        engine_section_keys("megatron", &defaults, &acted_on, &unsupported, &no_effect).no_effect(
+            "deterministic",
+            false,
+            "the megatron engine runs libtorch's default kernels, whose results depend on \
+                 the batch; the fsdp engine implements the batch-invariant mode",
+        )
     }
 
     /// The section of `init`'s config (`megatron` under the role's section), strictly: an

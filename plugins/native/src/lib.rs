@@ -7,7 +7,8 @@
 //! Config (`ComponentInit::config_json`): verl's `actor_rollout_ref.rollout` section plus
 //! `"model": {"path", "random_init", "dtype"}`. Sampling settings come with each request
 //! ([`verl_plugin_api::SamplingParams`]); of the section itself only
-//! `ignore_eos` is read (the trainer folds `temperature`, `top_p`, `top_k`, `n` into the request;
+//! `ignore_eos` and `deterministic` (`trainer.deterministic`: batch-invariant kernels, greedy
+//! tokens and log-probs bit-identical in any batch and equal to the fsdp engine's) are read (the trainer folds `temperature`, `top_p`, `top_k`, `n` into the request;
 //! the model's dtype is `model.dtype`, not the section's vLLM-oriented `dtype`).
 //!
 //! EOS ids come from the model's `generation_config.json` (else `config.json`); `stop_token_ids`
@@ -35,6 +36,10 @@ struct RolloutConfig {
     /// Keep generating past EOS (only `stop_token_ids` and the length limit end a sequence).
     #[serde(default)]
     ignore_eos: bool,
+    /// `trainer.deterministic`, which verl-core copies into the section: batch-invariant
+    /// kernels (see `CausalLM::set_batch_invariant`).
+    #[serde(default)]
+    deterministic: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +77,7 @@ impl Generator {
         let device = parse_device(&init.run.device)?;
         let mut model = config.model.load(device, Head::Lm, init.run.seed)?;
         model.set_trainable(false);
+        model.set_batch_invariant(config.deterministic);
         let eos_token_ids = config
             .model
             .generation_config(model.config())?

@@ -139,9 +139,20 @@ impl CausalLM {
             logits / temperature
         };
         Ok(ResponseScores {
-            log_probs: log_probs_from_logits(&logits, labels),
-            entropy: with_entropy.then(|| entropy_from_logits(&logits)),
+            log_probs: self.log_probs_in_rows(&logits, labels),
+            entropy: with_entropy.then(|| {
+                self.row_wise(&logits, |t| entropy_from_logits(t).unsqueeze(-1))
+                    .squeeze_dim(-1)
+            }),
         })
+    }
+
+    /// [`log_probs_from_logits`] with the log-softmax over fixed row tiles in the deterministic
+    /// mode (the rollout's log-probs go through the same function).
+    pub(crate) fn log_probs_in_rows(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
+        self.row_wise(logits, |t| t.log_softmax(-1, Kind::Float))
+            .gather(-1, &labels.unsqueeze(-1), false)
+            .squeeze_dim(-1)
     }
 
     /// Values of the response tokens, `[B, R]` fp32, zero on padding: the value at the position

@@ -162,10 +162,12 @@ impl SparseMoe {
     }
 
     /// `x` `[B, T, hidden]` → `[B, T, hidden]`, routing recorded in (or replayed from) `routing`.
-    pub(super) fn forward(&self, x: &Tensor, routing: &Routing) -> Tensor {
+    /// `invariant`: the router and every expert run over fixed row tiles, so a token's result
+    /// does not depend on how many tokens its experts serve in this batch.
+    pub(super) fn forward(&self, x: &Tensor, routing: &Routing, invariant: bool) -> Tensor {
         let size = x.size();
         let hidden = x.reshape([-1, size[size.len() - 1]]);
-        let logits = self.gate.forward(&hidden);
+        let logits = self.gate.apply(&hidden, invariant);
         let probs = logits.softmax(-1, Kind::Float);
         // Replay keeps the recorded experts; their weights still come from this pass's router, so
         // the router trains (verl's router replay does the same).
@@ -191,12 +193,17 @@ impl SparseMoe {
             let weight = (&weights * chosen.to_kind(weights.kind()))
                 .sum_dim_intlist(-1, true, weights.kind())
                 .index_select(0, &tokens);
-            let y = expert.forward(&hidden.index_select(0, &tokens), None) * weight;
+            let y = expert.apply(&hidden.index_select(0, &tokens), invariant) * weight;
             let _ = out.index_add_(0, &tokens, &y);
         }
         let out = match &self.shared {
             Some((shared, gate)) => {
-                out + gate.forward(&hidden).sigmoid() * shared.forward(&hidden, None)
+                let mix = |t: &Tensor| gate.forward(t).sigmoid() * shared.forward(t, None);
+                out + if invariant {
+                    super::invariant::rows(&hidden, mix)
+                } else {
+                    mix(&hidden)
+                }
             }
             None => out,
         };

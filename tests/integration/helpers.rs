@@ -366,7 +366,7 @@ pub fn device<'a>(platform: &'a Value, name: &str) -> &'a Value {
 }
 
 /// `run --config examples/quickstart.yaml …`: the quickstart task shrunk to seconds (256 training
-/// prompts, 5 SFT steps, 8 prompts × 4 samples per step, validation every 2 steps, deterministic,
+/// prompts, 5 SFT steps, 8 prompts × 4 samples per step, validation every 2 steps,
 /// constant learning rate so that a run extended on resume schedules like an uninterrupted one),
 /// then `overrides`, on the data and model the quickstart makes in `work`, writing to `run_dir`.
 pub fn quickstart_run_args(
@@ -391,7 +391,6 @@ pub fn quickstart_run_args(
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.rollout.n=4",
             "trainer.test_freq=2",
-            "trainer.deterministic=true",
             "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
         ]
         .iter()

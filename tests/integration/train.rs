@@ -459,6 +459,29 @@ fn consumed(run_dir: &Path) -> (Vec<u64>, std::collections::BTreeMap<String, Str
     (indices, files)
 }
 
+/// The check of a killed-and-resumed run against the uninterrupted `whole` one: the same multiset
+/// of consumed prompt indices, every dumped sample line, every record, and the final weights bit
+/// for bit.
+fn trains_like(whole: &Path) -> impl Fn(usize, &Path) + '_ {
+    let (whole_indices, whole_files) = consumed(whole);
+    move |round, run_dir| {
+        let (indices, files) = consumed(run_dir);
+        assert_eq!(
+            indices, whole_indices,
+            "round {round}: prompts skipped or repeated"
+        );
+        assert!(
+            files == whole_files,
+            "round {round}: other samples than the uninterrupted run's"
+        );
+        assert_eq!(step_metrics(run_dir), step_metrics(whole), "round {round}");
+        assert!(
+            final_weights(run_dir) == final_weights(whole),
+            "round {round}: final weights differ"
+        );
+    }
+}
+
 /// Exact resume of a one-step-off run under the kill harness: SIGKILLed at seeded random moments
 /// (at least 10 kills), each time resumed with `resume_mode=auto`, a run trains on the multiset
 /// of prompt indices an uninterrupted one-step-off run trains on — in fact on the same samples,
@@ -485,22 +508,7 @@ fn killed_anywhere_a_one_step_off_run_trains_on_every_prompt_once() {
         one_step_off_args,
         full.mul_f64(0.8),
         0x0ff_5eed,
-        |round, run_dir| {
-            let (indices, files) = consumed(run_dir);
-            assert_eq!(
-                indices, whole_indices,
-                "round {round}: prompts skipped or repeated"
-            );
-            assert!(
-                files == whole_files,
-                "round {round}: other samples than the uninterrupted run's"
-            );
-            assert_eq!(step_metrics(run_dir), step_metrics(&whole), "round {round}");
-            assert!(
-                final_weights(run_dir) == final_weights(&whole),
-                "round {round}: final weights differ"
-            );
-        },
+        trains_like(&whole),
     );
     eprintln!(
         "one-step-off kill harness: {} kills in {:.1} s (uninterrupted run {:.1} s)",
@@ -570,22 +578,7 @@ fn killed_anywhere_a_fully_async_run_trains_on_every_prompt_once() {
         fully_async_args,
         full.mul_f64(0.8),
         0xfa57_5eed,
-        |round, run_dir| {
-            let (indices, files) = consumed(run_dir);
-            assert_eq!(
-                indices, whole_indices,
-                "round {round}: prompts skipped or repeated"
-            );
-            assert!(
-                files == whole_files,
-                "round {round}: other samples than the uninterrupted run's"
-            );
-            assert_eq!(step_metrics(run_dir), step_metrics(&whole), "round {round}");
-            assert!(
-                final_weights(run_dir) == final_weights(&whole),
-                "round {round}: final weights differ"
-            );
-        },
+        trains_like(&whole),
     );
     eprintln!(
         "fully-async kill harness: {} kills in {:.1} s (uninterrupted run {:.1} s)",

@@ -438,6 +438,9 @@ pub fn step_metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
                     "timing_per_token_ms/",
                     "perf/",
                     "global_seqlen/",
+                    // How far the fully-async rollouter was ahead, and the trainer's wait.
+                    "fully_async/monitor/",
+                    "fully_async/total_wait_time",
                 ]
                 .iter()
                 .any(|prefix| k.starts_with(prefix))

@@ -427,6 +427,28 @@ pub const RULES: &[Rule] = &[
     acted("trainer.device_peak_flops"),
     acted("trainer.training_mode"),
     no_effect("trainer.use_legacy_worker_impl", NO_RAY),
+    // verl's fully-async recipe (read in trainer.training_mode=fully_async; see
+    // trainer::fully_async for how each is acted on).
+    acted("async_training.staleness_threshold"),
+    acted("async_training.trigger_parameter_sync_step"),
+    acted("async_training.require_batches"),
+    acted("async_training.use_rollout_log_probs"),
+    no_effect(
+        "async_training.partial_rollout",
+        "the rollouter finishes the batches due with the old weights before each weight sync, so no sample spans two weight versions and none is interrupted",
+    ),
+    unsupported(
+        "async_training.compute_prox_log_prob",
+        "old log-probs from the weights of the sync interval's first step need a saved copy of those weights, which the engines do not keep; use use_rollout_log_probs=true or false",
+    ),
+    no_effect(
+        "async_training.use_trainer_do_validate",
+        "validation runs on the one rollout of this process, after the weight sync of the step it follows",
+    ),
+    no_effect(
+        "async_training.checkpoint_engine",
+        "weights reach the rollout through actor_rollout_ref.rollout.checkpoint_engine.backend",
+    ),
     // Ours: the jobs built on the trainer.
     acted("quickstart"),
     acted("sft"),
@@ -641,6 +663,17 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
             && let Some(why) = unused_role(&key)
         {
             findings.push(finding(&key, value, false, why.to_owned()));
+            return;
+        }
+        if key.starts_with("async_training.")
+            && config.trainer.training_mode != super::TrainingMode::FullyAsync
+        {
+            findings.push(finding(
+                &key,
+                value,
+                false,
+                "read only with trainer.training_mode=fully_async".to_owned(),
+            ));
             return;
         }
         if let Some((_, why)) = batching.iter().find(|(k, _)| *k == key.as_str()) {

@@ -57,6 +57,8 @@ pub struct Config {
     pub custom_reward_function: CustomRewardFunctionConfig,
     pub algorithm: AlgorithmConfig,
     pub trainer: TrainerConfig,
+    /// verl's fully-async settings (`trainer.training_mode=fully_async`).
+    pub async_training: AsyncTrainingConfig,
     /// Prepare the synthetic task, a tiny model and its warm-up when missing (`verl-core run`'s
     /// embedded default).
     pub quickstart: super::QuickstartConfig,
@@ -83,6 +85,7 @@ impl Default for Config {
             custom_reward_function: CustomRewardFunctionConfig::default(),
             algorithm: AlgorithmConfig::default(),
             trainer: TrainerConfig::default(),
+            async_training: AsyncTrainingConfig::default(),
             quickstart: super::QuickstartConfig::default(),
             sft: super::SftConfig::default(),
             ray_kwargs: empty_object(),
@@ -872,6 +875,78 @@ pub enum TrainingMode {
     /// Step k+1's batch is generated while step k trains, one weight version behind (verl's
     /// `one_step_off_policy`).
     OneStepOff,
+    /// A rollouter thread generates ahead of the trainer, bounded by `async_training`'s staleness
+    /// threshold; weights are published every `trigger_parameter_sync_step` steps (verl's
+    /// `fully_async_policy`).
+    FullyAsync,
+}
+
+impl TrainingMode {
+    /// The name as configured.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::OneStepOff => "one_step_off",
+            Self::FullyAsync => "fully_async",
+        }
+    }
+}
+
+/// verl's `async_training` section (`fully_async_ppo_trainer.yaml`, with its defaults), read in
+/// `trainer.training_mode=fully_async`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncTrainingConfig {
+    /// How far generation may run ahead: per published weight version the rollouter generates at
+    /// most `required_samples × (staleness_threshold + 1) × trigger_parameter_sync_step` prompts.
+    pub staleness_threshold: f64,
+    /// Trainer steps between two weight publications to the rollouter.
+    pub trigger_parameter_sync_step: u64,
+    /// A step trains on `actor.ppo_mini_batch_size × require_batches` prompts.
+    pub require_batches: u64,
+    /// Interrupt in-flight generations at a weight sync and finish them with the new weights.
+    pub partial_rollout: bool,
+    /// The rollout's log-probs are the old policy's (no recomputation by the actor).
+    pub use_rollout_log_probs: bool,
+    /// Old log-probs from the weights of the interval's first step (verl's proximal policy).
+    pub compute_prox_log_prob: bool,
+    pub use_trainer_do_validate: bool,
+    pub checkpoint_engine: AsyncCheckpointEngineConfig,
+}
+
+impl Default for AsyncTrainingConfig {
+    fn default() -> Self {
+        Self {
+            staleness_threshold: 0.1,
+            trigger_parameter_sync_step: 4,
+            require_batches: 1,
+            partial_rollout: true,
+            use_rollout_log_probs: true,
+            compute_prox_log_prob: false,
+            use_trainer_do_validate: false,
+            checkpoint_engine: AsyncCheckpointEngineConfig::default(),
+        }
+    }
+}
+
+/// `async_training.checkpoint_engine`: verl's device-buffered broadcast of the weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncCheckpointEngineConfig {
+    pub enable: bool,
+    #[serde(rename = "device_buffer_size_M")]
+    pub device_buffer_size_m: u64,
+    pub overlap_broadcast_and_consume: bool,
+}
+
+impl Default for AsyncCheckpointEngineConfig {
+    fn default() -> Self {
+        Self {
+            enable: true,
+            device_buffer_size_m: 4096,
+            overlap_broadcast_and_consume: false,
+        }
+    }
 }
 
 /// `trainer.nan_policy` (ours): what a step whose loss, gradient norm or weights are not finite does.

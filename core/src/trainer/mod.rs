@@ -4,6 +4,7 @@
 //! whatever engine, rollout, weight sync and trackers the plugins provide. With several ranks
 //! every rank runs this loop on its share of the batch (module `spmd`).
 
+mod fully_async;
 mod guard;
 pub mod perf;
 mod records;
@@ -160,6 +161,9 @@ struct TrainerState {
     /// before this one), so a resumed run trains on it as the interrupted one would have.
     #[serde(default)]
     pending: Option<Collected>,
+    /// `fully_async`: the batches generated ahead and not trained on yet, the next step's first.
+    #[serde(default)]
+    queued: Vec<Collected>,
 }
 
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
@@ -389,6 +393,8 @@ pub struct Trainer {
     rollout_version: u64,
     /// `one_step_off`: the next step's batch, generated while this one trained.
     pending: Option<Collected>,
+    /// `fully_async`: the rollouter, its queue and schedule.
+    fully_async: Option<fully_async::Rollouter>,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -424,10 +430,15 @@ impl Trainer {
     /// creates and initialises every component where `placement` says (trackers are initialised
     /// by `fit`, once it knows the step a resumed run continues after).
     pub fn new(
-        config: Config,
+        mut config: Config,
         registry: &Registry,
         placement: &Placement,
     ) -> Result<Self, TrainError> {
+        let schedule = if config.trainer.training_mode == TrainingMode::FullyAsync {
+            Some(fully_async::prepare(&mut config)?)
+        } else {
+            None
+        };
         check_batch_sizes(&config)?;
         crate::limits::check_rl(&config).map_err(|e| TrainError::Invalid(e.to_string()))?;
         let run_dir = expand_home(&config.trainer.default_local_dir);
@@ -656,6 +667,7 @@ impl Trainer {
             perf,
             rollout_version: 0,
             pending: None,
+            fully_async: schedule.map(fully_async::Rollouter::new),
         })
     }
 
@@ -1033,6 +1045,9 @@ impl Trainer {
     }
 
     fn train_step(&mut self, step: u64) -> Result<Vec<Metric>, TrainError> {
+        if self.fully_async.is_some() {
+            return self.async_step(step);
+        }
         let step_start = Instant::now();
         let mut timing: Vec<(&str, f64)> = Vec::new();
         let mut metrics: Vec<Metric> = Vec::new();
@@ -1095,7 +1110,18 @@ impl Trainer {
 
         // Awake for validation and the next step (a step without an update synced nothing).
         self.rollout_wake()?;
+        self.finish_step(step, step_start, timing, metrics, trained)
+    }
 
+    /// The end of a step: the data, timing and throughput metrics of what it trained on.
+    fn finish_step(
+        &mut self,
+        step: u64,
+        step_start: Instant,
+        mut timing: Vec<(&'static str, f64)>,
+        mut metrics: Vec<Metric>,
+        trained: Trained,
+    ) -> Result<Vec<Metric>, TrainError> {
         let Trained {
             token_level_scores,
             token_level_rewards,
@@ -1288,53 +1314,54 @@ impl Trainer {
 
         let rollout_lp = rollout_log_probs(&rows, mask.cols())?;
         let correction = self.config.algorithm.rollout_correction.clone();
-        let (old_log_probs, sum_pi_squared) = if correction.bypass_mode {
-            // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
-            // recomputation is skipped.
-            let old = rollout_lp.clone().ok_or_else(|| {
+        let (old_log_probs, sum_pi_squared) =
+            if fully_async::old_log_probs_from_rollout(&self.config) {
+                // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
+                // recomputation is skipped.
+                let old = rollout_lp.clone().ok_or_else(|| {
                 TrainError::Invalid(format!(
                     "algorithm.rollout_correction.bypass_mode: rollout `{}` returned no log-probs",
                     self.config.actor_rollout_ref.rollout.name
                 ))
             })?;
-            (old, None)
-        } else {
-            let t = Instant::now();
-            let local = self.local(&batch, &mine)?;
-            let old = self
-                .actor
-                .compute_log_prob(&local)
-                .context(|| "computing old log-probs".to_owned())?;
-            let old_log_probs = batch::matrix(
-                keys::LOG_PROBS,
-                old.require(keys::LOG_PROBS)
-                    .context(|| "actor output".to_owned())?,
-            )
-            .context(|| "actor output".to_owned())?;
-            let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
-            if let Some(entropy) = old.get(keys::ENTROPYS) {
-                let entropy =
-                    batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
-                let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
-                metrics.push(Metric::new(
-                    "actor/entropy",
-                    crate::algo::masked_mean(&entropy, &mask)?,
-                ));
-            }
-            // Σπ² per token, for the optimal token baselines, when the engine reports it.
-            let sum_pi_squared = old
-                .get(SUM_PI_SQUARED)
-                .map(|t| batch::matrix(SUM_PI_SQUARED, t))
-                .transpose()
+                (old, None)
+            } else {
+                let t = Instant::now();
+                let local = self.local(&batch, &mine)?;
+                let old = self
+                    .actor
+                    .compute_log_prob(&local)
+                    .context(|| "computing old log-probs".to_owned())?;
+                let old_log_probs = batch::matrix(
+                    keys::LOG_PROBS,
+                    old.require(keys::LOG_PROBS)
+                        .context(|| "actor output".to_owned())?,
+                )
                 .context(|| "actor output".to_owned())?;
-            timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
-            if let Some(rollout_log_probs) = &rollout_lp {
-                let diff =
-                    crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
-                metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
-            }
-            (old_log_probs, sum_pi_squared)
-        };
+                let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
+                if let Some(entropy) = old.get(keys::ENTROPYS) {
+                    let entropy = batch::matrix(keys::ENTROPYS, entropy)
+                        .context(|| "actor output".to_owned())?;
+                    let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
+                    metrics.push(Metric::new(
+                        "actor/entropy",
+                        crate::algo::masked_mean(&entropy, &mask)?,
+                    ));
+                }
+                // Σπ² per token, for the optimal token baselines, when the engine reports it.
+                let sum_pi_squared = old
+                    .get(SUM_PI_SQUARED)
+                    .map(|t| batch::matrix(SUM_PI_SQUARED, t))
+                    .transpose()
+                    .context(|| "actor output".to_owned())?;
+                timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
+                if let Some(rollout_log_probs) = &rollout_lp {
+                    let diff =
+                        crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
+                    metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
+                }
+                (old_log_probs, sum_pi_squared)
+            };
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
 
         let mut ref_log_probs = None;
@@ -1403,7 +1430,7 @@ impl Trainer {
         // rollout's π): IS weights for the loss and the rejection mask, after the rewards.
         let mut train_mask = mask.clone();
         let mut is_weights = None;
-        if !correction.bypass_mode
+        if !fully_async::old_log_probs_from_rollout(&self.config)
             && self.config.actor_rollout_ref.rollout.calculate_log_probs
             && let Some(rollout_lp) = &rollout_lp
         {
@@ -1650,6 +1677,11 @@ impl Trainer {
     /// once every rank has reported success, rank 0 writes the manifest over all of them and
     /// commits. A rank that fails or is lost leaves the checkpoint uncommitted, never visible.
     fn save_checkpoint(&mut self) -> Result<(), TrainError> {
+        if self.fully_async.is_some() {
+            // The checkpoint carries what the rollouter generated ahead: all it may generate
+            // with the weights it holds, which a resumed run could not regenerate.
+            self.async_settle()?;
+        }
         let step = self.global_step;
         let (pending, began) = if self.ranks.leader() {
             match self.checkpoints.begin(step) {
@@ -1693,6 +1725,11 @@ impl Trainer {
                 skipped_steps: self.skipped_steps,
                 records: self.records.clone(),
                 pending: self.pending.clone(),
+                queued: self
+                    .fully_async
+                    .as_ref()
+                    .map(fully_async::Rollouter::queued)
+                    .unwrap_or_default(),
             };
             let path = dir.join(TRAINER_STATE_FILE);
             std::fs::write(
@@ -1820,6 +1857,9 @@ impl Trainer {
         self.records = state.records;
         self.skipped_steps = state.skipped_steps;
         self.pending = state.pending;
+        if let Some(rollouter) = &mut self.fully_async {
+            rollouter.restore(state.global_step, state.queued);
+        }
         self.sync_weights(state.global_step).map_err(|e| match e {
             TrainError::Sync(SyncError::NonFinite { tensor }) => TrainError::NonFiniteCheckpoint {
                 dir: dir.to_path_buf(),
@@ -2179,7 +2219,8 @@ impl Components {
                 self.rollout.name
             )));
         }
-        if config.trainer.training_mode == TrainingMode::OneStepOff {
+        let mode = config.trainer.training_mode;
+        if mode != TrainingMode::Sync {
             // The next batch is generated on a thread of its own, by this process's rollout in
             // one request: the rank exchange, DAPO's extra rounds and ReMax's greedy rollouts
             // (which need the rollout during the update) are not done there.
@@ -2194,7 +2235,8 @@ impl Components {
             };
             if let Some(what) = refused {
                 return Err(TrainError::Invalid(format!(
-                    "trainer.training_mode=one_step_off does not support {what}"
+                    "trainer.training_mode={} does not support {what}",
+                    mode.as_str()
                 )));
             }
         }

@@ -1192,6 +1192,9 @@ fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
                 .filter(|(k, _)| {
                     !k.starts_with("timing_s/")
                         && !k.starts_with("timing_per_token_ms/")
+                        // How far the rollouter was ahead, and the wait: timing, not results.
+                        && !k.starts_with("fully_async/monitor/")
+                        && k.as_str() != "fully_async/total_wait_time"
                         && (!k.starts_with("perf/") || k.as_str() == "perf/total_num_tokens")
                 })
                 .map(|(k, v)| (k.clone(), *v))
@@ -2561,4 +2564,212 @@ fn rollout_correction_reaches_the_update() {
         two_ranks_off,
         "one_step_off does not support algorithm.filter_groups.enable=true",
     );
+}
+
+/// `trainer.training_mode=fully_async` on the fake rollout with log-probs, with verl's layout
+/// (`data.train_batch_size=0`: a step trains on `ppo_mini_batch_size × require_batches` = 4
+/// prompts), publishing every `trigger` steps with `staleness_threshold`.
+fn fully_async(s: &Setup, run: &str, trigger: u64, staleness: f64) -> Config {
+    let mut c = s.config(run);
+    c.trainer.training_mode = TrainingMode::FullyAsync;
+    c.data.train_batch_size = 0;
+    c.async_training.trigger_parameter_sync_step = trigger;
+    c.async_training.staleness_threshold = staleness;
+    c.actor_rollout_ref.rollout.name = "logprobs".into();
+    c.actor_rollout_ref.rollout.calculate_log_probs = true;
+    c.trainer.rollout_data_dir = Some(s.run_dir(run).join("rollouts").display().to_string());
+    c
+}
+
+/// The weight versions the rollout was given, in order.
+fn synced_versions(events: &[Event]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateWeights { version, .. } => Some(*version),
+            _ => None,
+        })
+        .collect()
+}
+
+/// verl's fully-async policy with the schedule decided by the trainer: T = 2 and a staleness
+/// threshold of 0.5 allow K = int(4 × 1.5 × 2) / 4 = 3 batches per published version, so batches
+/// 1–3 are generated with the initial weights and 4–5 with step 2's; weights are published after
+/// steps 2, 4 and the last; the prompts and seeds are a synchronous run's. With T = 1 and no
+/// staleness it is a synchronous run, record for record; with T = 1 and a staleness of 1 it
+/// generates with one-step-off's versions.
+#[test]
+fn fully_async_generates_each_batch_with_the_version_the_schedule_gives() {
+    let s = setup();
+    let sync = Log::default();
+    let mut sync_config = s.config("sync");
+    sync_config.actor_rollout_ref.rollout.name = "logprobs".into();
+    sync_config.actor_rollout_ref.rollout.calculate_log_probs = true;
+    fit(sync_config, &sync, Faults::default()).unwrap();
+
+    let log = Log::default();
+    let summary = fit(fully_async(&s, "async", 2, 0.5), &log, Faults::default()).unwrap();
+    assert_eq!(summary.global_step, 5);
+    let events = log.events();
+    assert_eq!(
+        train_generations(&events),
+        train_generations(&sync.events()),
+        "the same prompts and seeds, in the same order"
+    );
+    assert_eq!(
+        train_versions(&events),
+        [None, None, None, Some(2), Some(2)]
+    );
+    assert_eq!(synced_versions(&events), [2, 4, 5]);
+    let logged = logs(&events);
+    let series = |key: &str| -> Vec<f64> { logged.iter().map(|(_, m)| m[key]).collect() };
+    // Versions behind the policy being updated (step − 1).
+    assert_eq!(series("training/staleness_mean"), [0.0, 1.0, 2.0, 1.0, 2.0]);
+    assert_eq!(
+        series("fully_async/count/current_param_version"),
+        [0.0, 0.0, 1.0, 1.0, 2.0]
+    );
+    // Batches 3 and 5 are a published version behind when trained: 4 prompts, 8 responses each.
+    assert_eq!(
+        series("fully_async/count/stale_samples_processed"),
+        [0.0, 0.0, 4.0, 4.0, 8.0]
+    );
+    assert_eq!(
+        series("fully_async/count/stale_trajectory_processed"),
+        [0.0, 0.0, 8.0, 8.0, 16.0]
+    );
+    assert_eq!(series("fully_async/static/max_required_samples"), [12.0; 5]);
+    for (step, m) in &logged {
+        assert!(
+            m.contains_key("fully_async/monitor/queue/mq_queue_size"),
+            "{step}"
+        );
+        assert!(m["fully_async/total_wait_time"] >= 0.0);
+        assert_eq!(
+            m.contains_key("timing_s/param_sync"),
+            *step != 1 && *step != 3,
+            "{step}"
+        );
+        // use_rollout_log_probs (verl's default): the actor recomputes no log-probs.
+        assert!(!m.contains_key("timing_s/old_log_prob"), "{step}");
+    }
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::LogProb { role, .. } if role == "actor"))
+    );
+
+    // No staleness, a publication per step, old log-probs recomputed: a synchronous run.
+    let log = Log::default();
+    let mut c = fully_async(&s, "as-sync", 1, 0.0);
+    c.async_training.use_rollout_log_probs = false;
+    fit(c, &log, Faults::default()).unwrap();
+    let without_async = |logs: Vec<(u64, BTreeMap<String, f64>)>| {
+        logs.into_iter()
+            .map(|(step, mut m)| {
+                m.retain(|k, _| {
+                    !k.starts_with("fully_async/") && !k.starts_with("training/staleness")
+                });
+                (step, m)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        without_async(comparable_logs(&log.events())),
+        without_async(comparable_logs(&sync.events()))
+    );
+    assert_eq!(
+        train_versions(&log.events()),
+        train_versions(&sync.events())
+    );
+
+    // A staleness of one version, a publication per step: one-step-off's versions.
+    let log = Log::default();
+    fit(fully_async(&s, "as-off", 1, 1.0), &log, Faults::default()).unwrap();
+    assert_eq!(
+        train_versions(&log.events()),
+        [None, None, Some(1), Some(2), Some(3)]
+    );
+}
+
+/// Exact resume of a fully-async run: a checkpoint carries the batches generated ahead, so a run
+/// that fails in any step and resumes (`resume_mode=auto`) trains on exactly the uninterrupted
+/// run's batches (no prompt skipped or trained twice, the same samples), generates only the
+/// batches after those carried, with the same versions, and logs the same records.
+#[test]
+fn a_resumed_fully_async_run_trains_on_exactly_the_uninterrupted_batches() {
+    let s = setup();
+    let configure = |run: &str, save_freq: i64| {
+        let mut c = fully_async(&s, run, 2, 0.5);
+        c.trainer.save_freq = save_freq;
+        c
+    };
+    let whole = Log::default();
+    fit(configure("whole", 1), &whole, Faults::default()).unwrap();
+    let whole_events = whole.events();
+    let whole_logs = comparable_logs(&whole_events);
+    let whole_dump = dumped(&s.run_dir("whole").join("rollouts"));
+    assert_eq!(whole_dump.len(), 5);
+    // Carried per checkpoint: after step 1, batches 2–3 (K = 3 with the initial weights); after
+    // the publication at 2, batch 3; after 3, batches 4–5; after 4, batch 5; after 5, none.
+    let carried: Vec<usize> = (1..=5)
+        .map(|step| {
+            let path = s
+                .run_dir("whole")
+                .join(format!("global_step_{step}/trainer_state.json"));
+            let state: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+            state["queued"].as_array().unwrap().len()
+        })
+        .collect();
+    assert_eq!(carried, [2, 1, 2, 1, 0]);
+    let final_weight = |events: &[Event]| {
+        events.iter().rev().find_map(|e| match e {
+            Event::UpdateWeights { value, .. } => Some(*value),
+            _ => None,
+        })
+    };
+
+    for save_freq in [1, 2] {
+        for fail_at in 1..=5u64 {
+            let run = format!("failed{fail_at}-every{save_freq}");
+            let faults = Faults {
+                fail_update_at: Some(fail_at),
+                ..Faults::default()
+            };
+            fit(configure(&run, save_freq), &Log::default(), faults).unwrap_err();
+            let resumed = Log::default();
+            fit(configure(&run, save_freq), &resumed, Faults::default()).unwrap();
+            let events = resumed.events();
+            let checkpoint = (fail_at - 1) / save_freq as u64 * save_freq as u64;
+            let resumed_logs = comparable_logs(&events);
+            let first = resumed_logs[0].0;
+            assert!(first <= checkpoint + 1, "{run}: first record {first}");
+            assert_eq!(
+                resumed_logs[..],
+                whole_logs[first as usize - 1..],
+                "{run}: the records differ from the uninterrupted run's"
+            );
+            let dump = dumped(&s.run_dir(&run).join("rollouts"));
+            assert_eq!(dump, whole_dump, "{run}: the same samples, step by step");
+            // Only the batches after those the checkpoint carried are generated again, each
+            // with the weights the uninterrupted run generated it with.
+            let carried_to = if checkpoint == 0 {
+                0
+            } else {
+                checkpoint as usize + carried[checkpoint as usize - 1]
+            };
+            assert_eq!(
+                train_generations(&events)[..],
+                train_generations(&whole_events)[carried_to..],
+                "{run}: resumed after checkpoint {checkpoint}"
+            );
+            assert_eq!(
+                train_versions(&events)[..],
+                train_versions(&whole_events)[carried_to..],
+                "{run}"
+            );
+            assert_eq!(final_weight(&events), final_weight(&whole_events), "{run}");
+        }
+    }
 }

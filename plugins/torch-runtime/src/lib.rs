@@ -5,6 +5,7 @@
 //! verl's actor/critic semantics that every engine strategy runs on.
 
 pub mod actor;
+pub mod distill;
 mod config;
 mod error;
 mod export;

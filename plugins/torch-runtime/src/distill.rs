@@ -268,8 +268,8 @@ pub fn topk_kl(student: &Tensor, teacher: &Tensor, config: &TopkKlConfig) -> Top
     let loss = if config.loss_mode.has_tail() {
         // verl's tail bucket: the tail in the logarithm of the divisor is floored at `eps` (q → 0
         // would make the loss infinite); the weighting tail goes to 0 by continuity (x log x).
-        let tail_a = (1.0 - mass_a).clamp(0.0, 1.0);
-        let tail_b = (1.0 - mass_b).clamp(config.tail_mass_eps, 1.0);
+        let tail_a = (-mass_a + 1.0).clamp(0.0, 1.0);
+        let tail_b = (-mass_b + 1.0).clamp(config.tail_mass_eps, 1.0);
         let tail_a_log = tail_a.clamp_min(f64::from(f32::MIN_POSITIVE));
         topk + &tail_a * (tail_a_log.log() - tail_b.log())
     } else {

@@ -663,6 +663,21 @@ fn actor_micro_step<S: Strategy>(
     Ok(losses)
 }
 
+/// The policy loss's inputs for `micro` with `advantages`.
+fn policy_batch<'a>(
+    micro: &'a Rows,
+    scores: &'a ResponseScores,
+    advantages: &'a Tensor,
+) -> PolicyBatch<'a> {
+    PolicyBatch {
+        old_log_prob: micro.get(keys::OLD_LOG_PROBS),
+        log_prob: &scores.log_probs,
+        advantages,
+        response_mask: micro.get(keys::RESPONSE_MASK),
+        rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
+    }
+}
+
 /// The actor's loss on one micro-batch's scores: verl's policy loss, entropy bonus and KL loss,
 /// and with `distill` (the settings and the per-token distillation loss `[B, R]`) verl's
 /// `distillation_ppo_loss` combination.
@@ -676,19 +691,12 @@ fn actor_loss(
     losses: &mut Vec<(&'static str, f64)>,
 ) -> crate::Result<Tensor> {
     let response_mask = micro.get(keys::RESPONSE_MASK);
-    let policy_batch = |advantages| PolicyBatch {
-        old_log_prob: micro.get(keys::OLD_LOG_PROBS),
-        log_prob: &scores.log_probs,
-        advantages,
-        response_mask,
-        rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
-    };
     let mut terms = Vec::new();
     // verl skips the task's policy loss when distilling without task rewards.
     if distill.as_ref().is_none_or(|(d, _)| d.use_task_rewards) {
         let pg = policy_loss(
             s.loss_mode,
-            policy_batch(micro.get(keys::ADVANTAGES)),
+            policy_batch(micro, scores, micro.get(keys::ADVANTAGES)),
             &s.clip,
             &s.loss_options,
             s.loss_agg_mode,
@@ -709,7 +717,7 @@ fn actor_loss(
             // The negated loss is the advantage (on-policy distillation as a reward).
             Some(clip) => {
                 let advantages = -per_token.detach();
-                crate::losses::policy_loss_vanilla(policy_batch(&advantages), clip, s.loss_agg_mode, scale)?
+                crate::losses::policy_loss_vanilla(policy_batch(micro, scores, &advantages), clip, s.loss_agg_mode, scale)?
                     .pg_loss
             }
             None => agg_loss(&per_token, response_mask, s.loss_agg_mode, scale),

@@ -5,7 +5,8 @@
 
 verl b178a3c has no distillation; the losses are verl's later `verl/trainer/distillation`
 (verl-project/verl 01dcf9f0: `forward_kl_topk`, `forward_kl_topk_tail` with `tail_kl.py`'s bucket),
-plus the reverse-KL counterparts verl-core adds, written here by hand in plain PyTorch the naive way
+plus the reverse-KL modes verl-core adds (`reverse_kl_topk`: both sides renormalised over the top-k;
+`reverse_kl_topk_tail`: the tail-bucket sum with student and teacher swapped), written here by hand in plain PyTorch the naive way
 (a full `log_softmax` of the student, then a gather). For seeded random student and teacher logits
 it writes the teacher's top-k ids and log-probs, the per-token loss and masses, and the gradient of
 `Σ w·loss` with respect to the student logits for a random weight `w` (default:
@@ -45,13 +46,17 @@ def loss(student_logits, teacher_lp, teacher_ids, mode, clamp, eps):
     if clamp is not None:
         student = student.clamp_min(clamp)
         teacher = teacher.clamp_min(clamp)
-    if mode.startswith("forward"):
-        out = kl(teacher, student)
-        tail = tail_term(teacher_mass, student_mass, eps)
+    if mode == "forward_kl_topk":
+        out = kl(teacher, student).clamp_min(0.0)
+    elif mode == "forward_kl_topk_tail":
+        out = kl(teacher, student) + tail_term(teacher_mass, student_mass, eps)
+    elif mode == "reverse_kl_topk":
+        # Both renormalised over the top-k: q_i / sum(q), p_i / sum(p).
+        q = student.exp() / student.exp().sum(-1, keepdim=True)
+        p = teacher.exp() / teacher.exp().sum(-1, keepdim=True)
+        out = (q * (q.log() - p.log())).sum(-1)
     else:
-        out = kl(student, teacher)
-        tail = tail_term(student_mass, teacher_mass, eps)
-    out = out + tail if mode.endswith("_tail") else out.clamp_min(0.0)
+        out = kl(student, teacher) + tail_term(student_mass, teacher_mass, eps)
     return out, student_mass, teacher_mass
 
 

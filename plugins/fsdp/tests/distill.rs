@@ -1,6 +1,7 @@
 //! On-policy distillation through the `fsdp` engine's ABI: a teacher engine's top-k log-probs
 //! (`compute_log_prob` with `distill_topk`), and an actor trained on the top-k KL to them.
 
+#[allow(dead_code, reason = "the helpers of the engine tests, some used here")]
 mod common;
 
 use common::*;
@@ -54,8 +55,9 @@ fn teacher_top_k_are_the_full_distributions_top_k() {
     assert!(d < 1e-5, "{d}");
 }
 
-/// An actor initialised at random learns the teacher's distribution on the teacher's top-k:
-/// the KL falls at every update, with and without the tail bucket, forward and reverse.
+/// An actor initialised at random learns the teacher's distribution on the teacher's top-k: in
+/// six updates the KL falls below 60% of its start, with and without the tail bucket, forward and
+/// reverse (the reverse, mode-seeking, may rise at first).
 #[test]
 fn the_top_k_kl_to_the_teacher_falls() {
     let (batch, _) = fixture_batch("tiny-llama");
@@ -80,7 +82,7 @@ fn the_top_k_kl_to_the_teacher_falls() {
             assert!(metrics.iter().all(|m| m.key != "actor/pg_loss"), "{metrics:?}");
             kl.push(metric(&metrics, "distillation/token_loss"));
         }
-        assert!(kl.windows(2).all(|w| w[1] < w[0]), "{mode}: the KL must fall: {kl:?}");
+        assert!(kl[0] > 0.0 && kl[5] < 0.6 * kl[0], "{mode}: the KL must fall: {kl:?}");
     }
 }
 

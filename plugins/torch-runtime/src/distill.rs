@@ -6,8 +6,10 @@
 //! clamped below at `log_prob_min_clamp` and not renormalised (so the sum can dip below zero; it is
 //! clamped at 0 as verl does); `forward_kl_topk_tail` adds one bucket for every other token,
 //! `p_tail (log p_tail − log q_tail)` (a true KL of the coarse-grained distributions). verl has no
-//! top-k reverse KL (its reverse modes are single-sample estimators); `reverse_kl_topk` and
-//! `reverse_kl_topk_tail` are the same sums with the roles of `p` and `q` swapped (ours).
+//! top-k reverse KL (its reverse modes are single-sample estimators); ours are `reverse_kl_topk`,
+//! `Σ q̃_i (log q̃_i − log p̃_i)` with both renormalised over the top-k (unnormalised, the sum is
+//! smallest at `q = p/e`), and `reverse_kl_topk_tail`, the tail-bucket sum with `p` and `q`
+//! swapped.
 //!
 //! The student's log-probs come from ONE log-softmax over the vocabulary, from which the sampled
 //! token and the k teacher tokens are gathered in one gather ([`fused_scores`]): the policy loss
@@ -37,12 +39,6 @@ pub enum DistillLossMode {
     ForwardKlTopkTail,
     ReverseKlTopk,
     ReverseKlTopkTail,
-}
-
-impl DistillLossMode {
-    fn has_tail(self) -> bool {
-        matches!(self, Self::ForwardKlTopkTail | Self::ReverseKlTopkTail)
-    }
 }
 
 /// verl's `distillation.distillation_loss` section, which the trainer hands the actor (under
@@ -254,27 +250,33 @@ pub fn topk_kl(student: &Tensor, teacher: &Tensor, config: &TopkKlConfig) -> Top
         Some(min) => (student.clamp_min(min), teacher.clamp_min(min)),
         None => (student.shallow_clone(), teacher.shallow_clone()),
     };
-    let reverse = matches!(
-        config.loss_mode,
-        DistillLossMode::ReverseKlTopk | DistillLossMode::ReverseKlTopkTail
-    );
     // KL(a‖b) over the top-k support: Σ a (log a − log b).
-    let (log_a, log_b, mass_a, mass_b) = if reverse {
-        (&student, &teacher, &student_mass, &teacher_mass)
-    } else {
-        (&teacher, &student, &teacher_mass, &student_mass)
+    let kl = |log_a: &Tensor, log_b: &Tensor| {
+        (log_a.exp() * (log_a - log_b)).sum_dim_intlist(-1, false, Kind::Float)
     };
-    let topk = (log_a.exp() * (log_a - log_b)).sum_dim_intlist(-1, false, Kind::Float);
-    let loss = if config.loss_mode.has_tail() {
-        // verl's tail bucket: the tail in the logarithm of the divisor is floored at `eps` (q → 0
-        // would make the loss infinite); the weighting tail goes to 0 by continuity (x log x).
+    // verl's tail bucket: the tail in the logarithm of the divisor is floored at `eps` (→ 0 would
+    // make the loss infinite); the weighting tail goes to 0 by continuity (x log x).
+    let tail = |mass_a: &Tensor, mass_b: &Tensor| {
         let tail_a = (-mass_a + 1.0).clamp(0.0, 1.0);
         let tail_b = (-mass_b + 1.0).clamp(config.tail_mass_eps, 1.0);
         let tail_a_log = tail_a.clamp_min(f64::from(f32::MIN_POSITIVE));
-        topk + &tail_a * (tail_a_log.log() - tail_b.log())
-    } else {
-        // Unnormalised top-k sums can fall below zero; verl clamps them.
-        topk.clamp_min(0.0)
+        &tail_a * (tail_a_log.log() - tail_b.log())
+    };
+    let loss = match config.loss_mode {
+        // The unnormalised top-k sum can fall below zero; verl clamps it.
+        DistillLossMode::ForwardKlTopk => kl(&teacher, &student).clamp_min(0.0),
+        DistillLossMode::ForwardKlTopkTail => {
+            kl(&teacher, &student) + tail(&teacher_mass, &student_mass)
+        }
+        // Unnormalised, Σ q log(q/p) is smallest at q = p/e, not at q = p: both sides are
+        // renormalised over the top-k (the KL of the distributions conditioned on the top-k).
+        DistillLossMode::ReverseKlTopk => {
+            let renormalised = |lp: &Tensor| lp - lp.logsumexp(-1, true);
+            kl(&renormalised(&student), &renormalised(&teacher))
+        }
+        DistillLossMode::ReverseKlTopkTail => {
+            kl(&student, &teacher) + tail(&student_mass, &teacher_mass)
+        }
     };
     TopkKl {
         loss,

@@ -29,7 +29,14 @@ fn run(plugins: &Path, work: &Path, run_dir: &Path, steps: u64, overrides: &[&st
 }
 
 /// The mean of `key` over `steps` of a run's metrics.
-fn mean(metrics: &std::collections::BTreeMap<u64, std::collections::BTreeMap<String, serde_json::Value>>, key: &str, steps: std::ops::RangeInclusive<u64>) -> f64 {
+fn mean(
+    metrics: &std::collections::BTreeMap<
+        u64,
+        std::collections::BTreeMap<String, serde_json::Value>,
+    >,
+    key: &str,
+    steps: std::ops::RangeInclusive<u64>,
+) -> f64 {
     let values: Vec<f64> = steps
         .map(|s| {
             metrics[&s][key]
@@ -46,12 +53,21 @@ fn the_students_kl_to_the_teacher_falls() {
     let dir = tempfile::tempdir().unwrap();
     // The teacher: the quickstart's warm-up with 30 SFT steps (its own data and model dir).
     let teacher_work = dir.path().join("teacher");
-    run(plugins.path(), &teacher_work, &dir.path().join("teacher-run"), 1, &["sft.steps=30"]);
+    run(
+        plugins.path(),
+        &teacher_work,
+        &dir.path().join("teacher-run"),
+        1,
+        &["sft.steps=30"],
+    );
     let teacher = teacher_work.join("model-sft");
     // The student: 5 SFT steps, then distillation.
     let work = dir.path().join("student");
     let run_dir = dir.path().join("run");
-    let teacher_path = format!("distillation.teacher_model.model_path={}", teacher.display());
+    let teacher_path = format!(
+        "distillation.teacher_model.model_path={}",
+        teacher.display()
+    );
     let steps = 16;
     run(
         plugins.path(),
@@ -76,11 +92,17 @@ fn the_students_kl_to_the_teacher_falls() {
         // No task loss: the update is the distillation loss alone.
         assert!(!m.contains_key("actor/pg_loss"), "{m:?}");
         let mass = m["distillation/teacher_mass"].as_f64().unwrap();
-        assert!(mass > 0.0 && mass <= 1.0 + 1e-5, "teacher top-k mass {mass}");
+        assert!(
+            mass > 0.0 && mass <= 1.0 + 1e-5,
+            "teacher top-k mass {mass}"
+        );
     }
     let first = mean(&metrics, "distillation/token_loss", 1..=4);
     let last = mean(&metrics, "distillation/token_loss", steps - 3..=steps);
     println!("distillation/token_loss: steps 1-4 {first:.4}, last 4 {last:.4}");
     assert!(first > 0.0, "{first}");
-    assert!(last < 0.7 * first, "the KL fell only from {first} to {last}");
+    assert!(
+        last < 0.7 * first,
+        "the KL fell only from {first} to {last}"
+    );
 }

@@ -113,7 +113,9 @@ impl DistillationConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{AuditContext, Config, ConfigError, EngineRole, PluginSections, Severity, audit};
+    use super::super::{
+        AuditContext, Config, ConfigError, EngineRole, PluginSections, Severity, audit,
+    };
 
     fn load(args: &[&str]) -> Result<Config, ConfigError> {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
@@ -150,23 +152,38 @@ mod tests {
         // Off (verl's default): no loss section for the actor, no teacher.
         let off = load(&[]).unwrap();
         assert!(!off.teacher_enabled());
-        assert_eq!(off.engine_json(EngineRole::Actor).get("distillation_loss"), None);
+        assert_eq!(
+            off.engine_json(EngineRole::Actor).get("distillation_loss"),
+            None
+        );
         // An estimator mode asks the teacher for no top-k.
-        let k3 = load(&["distillation.enabled=true", "distillation.distillation_loss.loss_mode=k3"]);
+        let k3 = load(&[
+            "distillation.enabled=true",
+            "distillation.distillation_loss.loss_mode=k3",
+        ]);
         assert_eq!(k3.unwrap().distillation.topk(), None);
     }
 
     #[test]
     fn unknown_keys_are_refused_and_teacher_server_keys_reported() {
         let err = load(&["distillation.distillation_loss.top_k=8"]).unwrap_err();
-        assert!(err.to_string().contains("distillation.distillation_loss.top_k"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("distillation.distillation_loss.top_k"),
+            "{err}"
+        );
         let warned = |arg: &str| {
             let args: Vec<&str> = ON.iter().copied().chain([arg]).collect();
             let findings = audit(&load(&args).unwrap(), &AuditContext::default());
-            assert!(findings.iter().all(|f| f.severity != Severity::Error), "{arg}: {findings:?}");
+            assert!(
+                findings.iter().all(|f| f.severity != Severity::Error),
+                "{arg}: {findings:?}"
+            );
             findings.iter().any(|f| f.key.starts_with("distillation."))
         };
-        assert!(!warned("distillation.distillation_loss.use_task_rewards=false"));
+        assert!(!warned(
+            "distillation.distillation_loss.use_task_rewards=false"
+        ));
         for arg in [
             "distillation.num_workers=4",
             "distillation.teacher_model.n_gpus_per_node=2",

@@ -17,7 +17,12 @@ const TEACHER_LOGPROBS: &str = "teacher_logprobs";
 /// Checks what the trainer needs before any engine is built.
 pub(super) fn check(config: &Config) -> Result<(), TrainError> {
     let d = &config.distillation;
-    if d.enabled && d.teacher_model.model_path.as_deref().is_none_or(str::is_empty) {
+    if d.enabled
+        && d.teacher_model
+            .model_path
+            .as_deref()
+            .is_none_or(str::is_empty)
+    {
         return Err(TrainError::Invalid(
             "distillation.enabled=true needs distillation.teacher_model.model_path (a Hugging Face model directory)"
                 .into(),

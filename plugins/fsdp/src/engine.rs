@@ -174,7 +174,12 @@ impl Strategy for LocalModel {
         })
     }
 
-    fn topk(&self, rows: &Rows, temperature: f64, k: i64) -> verl_torch_runtime::Result<TopkLogProbs> {
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
         let context = self.context(rows)?;
         let hidden = self.model.hidden_states_in(&context);
         self.model

@@ -57,7 +57,12 @@ impl Strategy for Placement {
         each!(self, s => s.backward_scores(rows, temperature, with_entropy, loss))
     }
 
-    fn topk(&self, rows: &Rows, temperature: f64, k: i64) -> verl_torch_runtime::Result<TopkLogProbs> {
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
         each!(self, s => s.topk(rows, temperature, k))
     }
 

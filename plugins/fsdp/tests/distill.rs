@@ -34,14 +34,17 @@ fn teacher_top_k_are_the_full_distributions_top_k() {
     let r = batch.require(keys::RESPONSES).unwrap().shape[1];
     let b = batch.require(keys::RESPONSES).unwrap().shape[0];
     assert_eq!(ids.size(), [b, r, K]);
-    let model = CausalLM::from_pretrained(&fixture("tiny-llama"), &ModelOptions::default()).unwrap();
+    let model =
+        CausalLM::from_pretrained(&fixture("tiny-llama"), &ModelOptions::default()).unwrap();
     let (input, mask) = (t(&batch, keys::INPUT_IDS), t(&batch, keys::ATTENTION_MASK));
     let logits = tch::no_grad(|| model.forward(&input, &mask).unwrap());
     let seq = input.size()[1];
     let full = (logits.narrow(1, seq - r - 1, r) / 0.7).log_softmax(-1, Kind::Float);
     let (want_lp, want_ids) = full.topk(K, -1, true, true);
     let response_mask = t(&batch, keys::RESPONSE_MASK).unsqueeze(-1);
-    let lp_diff = ((&lp - &want_lp * &response_mask).abs()).max().double_value(&[]);
+    let lp_diff = ((&lp - &want_lp * &response_mask).abs())
+        .max()
+        .double_value(&[]);
     assert!(lp_diff < 1e-5, "{lp_diff}");
     let real = response_mask.to_kind(Kind::Int64);
     assert!(ids.equal(&(want_ids * &real)), "top-k ids differ");
@@ -51,7 +54,10 @@ fn teacher_top_k_are_the_full_distributions_top_k() {
         "model": {"path": fixture("tiny-llama"), "use_remove_padding": true}}));
     let p = teacher_outputs(&mut packed, &batch);
     assert!(t(&p, "teacher_ids").equal(&ids));
-    let d = (t(&p, "teacher_logprobs") - &lp).abs().max().double_value(&[]);
+    let d = (t(&p, "teacher_logprobs") - &lp)
+        .abs()
+        .max()
+        .double_value(&[]);
     assert!(d < 1e-5, "{d}");
 }
 
@@ -63,10 +69,19 @@ fn the_top_k_kl_to_the_teacher_falls() {
     let (batch, _) = fixture_batch("tiny-llama");
     let mut teacher = engine(&json!({"role": "teacher", "model": {"path": fixture("tiny-llama")}}));
     let mut batch_t = batch.clone();
-    for (name, tensor) in teacher_outputs(&mut teacher, &batch).tensors.into_iter().map(|n| (n.name, n.tensor)) {
+    for (name, tensor) in teacher_outputs(&mut teacher, &batch)
+        .tensors
+        .into_iter()
+        .map(|n| (n.name, n.tensor))
+    {
         batch_t.insert(name.as_str(), tensor);
     }
-    for mode in ["forward_kl_topk", "forward_kl_topk_tail", "reverse_kl_topk", "reverse_kl_topk_tail"] {
+    for mode in [
+        "forward_kl_topk",
+        "forward_kl_topk_tail",
+        "reverse_kl_topk",
+        "reverse_kl_topk_tail",
+    ] {
         let config = actor_config(
             "tiny-llama",
             json!({"model": {"random_init": true}, "optim": {"lr": 1e-2},
@@ -79,10 +94,16 @@ fn the_top_k_kl_to_the_teacher_falls() {
         let mut kl = Vec::new();
         for _ in 0..6 {
             let metrics = update(&mut actor, &batch);
-            assert!(metrics.iter().all(|m| m.key != "actor/pg_loss"), "{metrics:?}");
+            assert!(
+                metrics.iter().all(|m| m.key != "actor/pg_loss"),
+                "{metrics:?}"
+            );
             kl.push(metric(&metrics, "distillation/token_loss"));
         }
-        assert!(kl[0] > 0.0 && kl[5] < 0.6 * kl[0], "{mode}: the KL must fall: {kl:?}");
+        assert!(
+            kl[0] > 0.0 && kl[5] < 0.6 * kl[0],
+            "{mode}: the KL must fall: {kl:?}"
+        );
     }
 }
 
@@ -95,8 +116,14 @@ fn combined_policy_gradient_and_estimator_modes_run() {
     let mut teacher = engine(&json!({"role": "teacher", "model": {"path": fixture("tiny-llama")}}));
     let out = teacher_outputs(&mut teacher, &batch);
     for (loss, tensors) in [
-        (json!({"loss_mode": "forward_kl_topk", "topk": K}), vec!["teacher_ids", "teacher_logprobs"]),
-        (json!({"loss_mode": "k3", "use_policy_gradient": false}), vec![]),
+        (
+            json!({"loss_mode": "forward_kl_topk", "topk": K}),
+            vec!["teacher_ids", "teacher_logprobs"],
+        ),
+        (
+            json!({"loss_mode": "k3", "use_policy_gradient": false}),
+            vec![],
+        ),
         (json!({"loss_mode": "k1"}), vec![]),
     ] {
         let config = actor_config("tiny-llama", json!({"distillation_loss": loss.clone()}));
@@ -108,26 +135,50 @@ fn combined_policy_gradient_and_estimator_modes_run() {
         if tensors.is_empty() {
             // Estimators: the teacher's log-probs of the sampled tokens.
             let lp = teacher.compute_log_prob(&batch).unwrap();
-            b.insert("teacher_logprobs", lp.require(keys::LOG_PROBS).unwrap().clone());
+            b.insert(
+                "teacher_logprobs",
+                lp.require(keys::LOG_PROBS).unwrap().clone(),
+            );
         }
         let metrics = update(&mut actor, &b);
-        assert!(metric(&metrics, "actor/pg_loss").is_finite(), "{loss}: {metrics:?}");
-        assert!(metric(&metrics, "distillation/loss").is_finite(), "{loss}: {metrics:?}");
+        assert!(
+            metric(&metrics, "actor/pg_loss").is_finite(),
+            "{loss}: {metrics:?}"
+        );
+        assert!(
+            metric(&metrics, "distillation/loss").is_finite(),
+            "{loss}: {metrics:?}"
+        );
     }
 }
 
 #[test]
 fn bad_distillation_settings_name_the_key() {
     for (loss, key) in [
-        (json!({"loss_mode": "forward_kl"}), "distillation.distillation_loss.loss_mode"),
-        (json!({"loss_mode": "forward_kl_topk", "topk": 0}), "distillation.distillation_loss.topk"),
-        (json!({"loss_mode": "k1", "use_policy_gradient": false}), "distillation.distillation_loss.loss_mode"),
-        (json!({"policy_loss_mode": "gspo"}), "distillation.distillation_loss.policy_loss_mode"),
+        (
+            json!({"loss_mode": "forward_kl"}),
+            "distillation.distillation_loss.loss_mode",
+        ),
+        (
+            json!({"loss_mode": "forward_kl_topk", "topk": 0}),
+            "distillation.distillation_loss.topk",
+        ),
+        (
+            json!({"loss_mode": "k1", "use_policy_gradient": false}),
+            "distillation.distillation_loss.loss_mode",
+        ),
+        (
+            json!({"policy_loss_mode": "gspo"}),
+            "distillation.distillation_loss.policy_loss_mode",
+        ),
         (json!({"unknown": 1}), "unknown"),
     ] {
         let mut engine = new_engine();
         let err = engine
-            .init(&init_for(&actor_config("tiny-llama", json!({"distillation_loss": loss.clone()}))))
+            .init(&init_for(&actor_config(
+                "tiny-llama",
+                json!({"distillation_loss": loss.clone()}),
+            )))
             .unwrap_err()
             .to_string();
         assert!(err.contains(key), "{loss}: {err}");

@@ -109,10 +109,18 @@ impl DistillLossConfig {
     /// key under `distillation.distillation_loss`.
     pub fn validate(&self) -> std::result::Result<DistillSettings, (String, String)> {
         let bad = |key: &str, reason: String| Err((key.to_owned(), reason));
-        let objective = match serde_json::from_value::<DistillLossMode>(serde_json::json!(self.loss_mode)) {
+        let objective = match serde_json::from_value::<DistillLossMode>(serde_json::json!(
+            self.loss_mode
+        )) {
             Ok(loss_mode) => {
                 let Some(k) = self.topk.filter(|&k| k >= 1) else {
-                    return bad("topk", format!("must be a positive number for loss_mode `{}`, got {:?}", self.loss_mode, self.topk));
+                    return bad(
+                        "topk",
+                        format!(
+                            "must be a positive number for loss_mode `{}`, got {:?}",
+                            self.loss_mode, self.topk
+                        ),
+                    );
                 };
                 DistillObjective::Topk {
                     k,
@@ -124,7 +132,9 @@ impl DistillLossConfig {
                 }
             }
             Err(_) => match self.loss_mode.parse::<KlPenalty>() {
-                Ok(penalty) if !self.loss_mode.ends_with('+') => DistillObjective::Estimator(penalty),
+                Ok(penalty) if !self.loss_mode.ends_with('+') => {
+                    DistillObjective::Estimator(penalty)
+                }
                 _ => {
                     return bad(
                         "loss_mode",
@@ -142,13 +152,28 @@ impl DistillLossConfig {
             return bad("loss_mode", "k1 cannot be backpropagated directly (its gradient ignores the teacher): set use_policy_gradient=true".into());
         }
         if self.policy_loss_mode != "vanilla" {
-            return bad("policy_loss_mode", format!("only `vanilla` is supported (as verl), got `{}`", self.policy_loss_mode));
+            return bad(
+                "policy_loss_mode",
+                format!(
+                    "only `vanilla` is supported (as verl), got `{}`",
+                    self.policy_loss_mode
+                ),
+            );
         }
         if !(self.tail_mass_eps > 0.0 && self.tail_mass_eps < 1.0) {
-            return bad("tail_mass_eps", format!("must lie in (0, 1), got {}", self.tail_mass_eps));
+            return bad(
+                "tail_mass_eps",
+                format!("must lie in (0, 1), got {}", self.tail_mass_eps),
+            );
         }
         if !(self.distillation_loss_coef.is_finite() && self.distillation_loss_coef >= 0.0) {
-            return bad("distillation_loss_coef", format!("must be a finite number ≥ 0, got {}", self.distillation_loss_coef));
+            return bad(
+                "distillation_loss_coef",
+                format!(
+                    "must be a finite number ≥ 0, got {}",
+                    self.distillation_loss_coef
+                ),
+            );
         }
         if let Some(c) = self.loss_max_clamp.filter(|c| !(*c > 0.0)) {
             return bad("loss_max_clamp", format!("must be positive, got {c}"));
@@ -227,9 +252,8 @@ pub fn fused_scores(
     FusedScores {
         log_probs: gathered.narrow(-1, 0, 1).squeeze_dim(-1),
         topk_log_probs: gathered.narrow(-1, 1, k),
-        entropy: with_entropy.then(|| {
-            -(log_softmax.exp() * &log_softmax).sum_dim_intlist(-1, false, Kind::Float)
-        }),
+        entropy: with_entropy
+            .then(|| -(log_softmax.exp() * &log_softmax).sum_dim_intlist(-1, false, Kind::Float)),
     }
 }
 
@@ -440,7 +464,10 @@ impl Placement<'_> {
             Self::Padded(mask) => mask.shallow_clone(),
             Self::Packed(packing) => {
                 let n = packing.targets().size()[0];
-                packing.unpack_response(&Tensor::ones([n], (Kind::Float, packing.targets().device())))
+                packing.unpack_response(&Tensor::ones(
+                    [n],
+                    (Kind::Float, packing.targets().device()),
+                ))
             }
         }
     }
@@ -466,10 +493,7 @@ mod tests {
         let lp = Tensor::from_slice(&p.map(f64::ln)).to_kind(Kind::Float);
         let lq = Tensor::from_slice(&q.map(f64::ln)).to_kind(Kind::Float);
         let kl = |a: &[f64; 3], b: &[f64; 3]| {
-            a.iter()
-                .zip(b)
-                .map(|(x, y)| x * (x / y).ln())
-                .sum::<f64>()
+            a.iter().zip(b).map(|(x, y)| x * (x / y).ln()).sum::<f64>()
         };
         let forward = topk_kl(&lq, &lp, &config(DistillLossMode::ForwardKlTopk));
         assert!((forward.loss.double_value(&[]) - kl(&p, &q)).abs() < 1e-6);
@@ -488,14 +512,19 @@ mod tests {
         let q = [0.2f64, 0.2, 0.6];
         let two = |x: &[f64; 3]| Tensor::from_slice(&[x[0].ln(), x[1].ln()]).to_kind(Kind::Float);
         let kl = |a: &[f64; 3], b: &[f64; 3]| {
-            a.iter()
-                .zip(b)
-                .map(|(x, y)| x * (x / y).ln())
-                .sum::<f64>()
+            a.iter().zip(b).map(|(x, y)| x * (x / y).ln()).sum::<f64>()
         };
-        let forward = topk_kl(&two(&q), &two(&p), &config(DistillLossMode::ForwardKlTopkTail));
+        let forward = topk_kl(
+            &two(&q),
+            &two(&p),
+            &config(DistillLossMode::ForwardKlTopkTail),
+        );
         assert!((forward.loss.double_value(&[]) - kl(&p, &q)).abs() < 1e-5);
-        let reverse = topk_kl(&two(&q), &two(&p), &config(DistillLossMode::ReverseKlTopkTail));
+        let reverse = topk_kl(
+            &two(&q),
+            &two(&p),
+            &config(DistillLossMode::ReverseKlTopkTail),
+        );
         assert!((reverse.loss.double_value(&[]) - kl(&q, &p)).abs() < 1e-5);
         assert!((forward.teacher_mass.double_value(&[]) - 0.8).abs() < 1e-6);
         assert!((forward.student_mass.double_value(&[]) - 0.4).abs() < 1e-6);

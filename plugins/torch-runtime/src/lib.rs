@@ -5,8 +5,8 @@
 //! verl's actor/critic semantics that every engine strategy runs on.
 
 pub mod actor;
-pub mod distill;
 mod config;
+pub mod distill;
 mod error;
 mod export;
 mod generate;

@@ -198,7 +198,11 @@ impl CausalLM {
 }
 
 /// The hidden states `[n, hidden]` of a packed stream's (`[1, N, hidden]`) scored predictors.
-pub(crate) fn packed_predictors(hidden: &Tensor, packing: &Packing, response_len: i64) -> Result<Tensor> {
+pub(crate) fn packed_predictors(
+    hidden: &Tensor,
+    packing: &Packing,
+    response_len: i64,
+) -> Result<Tensor> {
     if packing.response_len() != response_len {
         return Err(ModelError::invalid_input(
             "response_len",

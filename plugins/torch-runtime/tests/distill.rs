@@ -56,7 +56,10 @@ fn losses_and_gradients_match_the_torch_reference() {
             c.teacher_ids,
             "{what}: teacher ids"
         );
-        assert!(max_diff(&top.log_probs, &c.teacher_log_probs) < 1e-5, "{what}: teacher lp");
+        assert!(
+            max_diff(&top.log_probs, &c.teacher_log_probs) < 1e-5,
+            "{what}: teacher lp"
+        );
 
         let logits = Tensor::from_slice(&c.student_logits)
             .view([c.n, c.v])
@@ -65,16 +68,29 @@ fn losses_and_gradients_match_the_torch_reference() {
         let ids = Tensor::from_slice(&c.teacher_ids).view([c.n, c.k]);
         let teacher = Tensor::from_slice(&c.teacher_log_probs).view([c.n, c.k]);
         let fused = fused_scores(&logits, &labels, &ids, false);
-        assert!(max_diff(&fused.log_probs, &c.label_log_probs) < 1e-5, "{what}: label lp");
+        assert!(
+            max_diff(&fused.log_probs, &c.label_log_probs) < 1e-5,
+            "{what}: label lp"
+        );
         let config = TopkKlConfig {
             loss_mode: c.mode,
             log_prob_min_clamp: c.log_prob_min_clamp,
             tail_mass_eps: c.tail_mass_eps,
         };
         let kl = topk_kl(&fused.topk_log_probs, &teacher, &config);
-        assert!(max_diff(&kl.loss, &c.loss) < 1e-5, "{what}: loss {:?}", kl.loss);
-        assert!(max_diff(&kl.student_mass, &c.student_mass) < 1e-5, "{what}: student mass");
-        assert!(max_diff(&kl.teacher_mass, &c.teacher_mass) < 1e-5, "{what}: teacher mass");
+        assert!(
+            max_diff(&kl.loss, &c.loss) < 1e-5,
+            "{what}: loss {:?}",
+            kl.loss
+        );
+        assert!(
+            max_diff(&kl.student_mass, &c.student_mass) < 1e-5,
+            "{what}: student mass"
+        );
+        assert!(
+            max_diff(&kl.teacher_mass, &c.teacher_mass) < 1e-5,
+            "{what}: teacher mass"
+        );
         let weight = Tensor::from_slice(&c.weight);
         let total = (kl.loss * weight).sum(Kind::Float);
         let grad = Tensor::run_backward(&[total], &[&logits], false, false);

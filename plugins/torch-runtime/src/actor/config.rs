@@ -8,8 +8,8 @@ use serde_json::Value;
 use verl_plugin_api::{ComponentInit, ConfigKeys};
 
 use super::ActorError;
-use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode, PolicyLossOptions};
 use crate::distill::{DistillLossConfig, DistillSettings};
+use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode, PolicyLossOptions};
 use crate::{AdamWConfig, LrDecay, LrSchedule, ModelSpec};
 
 /// What the engine trains (or only scores).

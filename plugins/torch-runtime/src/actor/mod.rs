@@ -274,10 +274,7 @@ impl<S: Strategy> ActorWorker<S> {
     }
 
     pub fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
-        self.require_role(
-            "compute_log_prob",
-            &[Role::Actor, Role::Ref, Role::Teacher],
-        )?;
+        self.require_role("compute_log_prob", &[Role::Actor, Role::Ref, Role::Teacher])?;
         let meta = Meta::of(batch)?;
         let rows = Rows::load(
             batch,
@@ -630,10 +627,12 @@ fn actor_micro_step<S: Strategy>(
     // vocab] entropy tensors are never built here.
     let with_entropy = s.entropy_coeff != 0.0;
     match s.distillation {
-        Some(d @ DistillSettings {
-            objective: DistillObjective::Topk { kl, .. },
-            ..
-        }) => strategy.backward_distill_scores(
+        Some(
+            d @ DistillSettings {
+                objective: DistillObjective::Topk { kl, .. },
+                ..
+            },
+        ) => strategy.backward_distill_scores(
             micro,
             temperature,
             with_entropy,
@@ -641,17 +640,41 @@ fn actor_micro_step<S: Strategy>(
             &mut |scores| {
                 let top = topk_kl(&scores.topk_log_probs, micro.get(TEACHER_LOGPROBS), &kl);
                 let mask = micro.get(keys::RESPONSE_MASK);
-                metrics.push("distillation/student_mass", scalar(&masked_mean(&top.student_mass, mask)));
-                metrics.push("distillation/teacher_mass", scalar(&masked_mean(&top.teacher_mass, mask)));
-                actor_loss(s, micro, scale, &scores.scores, Some((&d, top.loss)), metrics, &mut losses)
+                metrics.push(
+                    "distillation/student_mass",
+                    scalar(&masked_mean(&top.student_mass, mask)),
+                );
+                metrics.push(
+                    "distillation/teacher_mass",
+                    scalar(&masked_mean(&top.teacher_mass, mask)),
+                );
+                actor_loss(
+                    s,
+                    micro,
+                    scale,
+                    &scores.scores,
+                    Some((&d, top.loss)),
+                    metrics,
+                    &mut losses,
+                )
             },
         )?,
-        Some(d @ DistillSettings {
-            objective: DistillObjective::Estimator(penalty),
-            ..
-        }) => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+        Some(
+            d @ DistillSettings {
+                objective: DistillObjective::Estimator(penalty),
+                ..
+            },
+        ) => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
             let per_token = kl_penalty(&scores.log_probs, micro.get(TEACHER_LOGPROBS), penalty);
-            actor_loss(s, micro, scale, scores, Some((&d, per_token)), metrics, &mut losses)
+            actor_loss(
+                s,
+                micro,
+                scale,
+                scores,
+                Some((&d, per_token)),
+                metrics,
+                &mut losses,
+            )
         })?,
         None => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
             actor_loss(s, micro, scale, scores, None, metrics, &mut losses)
@@ -717,12 +740,20 @@ fn actor_loss(
             // The negated loss is the advantage (on-policy distillation as a reward).
             Some(clip) => {
                 let advantages = -per_token.detach();
-                crate::losses::policy_loss_vanilla(policy_batch(micro, scores, &advantages), clip, s.loss_agg_mode, scale)?
-                    .pg_loss
+                crate::losses::policy_loss_vanilla(
+                    policy_batch(micro, scores, &advantages),
+                    clip,
+                    s.loss_agg_mode,
+                    scale,
+                )?
+                .pg_loss
             }
             None => agg_loss(&per_token, response_mask, s.loss_agg_mode, scale),
         };
-        metrics.push("distillation/token_loss", scalar(&masked_mean(&per_token.detach(), response_mask)));
+        metrics.push(
+            "distillation/token_loss",
+            scalar(&masked_mean(&per_token.detach(), response_mask)),
+        );
         losses.push(("distillation/loss", scalar(&loss)));
         // verl weights the distillation loss only when it is added to the task's loss.
         let coef = if d.use_task_rewards { d.coef } else { 1.0 };

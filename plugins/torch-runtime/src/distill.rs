@@ -376,8 +376,9 @@ impl CausalLM {
         })
     }
 
-    /// `logits / temperature` (skipped at 1, where it is exact).
-    fn tempered_logits(&self, hidden: &Tensor, temperature: f64) -> Result<Tensor> {
+    /// `logits / temperature`, fp32. Dividing by 1 is exact: skipped, saving a pass (and its
+    /// backward) over the largest activation.
+    pub(crate) fn tempered_logits(&self, hidden: &Tensor, temperature: f64) -> Result<Tensor> {
         if !(temperature > 0.0 && temperature.is_finite()) {
             return Err(ModelError::invalid_input(
                 "temperature",

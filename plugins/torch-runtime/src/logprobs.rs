@@ -125,19 +125,7 @@ impl CausalLM {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<ResponseScores> {
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return Err(ModelError::invalid_input(
-                "temperature",
-                format!("must be positive, got {temperature}"),
-            ));
-        }
-        let logits = self.logits(hidden)?;
-        // Dividing by 1 is exact: skip a pass (and its backward) over the largest activation.
-        let logits = if temperature == 1.0 {
-            logits
-        } else {
-            logits / temperature
-        };
+        let logits = self.tempered_logits(hidden, temperature)?;
         Ok(ResponseScores {
             log_probs: log_probs_from_logits(&logits, labels),
             entropy: with_entropy.then(|| entropy_from_logits(&logits)),

@@ -1371,10 +1371,13 @@ impl Trainer {
         }
 
         let mut teacher_outputs = Vec::new();
-        if self.teacher.is_some() {
-            let t = Instant::now();
-            let local = self.local(&batch, &mine)?;
-            let teacher = self.teacher.as_mut().expect("checked above");
+        let t = Instant::now();
+        let local = self
+            .teacher
+            .is_some()
+            .then(|| self.local(&batch, &mine))
+            .transpose()?;
+        if let (Some(teacher), Some(local)) = (&mut self.teacher, local) {
             teacher_outputs = distill::teacher_outputs(teacher.as_mut(), &local, &self.config)?;
             timing.push(("teacher", t.elapsed().as_secs_f64()));
         }

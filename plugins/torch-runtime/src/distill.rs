@@ -175,7 +175,7 @@ impl DistillLossConfig {
                 ),
             );
         }
-        if let Some(c) = self.loss_max_clamp.filter(|c| !(*c > 0.0)) {
+        if let Some(c) = self.loss_max_clamp.filter(|c| c.is_nan() || *c <= 0.0) {
             return bad("loss_max_clamp", format!("must be positive, got {c}"));
         }
         Ok(DistillSettings {

@@ -5,6 +5,7 @@ mod bad_plugins;
 mod certify;
 mod compute;
 mod config;
+mod distill;
 mod engines;
 mod helpers;
 mod launch;

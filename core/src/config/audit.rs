@@ -452,6 +452,30 @@ pub const RULES: &[Rule] = &[
     // Ours: the jobs built on the trainer.
     acted("quickstart"),
     acted("sft"),
+    // distillation (verl-project/verl 01dcf9f0's keys)
+    acted("distillation.enabled"),
+    no_effect(
+        "distillation.num_workers",
+        "one teacher engine scores in this process; there are no teacher replicas",
+    ),
+    no_effect(
+        "distillation.teacher_model.enable_resource_pool",
+        "the teacher engine runs beside the actor on this rank's device",
+    ),
+    no_effect(
+        "distillation.teacher_model.n_gpus_per_node",
+        "the teacher engine runs beside the actor on this rank's device",
+    ),
+    no_effect(
+        "distillation.teacher_model.nnodes",
+        "the teacher engine runs beside the actor on this rank's device",
+    ),
+    acted("distillation.teacher_model.model_path"),
+    no_effect(
+        "distillation.teacher_model.inference",
+        "the teacher is an engine role scoring in process (with the reference's engine settings), not an inference server",
+    ),
+    acted("distillation.distillation_loss"),
     // verl's infrastructure sections.
     no_effect("ray_kwargs", NO_RAY),
     no_effect("global_profiler", NO_PROFILER),
@@ -818,6 +842,7 @@ fn unused_batching_keys(config: &Config) -> Vec<(&'static str, String)> {
         EngineRole::Actor => true,
         EngineRole::Ref => config.ref_enabled(),
         EngineRole::Critic => config.critic_enabled(),
+        EngineRole::Teacher => config.teacher_enabled(),
     };
     let (mut rows_read, mut budgets_read) = (Vec::new(), Vec::new());
     for (role, pass, _, rows, _) in passes.iter().filter(|p| used(p.0)) {

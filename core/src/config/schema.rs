@@ -59,6 +59,8 @@ pub struct Config {
     pub trainer: TrainerConfig,
     /// verl's fully-async settings (`trainer.training_mode=fully_async`).
     pub async_training: AsyncTrainingConfig,
+    /// On-policy distillation from a teacher model.
+    pub distillation: super::DistillationConfig,
     /// Prepare the synthetic task, a tiny model and its warm-up when missing (`verl-core run`'s
     /// embedded default).
     pub quickstart: super::QuickstartConfig,
@@ -86,6 +88,7 @@ impl Default for Config {
             algorithm: AlgorithmConfig::default(),
             trainer: TrainerConfig::default(),
             async_training: AsyncTrainingConfig::default(),
+            distillation: super::DistillationConfig::default(),
             quickstart: super::QuickstartConfig::default(),
             sft: super::SftConfig::default(),
             ray_kwargs: empty_object(),
@@ -98,7 +101,7 @@ impl Default for Config {
 
 /// verl's pass-through dicts, whose contents are not checked (plugin sections are declared
 /// separately, see [`PluginSections`](super::PluginSections)).
-pub const FREE_FORM: [&str; 10] = [
+pub const FREE_FORM: [&str; 11] = [
     "data.apply_chat_template_kwargs",
     "custom_reward_function.reward_kwargs",
     "actor_rollout_ref.model.override_config",
@@ -109,6 +112,7 @@ pub const FREE_FORM: [&str; 10] = [
     "reward_model.model",
     "ray_kwargs",
     "global_profiler",
+    "distillation.teacher_model.inference",
 ];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 //! whatever engine, rollout, weight sync and trackers the plugins provide. With several ranks
 //! every rank runs this loop on its share of the batch (module `spmd`).
 
+mod distill;
 mod fully_async;
 mod guard;
 pub mod perf;
@@ -363,6 +364,8 @@ pub struct Trainer {
     actor: Box<dyn EngineWorker>,
     reference: Option<Box<dyn EngineWorker>>,
     critic: Option<Box<dyn EngineWorker>>,
+    /// The distillation teacher (`distillation.enabled`).
+    teacher: Option<Box<dyn EngineWorker>>,
     /// Away only while a `one_step_off` step generates the next batch on its own thread.
     generation: Option<Generation>,
     weight_sync: CheckpointHandle,
@@ -523,6 +526,7 @@ impl Trainer {
             world_size: run.world_size,
         };
         check_data_parallel(&config, ranks)?;
+        distill::check(&config)?;
         let components = Components::resolve(&config, registry, &run.device_type)?;
         components.check(&config, &run)?;
 
@@ -554,6 +558,11 @@ impl Trainer {
             .critic
             .as_ref()
             .map(|c| engine(EngineRole::Critic, c))
+            .transpose()?;
+        let teacher = components
+            .teacher
+            .as_ref()
+            .map(|c| engine(EngineRole::Teacher, c))
             .transpose()?;
 
         // The rollout generates while the engines train in `one_step_off`: it never sleeps.
@@ -639,6 +648,7 @@ impl Trainer {
             actor,
             reference,
             critic,
+            teacher,
             generation: Some(Generation {
                 rollout: Box::new(rollout),
                 rollout_name: components.rollout.name.clone(),
@@ -1386,6 +1396,18 @@ impl Trainer {
             timing.push(("ref", t.elapsed().as_secs_f64()));
         }
 
+        let mut teacher_outputs = Vec::new();
+        let t = Instant::now();
+        let local = self
+            .teacher
+            .is_some()
+            .then(|| self.local(&batch, &mine))
+            .transpose()?;
+        if let (Some(teacher), Some(local)) = (&mut self.teacher, local) {
+            teacher_outputs = distill::teacher_outputs(teacher.as_mut(), &local, &self.config)?;
+            timing.push(("teacher", t.elapsed().as_secs_f64()));
+        }
+
         let mut values = None;
         if self.critic.is_some() {
             let t = Instant::now();
@@ -1473,7 +1495,10 @@ impl Trainer {
         timing.push(("adv", t.elapsed().as_secs_f64()));
 
         let mut skipped = false;
-        let update = self.local(&batch, &mine)?;
+        let mut update = self.local(&batch, &mine)?;
+        for (name, tensor) in teacher_outputs {
+            update.to_mut().insert(name, tensor);
+        }
         if let Some(critic) = &mut self.critic {
             let t = Instant::now();
             let out = critic
@@ -2106,6 +2131,7 @@ struct Components {
     actor: Component,
     reference: Option<Component>,
     critic: Option<Component>,
+    teacher: Option<Component>,
     rollout: Component,
     weight_sync: Component,
 }
@@ -2136,6 +2162,10 @@ impl Components {
                 .critic_enabled()
                 .then(|| engine(EngineRole::Critic))
                 .transpose()?,
+            teacher: config
+                .teacher_enabled()
+                .then(|| engine(EngineRole::Teacher))
+                .transpose()?,
             rollout: registry.resolve(ComponentKind::ROLLOUT, &rollout.name)?,
             weight_sync: registry.resolve(
                 ComponentKind::CHECKPOINT,
@@ -2151,6 +2181,7 @@ impl Components {
             (EngineRole::Actor, Some(&self.actor)),
             (EngineRole::Ref, self.reference.as_ref()),
             (EngineRole::Critic, self.critic.as_ref()),
+            (EngineRole::Teacher, self.teacher.as_ref()),
         ];
         for (role, component) in roles {
             let Some(component) = component else { continue };

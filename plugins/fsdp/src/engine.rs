@@ -14,6 +14,7 @@ use verl_plugin_api::{ComponentInit, TensorRef};
 use verl_torch_runtime::actor::{
     ActorConfig, ActorError, ActorWorker, Reduction, Role, Rows, Strategy,
 };
+use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng,
@@ -45,7 +46,7 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
     let mut settings = init.config::<ActorConfig>("fsdp")?.validate()?;
     // Checked for unknown keys and types; `fsdp_size` and offloading place the model.
     let fsdp = FsdpConfig::of(init, settings.role)?;
-    let optimizer = (settings.role != Role::Ref).then_some(settings.optimizer);
+    let optimizer = settings.role.trains().then_some(settings.optimizer);
     let path = FsdpConfig::path(init, settings.role);
     let sharding = fsdp.shard_options(&path, optimizer, run.world_size)?;
     // As verl's workers: the (global) mini-batch is split over the data-parallel ranks.
@@ -177,6 +178,38 @@ impl Strategy for LocalModel {
                 rows.response_len,
                 temperature,
                 with_entropy,
+            )?)
+        })
+    }
+
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        self.model
+            .response_topk_in(&hidden, &context, rows.response_len, temperature, k)
+    }
+
+    fn backward_distill_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        ids: &Tensor,
+        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
+        self.backward(rows, |hidden, context| {
+            loss(&self.model.response_distill_scores_in(
+                hidden,
+                context,
+                rows.response_len,
+                temperature,
+                with_entropy,
+                ids,
             )?)
         })
     }

@@ -78,7 +78,7 @@ impl FsdpEngine {
 impl Engine for FsdpEngine {
     fn capabilities() -> EngineCapabilities {
         EngineCapabilities::default()
-            .roles(["actor", "ref", "critic"])
+            .roles(["actor", "ref", "critic", "teacher"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
             .config_keys(config::FsdpConfig::declared_keys())

@@ -7,6 +7,7 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
+use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::{LrSchedule, ResponseScores, Rng};
 
 use crate::engine::LocalModel;
@@ -54,6 +55,26 @@ impl Strategy for Placement {
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         each!(self, s => s.backward_scores(rows, temperature, with_entropy, loss))
+    }
+
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+        each!(self, s => s.topk(rows, temperature, k))
+    }
+
+    fn backward_distill_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        ids: &Tensor,
+        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<()> {
+        each!(self, s => s.backward_distill_scores(rows, temperature, with_entropy, ids, loss))
     }
 
     fn backward_values(

@@ -6,6 +6,7 @@
 
 pub mod actor;
 mod config;
+pub mod distill;
 mod error;
 mod export;
 mod generate;

@@ -125,19 +125,7 @@ impl CausalLM {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<ResponseScores> {
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return Err(ModelError::invalid_input(
-                "temperature",
-                format!("must be positive, got {temperature}"),
-            ));
-        }
-        let logits = self.logits(hidden)?;
-        // Dividing by 1 is exact: skip a pass (and its backward) over the largest activation.
-        let logits = if temperature == 1.0 {
-            logits
-        } else {
-            logits / temperature
-        };
+        let logits = self.tempered_logits(hidden, temperature)?;
         Ok(ResponseScores {
             log_probs: self.log_probs_in_rows(&logits, labels),
             entropy: with_entropy.then(|| {
@@ -209,7 +197,11 @@ impl CausalLM {
 }
 
 /// The hidden states `[n, hidden]` of a packed stream's (`[1, N, hidden]`) scored predictors.
-fn packed_predictors(hidden: &Tensor, packing: &Packing, response_len: i64) -> Result<Tensor> {
+pub(crate) fn packed_predictors(
+    hidden: &Tensor,
+    packing: &Packing,
+    response_len: i64,
+) -> Result<Tensor> {
     if packing.response_len() != response_len {
         return Err(ModelError::invalid_input(
             "response_len",

@@ -8,6 +8,7 @@ use serde_json::Value;
 use verl_plugin_api::{ComponentInit, ConfigKeys};
 
 use super::ActorError;
+use crate::distill::{DistillLossConfig, DistillSettings};
 use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode, PolicyLossOptions};
 use crate::{AdamWConfig, LrDecay, LrSchedule, ModelSpec};
 
@@ -21,6 +22,8 @@ pub enum Role {
     Ref,
     /// A value model: values and value-loss updates.
     Critic,
+    /// A frozen distillation teacher: log-probs and top-k log-probs only.
+    Teacher,
 }
 
 impl Role {
@@ -29,7 +32,13 @@ impl Role {
             Self::Actor => "actor",
             Self::Ref => "ref",
             Self::Critic => "critic",
+            Self::Teacher => "teacher",
         }
+    }
+
+    /// Whether the role trains (has an optimizer).
+    pub fn trains(self) -> bool {
+        matches!(self, Self::Actor | Self::Critic)
     }
 
     /// Where the role's section sits in verl's config.
@@ -38,6 +47,7 @@ impl Role {
             Self::Actor => "actor_rollout_ref.actor",
             Self::Ref => "actor_rollout_ref.ref",
             Self::Critic => "critic",
+            Self::Teacher => "distillation.teacher_model",
         }
     }
 
@@ -225,6 +235,8 @@ pub struct ActorConfig {
     /// Critic: clip range of the value update around the old values.
     #[serde(default = "default_cliprange_value")]
     pub cliprange_value: f64,
+    /// Actor: verl's `distillation.distillation_loss`, sent when `distillation.enabled`.
+    pub distillation_loss: Option<DistillLossConfig>,
 }
 
 /// The validated, resolved settings an engine runs with.
@@ -251,6 +263,8 @@ pub struct ActorSettings {
     /// `Some((coef, penalty))` when `use_kl_loss`.
     pub kl_loss: Option<(f64, KlPenalty)>,
     pub cliprange_value: f64,
+    /// The distillation loss, when the actor distils a teacher.
+    pub distillation: Option<DistillSettings>,
 }
 
 /// How rows are cut into micro-batches (forward passes, and gradient accumulation in updates).
@@ -400,7 +414,7 @@ impl ActorConfig {
                 self.forward_max_token_len_per_gpu
                     .map(|m| ("forward_max_token_len_per_gpu", m)),
             ),
-            Role::Actor | Role::Ref => (
+            Role::Actor | Role::Ref | Role::Teacher => (
                 self.log_prob_use_dynamic_bsz
                     .unwrap_or(self.use_dynamic_bsz),
                 self.log_prob_max_token_len_per_gpu
@@ -482,6 +496,15 @@ impl ActorConfig {
             entropy_coeff: self.entropy_coeff,
             kl_loss,
             cliprange_value: non_negative("cliprange_value", self.cliprange_value)?,
+            distillation: self
+                .distillation_loss
+                .as_ref()
+                .map(|d| {
+                    d.validate().map_err(|(key, reason)| {
+                        invalid(&format!("distillation.distillation_loss.{key}"), reason)
+                    })
+                })
+                .transpose()?,
             model: self.model,
         })
     }

@@ -50,6 +50,10 @@ pub use config::{
 pub use error::ActorError;
 pub use rows::{Meta, Rows};
 
+use crate::distill::{
+    DistillObjective, DistillScores, DistillSettings, TEACHER_IDS, TEACHER_LOGPROBS, TopkLogProbs,
+    topk_kl,
+};
 use crate::interop::from_tch;
 use crate::losses::{
     AggScale, PolicyBatch, agg_loss, kl_penalty, masked_mean, policy_loss, value_loss,
@@ -71,6 +75,24 @@ pub trait Strategy {
     ) -> crate::Result<ResponseScores>;
     /// Per-token values of the response tokens (value-head models). Called under `no_grad`.
     fn values(&self, rows: &Rows) -> crate::Result<Tensor>;
+    /// A distillation teacher's top-`k` tokens and log-probs at each response position,
+    /// `[B, R, k]` (see [`CausalLM::response_topk_in`](crate::CausalLM::response_topk_in)).
+    /// Called under `no_grad`. Strategies that hold the whole vocabulary implement it.
+    fn topk(&self, _rows: &Rows, _temperature: f64, _k: i64) -> crate::Result<TopkLogProbs> {
+        Err(unsupported_distillation("top-k log-probs"))
+    }
+    /// [`Strategy::backward_scores`] where the loss also sees the student's log-probs of `ids`
+    /// (`[B, R, k]`, the teacher's top-k tokens), from the same log-softmax.
+    fn backward_distill_scores(
+        &self,
+        _rows: &Rows,
+        _temperature: f64,
+        _with_entropy: bool,
+        _ids: &Tensor,
+        _loss: &mut dyn FnMut(&DistillScores) -> crate::Result<Tensor>,
+    ) -> crate::Result<()> {
+        Err(unsupported_distillation("top-k distillation losses"))
+    }
     /// Forward and backward of one micro-batch through the policy: `loss` maps the response scores
     /// to the scalar loss, whose gradient is accumulated into the parameters.
     fn backward_scores(
@@ -111,6 +133,13 @@ pub trait Strategy {
     /// Makes each rank's gradients the sum of every rank's accumulated gradients (of what it
     /// holds), before they are clipped.
     fn reduce_gradients(&mut self) -> crate::Result<()>;
+}
+
+fn unsupported_distillation(what: &str) -> crate::ModelError {
+    crate::ModelError::invalid_input(
+        "distillation",
+        format!("this engine strategy does not compute {what} (fsdp with one shard does)"),
+    )
 }
 
 /// A reduction over the data-parallel ranks.
@@ -213,7 +242,7 @@ pub struct ActorWorker<S> {
 impl<S: Strategy> ActorWorker<S> {
     /// `seed` seeds mini-batch shuffling (the run seed).
     pub fn new(settings: ActorSettings, strategy: S, seed: u64) -> Self {
-        let training = (settings.role != Role::Ref).then(|| Training {
+        let training = settings.role.trains().then(|| Training {
             schedule: settings.schedule,
             rng: Rng::stream(seed, 1),
             updates: 0,
@@ -245,7 +274,7 @@ impl<S: Strategy> ActorWorker<S> {
     }
 
     pub fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
-        self.require_role("compute_log_prob", &[Role::Actor, Role::Ref])?;
+        self.require_role("compute_log_prob", &[Role::Actor, Role::Ref, Role::Teacher])?;
         let meta = Meta::of(batch)?;
         let rows = Rows::load(
             batch,
@@ -254,6 +283,7 @@ impl<S: Strategy> ActorWorker<S> {
         )?;
         let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
         let (mut log_probs, mut entropys) = (Vec::new(), Vec::new());
+        let (mut topk_ids, mut topk_log_probs) = (Vec::new(), Vec::new());
         tch::no_grad(|| -> Result<(), ActorError> {
             for rows in &micro.batches {
                 let scores =
@@ -261,10 +291,25 @@ impl<S: Strategy> ActorWorker<S> {
                         .scores(rows, meta.temperature, meta.calculate_entropy)?;
                 log_probs.push(scores.log_probs);
                 entropys.extend(scores.entropy);
+                if let Some(k) = meta.distill_topk {
+                    let top = self.strategy.topk(rows, meta.temperature, k)?;
+                    topk_ids.push(top.ids);
+                    topk_log_probs.push(top.log_probs);
+                }
             }
             Ok(())
         })?;
         let mut out = Batch::default();
+        if meta.distill_topk.is_some() {
+            out.insert(
+                TEACHER_IDS,
+                from_tch(TEACHER_IDS, &micro.restore(&topk_ids))?,
+            );
+            out.insert(
+                TEACHER_LOGPROBS,
+                from_tch(TEACHER_LOGPROBS, &micro.restore(&topk_log_probs))?,
+            );
+        }
         out.insert(
             keys::LOG_PROBS,
             from_tch(keys::LOG_PROBS, &micro.restore(&log_probs))?,
@@ -317,6 +362,11 @@ impl<S: Strategy> ActorWorker<S> {
         }
         if batch.get(ROLLOUT_IS_WEIGHTS).is_some() {
             wanted.push(ROLLOUT_IS_WEIGHTS);
+        }
+        match self.settings.distillation.map(|d| d.objective) {
+            Some(DistillObjective::Topk { .. }) => wanted.extend([TEACHER_IDS, TEACHER_LOGPROBS]),
+            Some(DistillObjective::Estimator(_)) => wanted.push(TEACHER_LOGPROBS),
+            None => {}
         }
         let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let settings = self.settings.clone();
@@ -571,22 +621,105 @@ fn actor_micro_step<S: Strategy>(
     temperature: f64,
     metrics: &mut Metrics,
 ) -> Result<Vec<(&'static str, f64)>, ActorError> {
-    let response_mask = micro.get(keys::RESPONSE_MASK);
     let mut losses = Vec::new();
     // As verl: entropy only when it is in the loss (then also reported); otherwise the trainer
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
     let with_entropy = s.entropy_coeff != 0.0;
-    strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+    match s.distillation {
+        Some(
+            d @ DistillSettings {
+                objective: DistillObjective::Topk { kl, .. },
+                ..
+            },
+        ) => strategy.backward_distill_scores(
+            micro,
+            temperature,
+            with_entropy,
+            micro.get(TEACHER_IDS),
+            &mut |scores| {
+                let top = topk_kl(&scores.topk_log_probs, micro.get(TEACHER_LOGPROBS), &kl);
+                let mask = micro.get(keys::RESPONSE_MASK);
+                metrics.push(
+                    "distillation/student_mass",
+                    scalar(&masked_mean(&top.student_mass, mask)),
+                );
+                metrics.push(
+                    "distillation/teacher_mass",
+                    scalar(&masked_mean(&top.teacher_mass, mask)),
+                );
+                actor_loss(
+                    s,
+                    micro,
+                    scale,
+                    &scores.scores,
+                    Some((&d, top.loss)),
+                    metrics,
+                    &mut losses,
+                )
+            },
+        )?,
+        Some(
+            d @ DistillSettings {
+                objective: DistillObjective::Estimator(penalty),
+                ..
+            },
+        ) => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+            let per_token = kl_penalty(&scores.log_probs, micro.get(TEACHER_LOGPROBS), penalty);
+            actor_loss(
+                s,
+                micro,
+                scale,
+                scores,
+                Some((&d, per_token)),
+                metrics,
+                &mut losses,
+            )
+        })?,
+        None => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+            actor_loss(s, micro, scale, scores, None, metrics, &mut losses)
+        })?,
+    }
+    if let Some((coef, _)) = s.kl_loss {
+        metrics.push("actor/kl_coef", coef);
+    }
+    Ok(losses)
+}
+
+/// The policy loss's inputs for `micro` with `advantages`.
+fn policy_batch<'a>(
+    micro: &'a Rows,
+    scores: &'a ResponseScores,
+    advantages: &'a Tensor,
+) -> PolicyBatch<'a> {
+    PolicyBatch {
+        old_log_prob: micro.get(keys::OLD_LOG_PROBS),
+        log_prob: &scores.log_probs,
+        advantages,
+        response_mask: micro.get(keys::RESPONSE_MASK),
+        rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
+    }
+}
+
+/// The actor's loss on one micro-batch's scores: verl's policy loss, entropy bonus and KL loss,
+/// and with `distill` (the settings and the per-token distillation loss `[B, R]`) verl's
+/// `distillation_ppo_loss` combination.
+fn actor_loss(
+    s: &ActorSettings,
+    micro: &Rows,
+    scale: &AggScale,
+    scores: &ResponseScores,
+    distill: Option<(&DistillSettings, Tensor)>,
+    metrics: &mut Metrics,
+    losses: &mut Vec<(&'static str, f64)>,
+) -> crate::Result<Tensor> {
+    let response_mask = micro.get(keys::RESPONSE_MASK);
+    let mut terms = Vec::new();
+    // verl skips the task's policy loss when distilling without task rewards.
+    if distill.as_ref().is_none_or(|(d, _)| d.use_task_rewards) {
         let pg = policy_loss(
             s.loss_mode,
-            PolicyBatch {
-                old_log_prob: micro.get(keys::OLD_LOG_PROBS),
-                log_prob: &scores.log_probs,
-                advantages: micro.get(keys::ADVANTAGES),
-                response_mask,
-                rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
-            },
+            policy_batch(micro, scores, micro.get(keys::ADVANTAGES)),
             &s.clip,
             &s.loss_options,
             s.loss_agg_mode,
@@ -596,33 +729,57 @@ fn actor_micro_step<S: Strategy>(
             metrics.push(key, value);
         }
         losses.push(("actor/pg_loss", scalar(&pg.pg_loss)));
-        let mut terms = vec![pg.pg_loss];
-        if let Some(entropy) = &scores.entropy {
-            // The micro-batch's own mean entropy, as verl reports it.
-            let own = agg_loss(
-                &entropy.detach(),
-                response_mask,
-                s.loss_agg_mode,
-                &AggScale::default(),
-            );
-            metrics.push("actor/entropy", scalar(&own));
-            terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
-        }
-        if let Some((coef, penalty)) = s.kl_loss {
-            let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
-            let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
-            losses.push(("actor/kl_loss", scalar(&kl_loss)));
-            terms.push(kl_loss * coef);
-        }
-        // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
-        let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
-        losses.push(("actor/loss", scalar(&loss)));
-        Ok(loss)
-    })?;
-    if let Some((coef, _)) = s.kl_loss {
-        metrics.push("actor/kl_coef", coef);
+        terms.push(pg.pg_loss);
     }
-    Ok(losses)
+    if let Some((d, per_token)) = distill {
+        let per_token = match d.loss_max_clamp {
+            Some(c) => per_token.clamp(-c, c),
+            None => per_token,
+        };
+        let loss = match &d.policy_gradient {
+            // The negated loss is the advantage (on-policy distillation as a reward).
+            Some(clip) => {
+                let advantages = -per_token.detach();
+                crate::losses::policy_loss_vanilla(
+                    policy_batch(micro, scores, &advantages),
+                    clip,
+                    s.loss_agg_mode,
+                    scale,
+                )?
+                .pg_loss
+            }
+            None => agg_loss(&per_token, response_mask, s.loss_agg_mode, scale),
+        };
+        metrics.push(
+            "distillation/token_loss",
+            scalar(&masked_mean(&per_token.detach(), response_mask)),
+        );
+        losses.push(("distillation/loss", scalar(&loss)));
+        // verl weights the distillation loss only when it is added to the task's loss.
+        let coef = if d.use_task_rewards { d.coef } else { 1.0 };
+        terms.push(loss * coef);
+    }
+    if let Some(entropy) = &scores.entropy {
+        // The micro-batch's own mean entropy, as verl reports it.
+        let own = agg_loss(
+            &entropy.detach(),
+            response_mask,
+            s.loss_agg_mode,
+            &AggScale::default(),
+        );
+        metrics.push("actor/entropy", scalar(&own));
+        terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
+    }
+    if let Some((coef, penalty)) = s.kl_loss {
+        let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
+        let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
+        losses.push(("actor/kl_loss", scalar(&kl_loss)));
+        terms.push(kl_loss * coef);
+    }
+    // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
+    let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
+    losses.push(("actor/loss", scalar(&loss)));
+    Ok(loss)
 }
 
 fn checkpoint_error(path: &Path, reason: impl ToString) -> ActorError {

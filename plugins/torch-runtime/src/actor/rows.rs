@@ -6,6 +6,7 @@ use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{Batch, keys};
 
 use super::ActorError;
+use crate::distill::{TEACHER_IDS, TEACHER_LOGPROBS};
 use crate::interop::{parse_config, to_tch};
 use crate::{BlockContext, CausalLM};
 
@@ -17,6 +18,10 @@ pub struct Meta {
     pub temperature: f64,
     #[serde(default = "yes")]
     pub calculate_entropy: bool,
+    /// A distillation teacher's `k`: `compute_log_prob` also returns the top-`k` tokens and
+    /// log-probs of each response position.
+    #[serde(default)]
+    pub distill_topk: Option<i64>,
 }
 
 fn one() -> f64 {
@@ -42,9 +47,14 @@ impl Meta {
 /// The dtype `keys.rs` specifies for a batch tensor.
 fn kind_of(key: &str) -> Kind {
     match key {
-        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES => Kind::Int64,
+        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES | TEACHER_IDS => Kind::Int64,
         _ => Kind::Float,
     }
+}
+
+/// Response keys that may carry a trailing `[.., k]` dimension (the teacher's top-k).
+fn per_token_list(key: &str) -> bool {
+    matches!(key, TEACHER_IDS | TEACHER_LOGPROBS)
 }
 
 /// Named row-aligned tensors: `[B, P+R]` for the sequence keys, `[B, R]` for the response keys.
@@ -66,7 +76,8 @@ impl Rows {
         for &key in wanted {
             let abi = batch.require(key)?;
             let tensor = to_tch(key, abi, device)?;
-            if tensor.kind() != kind_of(key) || tensor.dim() != 2 {
+            let dims_ok = tensor.dim() == 2 || (tensor.dim() == 3 && per_token_list(key));
+            if tensor.kind() != kind_of(key) || !dims_ok {
                 return Err(ActorError::Batch(format!(
                     "`{key}` must be a 2-D {:?} tensor, got {:?} of shape {:?}",
                     kind_of(key),
@@ -98,7 +109,7 @@ impl Rows {
                 keys::INPUT_IDS | keys::ATTENTION_MASK => seq.clone(),
                 _ => resp.clone(),
             };
-            if tensor.size() != expected {
+            if tensor.size()[..2] != expected[..] {
                 return Err(ActorError::Batch(format!(
                     "`{key}` has shape {:?}, expected {expected:?}",
                     tensor.size()

@@ -58,7 +58,10 @@ fn the_students_kl_to_the_teacher_falls() {
         &teacher_work,
         &dir.path().join("teacher-run"),
         1,
-        &["sft.steps=30"],
+        &[
+            "sft.steps=30",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        ],
     );
     let teacher = teacher_work.join("model-sft");
     // The student: 5 SFT steps, then distillation.

@@ -107,22 +107,56 @@ impl LocalModel {
 
     /// Forward and backward of one micro-batch; `loss_fn` maps final hidden states (of the
     /// context's layout) to the scalar loss (with activation checkpointing when the model
-    /// config asks for it).
+    /// config asks for it). With `aux_weight`, adds that × `router_aux_loss_coef` × the
+    /// load-balancing loss when the model's config asks for it, and returns that loss.
     fn backward(
         &self,
         rows: &Rows,
+        aux_weight: Option<f64>,
         loss_fn: impl FnOnce(&Tensor, &BlockContext) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+    ) -> verl_torch_runtime::Result<Option<f64>> {
         let context = self.context(rows)?;
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
-            let _ = self
-                .model
-                .backward_checkpointed_in(&context, |hidden| loss_fn(hidden, &context))?;
-        } else {
-            loss_fn(&self.model.hidden_states_in(&context), &context)?.f_backward()?;
+            let (_, aux) = self.model.backward_checkpointed_aux_in(
+                &context,
+                aux_weight,
+                |hidden| loss_fn(hidden, &context),
+            )?;
+            return Ok(aux);
         }
-        Ok(())
+        let hidden = self.model.hidden_states_in(&context);
+        let mut loss = loss_fn(&hidden, &context)?;
+        let mut aux = None;
+        if let Some((weight, coef)) = aux_weight.zip(self.model.router_aux_loss_coef()) {
+            // The router logits this pass recorded are in its graph.
+            let balance = self.model.load_balancing_loss_in(&context)?;
+            aux = Some(balance.double_value(&[]));
+            loss += balance * (weight * coef);
+        }
+        loss.f_backward()?;
+        Ok(aux)
+    }
+}
+
+impl LocalModel {
+    fn backward_scores_with(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        aux_weight: Option<f64>,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward(rows, aux_weight, |hidden, context| {
+            loss(&self.model.response_scores_in(
+                hidden,
+                context,
+                rows.response_len,
+                temperature,
+                with_entropy,
+            )?)
+        })
     }
 }
 
@@ -148,6 +182,24 @@ impl Strategy for LocalModel {
         )
     }
 
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        let scores = self.model.response_scores_in(
+            &hidden,
+            &context,
+            rows.response_len,
+            temperature,
+            with_entropy,
+        )?;
+        Ok((scores, context.take_routed_experts()?))
+    }
+
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
         let context = self.context(rows)?;
         let hidden = self.model.hidden_states_in(&context);
@@ -162,15 +214,19 @@ impl Strategy for LocalModel {
         with_entropy: bool,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
-            loss(&self.model.response_scores_in(
-                hidden,
-                context,
-                rows.response_len,
-                temperature,
-                with_entropy,
-            )?)
-        })
+        self.backward_scores_with(rows, temperature, with_entropy, None, loss)
+            .map(drop)
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward_scores_with(rows, temperature, with_entropy, Some(aux_weight), loss)
     }
 
     fn backward_values(
@@ -178,13 +234,14 @@ impl Strategy for LocalModel {
         rows: &Rows,
         loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
+        self.backward(rows, None, |hidden, context| {
             loss(
                 &self
                     .model
                     .response_values_in(hidden, context, rows.response_len)?,
             )
         })
+        .map(drop)
     }
 
     fn zero_grad(&mut self) {

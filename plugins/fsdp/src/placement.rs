@@ -42,6 +42,15 @@ impl Strategy for Placement {
         each!(self, s => s.scores(rows, temperature, with_entropy))
     }
 
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        each!(self, s => s.scores_routed(rows, temperature, with_entropy))
+    }
+
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
         each!(self, s => s.values(rows))
     }
@@ -54,6 +63,17 @@ impl Strategy for Placement {
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         each!(self, s => s.backward_scores(rows, temperature, with_entropy, loss))
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_scores_aux(rows, temperature, with_entropy, aux_weight, loss))
     }
 
     fn backward_values(

@@ -127,6 +127,70 @@ pub fn load_balancing_loss(
     )
 }
 
+/// [`load_balancing_loss`] taken one layer at a time, for a backward pass that recomputes and
+/// differentiates each layer on its own (activation checkpointing). The loss is
+/// `Σ_e (E·f_e/rows²) · Σ_layers Σ_tokens m·p_e`: the counts `f_e` (top-k assignments) carry no
+/// gradient, so with them fixed from the whole pass it is a sum over layers of
+/// [`LoadBalance::layer_term`], each with the loss's exact gradient with respect to its layer's
+/// logits.
+pub struct LoadBalance {
+    /// `E·f_e/rows²` per expert.
+    weights: Tensor,
+    /// The loss of the pass.
+    pub value: f64,
+    /// The real tokens `[N]` (fp32), `None`: all.
+    mask: Option<Tensor>,
+}
+
+impl LoadBalance {
+    /// From every sparse layer's router logits of a pass (no graph needed) and its token mask.
+    pub fn new(
+        logits: &[Tensor],
+        num_experts: i64,
+        top_k: i64,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Self> {
+        let value = tch::no_grad(|| load_balancing_loss(logits, num_experts, top_k, attention_mask))?
+            .double_value(&[]);
+        let first = &logits[0];
+        let options = (Kind::Float, first.device());
+        let mask = attention_mask.map(|m| m.reshape([-1]).to_kind(Kind::Float).to_device(first.device()));
+        let weights = tch::no_grad(|| {
+            let mut counts = Tensor::zeros([num_experts], options);
+            let mut rows = 0.0;
+            for layer in logits {
+                let (_, selected) = layer.topk(top_k, -1, true, true);
+                let weight = match &mask {
+                    Some(m) => m.shallow_clone(),
+                    None => Tensor::ones([layer.size()[0]], options),
+                };
+                rows += weight.sum(Kind::Float).double_value(&[]);
+                counts = counts.scatter_add(
+                    0,
+                    &selected.reshape([-1]),
+                    &weight.repeat_interleave_self_int(top_k, 0, None),
+                );
+            }
+            counts * (num_experts as f64 / (rows * rows).max(1.0))
+        });
+        Ok(Self {
+            weights,
+            value,
+            mask,
+        })
+    }
+
+    /// One layer's share of the loss, in the graph of its `logits` `[N, experts]`.
+    pub fn layer_term(&self, logits: &Tensor) -> Tensor {
+        let probs = logits.softmax(-1, Kind::Float);
+        let probs = match &self.mask {
+            Some(m) => probs * m.unsqueeze(-1),
+            None => probs,
+        };
+        (probs.sum_dim_intlist(0, false, Kind::Float) * &self.weights).sum(Kind::Float)
+    }
+}
+
 /// The sparse MLP: `Σ_top-k w_e · expert_e(x)` (+ the gated shared expert).
 pub(super) struct SparseMoe {
     /// The router (`mlp.gate`): `[experts, hidden]`, no bias.

@@ -133,12 +133,29 @@ fn lay_out(prompts: &[Vec<i64>], completions: &[Completion], layers: i64, k: i64
 }
 
 fn actor(dir: &std::path::Path, mode: &str) -> verl_plugin_host::EngineHandle {
+    placed_actor(dir, mode, &PLACEMENTS[0])
+}
+
+/// Where the model lives: whole in the process, whole with activation checkpointing, or the
+/// sharded model (CPU offloading places it there on one rank).
+const PLACEMENTS: [(&str, bool, bool); 3] = [
+    ("whole", false, false),
+    ("whole, checkpointed", true, false),
+    ("sharded", true, true),
+];
+
+fn placed_actor(
+    dir: &std::path::Path,
+    mode: &str,
+    &(_, checkpointing, sharded): &(&str, bool, bool),
+) -> verl_plugin_host::EngineHandle {
     engine(&json!({
         "role": "actor",
-        "model": {"path": dir},
+        "model": {"path": dir, "enable_gradient_checkpointing": checkpointing},
         "optim": {"lr": 1e-3},
         "ppo_mini_batch_size": 64,
         "router_replay": {"mode": mode},
+        "fsdp_config": {"param_offload": sharded},
     }))
 }
 
@@ -203,18 +220,24 @@ fn flipping_case() -> (tempfile::TempDir, Rolled, Batch) {
 #[test]
 fn r3_replays_the_rollouts_experts_and_reproduces_its_log_probs() {
     let (dir, rolled, free) = flipping_case();
-    let out = actor(dir.path(), "R3")
-        .compute_log_prob(&rolled.batch)
-        .unwrap();
-    // The routing the engine's forward used, as it recorded it: the rollout's, every entry.
-    assert_eq!(
-        out.require(keys::ROUTED_EXPERTS).unwrap(),
-        rolled.batch.require(keys::ROUTED_EXPERTS).unwrap()
-    );
-    let (replayed, unreplayed) = (vs_rollout(&out, &rolled), vs_rollout(&free, &rolled));
-    println!("max |Δ log-prob| vs the rollout: R3 {replayed:.2e}, without replay {unreplayed:.2e}");
-    assert!(replayed < FP32_ROUNDING, "{replayed:e}");
+    let unreplayed = vs_rollout(&free, &rolled);
+    println!("max |Δ log-prob| vs the rollout without replay: {unreplayed:.2e}");
     assert!(unreplayed > 1e-3, "{unreplayed:e}");
+    for placement in &PLACEMENTS {
+        let out = placed_actor(dir.path(), "R3", placement)
+            .compute_log_prob(&rolled.batch)
+            .unwrap();
+        // The routing the engine's forward used, as it recorded it: the rollout's, every entry.
+        assert_eq!(
+            out.require(keys::ROUTED_EXPERTS).unwrap(),
+            rolled.batch.require(keys::ROUTED_EXPERTS).unwrap(),
+            "{}",
+            placement.0
+        );
+        let replayed = vs_rollout(&out, &rolled);
+        println!("{}: max |Δ log-prob| vs the rollout with R3 {replayed:.2e}", placement.0);
+        assert!(replayed < FP32_ROUNDING, "{}: {replayed:e}", placement.0);
+    }
     // Without replay the engine's forward ignores the batch's routed_experts.
     let disabled = actor(dir.path(), "disabled")
         .compute_log_prob(&rolled.batch)
@@ -246,11 +269,16 @@ fn ppo(mut batch: Batch, old: &Batch) -> Batch {
 #[test]
 fn updates_replay_the_batchs_routing() {
     let (dir, rolled, _) = flipping_case();
-    let mut r3 = actor(dir.path(), "R3");
-    let old_r3 = r3.compute_log_prob(&rolled.batch).unwrap();
-    let metrics = update(&mut r3, &ppo(rolled.batch.clone(), &old_r3));
-    assert_eq!(metric(&metrics, "actor/ppo_kl"), 0.0);
-    assert_eq!(metric(&metrics, "actor/pg_clipfrac"), 0.0);
+    let old_r3 = actor(dir.path(), "R3")
+        .compute_log_prob(&rolled.batch)
+        .unwrap();
+    for placement in &PLACEMENTS {
+        let mut r3 = placed_actor(dir.path(), "R3", placement);
+        let old = r3.compute_log_prob(&rolled.batch).unwrap();
+        let metrics = update(&mut r3, &ppo(rolled.batch.clone(), &old));
+        assert_eq!(metric(&metrics, "actor/ppo_kl"), 0.0, "{}", placement.0);
+        assert_eq!(metric(&metrics, "actor/pg_clipfrac"), 0.0, "{}", placement.0);
+    }
 
     let mut free = actor(dir.path(), "disabled");
     let metrics = update(&mut free, &ppo(rolled.batch.clone(), &old_r3));
@@ -343,20 +371,38 @@ fn the_aux_loss_joins_the_actor_loss_when_the_config_asks() {
 
     let (prompts, completions) = rollout(&source);
     let rolled = lay_out(&prompts, &completions, 2, 2);
-    let trained = |path: &std::path::Path| {
-        let mut actor = actor(path, "disabled");
-        let old = actor.compute_log_prob(&rolled.batch).unwrap();
+    let old = actor(&source, "disabled")
+        .compute_log_prob(&rolled.batch)
+        .unwrap();
+    let trained = |path: &std::path::Path, placement| {
+        let mut actor = placed_actor(path, "disabled", placement);
         let metrics = update(&mut actor, &ppo(rolled.batch.clone(), &old));
         let gate = weights(&mut actor)
             .into_iter()
             .find(|w| w.name.as_str() == "model.layers.0.mlp.gate.weight")
+            .unwrap()
+            .tensor
+            .to_vec::<f32>()
             .unwrap();
         (metrics, gate)
     };
-    let (with_aux, gate_aux) = trained(dir.path());
-    let (without, gate) = trained(&source);
+    let (with_aux, gate_aux) = trained(dir.path(), &PLACEMENTS[0]);
+    let (without, gate) = trained(&source, &PLACEMENTS[0]);
     assert!(without.iter().all(|m| m.key != "actor/moe_aux_loss"));
-    assert_ne!(gate_aux.tensor, gate.tensor);
+    let moved = max_abs_diff(&gate_aux, &gate);
+    println!("router weights with vs without the aux loss: max |Δ| {moved:.2e}");
+    assert!(moved > 1e-6);
+    // Checkpointed and sharded backward passes split the loss by layer: the same update.
+    for placement in &PLACEMENTS[1..] {
+        let (metrics, gate) = trained(dir.path(), placement);
+        let diff = max_abs_diff(&gate, &gate_aux);
+        assert!(diff < 1e-6, "{}: router weights differ by {diff:e}", placement.0);
+        let (got, want) = (
+            metric(&metrics, "actor/moe_aux_loss"),
+            metric(&with_aux, "actor/moe_aux_loss"),
+        );
+        assert!((got - want).abs() < 1e-6, "{}: {got} vs {want}", placement.0);
+    }
 
     let model = CausalLM::from_pretrained(&source, &ModelOptions::default()).unwrap();
     let (ids, mask) = (

@@ -8,6 +8,7 @@ mod config;
 mod engines;
 mod helpers;
 mod launch;
+mod moe;
 mod platform;
 mod rewards;
 mod sglang;

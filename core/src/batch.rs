@@ -100,7 +100,8 @@ pub fn routed_experts(
     let per_token = layers * top_k;
     let mut data = vec![0i64; routed.len() * width * per_token];
     for (row, ((prompt, response), r)) in prompts.iter().zip(responses).zip(routed).enumerate() {
-        let bad = |reason: String| PluginError::other(format!("routed_experts of row {row}: {reason}"));
+        let bad =
+            |reason: String| PluginError::other(format!("routed_experts of row {row}: {reason}"));
         let tokens = r.tokens().map_err(bad)?;
         if (r.layers as usize, r.top_k as usize) != (layers, top_k) {
             return Err(bad(format!(
@@ -115,12 +116,20 @@ pub fn routed_experts(
             )));
         }
         let start = (row * width + prompt_len - prompt.len()) * per_token;
-        for (slot, &e) in data[start..start + r.experts.len()].iter_mut().zip(&r.experts) {
+        for (slot, &e) in data[start..start + r.experts.len()]
+            .iter_mut()
+            .zip(&r.experts)
+        {
             *slot = i64::from(e);
         }
     }
     Tensor::from_slice(
-        &[routed.len() as i64, width as i64, layers as i64, top_k as i64],
+        &[
+            routed.len() as i64,
+            width as i64,
+            layers as i64,
+            top_k as i64,
+        ],
         &data,
     )
 }
@@ -259,12 +268,18 @@ mod tests {
         let err = routed_experts(&prompts, &responses, &[&short, &rows[1]])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("row 0: 1 tokens recorded, the prompt and response fed 3"), "{err}");
+        assert!(
+            err.contains("row 0: 1 tokens recorded, the prompt and response fed 3"),
+            "{err}"
+        );
         let ragged = RoutedExperts::new(2, 2, vec![0, 1, 2]);
         let err = routed_experts(&prompts, &responses, &[&rows[0], &ragged])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("do not split into tokens of 2 layers × top-2"), "{err}");
+        assert!(
+            err.contains("do not split into tokens of 2 layers × top-2"),
+            "{err}"
+        );
     }
 
     #[test]

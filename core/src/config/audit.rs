@@ -203,8 +203,14 @@ pub const RULES: &[Rule] = &[
         "actor_rollout_ref.actor.router_replay.mode",
         "router replay needs an engine that replays each token's experts and declares so (the `fsdp` engine does; `megatron` has no mixture-of-experts layers)",
     ),
-    no_effect("actor_rollout_ref.actor.router_replay.record_file", ROUTING_FILES),
-    no_effect("actor_rollout_ref.actor.router_replay.replay_file", ROUTING_FILES),
+    no_effect(
+        "actor_rollout_ref.actor.router_replay.record_file",
+        ROUTING_FILES,
+    ),
+    no_effect(
+        "actor_rollout_ref.actor.router_replay.replay_file",
+        ROUTING_FILES,
+    ),
     // ref
     acted("actor_rollout_ref.ref.strategy"),
     acted("actor_rollout_ref.ref.log_prob_micro_batch_size"),

@@ -1388,7 +1388,10 @@ fn router_replay_keys_need_components_that_act_on_them() {
     assert_eq!(
         summary,
         [
-            ("actor_rollout_ref.actor.router_replay.mode", Severity::Error),
+            (
+                "actor_rollout_ref.actor.router_replay.mode",
+                Severity::Error
+            ),
             (
                 "actor_rollout_ref.actor.router_replay.record_file",
                 Severity::Warning
@@ -1399,7 +1402,11 @@ fn router_replay_keys_need_components_that_act_on_them() {
             ),
         ]
     );
-    assert!(findings[2].to_string().contains("`vllm`"), "{}", findings[2]);
+    assert!(
+        findings[2].to_string().contains("`vllm`"),
+        "{}",
+        findings[2]
+    );
     let ctx = AuditContext {
         components: vec![
             (
@@ -1416,8 +1423,12 @@ fn router_replay_keys_need_components_that_act_on_them() {
     let keys: Vec<String> = audit(&config, &ctx).into_iter().map(|f| f.key).collect();
     assert_eq!(keys, ["actor_rollout_ref.actor.router_replay.record_file"]);
 
-    let err = load(None, &[], &["actor_rollout_ref.actor.router_replay.mode=R4"])
-        .unwrap_err()
-        .to_string();
+    let err = load(
+        None,
+        &[],
+        &["actor_rollout_ref.actor.router_replay.mode=R4"],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("R4") && err.contains("router_replay"), "{err}");
 }

@@ -862,8 +862,7 @@ impl Trainer {
         }
         shape[0] = parts.iter().map(|(s, _)| s[0]).sum();
         let data: Vec<i64> = parts.into_iter().flat_map(|(_, v)| v).collect();
-        verl_plugin_api::Tensor::from_slice(&shape, &data)
-            .context(|| what.clone())
+        verl_plugin_api::Tensor::from_slice(&shape, &data).context(|| what.clone())
     }
 
     /// The rollout's `routed_experts` of `rows` laid out like their batch (router replay R3).

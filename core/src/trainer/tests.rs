@@ -11,17 +11,14 @@ use verl_plugin_api::{
     Batch, CheckpointCapabilities, CheckpointEngine, Completion, ComponentInit, DType, Engine,
     EngineCapabilities, FinishReason, GenerateOutput, GenerateRequest, Handover, Metric,
     PluginBuilder, PluginError, Rollout, RolloutCapabilities, RoutedExperts, Table, Tensor,
-    TensorRef, Tracker,
-    TrackerCapabilities, WeightSource, WeightSourceKind, keys,
+    TensorRef, Tracker, TrackerCapabilities, WeightSource, WeightSourceKind, keys,
 };
 use verl_plugin_host::{DeviceReport, Registry};
 
 use super::{NonFinite, RunSummary, TrainError, Trainer};
 use crate::algo::{AdvEstimator, IsLevel};
 use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
-use crate::config::{
-    Config, NanPolicy, ResumeMode, RouterReplayMode, RsThreshold, TrainingMode,
-};
+use crate::config::{Config, NanPolicy, ResumeMode, RouterReplayMode, RsThreshold, TrainingMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
 use crate::placement::Placement;
 

@@ -118,11 +118,11 @@ impl LocalModel {
         let context = self.context(rows)?;
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
-            let (_, aux) = self.model.backward_checkpointed_aux_in(
-                &context,
-                aux_weight,
-                |hidden| loss_fn(hidden, &context),
-            )?;
+            let (_, aux) =
+                self.model
+                    .backward_checkpointed_aux_in(&context, aux_weight, |hidden| {
+                        loss_fn(hidden, &context)
+                    })?;
             return Ok(aux);
         }
         let hidden = self.model.hidden_states_in(&context);
@@ -140,6 +140,26 @@ impl LocalModel {
 }
 
 impl LocalModel {
+    /// The response scores of `rows` and the context of their forward pass (which recorded the
+    /// experts of a mixture-of-experts model).
+    fn scored(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        let scores = self.model.response_scores_in(
+            &hidden,
+            &context,
+            rows.response_len,
+            temperature,
+            with_entropy,
+        )?;
+        Ok((scores, context))
+    }
+
     fn backward_scores_with(
         &self,
         rows: &Rows,
@@ -171,15 +191,8 @@ impl Strategy for LocalModel {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        let context = self.context(rows)?;
-        let hidden = self.model.hidden_states_in(&context);
-        self.model.response_scores_in(
-            &hidden,
-            &context,
-            rows.response_len,
-            temperature,
-            with_entropy,
-        )
+        self.scored(rows, temperature, with_entropy)
+            .map(|(scores, _)| scores)
     }
 
     fn scores_routed(
@@ -188,15 +201,7 @@ impl Strategy for LocalModel {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
-        let context = self.context(rows)?;
-        let hidden = self.model.hidden_states_in(&context);
-        let scores = self.model.response_scores_in(
-            &hidden,
-            &context,
-            rows.response_len,
-            temperature,
-            with_entropy,
-        )?;
+        let (scores, context) = self.scored(rows, temperature, with_entropy)?;
         Ok((scores, context.take_routed_experts()?))
     }
 

@@ -80,7 +80,11 @@ struct Rolled {
 
 fn lay_out(prompts: &[Vec<i64>], completions: &[Completion], layers: i64, k: i64) -> Rolled {
     let p = prompts.iter().map(Vec::len).max().unwrap();
-    let r = completions.iter().map(|c| c.response_ids.len()).max().unwrap();
+    let r = completions
+        .iter()
+        .map(|c| c.response_ids.len())
+        .max()
+        .unwrap();
     let (b, w, per_token) = (completions.len(), p + r, (layers * k) as usize);
     let (mut ids, mut mask) = (vec![0i64; b * w], vec![0i64; b * w]);
     let (mut responses, mut rmask) = (vec![0i64; b * r], vec![0f32; b * r]);
@@ -235,7 +239,10 @@ fn r3_replays_the_rollouts_experts_and_reproduces_its_log_probs() {
             placement.0
         );
         let replayed = vs_rollout(&out, &rolled);
-        println!("{}: max |Δ log-prob| vs the rollout with R3 {replayed:.2e}", placement.0);
+        println!(
+            "{}: max |Δ log-prob| vs the rollout with R3 {replayed:.2e}",
+            placement.0
+        );
         assert!(replayed < FP32_ROUNDING, "{}: {replayed:e}", placement.0);
     }
     // Without replay the engine's forward ignores the batch's routed_experts.
@@ -277,7 +284,12 @@ fn updates_replay_the_batchs_routing() {
         let old = r3.compute_log_prob(&rolled.batch).unwrap();
         let metrics = update(&mut r3, &ppo(rolled.batch.clone(), &old));
         assert_eq!(metric(&metrics, "actor/ppo_kl"), 0.0, "{}", placement.0);
-        assert_eq!(metric(&metrics, "actor/pg_clipfrac"), 0.0, "{}", placement.0);
+        assert_eq!(
+            metric(&metrics, "actor/pg_clipfrac"),
+            0.0,
+            "{}",
+            placement.0
+        );
     }
 
     let mut free = actor(dir.path(), "disabled");
@@ -345,7 +357,10 @@ fn replay_errors_name_the_key() {
             &["router_replay", "R4"][..],
         ),
     ] {
-        let err = new_engine().init(&init_for(&config)).unwrap_err().to_string();
+        let err = new_engine()
+            .init(&init_for(&config))
+            .unwrap_err()
+            .to_string();
         assert!(words.iter().all(|w| err.contains(w)), "{err}");
     }
 }
@@ -396,12 +411,20 @@ fn the_aux_loss_joins_the_actor_loss_when_the_config_asks() {
     for placement in &PLACEMENTS[1..] {
         let (metrics, gate) = trained(dir.path(), placement);
         let diff = max_abs_diff(&gate, &gate_aux);
-        assert!(diff < 1e-6, "{}: router weights differ by {diff:e}", placement.0);
+        assert!(
+            diff < 1e-6,
+            "{}: router weights differ by {diff:e}",
+            placement.0
+        );
         let (got, want) = (
             metric(&metrics, "actor/moe_aux_loss"),
             metric(&with_aux, "actor/moe_aux_loss"),
         );
-        assert!((got - want).abs() < 1e-6, "{}: {got} vs {want}", placement.0);
+        assert!(
+            (got - want).abs() < 1e-6,
+            "{}: {got} vs {want}",
+            placement.0
+        );
     }
 
     let model = CausalLM::from_pretrained(&source, &ModelOptions::default()).unwrap();

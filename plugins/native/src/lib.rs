@@ -91,10 +91,7 @@ impl Generator {
                 .into());
             };
             // Layer and expert counts come from config.json, far below u32::MAX.
-            Some((
-                model.sparse_layers() as u32,
-                moe.num_experts_per_tok as u32,
-            ))
+            Some((model.sparse_layers() as u32, moe.num_experts_per_tok as u32))
         } else {
             None
         };

@@ -26,8 +26,8 @@ pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
 pub use model::{
-    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, Packing, RouterOutput,
-    TensorParallel, load_balancing_loss,
+    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, Packing, RouterOutput, TensorParallel,
+    load_balancing_loss,
 };
 pub use optim::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, OPTIMIZER_FILE, TRAIN_STATE_FILE, TrainState,

@@ -1350,14 +1350,24 @@ impl CausalLM {
     /// in the pass's graph), over its real tokens.
     pub fn load_balancing_loss_in(&self, block: &BlockContext) -> Result<Tensor> {
         let (e, k) = self.experts()?;
-        load_balancing_loss(&block.take_router_logits(), e, k, block.token_mask().as_ref())
+        load_balancing_loss(
+            &block.take_router_logits(),
+            e,
+            k,
+            block.token_mask().as_ref(),
+        )
     }
 
     /// [`Self::load_balancing_loss_in`] split by layer, for a backward pass that recomputes one
     /// layer at a time.
     pub fn load_balance_in(&self, block: &BlockContext) -> Result<LoadBalance> {
         let (e, k) = self.experts()?;
-        LoadBalance::new(&block.take_router_logits(), e, k, block.token_mask().as_ref())
+        LoadBalance::new(
+            &block.take_router_logits(),
+            e,
+            k,
+            block.token_mask().as_ref(),
+        )
     }
 
     /// Experts per sparse layer and per token.
@@ -1530,7 +1540,12 @@ impl BlockContext {
     /// Each sparse layer's router logits `[N, experts]` recorded since the last take, in layer
     /// order (`N`: the context's tokens, flattened).
     pub fn take_router_logits(&self) -> Vec<Tensor> {
-        self.context.routing.take().into_iter().map(|l| l.logits).collect()
+        self.context
+            .routing
+            .take()
+            .into_iter()
+            .map(|l| l.logits)
+            .collect()
     }
 
     /// Which of the context's `N` tokens are real, flattened like the router logits; `None` when

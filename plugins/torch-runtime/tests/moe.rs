@@ -433,13 +433,19 @@ fn the_layer_split_aux_loss_equals_the_whole_one_in_value_and_gradient() {
     let want = Tensor::run_backward(&[&whole], &leaves, false, false);
     let split = LoadBalance::new(&router.logits, e, k, Some(&mask)).unwrap();
     let terms: Vec<Tensor> = leaves.iter().map(|l| split.layer_term(l)).collect();
-    let total = terms.iter().fold(Tensor::zeros([], (Kind::Float, tch::Device::Cpu)), |a, t| a + t);
+    let total = terms.iter().fold(
+        Tensor::zeros([], (Kind::Float, tch::Device::Cpu)),
+        |a, t| a + t,
+    );
     assert!((total.double_value(&[]) - whole.double_value(&[])).abs() < 1e-6);
     assert!((split.value - whole.double_value(&[])).abs() < 1e-6);
     let got = Tensor::run_backward(&[&total], &leaves, false, false);
     for (g, w) in got.iter().zip(&want) {
         let diff = (g - w).abs().max().double_value(&[]);
         assert!(diff < 1e-7, "gradient differs by {diff:e}");
-        assert!(w.abs().max().double_value(&[]) > 0.0, "a gradient to compare");
+        assert!(
+            w.abs().max().double_value(&[]) > 0.0,
+            "a gradient to compare"
+        );
     }
 }

@@ -141,6 +141,28 @@ impl ShardedStrategy {
         })
     }
 
+    /// The response scores of `rows` and the context of their forward pass.
+    fn scored(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+        self.run(|model, group| {
+            let context = self.context(model, rows)?;
+            let scores = model.forward(group, &context, |m, hidden| {
+                m.response_scores_in(
+                    hidden,
+                    &context,
+                    rows.response_len,
+                    temperature,
+                    with_entropy,
+                )
+            })?;
+            Ok((scores, context))
+        })
+    }
+
     /// `f`'s value, or `fallback` with the failure kept for the next call.
     fn run_or_keep<T>(
         &mut self,
@@ -168,18 +190,8 @@ impl Strategy for ShardedStrategy {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        self.run(|model, group| {
-            let context = self.context(model, rows)?;
-            model.forward(group, &context, |m, hidden| {
-                m.response_scores_in(
-                    hidden,
-                    &context,
-                    rows.response_len,
-                    temperature,
-                    with_entropy,
-                )
-            })
-        })
+        self.scored(rows, temperature, with_entropy)
+            .map(|(scores, _)| scores)
     }
 
     /// The forward records each sparse layer's experts in the context (a replayed pass records
@@ -190,19 +202,8 @@ impl Strategy for ShardedStrategy {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
-        self.run(|model, group| {
-            let context = self.context(model, rows)?;
-            let scores = model.forward(group, &context, |m, hidden| {
-                m.response_scores_in(
-                    hidden,
-                    &context,
-                    rows.response_len,
-                    temperature,
-                    with_entropy,
-                )
-            })?;
-            Ok((scores, context.take_routed_experts()?))
-        })
+        let (scores, context) = self.scored(rows, temperature, with_entropy)?;
+        Ok((scores, context.take_routed_experts()?))
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {

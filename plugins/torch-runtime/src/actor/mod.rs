@@ -628,50 +628,58 @@ fn actor_micro_step<S: Strategy>(
     let with_entropy = s.entropy_coeff != 0.0;
     // The micro-batch's share of the mini-batch (by response tokens, like token-mean): the
     // mini-batch's load-balancing term is the token-weighted mean of its micro-batches' losses.
-    let aux_weight = scalar(&response_mask.sum(Kind::Float))
-        / scale.batch_num_tokens.unwrap_or(1.0).max(1.0);
-    let aux = strategy.backward_scores_aux(micro, temperature, with_entropy, aux_weight, &mut |scores| {
-        let pg = policy_loss(
-            s.loss_mode,
-            PolicyBatch {
-                old_log_prob: micro.get(keys::OLD_LOG_PROBS),
-                log_prob: &scores.log_probs,
-                advantages: micro.get(keys::ADVANTAGES),
-                response_mask,
-                rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
-            },
-            &s.clip,
-            &s.loss_options,
-            s.loss_agg_mode,
-            scale,
-        )?;
-        for &(key, value) in &pg.metrics {
-            metrics.push(key, value);
-        }
-        losses.push(("actor/pg_loss", scalar(&pg.pg_loss)));
-        let mut terms = vec![pg.pg_loss];
-        if let Some(entropy) = &scores.entropy {
-            // The micro-batch's own mean entropy, as verl reports it.
-            let own = agg_loss(
-                &entropy.detach(),
-                response_mask,
+    let aux_weight =
+        scalar(&response_mask.sum(Kind::Float)) / scale.batch_num_tokens.unwrap_or(1.0).max(1.0);
+    let aux = strategy.backward_scores_aux(
+        micro,
+        temperature,
+        with_entropy,
+        aux_weight,
+        &mut |scores| {
+            let pg = policy_loss(
+                s.loss_mode,
+                PolicyBatch {
+                    old_log_prob: micro.get(keys::OLD_LOG_PROBS),
+                    log_prob: &scores.log_probs,
+                    advantages: micro.get(keys::ADVANTAGES),
+                    response_mask,
+                    rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
+                },
+                &s.clip,
+                &s.loss_options,
                 s.loss_agg_mode,
-                &AggScale::default(),
-            );
-            metrics.push("actor/entropy", scalar(&own));
-            terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
-        }
-        if let Some((coef, penalty)) = s.kl_loss {
-            let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
-            let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
-            losses.push(("actor/kl_loss", scalar(&kl_loss)));
-            terms.push(kl_loss * coef);
-        }
-        // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
-        let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
-        losses.push(("actor/loss", scalar(&loss)));
-        Ok(loss)
-    })?;
+                scale,
+            )?;
+            for &(key, value) in &pg.metrics {
+                metrics.push(key, value);
+            }
+            losses.push(("actor/pg_loss", scalar(&pg.pg_loss)));
+            let mut terms = vec![pg.pg_loss];
+            if let Some(entropy) = &scores.entropy {
+                // The micro-batch's own mean entropy, as verl reports it.
+                let own = agg_loss(
+                    &entropy.detach(),
+                    response_mask,
+                    s.loss_agg_mode,
+                    &AggScale::default(),
+                );
+                metrics.push("actor/entropy", scalar(&own));
+                terms.push(
+                    agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff,
+                );
+            }
+            if let Some((coef, penalty)) = s.kl_loss {
+                let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
+                let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
+                losses.push(("actor/kl_loss", scalar(&kl_loss)));
+                terms.push(kl_loss * coef);
+            }
+            // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
+            let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
+            losses.push(("actor/loss", scalar(&loss)));
+            Ok(loss)
+        },
+    )?;
     if let Some(aux) = aux {
         metrics.push("actor/moe_aux_loss", aux);
     }

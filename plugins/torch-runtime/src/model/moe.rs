@@ -84,55 +84,28 @@ impl RouterOutput {
 /// transformers' `load_balancing_loss_func` (Switch Transformer eq. 4–6) over the sparse layers'
 /// router `logits` (`[N, experts]` each): `experts · Σ_e f_e · P_e`, with `f_e` the fraction of
 /// top-`k` assignments to expert `e` and `P_e` its mean routing probability, over all layers'
-/// tokens; `attention_mask` (`[N]` flattened as the logits' rows) leaves padding out. fp32 scalar.
+/// tokens; `attention_mask` (`[N]` flattened as the logits' rows) leaves padding out. fp32 scalar,
+/// in the logits' graph.
 pub fn load_balancing_loss(
     logits: &[Tensor],
     num_experts: i64,
     top_k: i64,
     attention_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let Some(first) = logits.first() else {
-        return Err(ModelError::invalid_input(
-            "router logits",
-            "the model has no sparse layer",
-        ));
-    };
-    let options = (Kind::Float, first.device());
-    let mask = attention_mask.map(|m| {
-        m.reshape([-1])
-            .to_kind(Kind::Float)
-            .to_device(first.device())
-    });
-    let mut tokens_per_expert = Tensor::zeros([num_experts], options);
-    let mut prob_per_expert = Tensor::zeros([num_experts], options);
-    let mut rows = Tensor::zeros([], options);
-    for layer in logits {
-        let probs = layer.softmax(-1, Kind::Float);
-        let (_, selected) = probs.topk(top_k, -1, true, true);
-        let weight = match &mask {
-            Some(m) => m.shallow_clone(),
-            None => Tensor::ones([probs.size()[0]], options),
-        };
-        tokens_per_expert = tokens_per_expert.scatter_add(
-            0,
-            &selected.reshape([-1]),
-            &weight.repeat_interleave_self_int(top_k, 0, None),
-        );
-        prob_per_expert += (probs * weight.unsqueeze(-1)).sum_dim_intlist(0, false, Kind::Float);
-        rows += weight.sum(Kind::Float);
-    }
-    Ok(
-        (tokens_per_expert / &rows * (prob_per_expert / &rows)).sum(Kind::Float)
-            * num_experts as f64,
-    )
+    let balance = LoadBalance::new(logits, num_experts, top_k, attention_mask)?;
+    Ok(logits
+        .iter()
+        .map(|layer| balance.layer_term(layer))
+        .reduce(|a, b| a + b)
+        .expect("LoadBalance::new refuses no layers"))
 }
 
 /// [`load_balancing_loss`] taken one layer at a time, for a backward pass that recomputes and
 /// differentiates each layer on its own (activation checkpointing). The loss is
-/// `Σ_e (E·f_e/rows²) · Σ_layers Σ_tokens m·p_e`: the counts `f_e` (top-k assignments) carry no
-/// gradient, so with them fixed from the whole pass it is a sum over layers of
-/// [`LoadBalance::layer_term`], each with the loss's exact gradient with respect to its layer's
-/// logits.
+/// `Σ_e (E·c_e/rows²) · Σ_layers Σ_tokens m·p_e` (`c_e` the masked top-k assignments to `e` over
+/// all layers, `rows` the masked tokens × layers): the counts carry no gradient, so with them
+/// fixed from the whole pass it is a sum over layers of [`LoadBalance::layer_term`], each with
+/// the loss's exact gradient with respect to its layer's logits.
 pub struct LoadBalance {
     /// `E·f_e/rows²` per expert.
     weights: Tensor,
@@ -150,11 +123,18 @@ impl LoadBalance {
         top_k: i64,
         attention_mask: Option<&Tensor>,
     ) -> Result<Self> {
-        let value = tch::no_grad(|| load_balancing_loss(logits, num_experts, top_k, attention_mask))?
-            .double_value(&[]);
-        let first = &logits[0];
+        let Some(first) = logits.first() else {
+            return Err(ModelError::invalid_input(
+                "router logits",
+                "the model has no sparse layer",
+            ));
+        };
         let options = (Kind::Float, first.device());
-        let mask = attention_mask.map(|m| m.reshape([-1]).to_kind(Kind::Float).to_device(first.device()));
+        let mask = attention_mask.map(|m| {
+            m.reshape([-1])
+                .to_kind(Kind::Float)
+                .to_device(first.device())
+        });
         let weights = tch::no_grad(|| {
             let mut counts = Tensor::zeros([num_experts], options);
             let mut rows = 0.0;
@@ -173,11 +153,18 @@ impl LoadBalance {
             }
             counts * (num_experts as f64 / (rows * rows).max(1.0))
         });
-        Ok(Self {
+        let mut balance = Self {
             weights,
-            value,
+            value: 0.0,
             mask,
-        })
+        };
+        balance.value = tch::no_grad(|| {
+            logits
+                .iter()
+                .map(|layer| balance.layer_term(layer).double_value(&[]))
+                .sum()
+        });
+        Ok(balance)
     }
 
     /// One layer's share of the loss, in the graph of its `logits` `[N, experts]`.

@@ -110,6 +110,8 @@ pub fn run_sft(
     section["entropy_coeff"] = json!(0.0);
     section["use_kl_loss"] = json!(false);
     section["loss_agg_mode"] = json!("token-mean");
+    // Supervised data has no recorded routing: the model routes with its own router.
+    section["router_replay"]["mode"] = json!("disabled");
     section["optim"]["lr"] = json!(sft.lr);
     section["optim"]["lr_warmup_steps"] = json!(0);
     section["optim"]["weight_decay"] = json!(0.0);

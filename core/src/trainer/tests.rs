@@ -2643,8 +2643,11 @@ fn rollout_correction_reaches_the_update() {
     );
 }
 
+/// One engine call's `routed_experts`: the call, the values, the shape and the attention mask.
+type RoutedCall = (&'static str, Vec<i64>, Vec<i64>, Vec<i64>);
+
 /// The `routed_experts` the engine calls of a run received, by call.
-fn routed(log: &Log) -> Vec<(&'static str, Vec<i64>, Vec<i64>, Vec<i64>)> {
+fn routed(log: &Log) -> Vec<RoutedCall> {
     log.events()
         .into_iter()
         .filter_map(|e| match e {

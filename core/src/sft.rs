@@ -114,6 +114,8 @@ pub fn run_sft(
     if let Some(section) = section.as_object_mut() {
         section.remove("distillation_loss");
     }
+    // Supervised data has no recorded routing: the model routes with its own router.
+    section["router_replay"]["mode"] = json!("disabled");
     section["optim"]["lr"] = json!(sft.lr);
     section["optim"]["lr_warmup_steps"] = json!(0);
     section["optim"]["weight_decay"] = json!(0.0);

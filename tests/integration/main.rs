@@ -9,6 +9,7 @@ mod distill;
 mod engines;
 mod helpers;
 mod launch;
+mod moe;
 mod platform;
 mod rewards;
 mod sglang;

@@ -78,6 +78,8 @@ const NO_REWARD_MODEL: &str =
     "only rule-based rewards by data_source are built in (reward_model.enable)";
 const NO_RAY: &str =
     "there is no Ray or worker group: the trainer and its components run in this process";
+const ROUTING_FILES: &str =
+    "declared by verl, read by none of its workers: the routing travels in the batch";
 const NO_PROFILER: &str = "profilers are not wired; the timing_s/* metrics time each stage";
 
 /// Every key of the schema, by path; a section's rule covers the keys below it that have none.
@@ -197,6 +199,18 @@ pub const RULES: &[Rule] = &[
         "actor_rollout_ref.actor.optim.total_training_steps",
         FILLED_IN,
     ),
+    unsupported(
+        "actor_rollout_ref.actor.router_replay.mode",
+        "router replay needs an engine that replays each token's experts and declares so (the `fsdp` engine does; `megatron` has no mixture-of-experts layers)",
+    ),
+    no_effect(
+        "actor_rollout_ref.actor.router_replay.record_file",
+        ROUTING_FILES,
+    ),
+    no_effect(
+        "actor_rollout_ref.actor.router_replay.replay_file",
+        ROUTING_FILES,
+    ),
     // ref
     acted("actor_rollout_ref.ref.strategy"),
     acted("actor_rollout_ref.ref.log_prob_micro_batch_size"),
@@ -208,6 +222,10 @@ pub const RULES: &[Rule] = &[
         PARALLEL,
     ),
     no_effect("actor_rollout_ref.ref.profiler", NO_PROFILER),
+    unsupported(
+        "actor_rollout_ref.ref.router_replay",
+        "the reference policy routes with its own router; verl replays routing in the actor only",
+    ),
     // rollout
     acted("actor_rollout_ref.rollout.name"),
     Rule {
@@ -279,6 +297,10 @@ pub const RULES: &[Rule] = &[
     no_effect(
         "actor_rollout_ref.rollout.skip_tokenizer_init",
         INFERENCE_SERVER,
+    ),
+    unsupported(
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+        "the rollout must return each token's experts and declare so (the `native` rollout does; the `vllm` and `sglang` adapters do not)",
     ),
     plugin("actor_rollout_ref.rollout.engine_kwargs"),
     acted("actor_rollout_ref.rollout.val_kwargs"),

@@ -336,6 +336,29 @@ impl Default for PolicyLossConfig {
     }
 }
 
+/// verl's `router_replay.mode` (`RouterReplayConfig`) for mixture-of-experts policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum RouterReplayMode {
+    #[default]
+    #[serde(rename = "disabled")]
+    Disabled,
+    /// The old-log-prob forward records each token's experts; the update replays them.
+    R2,
+    /// The rollout records each token's experts (`rollout.enable_rollout_routing_replay`); the
+    /// old-log-prob forward and the update replay them.
+    R3,
+}
+
+/// verl's `router_replay` section of the actor and the reference.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterReplayConfig {
+    pub mode: RouterReplayMode,
+    /// Declared by verl, read by none of its workers.
+    pub record_file: Option<String>,
+    pub replay_file: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ActorConfig {
@@ -372,6 +395,7 @@ pub struct ActorConfig {
     pub use_torch_compile: bool,
     pub optim: OptimConfig,
     pub profiler: Value,
+    pub router_replay: RouterReplayConfig,
     /// The engine's section (`fsdp_config`, `megatron`, …).
     #[serde(flatten)]
     pub sections: Sections,
@@ -406,6 +430,7 @@ impl Default for ActorConfig {
             use_torch_compile: true,
             optim: OptimConfig::default(),
             profiler: empty_object(),
+            router_replay: RouterReplayConfig::default(),
             sections: Sections::new(),
         }
     }
@@ -424,6 +449,7 @@ pub struct RefConfig {
     pub log_prob_max_token_len_per_gpu: Option<usize>,
     pub ulysses_sequence_parallel_size: usize,
     pub profiler: Value,
+    pub router_replay: RouterReplayConfig,
     /// The engine's section, not inherited from the actor's (verl's ref has its own).
     #[serde(flatten)]
     pub sections: Sections,
@@ -439,6 +465,7 @@ impl Default for RefConfig {
             log_prob_max_token_len_per_gpu: None,
             ulysses_sequence_parallel_size: 1,
             profiler: empty_object(),
+            router_replay: RouterReplayConfig::default(),
             sections: Sections::new(),
         }
     }
@@ -529,6 +556,8 @@ pub struct RolloutConfig {
     pub disable_log_stats: bool,
     pub calculate_log_probs: bool,
     pub skip_tokenizer_init: bool,
+    /// Return each token's experts with the completions (verl's rollout router replay, R3).
+    pub enable_rollout_routing_replay: bool,
     /// Rollout sections by engine name; verl's default names its two engines, ours none.
     pub engine_kwargs: Value,
     pub val_kwargs: ValKwargs,
@@ -569,6 +598,7 @@ impl Default for RolloutConfig {
             disable_log_stats: true,
             calculate_log_probs: false,
             skip_tokenizer_init: true,
+            enable_rollout_routing_replay: false,
             engine_kwargs: empty_object(),
             val_kwargs: ValKwargs::default(),
             checkpoint_engine: CheckpointEngineConfig::default(),

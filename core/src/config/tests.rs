@@ -1416,3 +1416,72 @@ fn one_off_commands_report_what_they_do_not_read() {
         assert_eq!(outcome(&[arg], &generate), want, "generate: {arg}");
     }
 }
+
+/// verl's router-replay keys: the mode is refused unless the engine declares it acts on it, the
+/// rollout's recording unless the rollout does (the `vllm` and `sglang` adapters do not, and the
+/// message names them); verl's unread `record_file` only warns; a mode verl does not know is a
+/// syntax error naming it.
+#[test]
+fn router_replay_keys_need_components_that_act_on_them() {
+    let config = load(
+        None,
+        &[],
+        &[
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.actor.router_replay.record_file=/tmp/r",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        ],
+    )
+    .unwrap();
+    let findings = audit(&config, &AuditContext::default());
+    let summary: Vec<(&str, Severity)> = findings
+        .iter()
+        .map(|f| (f.key.as_str(), f.severity))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (
+                "actor_rollout_ref.actor.router_replay.mode",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.actor.router_replay.record_file",
+                Severity::Warning
+            ),
+            (
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+                Severity::Error
+            ),
+        ]
+    );
+    assert!(
+        findings[2].to_string().contains("`vllm`"),
+        "{}",
+        findings[2]
+    );
+    let ctx = AuditContext {
+        components: vec![
+            (
+                "actor_rollout_ref.actor".into(),
+                verl_plugin_api::ConfigKeys::default().acts_on(["router_replay.mode"]),
+            ),
+            (
+                "actor_rollout_ref.rollout".into(),
+                verl_plugin_api::ConfigKeys::default().acts_on(["enable_rollout_routing_replay"]),
+            ),
+        ],
+        ..AuditContext::default()
+    };
+    let keys: Vec<String> = audit(&config, &ctx).into_iter().map(|f| f.key).collect();
+    assert_eq!(keys, ["actor_rollout_ref.actor.router_replay.record_file"]);
+
+    let err = load(
+        None,
+        &[],
+        &["actor_rollout_ref.actor.router_replay.mode=R4"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("R4") && err.contains("router_replay"), "{err}");
+}

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
     Batch, ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError,
-    RolloutCapabilities, RunContext, SamplingParams, Table, keys,
+    RolloutCapabilities, RoutedExperts, RunContext, SamplingParams, Table, keys,
 };
 use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, RewardHandle};
 
@@ -38,7 +38,9 @@ use crate::algo::{
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
-use crate::config::{Config, EngineRole, NanPolicy, ResumeMode, Slot, TrainingMode};
+use crate::config::{
+    Config, EngineRole, NanPolicy, ResumeMode, RouterReplayMode, Slot, TrainingMode,
+};
 use crate::data::{
     ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt,
     expand_home, load_samples,
@@ -207,6 +209,10 @@ struct Row {
     rollout_log_probs: Vec<f32>,
     /// The weight version (the global step whose weights) the rollout generated it with.
     weight_version: u64,
+    /// The experts each token was routed through, when the rollout recorded them
+    /// (`enable_rollout_routing_replay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    routed_experts: Option<RoutedExperts>,
 }
 
 /// A training batch, generated and scored: what a step trains on. In `one_step_off` mode the
@@ -299,6 +305,7 @@ impl Generation {
                     response: c.response_ids.clone(),
                     rollout_log_probs: c.logprobs.clone(),
                     weight_version,
+                    routed_experts: c.routed_experts.clone(),
                 });
             }
             rows.sort_by_key(|r| r.group);
@@ -853,6 +860,54 @@ impl Trainer {
         MatrixRows::concat(parts, name).map_err(|reason| TrainError::Ranks { what, reason })
     }
 
+    /// Every rank's rows of an int64 batch tensor (`routed_experts`), in rank order.
+    fn gather_rows(
+        &mut self,
+        name: &str,
+        part: &verl_plugin_api::Tensor,
+    ) -> Result<verl_plugin_api::Tensor, TrainError> {
+        if self.ranks.single() {
+            return Ok(part.clone());
+        }
+        let what = format!("gathering `{name}`");
+        let values = part
+            .to_vec::<i64>()
+            .map_err(|e| TrainError::Invalid(format!("`{name}`: {e}")))?;
+        let parts = self.all_gather(&what, (part.shape.to_vec(), values))?;
+        let mut shape = parts[0].0.clone();
+        if parts.iter().any(|(s, _)| s[1..] != shape[1..]) {
+            return Err(TrainError::Ranks {
+                what,
+                reason: "the ranks' parts differ in shape beyond the rows".to_owned(),
+            });
+        }
+        shape[0] = parts.iter().map(|(s, _)| s[0]).sum();
+        let data: Vec<i64> = parts.into_iter().flat_map(|(_, v)| v).collect();
+        verl_plugin_api::Tensor::from_slice(&shape, &data).context(|| what.clone())
+    }
+
+    /// The rollout's `routed_experts` of `rows` laid out like their batch (router replay R3).
+    fn rollout_routing(
+        &self,
+        rows: &[Row],
+        prompts: &[Vec<u32>],
+        responses: &[Vec<u32>],
+    ) -> Result<verl_plugin_api::Tensor, TrainError> {
+        let name = &self.config.actor_rollout_ref.rollout.name;
+        let routed = rows
+            .iter()
+            .map(|r| {
+                r.routed_experts.as_ref().ok_or_else(|| {
+                    TrainError::Invalid(format!(
+                        "actor_rollout_ref.actor.router_replay.mode=R3: rollout `{name}` returned a completion without routed_experts"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        batch::routed_experts(prompts, responses, &routed)
+            .context(|| format!("the routed_experts of rollout `{name}`"))
+    }
+
     /// This rank's rows of the global batch (all of it on one rank).
     fn local<'a>(
         &self,
@@ -1307,6 +1362,12 @@ impl Trainer {
         let responses: Vec<Vec<u32>> = rows.iter().map(|r| r.response.clone()).collect();
         let mut batch = batch::build(&prompts, &responses, 0)
             .context(|| "building the training batch".to_owned())?;
+        if self.config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R3 {
+            batch.insert(
+                keys::ROUTED_EXPERTS,
+                self.rollout_routing(&rows, &prompts, &responses)?,
+            );
+        }
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
         batch.meta_json =
             json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true,
@@ -1349,6 +1410,14 @@ impl Trainer {
                 )
                 .context(|| "actor output".to_owned())?;
                 let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
+                // R2: the experts this forward routed, for the update to replay (verl keeps them in
+                // place of any rollout's).
+                if let Some(routed) = old.get(keys::ROUTED_EXPERTS)
+                    && self.config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R2
+                {
+                    let routed = self.gather_rows(keys::ROUTED_EXPERTS, routed)?;
+                    batch.insert(keys::ROUTED_EXPERTS, routed);
+                }
                 if let Some(entropy) = old.get(keys::ENTROPYS) {
                     let entropy = batch::matrix(keys::ENTROPYS, entropy)
                         .context(|| "actor output".to_owned())?;
@@ -2243,6 +2312,19 @@ impl Components {
                 self.rollout.name,
                 run.world_size
             );
+        }
+        if settings.enable_rollout_routing_replay && !rollout_caps.routed_experts {
+            return Err(TrainError::Capability(format!(
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true, but rollout `{}` cannot return each token's experts (routed_experts)",
+                self.rollout.name
+            )));
+        }
+        if config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R3
+            && !settings.enable_rollout_routing_replay
+        {
+            return Err(TrainError::Capability(
+                "actor_rollout_ref.actor.router_replay.mode=R3 replays the rollout's experts: set actor_rollout_ref.rollout.enable_rollout_routing_replay=true".to_owned(),
+            ));
         }
         if settings.calculate_log_probs && !rollout_caps.logprobs {
             return Err(TrainError::Capability(format!(

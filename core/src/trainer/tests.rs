@@ -10,15 +10,15 @@ use serde_json::json;
 use verl_plugin_api::{
     Batch, CheckpointCapabilities, CheckpointEngine, Completion, ComponentInit, DType, Engine,
     EngineCapabilities, FinishReason, GenerateOutput, GenerateRequest, Handover, Metric,
-    PluginBuilder, PluginError, Rollout, RolloutCapabilities, Table, Tensor, TensorRef, Tracker,
-    TrackerCapabilities, WeightSource, WeightSourceKind, keys,
+    PluginBuilder, PluginError, Rollout, RolloutCapabilities, RoutedExperts, Table, Tensor,
+    TensorRef, Tracker, TrackerCapabilities, WeightSource, WeightSourceKind, keys,
 };
 use verl_plugin_host::{DeviceReport, Registry};
 
 use super::{NonFinite, RunSummary, TrainError, Trainer};
 use crate::algo::{AdvEstimator, IsLevel};
 use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
-use crate::config::{Config, NanPolicy, ResumeMode, RsThreshold, TrainingMode};
+use crate::config::{Config, NanPolicy, ResumeMode, RouterReplayMode, RsThreshold, TrainingMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
 use crate::placement::Placement;
 
@@ -54,6 +54,14 @@ enum Event {
     UpdateCritic {
         role: String,
         keys: Vec<String>,
+    },
+    /// The `routed_experts` an engine call received (`[B, T, L, k]` values and shape) with the
+    /// batch's attention mask.
+    Routed {
+        op: &'static str,
+        experts: Vec<i64>,
+        shape: Vec<i64>,
+        mask: Vec<i64>,
     },
     /// The engine lent its weights.
     Weights(String),
@@ -134,6 +142,19 @@ fn filled(batch: &Batch, value: f32) -> Result<Tensor, PluginError> {
     Tensor::from_slice(&[b, r], &vec![value; (b * r) as usize])
 }
 
+/// Records the batch's `routed_experts`, when it has them.
+fn log_routing(log: &Log, op: &'static str, batch: &Batch) -> Result<(), PluginError> {
+    if let Some(routed) = batch.get(keys::ROUTED_EXPERTS) {
+        log.push(Event::Routed {
+            op,
+            experts: routed.to_vec::<i64>()?,
+            shape: routed.shape.to_vec(),
+            mask: batch.require(keys::ATTENTION_MASK)?.to_vec::<i64>()?,
+        });
+    }
+    Ok(())
+}
+
 fn global_steps(batch: &Batch) -> u64 {
     serde_json::from_str::<serde_json::Value>(batch.meta_json.as_str())
         .ok()
@@ -149,6 +170,8 @@ struct FakeEngine {
     log: Log,
     faults: Faults,
     role: String,
+    /// `router_replay.mode` of its section.
+    router_replay: String,
     shape: Vec<i64>,
     weight: Vec<u8>,
 }
@@ -159,6 +182,7 @@ impl FakeEngine {
             log,
             faults,
             role: String::new(),
+            router_replay: String::new(),
             shape: vec![1],
             weight: 0f32.to_le_bytes().to_vec(),
         }
@@ -177,6 +201,10 @@ impl Engine for FakeEngine {
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.role = init.config["role"].as_str().unwrap_or("?").to_owned();
+        self.router_replay = init.config["router_replay"]["mode"]
+            .as_str()
+            .unwrap_or("?")
+            .to_owned();
         self.log.push(Event::Init(format!("engine:{}", self.role)));
         Ok(())
     }
@@ -185,9 +213,20 @@ impl Engine for FakeEngine {
             role: self.role.clone(),
             keys: batch_keys(batch),
         });
+        log_routing(&self.log, "compute_log_prob", batch)?;
         let mut out = Batch::default();
         out.insert(keys::LOG_PROBS, filled(batch, -0.5)?);
         out.insert(keys::ENTROPYS, filled(batch, 0.25)?);
+        if self.router_replay == "R2" {
+            // A recording: expert 3 (and 2) for every token of the `[B, P+R]` batch, 1 layer.
+            let ids = batch.require(keys::INPUT_IDS)?;
+            let (b, w) = (ids.shape[0], ids.shape[1]);
+            let experts: Vec<i64> = (0..b * w).flat_map(|_| [3, 2]).collect();
+            out.insert(
+                keys::ROUTED_EXPERTS,
+                Tensor::from_slice(&[b, w, 1, 2], &experts)?,
+            );
+        }
         Ok(out)
     }
     fn compute_values(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
@@ -206,6 +245,7 @@ impl Engine for FakeEngine {
             keys: batch_keys(batch),
             step,
         });
+        log_routing(&self.log, "update_actor", batch)?;
         if self.faults.fail_update_at == Some(step) {
             return Err(PluginError::other(format!(
                 "injected failure at step {step}"
@@ -430,6 +470,35 @@ impl Rollout for LogProbRollout {
     }
 }
 
+/// The fake rollout, recording routing: one sparse layer, top-2, token `t` of the fed sequence
+/// (prompt, then response but its last token) routed to experts `1 + t % 3` and `4`.
+struct RoutingRollout(FakeRollout);
+
+impl Rollout for RoutingRollout {
+    fn capabilities() -> RolloutCapabilities {
+        FakeRollout::capabilities().routed_experts(true)
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.0.init(init)
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        let mut out = self.0.generate(request)?;
+        out.completions = out
+            .completions
+            .into_iter()
+            .map(|c| {
+                let fed = request.prompts[c.prompt_index as usize].len() + c.response_ids.len() - 1;
+                let experts = (0..fed as u32).flat_map(|t| [1 + t % 3, 4]).collect();
+                c.with_routed_experts(RoutedExperts::new(1, 2, experts))
+            })
+            .collect();
+        Ok(out)
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        self.0.update_weights(source)
+    }
+}
+
 /// A rollout that only reloads weights from files.
 struct FileOnlyRollout;
 
@@ -622,6 +691,15 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                     })
                 },
             )
+            .rollout("routing", 0, "the fake rollout, with routing", {
+                let log = log.clone();
+                move || {
+                    RoutingRollout(FakeRollout {
+                        log: log.clone(),
+                        version: None,
+                    })
+                }
+            })
             .rollout("file-only", 0, "takes weights from files", move || {
                 l4.push(Event::Created("rollout"));
                 FileOnlyRollout
@@ -739,7 +817,9 @@ fn fit(config: Config, log: &Log, faults: Faults) -> Result<RunSummary, TrainErr
 /// The event as a short label; `None` for what the order tests leave out.
 fn label(event: &Event) -> Option<String> {
     Some(match event {
-        Event::Created(_) | Event::Init(_) | Event::Table(_) => return None,
+        Event::Created(_) | Event::Init(_) | Event::Table(_) | Event::Routed { .. } => {
+            return None;
+        }
         Event::Generate { n: 1, version, .. } => format!("gen(val)@{version:?}"),
         Event::Generate { version, .. } => format!("gen@{version:?}"),
         Event::LogProb { role, .. } => format!("{role}.log_prob"),
@@ -2772,4 +2852,105 @@ fn a_resumed_fully_async_run_trains_on_exactly_the_uninterrupted_batches() {
             assert_eq!(final_weight(&events), final_weight(&whole_events), "{run}");
         }
     }
+}
+
+/// One engine call's `routed_experts`: the call, the values, the shape and the attention mask.
+type RoutedCall = (&'static str, Vec<i64>, Vec<i64>, Vec<i64>);
+
+/// The `routed_experts` the engine calls of a run received, by call.
+fn routed(log: &Log) -> Vec<RoutedCall> {
+    log.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Routed {
+                op,
+                experts,
+                shape,
+                mask,
+            } => Some((op, experts, shape, mask)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// R3: the rollout's experts reach the old-log-prob forward and the update laid out like
+/// `input_ids` (verl's `[B, P+R, layers, k]`): row `i`'s fed tokens (its prompt from the first
+/// real column, then its response but the last token) carry the rollout's experts in order,
+/// every other column zeros.
+#[test]
+fn r3_carries_the_rollouts_experts_to_the_engine() {
+    let setup = setup();
+    let mut c = setup.config("r3");
+    c.trainer.total_training_steps = Some(1);
+    c.actor_rollout_ref.rollout.name = "routing".into();
+    c.actor_rollout_ref.rollout.enable_rollout_routing_replay = true;
+    c.actor_rollout_ref.actor.router_replay.mode = RouterReplayMode::R3;
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let calls = routed(&log);
+    let ops: Vec<&str> = calls.iter().map(|c| c.0).collect();
+    assert_eq!(ops, ["compute_log_prob", "update_actor"]);
+    for (op, experts, shape, mask) in &calls {
+        let [b, w, layers, k] = shape[..] else {
+            panic!("{op}: shape {shape:?}")
+        };
+        assert_eq!((b, layers, k), (8, 1, 2), "{op}");
+        for row in 0..b as usize {
+            let real = &mask[row * w as usize..(row + 1) * w as usize];
+            let first = real.iter().position(|&m| m == 1).unwrap();
+            let fed = real.iter().sum::<i64>() as usize - 1;
+            for col in 0..w as usize {
+                let at = (row * w as usize + col) * 2;
+                let want = if (first..first + fed).contains(&col) {
+                    let t = (col - first) as i64;
+                    [1 + t % 3, 4]
+                } else {
+                    [0, 0]
+                };
+                assert_eq!(experts[at..at + 2], want, "{op} row {row} column {col}");
+            }
+        }
+    }
+}
+
+/// R2: the old-log-prob forward's recording (not any rollout's) is what the update replays.
+#[test]
+fn r2_carries_the_old_log_prob_forwards_routing_to_the_update() {
+    let setup = setup();
+    let mut c = setup.config("r2");
+    c.trainer.total_training_steps = Some(1);
+    c.actor_rollout_ref.actor.router_replay.mode = RouterReplayMode::R2;
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let calls = routed(&log);
+    let ops: Vec<&str> = calls.iter().map(|c| c.0).collect();
+    assert_eq!(ops, ["update_actor"]);
+    assert!(calls[0].1.chunks(2).all(|e| e == [3, 2]));
+}
+
+/// A mode the run's components cannot serve stops it before step 1, naming the key and the
+/// rollout.
+#[test]
+fn router_replay_needs_a_recording_rollout() {
+    let setup = setup();
+    let mut c = setup.config("r3-without");
+    c.actor_rollout_ref.actor.router_replay.mode = RouterReplayMode::R3;
+    c.actor_rollout_ref.rollout.name = "routing".into();
+    let err = fit(c, &Log::default(), Faults::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("actor_rollout_ref.actor.router_replay.mode=R3")
+            && err.contains("enable_rollout_routing_replay=true"),
+        "{err}"
+    );
+    let mut c = setup.config("r3-fake");
+    c.actor_rollout_ref.rollout.enable_rollout_routing_replay = true;
+    let err = fit(c, &Log::default(), Faults::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("enable_rollout_routing_replay=true") && err.contains("rollout `fake`"),
+        "{err}"
+    );
 }

@@ -116,22 +116,76 @@ impl LocalModel {
 
     /// Forward and backward of one micro-batch; `loss_fn` maps final hidden states (of the
     /// context's layout) to the scalar loss (with activation checkpointing when the model
-    /// config asks for it).
+    /// config asks for it). With `aux_weight`, adds that × `router_aux_loss_coef` × the
+    /// load-balancing loss when the model's config asks for it, and returns that loss.
     fn backward(
         &self,
         rows: &Rows,
+        aux_weight: Option<f64>,
         loss_fn: impl FnOnce(&Tensor, &BlockContext) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+    ) -> verl_torch_runtime::Result<Option<f64>> {
         let context = self.context(rows)?;
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
-            let _ = self
-                .model
-                .backward_checkpointed_in(&context, |hidden| loss_fn(hidden, &context))?;
-        } else {
-            loss_fn(&self.model.hidden_states_in(&context), &context)?.f_backward()?;
+            let (_, aux) =
+                self.model
+                    .backward_checkpointed_aux_in(&context, aux_weight, |hidden| {
+                        loss_fn(hidden, &context)
+                    })?;
+            return Ok(aux);
         }
-        Ok(())
+        let hidden = self.model.hidden_states_in(&context);
+        let mut loss = loss_fn(&hidden, &context)?;
+        let mut aux = None;
+        if let Some((weight, coef)) = aux_weight.zip(self.model.router_aux_loss_coef()) {
+            // The router logits this pass recorded are in its graph.
+            let balance = self.model.load_balancing_loss_in(&context)?;
+            aux = Some(balance.double_value(&[]));
+            loss += balance * (weight * coef);
+        }
+        loss.f_backward()?;
+        Ok(aux)
+    }
+}
+
+impl LocalModel {
+    /// The response scores of `rows` and the context of their forward pass (which recorded the
+    /// experts of a mixture-of-experts model).
+    fn scored(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        let scores = self.model.response_scores_in(
+            &hidden,
+            &context,
+            rows.response_len,
+            temperature,
+            with_entropy,
+        )?;
+        Ok((scores, context))
+    }
+
+    fn backward_scores_with(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        aux_weight: Option<f64>,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward(rows, aux_weight, |hidden, context| {
+            loss(&self.model.response_scores_in(
+                hidden,
+                context,
+                rows.response_len,
+                temperature,
+                with_entropy,
+            )?)
+        })
     }
 }
 
@@ -146,15 +200,18 @@ impl Strategy for LocalModel {
         temperature: f64,
         with_entropy: bool,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        let context = self.context(rows)?;
-        let hidden = self.model.hidden_states_in(&context);
-        self.model.response_scores_in(
-            &hidden,
-            &context,
-            rows.response_len,
-            temperature,
-            with_entropy,
-        )
+        self.scored(rows, temperature, with_entropy)
+            .map(|(scores, _)| scores)
+    }
+
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        let (scores, context) = self.scored(rows, temperature, with_entropy)?;
+        Ok((scores, context.take_routed_experts()?))
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -171,15 +228,19 @@ impl Strategy for LocalModel {
         with_entropy: bool,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
-            loss(&self.model.response_scores_in(
-                hidden,
-                context,
-                rows.response_len,
-                temperature,
-                with_entropy,
-            )?)
-        })
+        self.backward_scores_with(rows, temperature, with_entropy, None, loss)
+            .map(drop)
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward_scores_with(rows, temperature, with_entropy, Some(aux_weight), loss)
     }
 
     fn topk(
@@ -199,10 +260,11 @@ impl Strategy for LocalModel {
         rows: &Rows,
         temperature: f64,
         with_entropy: bool,
+        aux_weight: f64,
         ids: &Tensor,
         loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward(rows, Some(aux_weight), |hidden, context| {
             loss(&self.model.response_distill_scores_in(
                 hidden,
                 context,
@@ -219,13 +281,14 @@ impl Strategy for LocalModel {
         rows: &Rows,
         loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
+        self.backward(rows, None, |hidden, context| {
             loss(
                 &self
                     .model
                     .response_values_in(hidden, context, rows.response_len)?,
             )
         })
+        .map(drop)
     }
 
     fn zero_grad(&mut self) {

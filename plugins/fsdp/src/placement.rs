@@ -43,6 +43,15 @@ impl Strategy for Placement {
         each!(self, s => s.scores(rows, temperature, with_entropy))
     }
 
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        each!(self, s => s.scores_routed(rows, temperature, with_entropy))
+    }
+
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
         each!(self, s => s.values(rows))
     }
@@ -71,10 +80,22 @@ impl Strategy for Placement {
         rows: &Rows,
         temperature: f64,
         with_entropy: bool,
+        aux_weight: f64,
         ids: &Tensor,
         loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
-        each!(self, s => s.backward_distill_scores(rows, temperature, with_entropy, ids, loss))
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_distill_scores(rows, temperature, with_entropy, aux_weight, ids, loss))
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_scores_aux(rows, temperature, with_entropy, aux_weight, loss))
     }
 
     fn backward_values(

@@ -27,7 +27,7 @@ pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
 pub use model::{
-    BlockContext, CausalLM, Head, ModelOptions, Packing, RouterOutput, TensorParallel,
+    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, Packing, RouterOutput, TensorParallel,
     load_balancing_loss,
 };
 pub use optim::{

@@ -19,7 +19,7 @@ mod moe;
 mod packed;
 
 use cpu_step::StepBuffers;
-pub use moe::{RouterOutput, load_balancing_loss};
+pub use moe::{LoadBalance, RouterOutput, load_balancing_loss};
 use moe::{Routing, SparseMoe};
 pub use packed::Packing;
 
@@ -1472,6 +1472,58 @@ impl CausalLM {
         block: &BlockContext,
         loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        self.backward_checkpointed_aux_in(block, None, loss_fn)
+            .map(|(loss, _)| loss)
+    }
+
+    /// `router_aux_loss_coef` when the config puts the load-balancing loss into the training
+    /// loss (`output_router_logits`, as transformers' mixture-of-experts models add it).
+    pub fn router_aux_loss_coef(&self) -> Option<f64> {
+        let moe = self.config.moe.as_ref()?;
+        moe.output_router_logits.then_some(moe.router_aux_loss_coef)
+    }
+
+    /// The load-balancing loss of the pass just run over `block` (its recorded router logits,
+    /// in the pass's graph), over its real tokens.
+    pub fn load_balancing_loss_in(&self, block: &BlockContext) -> Result<Tensor> {
+        let (e, k) = self.experts()?;
+        load_balancing_loss(
+            &block.take_router_logits(),
+            e,
+            k,
+            block.token_mask().as_ref(),
+        )
+    }
+
+    /// [`Self::load_balancing_loss_in`] split by layer, for a backward pass that recomputes one
+    /// layer at a time.
+    pub fn load_balance_in(&self, block: &BlockContext) -> Result<LoadBalance> {
+        let (e, k) = self.experts()?;
+        LoadBalance::new(
+            &block.take_router_logits(),
+            e,
+            k,
+            block.token_mask().as_ref(),
+        )
+    }
+
+    /// Experts per sparse layer and per token.
+    fn experts(&self) -> Result<(i64, i64)> {
+        let moe = self.config.moe.as_ref().ok_or_else(|| {
+            ModelError::invalid_input("router logits", "the model has no sparse layer")
+        })?;
+        Ok((moe.num_experts, moe.num_experts_per_tok))
+    }
+
+    /// [`Self::backward_checkpointed_in`], adding `aux_weight` × [`Self::router_aux_loss_coef`] ×
+    /// the pass's load-balancing loss to the loss when the config asks for it; returns the loss
+    /// and the load-balancing loss added (each layer's share joins that layer's recomputation).
+    pub fn backward_checkpointed_aux_in(
+        &self,
+        block: &BlockContext,
+        aux_weight: Option<f64>,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Option<f64>)> {
         let (ids, context) = (&block.input_ids, &block.context);
         let inputs = tch::no_grad(|| {
             let mut inputs = vec![self.embed(ids)];
@@ -1486,6 +1538,10 @@ impl CausalLM {
             }
             inputs
         });
+        let balance = match aux_weight.zip(self.router_aux_loss_coef()) {
+            Some((weight, coef)) => Some((weight * coef, self.load_balance_in(block)?)),
+            None => None,
+        };
         // Backward through the head, then through each layer from its saved input: the gradient of
         // sum(output · g) with respect to the layer's input and parameters is the chain rule's step.
         let last = inputs
@@ -1496,20 +1552,30 @@ impl CausalLM {
         let loss = loss_fn(&self.norm.apply(&last, context.invariant()))?;
         loss.f_backward()?;
         let mut grad = last.grad();
+        let aux = balance.as_ref().map(|(_, b)| b.value);
         for (layer, input) in self.layers.iter().zip(&inputs).rev() {
-            if !grad.defined() {
-                return Ok(loss.detach()); // the loss does not depend on earlier layers
+            if !grad.defined() && balance.is_none() {
+                return Ok((loss.detach(), aux)); // the loss does not depend on earlier layers
             }
             let x = input.detach().set_requires_grad(true);
-            (layer.forward(&x, context, None, None) * &grad)
-                .sum(Kind::Float)
-                .f_backward()?;
+            let out = layer.forward(&x, context, None, None);
+            let mut objective = if grad.defined() {
+                (out * &grad).sum(Kind::Float)
+            } else {
+                out.sum(Kind::Float) * 0.0
+            };
+            if let Some((weight, balance)) = &balance {
+                for logits in block.take_router_logits() {
+                    objective += balance.layer_term(&logits) * *weight;
+                }
+            }
+            objective.f_backward()?;
             grad = x.grad();
         }
         if grad.defined() {
             (self.embed(ids) * grad).sum(Kind::Float).f_backward()?;
         }
-        Ok(loss.detach())
+        Ok((loss.detach(), aux))
     }
 }
 
@@ -1593,6 +1659,39 @@ impl BlockContext {
     /// packed: `[1, T]`).
     pub fn input_ids(&self) -> &Tensor {
         &self.input_ids
+    }
+
+    /// The experts each token of the padded batch used in the last pass over this context,
+    /// `[B, T, sparse layers, k]` int64 (router replay R2 records them).
+    pub fn take_routed_experts(&self) -> Result<Tensor> {
+        if matches!(self.layout, Layout::Packed(_)) {
+            return Err(ModelError::invalid_input(
+                "routed_experts",
+                "router replay needs a padded batch (use_remove_padding=false)",
+            ));
+        }
+        let (batch, tokens) = self.input_ids.size2()?;
+        Ok(self.take_routing(batch, tokens).experts)
+    }
+
+    /// Each sparse layer's router logits `[N, experts]` recorded since the last take, in layer
+    /// order (`N`: the context's tokens, flattened).
+    pub fn take_router_logits(&self) -> Vec<Tensor> {
+        self.context
+            .routing
+            .take()
+            .into_iter()
+            .map(|l| l.logits)
+            .collect()
+    }
+
+    /// Which of the context's `N` tokens are real, flattened like the router logits; `None` when
+    /// all are (a packed stream).
+    pub fn token_mask(&self) -> Option<Tensor> {
+        match &self.layout {
+            Layout::Padded(mask) => Some(mask.reshape([-1])),
+            Layout::Packed(_) => None,
+        }
     }
 
     /// The packing of a packed batch's context.

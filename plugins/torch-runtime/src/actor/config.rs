@@ -171,6 +171,29 @@ pub struct PolicyLossConfig {
     pub dro_beta: Option<f64>,
 }
 
+/// verl's `router_replay.mode` (`RouterReplayConfig`) for mixture-of-experts models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum RouterReplayMode {
+    /// Every forward routes with its own router.
+    #[default]
+    #[serde(rename = "disabled")]
+    Disabled,
+    /// `compute_log_prob` records each token's experts (returned as `routed_experts`); the
+    /// update's forwards replay them.
+    R2,
+    /// The rollout's experts (the batch's `routed_experts`) are replayed in `compute_log_prob`
+    /// and in the update.
+    R3,
+}
+
+/// verl's `router_replay` section. `record_file` / `replay_file` are declared by verl but read
+/// by none of its workers (the routing travels in the batch); the host reports them.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct RouterReplayConfig {
+    #[serde(default)]
+    pub mode: RouterReplayMode,
+}
+
 /// The section, as every strategy reads it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ActorConfig {
@@ -237,6 +260,8 @@ pub struct ActorConfig {
     pub cliprange_value: f64,
     /// Actor: verl's `distillation.distillation_loss`, sent when `distillation.enabled`.
     pub distillation_loss: Option<DistillLossConfig>,
+    #[serde(default)]
+    pub router_replay: RouterReplayConfig,
 }
 
 /// The validated, resolved settings an engine runs with.
@@ -265,6 +290,8 @@ pub struct ActorSettings {
     pub cliprange_value: f64,
     /// The distillation loss, when the actor distils a teacher.
     pub distillation: Option<DistillSettings>,
+    /// Router replay of a mixture-of-experts policy (the actor only).
+    pub router_replay: RouterReplayMode,
 }
 
 /// How rows are cut into micro-batches (forward passes, and gradient accumulation in updates).
@@ -457,8 +484,19 @@ impl ActorConfig {
         } else {
             None
         };
+        let router_replay = self.router_replay.mode;
+        if router_replay != RouterReplayMode::Disabled && self.role != Role::Actor {
+            return Err(invalid(
+                "router_replay.mode",
+                format!(
+                    "only the actor replays routing (verl's R2/R3); a `{}` engine routes with its own router",
+                    self.role.as_str()
+                ),
+            ));
+        }
         Ok(ActorSettings {
             role: self.role,
+            router_replay,
             optimizer: AdamWConfig {
                 betas: o.betas,
                 weight_decay: o.weight_decay,

@@ -45,7 +45,7 @@ use verl_seqlen_balancing::{BalanceError, inverse_permutation, micro_batch_count
 
 pub use config::{
     ActorConfig, ActorSettings, MicroBatching, OptimConfig, PolicyLossConfig, Role,
-    engine_section_keys,
+    RouterReplayConfig, RouterReplayMode, engine_section_keys,
 };
 pub use error::ActorError;
 pub use rows::{Meta, Rows};
@@ -73,6 +73,20 @@ pub trait Strategy {
         temperature: f64,
         with_entropy: bool,
     ) -> crate::Result<ResponseScores>;
+    /// As [`Strategy::scores`], and the experts each token of `rows` was routed through,
+    /// `[B, P+R, sparse layers, k]` int64 (router replay R2 records them here). A strategy that
+    /// cannot record routing keeps this default.
+    fn scores_routed(
+        &self,
+        _rows: &Rows,
+        _temperature: f64,
+        _with_entropy: bool,
+    ) -> crate::Result<(ResponseScores, Tensor)> {
+        Err(crate::ModelError::invalid_input(
+            "router_replay.mode",
+            "R2 needs an engine strategy that records each token's experts; this one does not",
+        ))
+    }
     /// Per-token values of the response tokens (value-head models). Called under `no_grad`.
     fn values(&self, rows: &Rows) -> crate::Result<Tensor>;
     /// A distillation teacher's top-`k` tokens and log-probs at each response position,
@@ -81,16 +95,17 @@ pub trait Strategy {
     fn topk(&self, _rows: &Rows, _temperature: f64, _k: i64) -> crate::Result<TopkLogProbs> {
         Err(unsupported_distillation("top-k log-probs"))
     }
-    /// [`Strategy::backward_scores`] where the loss also sees the student's log-probs of `ids`
+    /// [`Strategy::backward_scores_aux`] where the loss also sees the student's log-probs of `ids`
     /// (`[B, R, k]`, the teacher's top-k tokens), from the same log-softmax.
     fn backward_distill_scores(
         &self,
         _rows: &Rows,
         _temperature: f64,
         _with_entropy: bool,
+        _aux_weight: f64,
         _ids: &Tensor,
         _loss: &mut dyn FnMut(&DistillScores) -> crate::Result<Tensor>,
-    ) -> crate::Result<()> {
+    ) -> crate::Result<Option<f64>> {
         Err(unsupported_distillation("top-k distillation losses"))
     }
     /// Forward and backward of one micro-batch through the policy: `loss` maps the response scores
@@ -102,6 +117,22 @@ pub trait Strategy {
         with_entropy: bool,
         loss: &mut dyn FnMut(&ResponseScores) -> crate::Result<Tensor>,
     ) -> crate::Result<()>;
+    /// As [`Strategy::backward_scores`], adding `aux_weight` × the model's load-balancing loss
+    /// × `router_aux_loss_coef` to the loss when the model's config asks for it
+    /// (`output_router_logits`, as transformers adds it to a mixture-of-experts model's loss);
+    /// returns that loss's value, `None` when none was added. A strategy that cannot keeps this
+    /// default, which adds none.
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        with_entropy: bool,
+        _aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> crate::Result<Tensor>,
+    ) -> crate::Result<Option<f64>> {
+        self.backward_scores(rows, temperature, with_entropy, loss)
+            .map(|()| None)
+    }
     /// As [`Strategy::backward_scores`], through the value head.
     fn backward_values(
         &self,
@@ -276,19 +307,26 @@ impl<S: Strategy> ActorWorker<S> {
     pub fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
         self.require_role("compute_log_prob", &[Role::Actor, Role::Ref, Role::Teacher])?;
         let meta = Meta::of(batch)?;
-        let rows = Rows::load(
-            batch,
-            &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
-            self.strategy.device(),
-        )?;
+        let replay = self.settings.router_replay;
+        let mut wanted = vec![keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES];
+        // R3: the old log-probs come from the rollout's routing, as the update's will.
+        if replay == RouterReplayMode::R3 {
+            wanted.push(keys::ROUTED_EXPERTS);
+        }
+        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
-        let (mut log_probs, mut entropys) = (Vec::new(), Vec::new());
+        let (mut log_probs, mut entropys, mut experts) = (Vec::new(), Vec::new(), Vec::new());
         let (mut topk_ids, mut topk_log_probs) = (Vec::new(), Vec::new());
         tch::no_grad(|| -> Result<(), ActorError> {
             for rows in &micro.batches {
-                let scores =
-                    self.strategy
-                        .scores(rows, meta.temperature, meta.calculate_entropy)?;
+                let (t, e) = (meta.temperature, meta.calculate_entropy);
+                let scores = if replay != RouterReplayMode::Disabled {
+                    let (scores, routed) = self.strategy.scores_routed(rows, t, e)?;
+                    experts.push(routed);
+                    scores
+                } else {
+                    self.strategy.scores(rows, t, e)?
+                };
                 log_probs.push(scores.log_probs);
                 entropys.extend(scores.entropy);
                 if let Some(k) = meta.distill_topk {
@@ -314,6 +352,14 @@ impl<S: Strategy> ActorWorker<S> {
             keys::LOG_PROBS,
             from_tch(keys::LOG_PROBS, &micro.restore(&log_probs))?,
         );
+        // The experts this forward used: R2's recording, for the update to replay (R3's are
+        // the replayed ones, returned so the caller can check them).
+        if !experts.is_empty() {
+            out.insert(
+                keys::ROUTED_EXPERTS,
+                from_tch(keys::ROUTED_EXPERTS, &micro.restore(&experts))?,
+            );
+        }
         if meta.calculate_entropy {
             out.insert(
                 keys::ENTROPYS,
@@ -367,6 +413,10 @@ impl<S: Strategy> ActorWorker<S> {
             Some(DistillObjective::Topk { .. }) => wanted.extend([TEACHER_IDS, TEACHER_LOGPROBS]),
             Some(DistillObjective::Estimator(_)) => wanted.push(TEACHER_LOGPROBS),
             None => {}
+        }
+        // R2 replays what `compute_log_prob` recorded, R3 the rollout's routing.
+        if self.settings.router_replay != RouterReplayMode::Disabled {
+            wanted.push(keys::ROUTED_EXPERTS);
         }
         let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let settings = self.settings.clone();
@@ -626,7 +676,11 @@ fn actor_micro_step<S: Strategy>(
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
     let with_entropy = s.entropy_coeff != 0.0;
-    match s.distillation {
+    // The micro-batch's share of the mini-batch (by response tokens, like token-mean): the
+    // mini-batch's load-balancing term is the token-weighted mean of its micro-batches' losses.
+    let aux_weight = scalar(&micro.get(keys::RESPONSE_MASK).sum(Kind::Float))
+        / scale.batch_num_tokens.unwrap_or(1.0).max(1.0);
+    let aux = match s.distillation {
         Some(
             d @ DistillSettings {
                 objective: DistillObjective::Topk { kl, .. },
@@ -636,6 +690,7 @@ fn actor_micro_step<S: Strategy>(
             micro,
             temperature,
             with_entropy,
+            aux_weight,
             micro.get(TEACHER_IDS),
             &mut |scores| {
                 let top = topk_kl(&scores.topk_log_probs, micro.get(TEACHER_LOGPROBS), &kl);
@@ -664,7 +719,7 @@ fn actor_micro_step<S: Strategy>(
                 objective: DistillObjective::Estimator(penalty),
                 ..
             },
-        ) => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+        ) => strategy.backward_scores_aux(micro, temperature, with_entropy, aux_weight, &mut |scores| {
             let per_token = kl_penalty(&scores.log_probs, micro.get(TEACHER_LOGPROBS), penalty);
             actor_loss(
                 s,
@@ -676,9 +731,12 @@ fn actor_micro_step<S: Strategy>(
                 &mut losses,
             )
         })?,
-        None => strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
+        None => strategy.backward_scores_aux(micro, temperature, with_entropy, aux_weight, &mut |scores| {
             actor_loss(s, micro, scale, scores, None, metrics, &mut losses)
         })?,
+    };
+    if let Some(aux) = aux {
+        metrics.push("actor/moe_aux_loss", aux);
     }
     if let Some((coef, _)) = s.kl_loss {
         metrics.push("actor/kl_coef", coef);

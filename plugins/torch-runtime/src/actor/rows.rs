@@ -44,20 +44,22 @@ impl Meta {
     }
 }
 
-/// The dtype `keys.rs` specifies for a batch tensor.
-fn kind_of(key: &str) -> Kind {
+/// The dtype and ranks `keys.rs` specifies for a batch tensor.
+fn kind_of(key: &str) -> (Kind, &'static [usize]) {
     match key {
-        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES | TEACHER_IDS => Kind::Int64,
-        _ => Kind::Float,
+        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES => (Kind::Int64, &[2]),
+        keys::ROUTED_EXPERTS => (Kind::Int64, &[4]),
+        // The teacher's top-k per response token `[B, R, k]`; its log-probs of the sampled token
+        // `[B, R]` for the single-sample estimators.
+        TEACHER_IDS => (Kind::Int64, &[3]),
+        TEACHER_LOGPROBS => (Kind::Float, &[2, 3]),
+        _ => (Kind::Float, &[2]),
     }
 }
 
-/// Response keys that may carry a trailing `[.., k]` dimension (the teacher's top-k).
-fn per_token_list(key: &str) -> bool {
-    matches!(key, TEACHER_IDS | TEACHER_LOGPROBS)
-}
-
-/// Named row-aligned tensors: `[B, P+R]` for the sequence keys, `[B, R]` for the response keys.
+/// Named row-aligned tensors: `[B, P+R]` for the sequence keys, `[B, R]` for the response keys
+/// (`[B, R, k]` for the teacher's top-k), `[B, P+R, L, k]` for `routed_experts` (replayed by every
+/// forward over these rows).
 pub struct Rows {
     tensors: Vec<(&'static str, Tensor)>,
     /// `R`: the response columns at the end of each sequence.
@@ -76,11 +78,10 @@ impl Rows {
         for &key in wanted {
             let abi = batch.require(key)?;
             let tensor = to_tch(key, abi, device)?;
-            let dims_ok = tensor.dim() == 2 || (tensor.dim() == 3 && per_token_list(key));
-            if tensor.kind() != kind_of(key) || !dims_ok {
+            let (kind, dims) = kind_of(key);
+            if tensor.kind() != kind || !dims.contains(&tensor.dim()) {
                 return Err(ActorError::Batch(format!(
-                    "`{key}` must be a 2-D {:?} tensor, got {:?} of shape {:?}",
-                    kind_of(key),
+                    "`{key}` must be a {dims:?}-D {kind:?} tensor, got {:?} of shape {:?}",
                     tensor.kind(),
                     tensor.size()
                 )));
@@ -106,7 +107,8 @@ impl Rows {
         }
         for (key, tensor) in &tensors {
             let expected = match *key {
-                keys::INPUT_IDS | keys::ATTENTION_MASK => seq.clone(),
+                // `routed_experts`' layers and top-k are the model's: the forward checks them.
+                keys::INPUT_IDS | keys::ATTENTION_MASK | keys::ROUTED_EXPERTS => seq.clone(),
                 _ => resp.clone(),
             };
             if tensor.size()[..2] != expected[..] {
@@ -133,14 +135,19 @@ impl Rows {
     }
 
     /// The block context of these rows' forward pass on `model`: one packed stream of their
-    /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows.
+    /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows; replaying
+    /// the rows' `routed_experts` when they were loaded (router replay).
     pub fn block_context(&self, model: &CausalLM, packed: bool) -> crate::Result<BlockContext> {
         let (ids, mask) = (self.get(keys::INPUT_IDS), self.get(keys::ATTENTION_MASK));
-        if packed {
-            model.packed_block_context(ids, mask, self.response_len)
+        let mut context = if packed {
+            model.packed_block_context(ids, mask, self.response_len)?
         } else {
-            model.block_context(ids, mask)
+            model.block_context(ids, mask)?
+        };
+        if let Some(experts) = self.try_get(keys::ROUTED_EXPERTS) {
+            context.replay_experts(model, experts)?;
         }
+        Ok(context)
     }
 
     pub fn rows(&self) -> i64 {

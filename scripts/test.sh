@@ -13,8 +13,8 @@
 #                               tools, the vllm rollout's against a real vLLM server, the sglang
 #                               rollout's against SGLang's protocol classes) and the
 #                               out-of-tree vendor example's own suite, built separately as a vendor would
-#   bash scripts/test.sh        (CI) lint, then fast, then the rest of full (the fast tier's tests
-#                               are not run twice)
+#   bash scripts/test.sh        (CI) the set-ups (cargo-semver-checks builds meanwhile), lint,
+#                               fast, then the rest of full (the fast tier's tests are not run twice)
 #
 # Each stage's wall time is printed at the end, also when a stage fails.
 set -euo pipefail
@@ -51,6 +51,7 @@ stage() {
 }
 report() {
   local rc=$?
+  [[ -z "${semver_install_pid:-}" ]] || kill "$semver_install_pid" 2>/dev/null || true
   if ((${#timings[@]})); then
     echo
     echo "test.sh $mode: stage timings"
@@ -105,12 +106,37 @@ install_semver_checks() {
   if [[ -x "$bin" ]] && "$bin" semver-checks --version | grep -qF " $SEMVER_CHECKS_VERSION"; then
     return 0
   fi
-  # A temporary target directory: the tool's build shares nothing with the workspace's.
+  # A temporary target directory: the tool's build shares nothing with the workspace's. Its
+  # release profile asks for fat LTO in one codegen unit, which is most of a ~13-min build on 2
+  # cores; a check of one small crate does not need that, so both are overridden.
   local build
   build=$(mktemp -d)
-  CARGO_TARGET_DIR=$build cargo install cargo-semver-checks --version "=$SEMVER_CHECKS_VERSION" \
+  CARGO_TARGET_DIR=$build CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+    cargo install cargo-semver-checks --version "=$SEMVER_CHECKS_VERSION" \
     --locked --root "$tools_root"
   rm -rf "$build"
+}
+
+# CI builds the tool in the background while the set-ups download (network- and disk-bound);
+# the semver stage then waits for it.
+semver_install_pid=
+semver_install_log=
+start_semver_install() {
+  semver_install_log=$(mktemp)
+  install_semver_checks >"$semver_install_log" 2>&1 &
+  semver_install_pid=$!
+}
+finish_semver_install() {
+  if [[ -n "$semver_install_pid" ]]; then
+    local pid=$semver_install_pid
+    semver_install_pid=
+    if ! wait "$pid"; then
+      cat "$semver_install_log" >&2
+      echo "test.sh: installing cargo-semver-checks failed (its log is above)" >&2
+      return 1
+    fi
+  fi
+  install_semver_checks
 }
 
 semver_checks() {
@@ -139,7 +165,7 @@ lint() {
     --features verl-plugin-vllm/collective,verl-plugin-sglang/collective --all-targets -- -D warnings
   stage "rustdoc -D warnings (workspace)" \
     env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
-  stage "cargo-semver-checks: install (cached)" install_semver_checks
+  stage "cargo-semver-checks: install (cached)" finish_semver_install
   stage "cargo-semver-checks: plugin-api" semver_checks
 }
 
@@ -169,11 +195,13 @@ case "$mode" in
     # A clean clone builds once: incremental caches would only take disk (~3 GB).
     export CARGO_INCREMENTAL=0
     echo "test.sh ci: $(free_disk) free on $(df --output=target . | tail -n 1)" >&2
+    start_semver_install
+    # The downloads first, overlapping the tool's build.
     stage "libtorch set-up" setup_libtorch
-    lint
-    stage "fast tier (no libtorch, no Python)" fast_tier
     stage "Python tracking tools set-up" setup_python_tools
     stage "vLLM (and SGLang protocol) set-up" setup_vllm
+    lint
+    stage "fast tier (no libtorch, no Python)" fast_tier
     # shellcheck disable=SC2046
     stage "full tier: the rest of the workspace tests" \
       cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate") \

@@ -17,15 +17,13 @@ It needs verl's reward dependencies: `pip install sympy pylatexenc mathruler tqd
 mathruler imports it). `core/tests/rewards2_parity.rs` replays the file without Python.
 """
 
-import contextlib
 import importlib.util
-import io
 import json
-import random
-import subprocess
 import sys
 import types
 from pathlib import Path
+
+import verl_source
 
 SEED = 20261202
 CASES_PER_RULE = {"prime_math": 600, "geo3k": 400}
@@ -288,24 +286,9 @@ def main():
     out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else (
         Path(__file__).resolve().parents[2] / "core" / "tests" / "data" / "verl_rewards2_reference.json"
     )
-    rev = subprocess.run(["git", "-C", str(verl_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = rev.stdout.strip() if rev.returncode == 0 else "unknown"
+    commit = verl_source.commit(verl_dir)
     reward_score = load_reward_score(verl_dir)
-    rng = random.Random(SEED)
-    cases = []
-    for rule, make in RULES.items():
-        seen = set()
-        while sum(c["rule"] == rule for c in cases) < CASES_PER_RULE[rule]:
-            source, solution, truth = make(rng)
-            key = (source, solution, truth)
-            if key in seen:
-                continue
-            seen.add(key)
-            # verl's graders print on errors and timeouts.
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                result = reward_score.default_compute_score(source, solution, truth)
-            cases.append({"rule": rule, "data_source": source, "solution": solution,
-                          "ground_truth": truth, "result": result})
+    cases = verl_source.reward_cases(reward_score, RULES, CASES_PER_RULE.get, SEED)
     out = {
         "verl_commit": commit,
         "generated_by": "scripts/reference/rewards2_reference.py",

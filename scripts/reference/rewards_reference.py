@@ -14,15 +14,13 @@ It needs the Python standard library only. `core/tests/rewards_parity.rs` replay
 Python.
 """
 
-import contextlib
 import importlib.util
-import io
 import json
-import random
-import subprocess
 import sys
 import types
 from pathlib import Path
+
+import verl_source
 
 SEED = 20261201
 CASES_PER_RULE = 400
@@ -255,23 +253,9 @@ def main():
     out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else (
         Path(__file__).resolve().parents[2] / "core" / "tests" / "data" / "verl_rewards_reference.json"
     )
-    rev = subprocess.run(["git", "-C", str(verl_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = rev.stdout.strip() if rev.returncode == 0 else "unknown"
+    commit = verl_source.commit(verl_dir)
     reward_score = load_reward_score(verl_dir)
-    rng = random.Random(SEED)
-    cases = []
-    for rule, make in RULES.items():
-        seen = set()
-        while sum(c["rule"] == rule for c in cases) < CASES_PER_RULE:
-            source, solution, truth = make(rng)
-            key = (source, solution, json.dumps(truth))
-            if key in seen:
-                continue
-            seen.add(key)
-            with contextlib.redirect_stdout(io.StringIO()):  # search_r1 prints now and then
-                result = reward_score.default_compute_score(source, solution, truth)
-            cases.append({"rule": rule, "data_source": source, "solution": solution,
-                          "ground_truth": truth, "result": result})
+    cases = verl_source.reward_cases(reward_score, RULES, lambda _rule: CASES_PER_RULE, SEED)
     out = {
         "verl_commit": commit,
         "generated_by": "scripts/reference/rewards_reference.py",

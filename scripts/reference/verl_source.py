@@ -4,6 +4,10 @@ Standard library only."""
 
 import __future__
 import ast
+import contextlib
+import io
+import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +45,24 @@ def commit(verl_dir: Path) -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def reward_cases(reward_score, rules: dict, count, seed: int) -> list:
+    """`count(rule)` distinct seeded cases of each rule of `rules` (name -> maker(rng) returning
+    `(data_source, solution, ground_truth)`), each scored by verl's `default_compute_score` with
+    its prints (errors, timeouts) silenced."""
+    rng = random.Random(seed)
+    cases = []
+    for rule, make in rules.items():
+        seen = set()
+        while sum(c["rule"] == rule for c in cases) < count(rule):
+            source, solution, truth = make(rng)
+            key = (source, solution, json.dumps(truth))
+            if key in seen:
+                continue
+            seen.add(key)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                result = reward_score.default_compute_score(source, solution, truth)
+            cases.append({"rule": rule, "data_source": source, "solution": solution,
+                          "ground_truth": truth, "result": result})
+    return cases

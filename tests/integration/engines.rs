@@ -27,17 +27,9 @@ fn on(root: &FakeRoot, mindspeed: bool, args: &[&str]) -> Output {
         libs.push(("libmindspeed.so", stand_in.as_path()));
     }
     let dir = plugin_dir(&libs);
-    let root_path = root.path().to_str().unwrap().to_owned();
-    let mut env: Vec<(&str, &str)> = root
-        .fake_env()
-        .vars()
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    env.push(("VERL_PROBE_ROOT", &root_path));
     let mut full = vec!["--plugin-dir", dir.path().to_str().unwrap()];
     full.extend(args);
-    verl_core(&full, &env)
+    verl_core_on(root, &full, &[])
 }
 
 /// `plugins list --json`'s route of `strategy`: (device type, engine or error).

@@ -11,22 +11,15 @@ use crate::helpers::*;
 /// `verl-core platform --json` with the bundled plugins on `root`, its fake environment only.
 fn platform(root: &FakeRoot) -> (Output, Value) {
     let dir = bundled_plugins(&["verl_plugin_rocm", "verl_plugin_ascend"]);
-    let root_path = root.path().to_str().unwrap().to_owned();
-    let mut env: Vec<(&str, &str)> = root
-        .fake_env()
-        .vars()
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    env.push(("VERL_PROBE_ROOT", &root_path));
-    let out = verl_core(
+    let out = verl_core_on(
+        root,
         &[
             "platform",
             "--json",
             "--plugin-dir",
             dir.path().to_str().unwrap(),
         ],
-        &env,
+        &[],
     );
     let json = stdout_json(&out);
     (out, json)
@@ -232,18 +225,8 @@ fn platform_env_updates_are_applied_before_components_start() {
     let root = machine().rocm_gpus(4).env("HIP_VISIBLE_DEVICES", "1,3");
     let dir = bundled_plugins(&["verl_plugin_rocm", "verl_plugin_native"]);
     let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
-    let root_path = root.path().to_str().unwrap().to_owned();
-    let mut env: Vec<(&str, &str)> = root
-        .fake_env()
-        .vars()
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    env.extend([
-        ("VERL_PROBE_ROOT", root_path.as_str()),
-        ("RUST_LOG", "info"),
-    ]);
-    let out = verl_core(
+    let out = verl_core_on(
+        &root,
         &[
             "generate",
             "--model",
@@ -253,7 +236,7 @@ fn platform_env_updates_are_applied_before_components_start() {
             "--plugin-dir",
             dir.path().to_str().unwrap(),
         ],
-        &env,
+        &[("RUST_LOG", "info")],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     let applied = stderr

@@ -7,6 +7,7 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
+use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
 use crate::engine::LocalModel;
@@ -42,6 +43,15 @@ impl Strategy for Placement {
         each!(self, s => s.scores(rows, temperature, outputs))
     }
 
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        each!(self, s => s.scores_routed(rows, temperature, outputs))
+    }
+
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
         each!(self, s => s.values(rows))
     }
@@ -54,6 +64,38 @@ impl Strategy for Placement {
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         each!(self, s => s.backward_scores(rows, temperature, outputs, loss))
+    }
+
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+        each!(self, s => s.topk(rows, temperature, k))
+    }
+
+    fn backward_distill_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        ids: &Tensor,
+        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_distill_scores(rows, temperature, outputs, aux_weight, ids, loss))
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_scores_aux(rows, temperature, outputs, aux_weight, loss))
     }
 
     fn backward_values(

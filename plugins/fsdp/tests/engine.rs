@@ -524,7 +524,7 @@ fn errors_name_the_problem() {
     );
 
     let mut config = base();
-    config["role"] = json!("teacher");
+    config["role"] = json!("student");
     assert!(init_err(config).message().contains("`role`"));
 
     let mut config = base();

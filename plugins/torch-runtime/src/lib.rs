@@ -6,6 +6,7 @@
 
 pub mod actor;
 mod config;
+pub mod distill;
 mod error;
 mod export;
 mod generate;
@@ -29,7 +30,7 @@ pub use logprobs::{
     sum_pi_squared_from_logits,
 };
 pub use model::{
-    BlockContext, CausalLM, Head, ModelOptions, Packing, RouterOutput, TensorParallel,
+    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, Packing, RouterOutput, TensorParallel,
     load_balancing_loss,
 };
 pub use optim::{

@@ -162,26 +162,26 @@ impl CausalLM {
         temperature: f64,
         outputs: ScoreOutputs,
     ) -> Result<ResponseScores> {
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return Err(ModelError::invalid_input(
-                "temperature",
-                format!("must be positive, got {temperature}"),
-            ));
-        }
-        let logits = self.logits(hidden)?;
-        // Dividing by 1 is exact: skip a pass (and its backward) over the largest activation.
-        let logits = if temperature == 1.0 {
-            logits
-        } else {
-            logits / temperature
-        };
+        let logits = self.tempered_logits(hidden, temperature)?;
         Ok(ResponseScores {
-            log_probs: log_probs_from_logits(&logits, labels),
-            entropy: outputs.entropy.then(|| entropy_from_logits(&logits)),
-            sum_pi_squared: outputs
-                .sum_pi_squared
-                .then(|| sum_pi_squared_from_logits(&logits)),
+            log_probs: self.log_probs_in_rows(&logits, labels),
+            entropy: outputs.entropy.then(|| {
+                self.row_wise(&logits, |t| entropy_from_logits(t).unsqueeze(-1))
+                    .squeeze_dim(-1)
+            }),
+            sum_pi_squared: outputs.sum_pi_squared.then(|| {
+                self.row_wise(&logits, |t| sum_pi_squared_from_logits(t).unsqueeze(-1))
+                    .squeeze_dim(-1)
+            }),
         })
+    }
+
+    /// [`log_probs_from_logits`] with the log-softmax over fixed row tiles in the deterministic
+    /// mode (the rollout's log-probs go through the same function).
+    pub(crate) fn log_probs_in_rows(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
+        self.row_wise(logits, |t| t.log_softmax(-1, Kind::Float))
+            .gather(-1, &labels.unsqueeze(-1), false)
+            .squeeze_dim(-1)
     }
 
     /// Values of the response tokens, `[B, R]` fp32, zero on padding: the value at the position
@@ -238,7 +238,11 @@ impl CausalLM {
 }
 
 /// The hidden states `[n, hidden]` of a packed stream's (`[1, N, hidden]`) scored predictors.
-fn packed_predictors(hidden: &Tensor, packing: &Packing, response_len: i64) -> Result<Tensor> {
+pub(crate) fn packed_predictors(
+    hidden: &Tensor,
+    packing: &Packing,
+    response_len: i64,
+) -> Result<Tensor> {
     if packing.response_len() != response_len {
         return Err(ModelError::invalid_input(
             "response_len",

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Step time of trainer.training_mode=sync vs one_step_off on the quickstart, in one run each.
+# Step time of trainer.training_mode=sync vs one_step_off vs fully_async on the quickstart, in one
+# run each. fully_async runs with verl's async_training defaults (trigger_parameter_sync_step=4,
+# staleness_threshold=0.1) and the rollout's log-probs as the old policy's (use_rollout_log_probs).
 #
 #   bash scripts/bench-training-modes.sh RELEASE_DIR [STEPS] [WORK_DIR]
 #
@@ -7,8 +9,8 @@
 # plugins (cargo build --release -p verl-core -p verl-plugin-native -p verl-plugin-fsdp
 # -p verl-plugin-trackers). Both runs share the quickstart's data and warmed-up model (made by the
 # first) and train STEPS steps (default 30) without validation or checkpoints; the mean and median
-# of `timing_s/step` over steps 2.. (step 1 of one_step_off generates its batch up front) are
-# printed per mode, with `timing_s/gen` (time spent waiting for generation).
+# of `timing_s/step` over steps 2.. (step 1 of the overlapped modes generates its batch up front)
+# are printed per mode, with `timing_s/gen` (time spent waiting for generation).
 set -euo pipefail
 release=${1:?usage: bench-training-modes.sh RELEASE_DIR [STEPS] [WORK_DIR]}
 steps=${2:-30}
@@ -19,7 +21,11 @@ for p in native fsdp trackers; do
     cp "$release/libverl_plugin_$p.so" "$plugins/"
 done
 repo=$(cd "$(dirname "$0")/.." && pwd)
-for mode in sync one_step_off; do
+for mode in sync one_step_off fully_async; do
+    extra=()
+    if [[ $mode == fully_async ]]; then
+        extra=(actor_rollout_ref.rollout.calculate_log_probs=true)
+    fi
     "$release/verl-core" run --plugin-dir "$plugins" --config "$repo/examples/quickstart.yaml" \
         "quickstart.dir=$work/quickstart" \
         "data.train_files=[$work/quickstart/data/train.parquet]" \
@@ -28,12 +34,12 @@ for mode in sync one_step_off; do
         "trainer.default_local_dir=$work/run-$mode" \
         "trainer.total_training_steps=$steps" trainer.test_freq=-1 trainer.save_freq=-1 \
         trainer.val_before_train=false "trainer.training_mode=$mode" 'trainer.logger=[file]' \
-        >"$work/$mode.log" 2>&1
+        "${extra[@]}" >"$work/$mode.log" 2>&1
 done
 python3 - "$work" <<'EOF'
 import json, statistics, sys
 work = sys.argv[1]
-for mode in ["sync", "one_step_off"]:
+for mode in ["sync", "one_step_off", "fully_async"]:
     rows = [json.loads(l) for l in open(f"{work}/run-{mode}/metrics.jsonl")]
     data = [r["data"] for r in rows if isinstance(r.get("data"), dict) and r.get("step", 0) >= 2]
     step = [d["timing_s/step"] for d in data if "timing_s/step" in d]

@@ -2,7 +2,7 @@
 //! left-padded to the longest prompt, responses right-padded to the longest response, so every
 //! response starts at the same column.
 
-use verl_plugin_api::{Batch, PluginError, Tensor, keys};
+use verl_plugin_api::{Batch, PluginError, RoutedExperts, Tensor, keys};
 
 use crate::algo::Matrix;
 
@@ -81,6 +81,57 @@ pub fn build(
         Tensor::from_slice(&[rows as i64, response_len as i64], &response_mask)?,
     );
     Ok(batch)
+}
+
+/// The `routed_experts` tensor `[B, P+R, L, k]` (int64) of the batch [`build`] makes from
+/// `prompts` and `responses`: row `i`'s recorded tokens (its prompt, then its response but the
+/// last token) sit where `input_ids` holds them, zeros elsewhere — verl's agent-loop layout.
+pub fn routed_experts(
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    routed: &[&RoutedExperts],
+) -> Result<Tensor, PluginError> {
+    let first = routed
+        .first()
+        .ok_or_else(|| PluginError::other("routed_experts: no rows"))?;
+    let (layers, top_k) = (first.layers as usize, first.top_k as usize);
+    let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let width = prompt_len + responses.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let per_token = layers * top_k;
+    let mut data = vec![0i64; routed.len() * width * per_token];
+    for (row, ((prompt, response), r)) in prompts.iter().zip(responses).zip(routed).enumerate() {
+        let bad =
+            |reason: String| PluginError::other(format!("routed_experts of row {row}: {reason}"));
+        let tokens = r.tokens().map_err(bad)?;
+        if (r.layers as usize, r.top_k as usize) != (layers, top_k) {
+            return Err(bad(format!(
+                "{} layers × top-{}, row 0 has {layers} × top-{top_k}",
+                r.layers, r.top_k
+            )));
+        }
+        let fed = (prompt.len() + response.len()).saturating_sub(1);
+        if tokens != fed {
+            return Err(bad(format!(
+                "{tokens} tokens recorded, the prompt and response fed {fed}"
+            )));
+        }
+        let start = (row * width + prompt_len - prompt.len()) * per_token;
+        for (slot, &e) in data[start..start + r.experts.len()]
+            .iter_mut()
+            .zip(&r.experts)
+        {
+            *slot = i64::from(e);
+        }
+    }
+    Tensor::from_slice(
+        &[
+            routed.len() as i64,
+            width as i64,
+            layers as i64,
+            top_k as i64,
+        ],
+        &data,
+    )
 }
 
 /// Rows `rows` of every tensor of `batch` (all share the batch dimension), with its meta.
@@ -196,6 +247,39 @@ mod tests {
             vec![1.0, 0.0, 1.0, 1.0]
         );
         assert!(build(&[vec![1]], &[], 0).is_err());
+    }
+
+    #[test]
+    fn routed_experts_sit_where_input_ids_hold_their_tokens() {
+        let (prompts, responses) = (vec![vec![5, 6], vec![8]], vec![vec![1, 2], vec![3]]);
+        // One layer, top-2: row 0 fed 3 tokens (5, 6, 1), row 1 fed 1 (8).
+        let rows = [
+            RoutedExperts::new(1, 2, vec![0, 1, 2, 3, 1, 0]),
+            RoutedExperts::new(1, 2, vec![3, 2]),
+        ];
+        let tensor = routed_experts(&prompts, &responses, &[&rows[0], &rows[1]]).unwrap();
+        assert_eq!(tensor.shape.as_slice(), &[2, 4, 1, 2]);
+        // input_ids: [5 6 1 2] and [0 8 3 0].
+        assert_eq!(
+            tensor.to_vec::<i64>().unwrap(),
+            vec![0, 1, 2, 3, 1, 0, 0, 0, 0, 0, 3, 2, 0, 0, 0, 0]
+        );
+        let short = RoutedExperts::new(1, 2, vec![0, 1]);
+        let err = routed_experts(&prompts, &responses, &[&short, &rows[1]])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("row 0: 1 tokens recorded, the prompt and response fed 3"),
+            "{err}"
+        );
+        let ragged = RoutedExperts::new(2, 2, vec![0, 1, 2]);
+        let err = routed_experts(&prompts, &responses, &[&rows[0], &ragged])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("do not split into tokens of 2 layers × top-2"),
+            "{err}"
+        );
     }
 
     #[test]

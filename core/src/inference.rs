@@ -72,7 +72,10 @@ pub fn generate(
     }
     let component = spec.registry.resolve(ComponentKind::ROLLOUT, rollout)?;
     let mut generator = component.create_rollout()?;
-    let mut section = json!({ "model": { "path": model } });
+    let mut section = json!({
+        "model": { "path": model },
+        "deterministic": spec.config.trainer.deterministic,
+    });
     if let serde_json::Value::Object(all) = spec.config.rollout_json() {
         for (key, value) in all {
             if key != "model"
@@ -178,6 +181,7 @@ pub fn score_scope() -> AuditScope {
         "actor_rollout_ref.model",
         "actor_rollout_ref.nccl_timeout",
         "trainer.device",
+        "trainer.deterministic",
     ]
     .map(String::from)
     .to_vec();
@@ -198,7 +202,7 @@ pub fn score_scope() -> AuditScope {
         reads_what: "the reference engine's settings (actor_rollout_ref.ref, and the actor's strategy, \
                      use_torch_compile, use_dynamic_bsz, ppo_max_token_len_per_gpu, \
                      ulysses_sequence_parallel_size and megatron grid, which the reference inherits), \
-                     actor_rollout_ref.model and trainer.device",
+                     actor_rollout_ref.model, trainer.device and trainer.deterministic",
         replaced: vec![(
             "actor_rollout_ref.model.path".into(),
             "`verl-core score` scores the model --model gives".into(),
@@ -231,8 +235,13 @@ pub fn generate_scope() -> AuditScope {
     );
     AuditScope::Command {
         name: "generate",
-        reads: vec!["actor_rollout_ref.rollout".into(), "trainer.device".into()],
-        reads_what: "actor_rollout_ref.rollout (its sampling keys aside) and trainer.device",
+        reads: vec![
+            "actor_rollout_ref.rollout".into(),
+            "trainer.device".into(),
+            "trainer.deterministic".into(),
+        ],
+        reads_what: "actor_rollout_ref.rollout (its sampling keys aside), trainer.device and \
+                     trainer.deterministic",
         replaced,
     }
 }

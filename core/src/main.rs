@@ -975,6 +975,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 num_hidden_layers: layers,
                 num_attention_heads: (hidden_size / 64).max(1),
                 num_key_value_heads: (hidden_size / 64).max(1),
+                ..TinyModel::default()
             };
             let bench = bench::ComponentBench {
                 registry: &registry,

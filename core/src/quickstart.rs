@@ -42,9 +42,7 @@ fn write_json(path: &Path, value: serde_json::Value) -> Result<(), TrainError> {
 pub fn write_tiny_model(dir: &Path, model: &TinyModel) -> Result<(), TrainError> {
     synthetic::write_tokenizer(dir)?;
     let vocab = SPECIAL_TOKENS.len() + synthetic::ALPHABET.chars().count();
-    write_json(
-        &dir.join("config.json"),
-        json!({
+    let mut config = json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "vocab_size": vocab,
@@ -62,8 +60,28 @@ pub fn write_tiny_model(dir: &Path, model: &TinyModel) -> Result<(), TrainError>
             "bos_token_id": 1,
             "eos_token_id": 2,
             "torch_dtype": "float32",
-        }),
-    )?;
+    });
+    if model.num_experts > 0 {
+        // Qwen3-MoE: every layer sparse, experts as wide as the dense MLP would be split among
+        // the routed ones, top-k weights renormalised, transformers' aux-loss defaults.
+        let extra = json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": model.hidden_size / model.num_attention_heads,
+            "num_experts": model.num_experts,
+            "num_experts_per_tok": model.num_experts_per_tok,
+            "moe_intermediate_size": (model.intermediate_size / model.num_experts_per_tok.max(1)).max(1),
+            "norm_topk_prob": true,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": false,
+        });
+        for (key, value) in extra.as_object().expect("an object") {
+            config[key] = value.clone();
+        }
+    }
+    write_json(&dir.join("config.json"), config)?;
     write_json(
         &dir.join("generation_config.json"),
         json!({ "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0 }),

@@ -110,6 +110,12 @@ pub fn run_sft(
     section["entropy_coeff"] = json!(0.0);
     section["use_kl_loss"] = json!(false);
     section["loss_agg_mode"] = json!("token-mean");
+    // Supervised updates have no teacher outputs: the distillation loss is for the RL steps.
+    if let Some(section) = section.as_object_mut() {
+        section.remove("distillation_loss");
+    }
+    // Supervised data has no recorded routing: the model routes with its own router.
+    section["router_replay"]["mode"] = json!("disabled");
     section["optim"]["lr"] = json!(sft.lr);
     section["optim"]["lr_warmup_steps"] = json!(0);
     section["optim"]["weight_decay"] = json!(0.0);

@@ -11,8 +11,11 @@ use verl_reference::{check_cases, close, compare, floats};
 use serde_json::Value;
 use verl_core::algo::{
     AdvEstimator, AdvantageInput, AdvantageParams, KlController, KlCtrlType, KlPenalty, Matrix,
-    compute_advantage, kl_penalty,
+    compute_advantage, kl_penalty, place_scores,
 };
+use verl_core::config::OverlongBufferConfig;
+use verl_core::reward::manager::RewardManager;
+use verl_plugin_api::RewardScore;
 
 fn matrix(v: &Value) -> Matrix {
     let rows = v.as_array().expect("a list of rows");
@@ -153,5 +156,74 @@ fn estimators_kl_and_controllers_match_verl() {
     }
     assert_eq!(counts.get("kl_ctrl/"), Some(&2));
     assert!(counts.keys().filter(|k| k.starts_with("kl/")).count() >= 14);
+    checked.assert_no_failures();
+}
+
+/// GDPO from the reward's result dicts, as a run does it: the `naive` manager collects the dicts'
+/// keys, `Rewards::components` takes `gdpo_reward_keys` from them, each value goes on its
+/// response's last token, and the estimator weighs the components — against verl's
+/// `compute_gdpo_outcome_advantage` reading the same dicts from `non_tensor_batch`.
+fn gdpo_rewards_case(case: &Value) -> Result<(), String> {
+    let results: Vec<RewardScore> = case["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(RewardScore::from_verl_result)
+        .collect::<Result<_, _>>()?;
+    let lengths: Vec<usize> = serde_json::from_value(case["lengths"].clone()).expect("lengths");
+    let width = case["width"].as_u64().expect("width") as usize;
+    let index: Vec<u64> = serde_json::from_value(case["index"].clone()).expect("index");
+    let keys: Vec<String> = serde_json::from_value(case["keys"].clone()).expect("keys");
+    let weights: Option<Vec<f32>> =
+        serde_json::from_value(case["weights"].clone()).expect("weights");
+    let manager = RewardManager::new("naive", &OverlongBufferConfig::default(), width)
+        .map_err(|e| e.to_string())?;
+    let rewards = manager.apply(&results, &lengths);
+    let rows = rewards.components(&keys).map_err(|e| e.to_string())?;
+    let mask = Matrix::new(
+        lengths.len(),
+        width,
+        lengths
+            .iter()
+            .flat_map(|&n| (0..width).map(move |t| if t < n { 1.0 } else { 0.0 }))
+            .collect(),
+    )
+    .expect("mask");
+    let components: Vec<Matrix> = (0..keys.len())
+        .map(|k| {
+            let scores: Vec<f32> = rows.iter().map(|r| r[k] as f32).collect();
+            place_scores(&scores, &mask).expect("placed")
+        })
+        .collect();
+    let zeros = Matrix::zeros(lengths.len(), width);
+    let input = AdvantageInput {
+        reward_components: Some(&components),
+        reward_weights: weights.as_deref(),
+        ..AdvantageInput::new(&zeros, &mask, &index)
+    };
+    let params = AdvantageParams {
+        norm_adv_by_std_in_grpo: case["norm_adv_by_std_in_grpo"].as_bool().expect("norm"),
+        ..AdvantageParams::default()
+    };
+    let (adv, _) =
+        compute_advantage(AdvEstimator::Gdpo, &params, &input).map_err(|e| e.to_string())?;
+    compare("advantages", adv.data(), &floats(&case["advantages"]))
+}
+
+#[test]
+fn gdpo_from_reward_result_dicts_matches_verl() {
+    let checked = check_cases(|case, _| match case["kind"].as_str()? {
+        "gdpo_rewards" => Some(gdpo_rewards_case(case)),
+        _ => None,
+    });
+    assert!(
+        checked
+            .counts
+            .iter()
+            .filter(|(k, _)| k.starts_with("gdpo_rewards/"))
+            .map(|(_, n)| n)
+            .sum::<usize>()
+            >= 12
+    );
     checked.assert_no_failures();
 }

@@ -126,9 +126,17 @@ pub struct RolloutCapabilities {
     /// Whether `GenerateRequest::seeds` (one seed per prompt, since 2.1.0) decides each prompt's
     /// samples, whatever else is in the request.
     pub prompt_seeds: bool,
+    /// Whether completions can carry the experts each token was routed through
+    /// (`Completion::routed_experts`, since 2.4.0): rollout router replay (verl's R3,
+    /// `enable_rollout_routing_replay`) needs it.
+    pub routed_experts: bool,
 }
 
 impl RolloutCapabilities {
+    pub fn routed_experts(mut self, yes: bool) -> Self {
+        self.routed_experts = yes;
+        self
+    }
     pub fn weight_sources(mut self, kinds: impl IntoIterator<Item = WeightSourceKind>) -> Self {
         self.weight_sources = kinds.into_iter().collect();
         self

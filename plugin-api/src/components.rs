@@ -283,6 +283,49 @@ pub struct Completion {
     /// Log-prob of each sampled token under the sampling distribution.
     pub logprobs: Vec<f32>,
     pub finish_reason: FinishReason,
+    /// The experts a mixture-of-experts model routed each token through (since 2.4.0; verl's
+    /// `routed_experts`, for rollout router replay), when the rollout records them
+    /// (`RolloutCapabilities::routed_experts` and the run asks for it); `None` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<RoutedExperts>,
+}
+
+/// Each token's experts, for every sparse layer: `[tokens][layers][top_k]` flattened, `tokens`
+/// being every token the model was fed — the prompt and the response but its last token
+/// (`prompt + response − 1`), as vLLM's `routed_experts` and verl's agent loop lay them out.
+#[non_exhaustive]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(default)]
+pub struct RoutedExperts {
+    /// The model's sparse (mixture-of-experts) layers.
+    pub layers: u32,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: u32,
+    pub experts: Vec<u32>,
+}
+
+impl RoutedExperts {
+    pub fn new(layers: u32, top_k: u32, experts: Vec<u32>) -> Self {
+        Self {
+            layers,
+            top_k,
+            experts,
+        }
+    }
+
+    /// The tokens recorded, or why `experts` does not split into `[tokens][layers][top_k]`.
+    pub fn tokens(&self) -> Result<usize, String> {
+        let per_token = self.layers as usize * self.top_k as usize;
+        if per_token == 0 || !self.experts.len().is_multiple_of(per_token) {
+            return Err(format!(
+                "{} expert ids do not split into tokens of {} layers × top-{}",
+                self.experts.len(),
+                self.layers,
+                self.top_k
+            ));
+        }
+        Ok(self.experts.len() / per_token)
+    }
 }
 
 impl Completion {
@@ -297,7 +340,14 @@ impl Completion {
             response_ids,
             logprobs,
             finish_reason,
+            routed_experts: None,
         }
+    }
+
+    /// With the experts each token was routed through (since 2.4.0).
+    pub fn with_routed_experts(mut self, routed: RoutedExperts) -> Self {
+        self.routed_experts = Some(routed);
+        self
     }
 }
 

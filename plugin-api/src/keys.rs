@@ -15,6 +15,8 @@
 //! | `values` | `[B, R]` | F32 | critic values at generation time |
 //! | `log_probs` | `[B, R]` | F32 | output of `compute_log_prob` |
 //! | `entropys` | `[B, R]` | F32 | output of `compute_log_prob` (verl's spelling) |
+//! | `sum_pi_squared` | `[B, R]` | F32 | Σ_v π(v)² per token, output of `compute_log_prob` when the meta has `"calculate_sum_pi_squared": true` (since 2.4.0) |
+//! | `routed_experts` | `[B, P+R, L, k]` | I64 | each token's experts in the `L` sparse layers of a mixture-of-experts model (since 2.4.0): the rollout's (router replay R3), or `compute_log_prob`'s (R2); zeros at padding |
 //!
 //! `Batch::meta_json` carries per-call settings as a JSON object, e.g.
 //! `{"temperature": 1.0, "global_steps": 3, "calculate_entropy": true}`.
@@ -30,3 +32,5 @@ pub const RETURNS: &str = "returns";
 pub const VALUES: &str = "values";
 pub const LOG_PROBS: &str = "log_probs";
 pub const ENTROPYS: &str = "entropys";
+pub const SUM_PI_SQUARED: &str = "sum_pi_squared";
+pub const ROUTED_EXPERTS: &str = "routed_experts";

@@ -73,7 +73,7 @@ pub use capabilities::{
 };
 pub use components::{
     CheckpointEngine, Completion, ComponentInit, Engine, FinishReason, GenerateOutput,
-    GenerateRequest, Handover, Rollout, RunContext, SamplingParams, Table, Tracker,
+    GenerateRequest, Handover, Rollout, RoutedExperts, RunContext, SamplingParams, Table, Tracker,
 };
 pub use device::{Detection, Device, DeviceInfo, EnvVar, ProbeContext, visible_devices};
 pub use error::{ErrorKind, PluginError, guard};

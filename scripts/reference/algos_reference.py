@@ -421,6 +421,51 @@ def main():
             entropy = core.compute_entropy_loss(logits, mask, mode)
             cases.append({"kind": "entropy_loss", "input": set_id, "mode": mode, "value": rows(entropy)})
 
+    # ---------------------------------------------------------------- GDPO from reward result dicts
+    # verl's path from compute_score's dicts to the estimator: the reward manager collects every
+    # key of each result dict into reward_extra_info (key -> one value per response; verl's
+    # naive/gdpo managers do exactly this), the trainer puts it in non_tensor_batch, and
+    # compute_gdpo_outcome_advantage reads gdpo_reward_keys from there, placing each value on the
+    # response's last token by the attention mask. A generator of its own keeps the cases above
+    # unchanged.
+    gdpo_gen = torch.Generator().manual_seed(SEED + 1)
+    for sizes, width in [([4, 4, 3, 5], 6), ([2, 6, 3], 9)]:
+        batch = sum(sizes)
+        index = [g for g, n in enumerate(sizes) for _ in range(n)]
+        perm = torch.randperm(batch, generator=gdpo_gen).tolist()
+        index = [index[p] * 5 + 1 for p in perm]
+        lengths = torch.randint(1, width + 1, (batch,), generator=gdpo_gen).tolist()
+        results = [
+            {
+                "score": round(float(torch.randn(1, generator=gdpo_gen)), 4),
+                "format": bool(torch.rand(1, generator=gdpo_gen) > 0.4),
+                "accuracy": float(torch.randint(0, 5, (1,), generator=gdpo_gen)) / 4,
+            }
+            for _ in range(batch)
+        ]
+        reward_extra_info = {k: [r[k] for r in results] for k in results[0]}
+        non_tensor = {k: np.array(v) for k, v in reward_extra_info.items()}
+        prompt_len = 2
+        response_attention = (torch.arange(width).expand(batch, width) < torch.tensor(lengths)[:, None]).long()
+        gdpo_batch = {
+            "prompts": torch.zeros(batch, prompt_len, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(batch, prompt_len, dtype=torch.long), response_attention], 1),
+        }
+        mask = response_attention.float()
+        for keys, weights in [(["format", "accuracy"], None), (["accuracy"], None),
+                              (["score", "format", "accuracy"], [1.0, 0.5, 2.0])]:
+            for norm in [True, False]:
+                gcfg = AlgoConfig(norm_adv_by_std_in_grpo=norm, gdpo_reward_keys=keys, gdpo_reward_weights=weights)
+                a, _ = core.compute_gdpo_outcome_advantage(
+                    torch.zeros(batch, width), mask, np.array(index), norm_adv_by_std_in_grpo=norm, config=gcfg,
+                    non_tensor_batch=non_tensor, batch=gdpo_batch,
+                )
+                cases.append({
+                    "kind": "gdpo_rewards", "name": "+".join(keys), "results": results, "lengths": lengths,
+                    "width": width, "index": index, "keys": keys, "weights": weights,
+                    "norm_adv_by_std_in_grpo": norm, "advantages": rows(a),
+                })
+
     out = {
         "verl_commit": commit,
         "generated_by": "scripts/reference/algos_reference.py",

@@ -48,7 +48,7 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     let no_root = fixture_plugin(&["no-root-module"], None);
     let major = fixture_plugin(&[], Some(Api::at("3.0.0")));
     let old_major = fixture_plugin(&[], Some(Api::at("1.4.0")));
-    let minor = fixture_plugin(&[], Some(Api::grown("2.4.0")));
+    let minor = fixture_plugin(&[], Some(Api::grown("2.5.0")));
     let panics_registering = fixture_plugin(&["panic-register"], None);
 
     let dir = plugin_dir(&[
@@ -89,7 +89,7 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
     assert_rejected(&list, "libmajor.so", &["3.0.0", API_VERSION, "major"]);
     assert_rejected(&list, "liboldmajor.so", &["1.4.0", API_VERSION, "major"]);
     // A newer minor whose records grew is still refused: it may rely on methods this core lacks.
-    assert_rejected(&list, "libminor.so", &["2.4.0", API_VERSION, "newer"]);
+    assert_rejected(&list, "libminor.so", &["2.5.0", API_VERSION, "newer"]);
     assert_rejected(
         &list,
         "libpanicreg.so",
@@ -116,7 +116,7 @@ fn broken_libraries_are_rejected_with_reasons_and_the_rest_load() {
 #[test]
 fn a_plugin_loads_into_a_host_whose_records_grew() {
     let plugin = fixture_plugin(&["echo-rollout"], None);
-    let host = grown_host("2.4.0");
+    let host = grown_host("2.5.0");
     let out = std::process::Command::new(&host)
         .arg(&plugin)
         .output()
@@ -129,7 +129,7 @@ fn a_plugin_loads_into_a_host_whose_records_grew() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         (report["host_api"].as_str(), report["plugin_api"].as_str()),
-        (Some("2.4.0"), Some(API_VERSION))
+        (Some("2.5.0"), Some(API_VERSION))
     );
     let completions = report["completions"].as_array().unwrap();
     // Two prompts, n = 2; each reports [n, max_new_tokens, rank, world_size, seed].
@@ -140,7 +140,7 @@ fn a_plugin_loads_into_a_host_whose_records_grew() {
     assert_eq!(prompts, [0, 0, 1, 1]);
     for c in completions {
         assert_eq!(c["ids"], serde_json::json!([2, 7, 2, 4, 9]));
-        assert_eq!(c["routed_experts"], serde_json::json!([]));
+        assert_eq!(c["prompt_logprobs"], serde_json::json!([]));
     }
 }
 

@@ -153,7 +153,7 @@ pub fn fixture_plugin(features: &[&str], api: Option<Api<'_>>) -> PathBuf {
 }
 
 /// The plugin API version this workspace is at (the tests that build other releases depend on it).
-pub const API_VERSION: &str = "2.3.0";
+pub const API_VERSION: &str = "2.4.0";
 
 /// A copy of plugin-api at `api`, and a copy of the fixture crate `name` (from `fixture`) that
 /// depends on it: what a plugin or host built against another release of the API looks like.
@@ -192,7 +192,7 @@ fn versioned_fixture(fixture: &Path, name: &str, api: Api<'_>) -> PathBuf {
 }
 
 /// Appends fields to records, as a later 2.x release would: `RunContext::numa_node`,
-/// `SamplingParams::min_p` (host → plugin) and `Completion::routed_experts` (plugin → host).
+/// `SamplingParams::min_p` (host → plugin) and `Completion::prompt_logprobs` (plugin → host).
 /// Each edit must apply exactly once, so a reshaped plugin-api fails here, by name.
 fn grow(components: &Path) {
     let mut text = std::fs::read_to_string(components).unwrap();
@@ -214,12 +214,12 @@ fn grow(components: &Path) {
             "            seed: None,\n            min_p: 0.0,\n        }",
         ),
         (
-            "    pub finish_reason: FinishReason,\n}",
-            "    pub finish_reason: FinishReason,\n    pub routed_experts: Vec<u32>,\n}",
+            "    pub routed_experts: Option<RoutedExperts>,\n}",
+            "    pub routed_experts: Option<RoutedExperts>,\n    pub prompt_logprobs: Vec<f32>,\n}",
         ),
         (
-            "            finish_reason,\n        }",
-            "            finish_reason,\n            routed_experts: Vec::new(),\n        }",
+            "            routed_experts: None,\n        }",
+            "            routed_experts: None,\n            prompt_logprobs: Vec::new(),\n        }",
         ),
     ];
     for (anchor, grown) in edits {
@@ -366,7 +366,7 @@ pub fn device<'a>(platform: &'a Value, name: &str) -> &'a Value {
 }
 
 /// `run --config examples/quickstart.yaml …`: the quickstart task shrunk to seconds (256 training
-/// prompts, 5 SFT steps, 8 prompts × 4 samples per step, validation every 2 steps, deterministic,
+/// prompts, 5 SFT steps, 8 prompts × 4 samples per step, validation every 2 steps,
 /// constant learning rate so that a run extended on resume schedules like an uninterrupted one),
 /// then `overrides`, on the data and model the quickstart makes in `work`, writing to `run_dir`.
 pub fn quickstart_run_args(
@@ -391,7 +391,6 @@ pub fn quickstart_run_args(
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.rollout.n=4",
             "trainer.test_freq=2",
-            "trainer.deterministic=true",
             "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
         ]
         .iter()
@@ -439,6 +438,9 @@ pub fn step_metrics(run_dir: &Path) -> BTreeMap<u64, BTreeMap<String, Value>> {
                     "timing_per_token_ms/",
                     "perf/",
                     "global_seqlen/",
+                    // How far the fully-async rollouter was ahead, and the trainer's wait.
+                    "fully_async/monitor/",
+                    "fully_async/total_wait_time",
                 ]
                 .iter()
                 .any(|prefix| k.starts_with(prefix))

@@ -459,6 +459,29 @@ fn consumed(run_dir: &Path) -> (Vec<u64>, std::collections::BTreeMap<String, Str
     (indices, files)
 }
 
+/// The check of a killed-and-resumed run against the uninterrupted `whole` one: the same multiset
+/// of consumed prompt indices, every dumped sample line, every record, and the final weights bit
+/// for bit.
+fn trains_like(whole: &Path) -> impl Fn(usize, &Path) + '_ {
+    let (whole_indices, whole_files) = consumed(whole);
+    move |round, run_dir| {
+        let (indices, files) = consumed(run_dir);
+        assert_eq!(
+            indices, whole_indices,
+            "round {round}: prompts skipped or repeated"
+        );
+        assert!(
+            files == whole_files,
+            "round {round}: other samples than the uninterrupted run's"
+        );
+        assert_eq!(step_metrics(run_dir), step_metrics(whole), "round {round}");
+        assert!(
+            final_weights(run_dir) == final_weights(whole),
+            "round {round}: final weights differ"
+        );
+    }
+}
+
 /// Exact resume of a one-step-off run under the kill harness: SIGKILLed at seeded random moments
 /// (at least 10 kills), each time resumed with `resume_mode=auto`, a run trains on the multiset
 /// of prompt indices an uninterrupted one-step-off run trains on — in fact on the same samples,
@@ -485,25 +508,80 @@ fn killed_anywhere_a_one_step_off_run_trains_on_every_prompt_once() {
         one_step_off_args,
         full.mul_f64(0.8),
         0x0ff_5eed,
-        |round, run_dir| {
-            let (indices, files) = consumed(run_dir);
-            assert_eq!(
-                indices, whole_indices,
-                "round {round}: prompts skipped or repeated"
-            );
-            assert!(
-                files == whole_files,
-                "round {round}: other samples than the uninterrupted run's"
-            );
-            assert_eq!(step_metrics(run_dir), step_metrics(&whole), "round {round}");
-            assert!(
-                final_weights(run_dir) == final_weights(&whole),
-                "round {round}: final weights differ"
-            );
-        },
+        trains_like(&whole),
     );
     eprintln!(
         "one-step-off kill harness: {} kills in {:.1} s (uninterrupted run {:.1} s)",
+        kills,
+        started.elapsed().as_secs_f64(),
+        full.as_secs_f64()
+    );
+}
+
+/// `trainer.training_mode=fully_async` runs of 6 steps with a checkpoint per step, in verl's
+/// layout (`data.train_batch_size=0`; a step trains on ppo_mini_batch_size 4 × require_batches 2
+/// prompts), weights published every 2 steps, a staleness threshold of 0.5 (3 batches per
+/// version), old log-probs recomputed and the lagging samples corrected by token IS weights.
+fn fully_async_args(run_dir: &Path) -> Vec<String> {
+    let mut args = args(run_dir, 6, 1);
+    args.extend(
+        [
+            "trainer.training_mode=fully_async",
+            "data.train_batch_size=0",
+            "async_training.require_batches=2",
+            "async_training.trigger_parameter_sync_step=2",
+            "async_training.staleness_threshold=0.5",
+            "async_training.use_rollout_log_probs=false",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "algorithm.rollout_correction.rollout_is=token",
+        ]
+        .map(str::to_owned),
+    );
+    args.push(format!(
+        "trainer.rollout_data_dir={}",
+        run_dir.join("rollouts").display()
+    ));
+    args
+}
+
+/// Exact resume of a fully-async run under the kill harness: SIGKILLed at seeded random moments
+/// (at least 10 kills), each time resumed with `resume_mode=auto`, a run trains on the multiset of
+/// prompt indices an uninterrupted fully-async run trains on — the same samples, step by step,
+/// since a checkpoint carries every batch generated ahead and the schedule fixes each batch's
+/// weight version — and ends with its records (timings and queue sizes aside) and its final
+/// weights, bit for bit.
+#[test]
+fn killed_anywhere_a_fully_async_run_trains_on_every_prompt_once() {
+    reference(); // makes the shared data and model
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole");
+    let started = Instant::now();
+    Attempt::start(&fully_async_args(&whole), None).finish();
+    let full = started.elapsed();
+    let (whole_indices, whole_files) = consumed(&whole);
+    // 6 steps × 8 prompts × n = 4.
+    assert_eq!(whole_indices.len(), 6 * 8 * 4);
+    assert_eq!(whole_files.len(), 6);
+    let by_step = step_metrics(&whole);
+    // Batches 1–3 by the initial weights, 4–5 by step 2's, 6 by step 4's.
+    let staleness: Vec<f64> = (1..=6)
+        .map(|step| by_step[&step]["training/staleness_mean"].as_f64().unwrap())
+        .collect();
+    assert_eq!(staleness, [0.0, 1.0, 2.0, 1.0, 2.0, 1.0]);
+    assert!(by_step[&3].contains_key("rollout_corr/rollout_is_mean"));
+    assert_eq!(
+        by_step[&6]["fully_async/count/current_param_version"].as_f64(),
+        Some(2.0)
+    );
+
+    let kills = random_kills(
+        fully_async_args,
+        full.mul_f64(0.8),
+        0xfa57_5eed,
+        trains_like(&whole),
+    );
+    eprintln!(
+        "fully-async kill harness: {} kills in {:.1} s (uninterrupted run {:.1} s)",
         kills,
         started.elapsed().as_secs_f64(),
         full.as_secs_f64()

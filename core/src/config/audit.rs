@@ -78,6 +78,8 @@ const NO_REWARD_MODEL: &str =
     "only rule-based rewards by data_source are built in (reward_model.enable)";
 const NO_RAY: &str =
     "there is no Ray or worker group: the trainer and its components run in this process";
+const ROUTING_FILES: &str =
+    "declared by verl, read by none of its workers: the routing travels in the batch";
 const NO_PROFILER: &str = "profilers are not wired; the timing_s/* metrics time each stage";
 
 /// Every key of the schema, by path; a section's rule covers the keys below it that have none.
@@ -175,6 +177,11 @@ pub const RULES: &[Rule] = &[
     acted("actor_rollout_ref.actor.tau_neg"),
     acted("actor_rollout_ref.actor.loss_agg_mode"),
     acted("actor_rollout_ref.actor.entropy_coeff"),
+    acted("actor_rollout_ref.actor.calculate_sum_pi_squared"),
+    no_effect(
+        "actor_rollout_ref.actor.sum_pi_squared_checkpointing",
+        "Σπ² is computed only in the log-prob pass, without gradients: there is no backward to recompute it in",
+    ),
     acted("actor_rollout_ref.actor.use_kl_loss"),
     acted("actor_rollout_ref.actor.kl_loss_coef"),
     acted("actor_rollout_ref.actor.kl_loss_type"),
@@ -197,6 +204,18 @@ pub const RULES: &[Rule] = &[
         "actor_rollout_ref.actor.optim.total_training_steps",
         FILLED_IN,
     ),
+    unsupported(
+        "actor_rollout_ref.actor.router_replay.mode",
+        "router replay needs an engine that replays each token's experts and declares so (the `fsdp` engine does; `megatron` has no mixture-of-experts layers)",
+    ),
+    no_effect(
+        "actor_rollout_ref.actor.router_replay.record_file",
+        ROUTING_FILES,
+    ),
+    no_effect(
+        "actor_rollout_ref.actor.router_replay.replay_file",
+        ROUTING_FILES,
+    ),
     // ref
     acted("actor_rollout_ref.ref.strategy"),
     acted("actor_rollout_ref.ref.log_prob_micro_batch_size"),
@@ -208,6 +227,10 @@ pub const RULES: &[Rule] = &[
         PARALLEL,
     ),
     no_effect("actor_rollout_ref.ref.profiler", NO_PROFILER),
+    unsupported(
+        "actor_rollout_ref.ref.router_replay",
+        "the reference policy routes with its own router; verl replays routing in the actor only",
+    ),
     // rollout
     acted("actor_rollout_ref.rollout.name"),
     Rule {
@@ -280,6 +303,10 @@ pub const RULES: &[Rule] = &[
         "actor_rollout_ref.rollout.skip_tokenizer_init",
         INFERENCE_SERVER,
     ),
+    unsupported(
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+        "the rollout must return each token's experts and declare so (the `native` rollout does; the `vllm` and `sglang` adapters do not)",
+    ),
     plugin("actor_rollout_ref.rollout.engine_kwargs"),
     acted("actor_rollout_ref.rollout.val_kwargs"),
     acted("actor_rollout_ref.rollout.checkpoint_engine.backend"),
@@ -339,37 +366,13 @@ pub const RULES: &[Rule] = &[
     // algorithm
     acted("algorithm.gamma"),
     acted("algorithm.lam"),
-    Rule {
-        also_fine: &[
-            "grpo",
-            "grpo_vectorized",
-            "gdpo",
-            "grpo_passk",
-            "rloo",
-            "rloo_vectorized",
-            "opo",
-            "gpg",
-            "reinforce_plus_plus",
-            "reinforce_plus_plus_baseline",
-            "remax",
-        ],
-        ..unsupported(
-            "algorithm.adv_estimator",
-            "the optimal token baselines need Σπ² per token from the actor (verl's actor.calculate_sum_pi_squared), which no engine here computes yet",
-        )
-    },
+    acted("algorithm.adv_estimator"),
     acted("algorithm.norm_adv_by_std_in_grpo"),
     acted("algorithm.use_kl_in_reward"),
     acted("algorithm.kl_penalty"),
     acted("algorithm.kl_ctrl"),
-    unsupported(
-        "algorithm.gdpo_reward_keys",
-        "the rule rewards give one score per response; GDPO here normalises that score as its only component",
-    ),
-    no_effect(
-        "algorithm.gdpo_reward_weights",
-        "only used with algorithm.gdpo_reward_keys",
-    ),
+    acted("algorithm.gdpo_reward_keys"),
+    acted("algorithm.gdpo_reward_weights"),
     acted("algorithm.filter_groups.enable"),
     acted("algorithm.filter_groups.max_num_gen_batches"),
     acted("algorithm.filter_groups.metric"),
@@ -427,13 +430,64 @@ pub const RULES: &[Rule] = &[
     acted("trainer.device_peak_flops"),
     acted("trainer.training_mode"),
     no_effect("trainer.use_legacy_worker_impl", NO_RAY),
+    // verl's fully-async recipe (read in trainer.training_mode=fully_async; see
+    // trainer::fully_async for how each is acted on).
+    acted("async_training.staleness_threshold"),
+    acted("async_training.trigger_parameter_sync_step"),
+    acted("async_training.require_batches"),
+    acted("async_training.use_rollout_log_probs"),
+    no_effect(
+        "async_training.partial_rollout",
+        "the rollouter finishes the batches due with the old weights before each weight sync, so no sample spans two weight versions and none is interrupted",
+    ),
+    unsupported(
+        "async_training.compute_prox_log_prob",
+        "old log-probs from the weights of the sync interval's first step need a saved copy of those weights, which the engines do not keep; use use_rollout_log_probs=true or false",
+    ),
+    no_effect(
+        "async_training.use_trainer_do_validate",
+        "validation runs on the one rollout of this process, after the weight sync of the step it follows",
+    ),
+    no_effect(
+        "async_training.checkpoint_engine",
+        "weights reach the rollout through actor_rollout_ref.rollout.checkpoint_engine.backend",
+    ),
     // Ours: the jobs built on the trainer.
     acted("quickstart"),
     acted("sft"),
+    // distillation (verl-project/verl 01dcf9f0's keys)
+    acted("distillation.enabled"),
+    no_effect(
+        "distillation.num_workers",
+        "one teacher engine scores in this process; there are no teacher replicas",
+    ),
+    no_effect(
+        "distillation.teacher_model.enable_resource_pool",
+        "the teacher engine runs beside the actor on this rank's device",
+    ),
+    no_effect(
+        "distillation.teacher_model.n_gpus_per_node",
+        "the teacher engine runs beside the actor on this rank's device",
+    ),
+    no_effect(
+        "distillation.teacher_model.nnodes",
+        "the teacher engine runs beside the actor on this rank's device",
+    ),
+    acted("distillation.teacher_model.model_path"),
+    no_effect(
+        "distillation.teacher_model.inference",
+        "the teacher is an engine role scoring in process (with the reference's engine settings), not an inference server",
+    ),
+    acted("distillation.distillation_loss"),
     // verl's infrastructure sections.
     no_effect("ray_kwargs", NO_RAY),
     no_effect("global_profiler", NO_PROFILER),
 ];
+
+/// `trainer.*` keys verl-core copies into every engine and rollout section under the same name: a
+/// component that does not honour one declares it (in its `unsupported` or `no_effect` notes)
+/// and the audit reports `trainer.<key>` naming the component's reason.
+pub const RUN_WIDE: [&str; 1] = ["deterministic"];
 
 /// The rule for `key`: its own, else the one of the nearest section above it.
 pub fn rule_for(key: &str) -> Option<&'static Rule> {
@@ -638,6 +692,17 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
             findings.push(finding(&key, value, false, why.to_owned()));
             return;
         }
+        if key.starts_with("async_training.")
+            && config.trainer.training_mode != super::TrainingMode::FullyAsync
+        {
+            findings.push(finding(
+                &key,
+                value,
+                false,
+                "read only with trainer.training_mode=fully_async".to_owned(),
+            ));
+            return;
+        }
         if let Some((_, why)) = batching.iter().find(|(k, _)| *k == key.as_str()) {
             findings.push(finding(&key, value, false, why.clone()));
             return;
@@ -683,10 +748,16 @@ pub fn audit(config: &Config, ctx: &AuditContext) -> Vec<Finding> {
                 key, default, why, ..
             } in notes
             {
+                // A run-wide key copied into every section is the trainer's.
+                let section = if RUN_WIDE.contains(&key.as_str()) {
+                    "trainer"
+                } else {
+                    section.as_str()
+                };
                 let Some(value) = config.get(&format!("{section}.{key}")) else {
                     continue;
                 };
-                let mut path = vec![section.clone(), key.clone()];
+                let mut path = vec![section.to_owned(), key.clone()];
                 for_each_change(&value, default, &mut path, &mut |key, value| {
                     // A key the command does not read was reported as such above.
                     if ctx.scope.unread(key).is_none() {
@@ -774,6 +845,7 @@ fn unused_batching_keys(config: &Config) -> Vec<(&'static str, String)> {
         EngineRole::Actor => true,
         EngineRole::Ref => config.ref_enabled(),
         EngineRole::Critic => config.critic_enabled(),
+        EngineRole::Teacher => config.teacher_enabled(),
     };
     let (mut rows_read, mut budgets_read) = (Vec::new(), Vec::new());
     for (role, pass, _, rows, _) in passes.iter().filter(|p| used(p.0)) {

@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::synthetic::AdditionTask;
 
-/// A tiny decoder for the synthetic task (Llama architecture, character vocabulary).
+/// A tiny decoder for the synthetic task (character vocabulary): Llama, or with `num_experts`
+/// a Qwen3-MoE whose every layer is a mixture of experts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TinyModel {
@@ -16,6 +17,10 @@ pub struct TinyModel {
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
+    /// Experts per layer; 0: a dense Llama.
+    pub num_experts: usize,
+    /// Experts each token is routed to (with `num_experts`).
+    pub num_experts_per_tok: usize,
 }
 
 impl Default for TinyModel {
@@ -26,6 +31,8 @@ impl Default for TinyModel {
             num_hidden_layers: 2,
             num_attention_heads: 4,
             num_key_value_heads: 2,
+            num_experts: 0,
+            num_experts_per_tok: 2,
         }
     }
 }

@@ -19,6 +19,7 @@
 //! through to the plugin ([`Config::plugin_section`]), which checks them.
 
 mod audit;
+mod distill;
 mod interp;
 mod jobs;
 mod overrides;
@@ -38,6 +39,7 @@ use serde_json::Value;
 pub use audit::{
     AuditContext, AuditScope, Finding, RULES, Rule, Severity, Treatment, audit, rule_for,
 };
+pub use distill::{DistillationConfig, DistillationLossConfig, TeacherModelConfig};
 pub use jobs::{QuickstartConfig, SftConfig, TinyModel};
 pub use plugin::{EngineRole, REF_INHERITS_MEGATRON, TokenBudget};
 pub use schema::*;

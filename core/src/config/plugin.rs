@@ -12,6 +12,9 @@ pub enum EngineRole {
     Actor,
     Ref,
     Critic,
+    /// The distillation teacher (`distillation.teacher_model`): a frozen model that scores the
+    /// student's samples.
+    Teacher,
 }
 
 impl EngineRole {
@@ -20,6 +23,7 @@ impl EngineRole {
             Self::Actor => "actor",
             Self::Ref => "ref",
             Self::Critic => "critic",
+            Self::Teacher => "teacher",
         }
     }
 }
@@ -77,7 +81,7 @@ impl Config {
                 ),
                 actor.use_dynamic_bsz.then_some(actor_budget),
             ],
-            EngineRole::Ref => [
+            EngineRole::Ref | EngineRole::Teacher => [
                 log_prob(
                     arr.reference.log_prob_use_dynamic_bsz,
                     arr.reference.log_prob_max_token_len_per_gpu,
@@ -110,6 +114,11 @@ impl Config {
             .unwrap_or_else(|| self.algorithm.adv_estimator.needs_critic())
     }
 
+    /// Whether a distillation teacher scores the samples (`distillation.enabled`).
+    pub fn teacher_enabled(&self) -> bool {
+        self.distillation.enabled
+    }
+
     /// Whether reference log-probs are needed (KL in the loss or in the reward).
     pub fn ref_enabled(&self) -> bool {
         self.actor_rollout_ref.actor.use_kl_loss || self.algorithm.use_kl_in_reward
@@ -120,7 +129,7 @@ impl Config {
         let arr = &self.actor_rollout_ref;
         match role {
             EngineRole::Actor => &arr.actor.strategy,
-            EngineRole::Ref => arr
+            EngineRole::Ref | EngineRole::Teacher => arr
                 .reference
                 .strategy
                 .as_deref()
@@ -133,10 +142,14 @@ impl Config {
     /// takes the actor's unless it sets its own).
     pub fn strategy_key(&self, role: EngineRole) -> &'static str {
         match role {
-            EngineRole::Ref if self.actor_rollout_ref.reference.strategy.is_some() => {
+            EngineRole::Ref | EngineRole::Teacher
+                if self.actor_rollout_ref.reference.strategy.is_some() =>
+            {
                 "actor_rollout_ref.ref.strategy"
             }
-            EngineRole::Actor | EngineRole::Ref => "actor_rollout_ref.actor.strategy",
+            EngineRole::Actor | EngineRole::Ref | EngineRole::Teacher => {
+                "actor_rollout_ref.actor.strategy"
+            }
             EngineRole::Critic => "critic.strategy",
         }
     }
@@ -199,6 +212,23 @@ impl Config {
                 ));
                 self.log_prob_budget(&mut v, role);
                 v["model"] = self.model_json();
+                if self.teacher_enabled() {
+                    v["distillation_loss"] = section(&self.distillation.distillation_loss);
+                }
+                v
+            }
+            EngineRole::Teacher => {
+                // Scored like the reference (its engine settings, micro-batches and strategy),
+                // with the teacher's weights.
+                let mut v = self.engine_json(EngineRole::Ref);
+                v["model"]["path"] = json!(
+                    self.distillation
+                        .teacher_model
+                        .model_path
+                        .as_deref()
+                        .map(expand_home)
+                );
+                v["model"]["random_init"] = json!(false);
                 v
             }
             EngineRole::Ref => {
@@ -263,6 +293,7 @@ impl Config {
             }
         };
         out["role"] = json!(role.as_str());
+        out["deterministic"] = json!(self.trainer.deterministic);
         out
     }
 
@@ -305,6 +336,7 @@ impl Config {
         v["prompt_length"] = json!(rollout.prompt_length.unwrap_or(self.data.max_prompt_length));
         v["response_length"] = json!(self.response_length());
         v["model"] = self.model_json();
+        v["deterministic"] = json!(self.trainer.deterministic);
         v
     }
 }

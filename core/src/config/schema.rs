@@ -57,6 +57,10 @@ pub struct Config {
     pub custom_reward_function: CustomRewardFunctionConfig,
     pub algorithm: AlgorithmConfig,
     pub trainer: TrainerConfig,
+    /// verl's fully-async settings (`trainer.training_mode=fully_async`).
+    pub async_training: AsyncTrainingConfig,
+    /// On-policy distillation from a teacher model.
+    pub distillation: super::DistillationConfig,
     /// Prepare the synthetic task, a tiny model and its warm-up when missing (`verl-core run`'s
     /// embedded default).
     pub quickstart: super::QuickstartConfig,
@@ -83,6 +87,8 @@ impl Default for Config {
             custom_reward_function: CustomRewardFunctionConfig::default(),
             algorithm: AlgorithmConfig::default(),
             trainer: TrainerConfig::default(),
+            async_training: AsyncTrainingConfig::default(),
+            distillation: super::DistillationConfig::default(),
             quickstart: super::QuickstartConfig::default(),
             sft: super::SftConfig::default(),
             ray_kwargs: empty_object(),
@@ -95,7 +101,7 @@ impl Default for Config {
 
 /// verl's pass-through dicts, whose contents are not checked (plugin sections are declared
 /// separately, see [`PluginSections`](super::PluginSections)).
-pub const FREE_FORM: [&str; 10] = [
+pub const FREE_FORM: [&str; 11] = [
     "data.apply_chat_template_kwargs",
     "custom_reward_function.reward_kwargs",
     "actor_rollout_ref.model.override_config",
@@ -106,6 +112,7 @@ pub const FREE_FORM: [&str; 10] = [
     "reward_model.model",
     "ray_kwargs",
     "global_profiler",
+    "distillation.teacher_model.inference",
 ];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -329,6 +336,29 @@ impl Default for PolicyLossConfig {
     }
 }
 
+/// verl's `router_replay.mode` (`RouterReplayConfig`) for mixture-of-experts policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum RouterReplayMode {
+    #[default]
+    #[serde(rename = "disabled")]
+    Disabled,
+    /// The old-log-prob forward records each token's experts; the update replays them.
+    R2,
+    /// The rollout records each token's experts (`rollout.enable_rollout_routing_replay`); the
+    /// old-log-prob forward and the update replay them.
+    R3,
+}
+
+/// verl's `router_replay` section of the actor and the reference.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterReplayConfig {
+    pub mode: RouterReplayMode,
+    /// Declared by verl, read by none of its workers.
+    pub record_file: Option<String>,
+    pub replay_file: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ActorConfig {
@@ -353,6 +383,10 @@ pub struct ActorConfig {
     /// `seq-mean-token-sum-norm`.
     pub loss_agg_mode: String,
     pub entropy_coeff: f64,
+    /// The log-prob pass also returns Σπ² per token (the optimal token baselines need it).
+    pub calculate_sum_pi_squared: bool,
+    /// verl recomputes Σπ² in the backward to save memory; no effect here.
+    pub sum_pi_squared_checkpointing: bool,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
     pub kl_loss_type: String,
@@ -365,6 +399,7 @@ pub struct ActorConfig {
     pub use_torch_compile: bool,
     pub optim: OptimConfig,
     pub profiler: Value,
+    pub router_replay: RouterReplayConfig,
     /// The engine's section (`fsdp_config`, `megatron`, …).
     #[serde(flatten)]
     pub sections: Sections,
@@ -388,6 +423,8 @@ impl Default for ActorConfig {
             tau_neg: 1.05,
             loss_agg_mode: "token-mean".into(),
             entropy_coeff: 0.0,
+            calculate_sum_pi_squared: false,
+            sum_pi_squared_checkpointing: false,
             use_kl_loss: false,
             kl_loss_coef: 0.001,
             kl_loss_type: "low_var_kl".into(),
@@ -399,6 +436,7 @@ impl Default for ActorConfig {
             use_torch_compile: true,
             optim: OptimConfig::default(),
             profiler: empty_object(),
+            router_replay: RouterReplayConfig::default(),
             sections: Sections::new(),
         }
     }
@@ -417,6 +455,7 @@ pub struct RefConfig {
     pub log_prob_max_token_len_per_gpu: Option<usize>,
     pub ulysses_sequence_parallel_size: usize,
     pub profiler: Value,
+    pub router_replay: RouterReplayConfig,
     /// The engine's section, not inherited from the actor's (verl's ref has its own).
     #[serde(flatten)]
     pub sections: Sections,
@@ -432,6 +471,7 @@ impl Default for RefConfig {
             log_prob_max_token_len_per_gpu: None,
             ulysses_sequence_parallel_size: 1,
             profiler: empty_object(),
+            router_replay: RouterReplayConfig::default(),
             sections: Sections::new(),
         }
     }
@@ -522,6 +562,8 @@ pub struct RolloutConfig {
     pub disable_log_stats: bool,
     pub calculate_log_probs: bool,
     pub skip_tokenizer_init: bool,
+    /// Return each token's experts with the completions (verl's rollout router replay, R3).
+    pub enable_rollout_routing_replay: bool,
     /// Rollout sections by engine name; verl's default names its two engines, ours none.
     pub engine_kwargs: Value,
     pub val_kwargs: ValKwargs,
@@ -562,6 +604,7 @@ impl Default for RolloutConfig {
             disable_log_stats: true,
             calculate_log_probs: false,
             skip_tokenizer_init: true,
+            enable_rollout_routing_replay: false,
             engine_kwargs: empty_object(),
             val_kwargs: ValKwargs::default(),
             checkpoint_engine: CheckpointEngineConfig::default(),
@@ -872,6 +915,78 @@ pub enum TrainingMode {
     /// Step k+1's batch is generated while step k trains, one weight version behind (verl's
     /// `one_step_off_policy`).
     OneStepOff,
+    /// A rollouter thread generates ahead of the trainer, bounded by `async_training`'s staleness
+    /// threshold; weights are published every `trigger_parameter_sync_step` steps (verl's
+    /// `fully_async_policy`).
+    FullyAsync,
+}
+
+impl TrainingMode {
+    /// The name as configured.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::OneStepOff => "one_step_off",
+            Self::FullyAsync => "fully_async",
+        }
+    }
+}
+
+/// verl's `async_training` section (`fully_async_ppo_trainer.yaml`, with its defaults), read in
+/// `trainer.training_mode=fully_async`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncTrainingConfig {
+    /// How far generation may run ahead: per published weight version the rollouter generates at
+    /// most `required_samples × (staleness_threshold + 1) × trigger_parameter_sync_step` prompts.
+    pub staleness_threshold: f64,
+    /// Trainer steps between two weight publications to the rollouter.
+    pub trigger_parameter_sync_step: u64,
+    /// A step trains on `actor.ppo_mini_batch_size × require_batches` prompts.
+    pub require_batches: u64,
+    /// Interrupt in-flight generations at a weight sync and finish them with the new weights.
+    pub partial_rollout: bool,
+    /// The rollout's log-probs are the old policy's (no recomputation by the actor).
+    pub use_rollout_log_probs: bool,
+    /// Old log-probs from the weights of the interval's first step (verl's proximal policy).
+    pub compute_prox_log_prob: bool,
+    pub use_trainer_do_validate: bool,
+    pub checkpoint_engine: AsyncCheckpointEngineConfig,
+}
+
+impl Default for AsyncTrainingConfig {
+    fn default() -> Self {
+        Self {
+            staleness_threshold: 0.1,
+            trigger_parameter_sync_step: 4,
+            require_batches: 1,
+            partial_rollout: true,
+            use_rollout_log_probs: true,
+            compute_prox_log_prob: false,
+            use_trainer_do_validate: false,
+            checkpoint_engine: AsyncCheckpointEngineConfig::default(),
+        }
+    }
+}
+
+/// `async_training.checkpoint_engine`: verl's device-buffered broadcast of the weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncCheckpointEngineConfig {
+    pub enable: bool,
+    #[serde(rename = "device_buffer_size_M")]
+    pub device_buffer_size_m: u64,
+    pub overlap_broadcast_and_consume: bool,
+}
+
+impl Default for AsyncCheckpointEngineConfig {
+    fn default() -> Self {
+        Self {
+            enable: true,
+            device_buffer_size_m: 4096,
+            overlap_broadcast_and_consume: false,
+        }
+    }
 }
 
 /// `trainer.nan_policy` (ours): what a step whose loss, gradient norm or weights are not finite does.

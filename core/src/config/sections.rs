@@ -145,6 +145,8 @@ impl Config {
                 ("actor_rollout_ref.ref", arr.reference.sections.get(name))
             }
             Slot::Engine(EngineRole::Critic) => ("critic", self.critic.sections.get(name)),
+            // The teacher takes no plugin sections of its own.
+            Slot::Engine(EngineRole::Teacher) => ("distillation.teacher_model", None),
             Slot::Rollout => (
                 "actor_rollout_ref.rollout.engine_kwargs",
                 arr.rollout.engine_kwargs.get(name),

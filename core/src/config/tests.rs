@@ -1024,8 +1024,18 @@ fn verl_style_overrides_are_acted_on_or_reported() {
         ("algorithm.filter_groups.metric=seq_final_reward", Acted),
         ("algorithm.adv_estimator=gdpo", Acted),
         ("algorithm.adv_estimator=rloo_vectorized", Acted),
-        ("algorithm.adv_estimator=optimal_token_baseline", Error),
-        ("algorithm.gdpo_reward_keys=[format,accuracy]", Error),
+        ("algorithm.adv_estimator=optimal_token_baseline", Acted),
+        ("algorithm.adv_estimator=tir_optimal_token_baseline", Acted),
+        (
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+            Acted,
+        ),
+        (
+            "actor_rollout_ref.actor.sum_pi_squared_checkpointing=True",
+            Warning,
+        ),
+        ("algorithm.gdpo_reward_keys=[format,accuracy]", Acted),
+        ("algorithm.gdpo_reward_weights=[1.0,0.5]", Acted),
         ("algorithm.kl_penalty=k2+", Acted),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=dro", Acted),
         ("actor_rollout_ref.actor.policy_loss.dro_beta=0.1", Acted),
@@ -1293,6 +1303,57 @@ fn findings_name_key_value_origin_and_follow_components() {
     );
 }
 
+/// `trainer.deterministic` reaches every engine and rollout section; a component that does not
+/// honour it (a vLLM rollout, the megatron engine) declares so in its section's notes and the
+/// audit warns on `trainer.deterministic` with that component's reason; components that act on it
+/// declare nothing and nothing is reported.
+#[test]
+fn the_deterministic_mode_is_reported_by_the_components_that_cannot_honour_it() {
+    let config = load(None, &[], &["trainer.deterministic=true"]).unwrap();
+    assert_eq!(
+        config.engine_json(EngineRole::Actor)["deterministic"],
+        json!(true)
+    );
+    assert_eq!(
+        config.engine_json(EngineRole::Ref)["deterministic"],
+        json!(true)
+    );
+    assert_eq!(config.rollout_json()["deterministic"], json!(true));
+    assert_eq!(
+        Config::default().rollout_json()["deterministic"],
+        json!(false)
+    );
+    let ctx = |rollout: verl_plugin_api::ConfigKeys| AuditContext {
+        components: vec![
+            ("actor_rollout_ref.rollout".into(), rollout),
+            (
+                "actor_rollout_ref.actor".into(),
+                verl_plugin_api::ConfigKeys::default(),
+            ),
+        ],
+        ..AuditContext::default()
+    };
+    assert_eq!(audit(&config, &ctx(Default::default())), []);
+    let server = verl_plugin_api::ConfigKeys::default().no_effect(
+        "deterministic",
+        false,
+        "the server's kernels are its own",
+    );
+    let findings = audit(&config, &ctx(server.clone()));
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert_eq!(
+        (findings[0].key.as_str(), findings[0].severity),
+        ("trainer.deterministic", Severity::Warning)
+    );
+    assert!(
+        findings[0]
+            .to_string()
+            .contains("the server's kernels are its own")
+    );
+    // Off (the default), nothing is reported.
+    assert_eq!(audit(&Config::default(), &ctx(server)), []);
+}
+
 /// `score` and `generate` take `run`'s overrides but read only part of the config: every other
 /// key set is reported as without effect there (with the flag that replaces it, where one does),
 /// and the reference's section counts for `score` even when training would use no reference.
@@ -1317,6 +1378,7 @@ fn one_off_commands_report_what_they_do_not_read() {
         ),
         ("actor_rollout_ref.model.use_remove_padding=True", Acted),
         ("trainer.device=cpu", Acted),
+        ("trainer.deterministic=true", Acted),
         ("actor_rollout_ref.actor.optim.lr=1e-5", Warning),
         // The actor's plugin sections are not the reference's.
         (
@@ -1352,6 +1414,7 @@ fn one_off_commands_report_what_they_do_not_read() {
     for (arg, want) in [
         ("actor_rollout_ref.rollout.response_length=64", Acted),
         ("actor_rollout_ref.rollout.free_cache_engine=False", Acted),
+        ("trainer.deterministic=true", Acted),
         ("actor_rollout_ref.rollout.temperature=0.6", Warning),
         ("trainer.seed=7", Warning),
         ("actor_rollout_ref.actor.strategy=megatron", Warning),
@@ -1362,4 +1425,73 @@ fn one_off_commands_report_what_they_do_not_read() {
     ] {
         assert_eq!(outcome(&[arg], &generate), want, "generate: {arg}");
     }
+}
+
+/// verl's router-replay keys: the mode is refused unless the engine declares it acts on it, the
+/// rollout's recording unless the rollout does (the `vllm` and `sglang` adapters do not, and the
+/// message names them); verl's unread `record_file` only warns; a mode verl does not know is a
+/// syntax error naming it.
+#[test]
+fn router_replay_keys_need_components_that_act_on_them() {
+    let config = load(
+        None,
+        &[],
+        &[
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.actor.router_replay.record_file=/tmp/r",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        ],
+    )
+    .unwrap();
+    let findings = audit(&config, &AuditContext::default());
+    let summary: Vec<(&str, Severity)> = findings
+        .iter()
+        .map(|f| (f.key.as_str(), f.severity))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (
+                "actor_rollout_ref.actor.router_replay.mode",
+                Severity::Error
+            ),
+            (
+                "actor_rollout_ref.actor.router_replay.record_file",
+                Severity::Warning
+            ),
+            (
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+                Severity::Error
+            ),
+        ]
+    );
+    assert!(
+        findings[2].to_string().contains("`vllm`"),
+        "{}",
+        findings[2]
+    );
+    let ctx = AuditContext {
+        components: vec![
+            (
+                "actor_rollout_ref.actor".into(),
+                verl_plugin_api::ConfigKeys::default().acts_on(["router_replay.mode"]),
+            ),
+            (
+                "actor_rollout_ref.rollout".into(),
+                verl_plugin_api::ConfigKeys::default().acts_on(["enable_rollout_routing_replay"]),
+            ),
+        ],
+        ..AuditContext::default()
+    };
+    let keys: Vec<String> = audit(&config, &ctx).into_iter().map(|f| f.key).collect();
+    assert_eq!(keys, ["actor_rollout_ref.actor.router_replay.record_file"]);
+
+    let err = load(
+        None,
+        &[],
+        &["actor_rollout_ref.actor.router_replay.mode=R4"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("R4") && err.contains("router_replay"), "{err}");
 }

@@ -112,20 +112,29 @@ impl Rewards {
             Some("seq_reward" | "seq_final_reward") => return Ok(self.rewards.clone()),
             Some(name) => name,
         };
-        let values = self.extra.get(name).ok_or_else(|| {
+        self.numbers(
+            name,
+            &format!("algorithm.filter_groups.metric={name}"),
+            "reward_model.reward_manager=dapo records `acc` for every score",
+        )
+    }
+
+    /// Extra key `key` as numbers, one per response. Errors start with `context`; a missing
+    /// key's ends with `hint`.
+    fn numbers(&self, key: &str, context: &str, hint: &str) -> Result<Vec<f64>, RewardError> {
+        let values = self.extra.get(key).ok_or_else(|| {
+            let given = if self.extra.is_empty() {
+                "a score only".to_owned()
+            } else {
+                self.extra.keys().cloned().collect::<Vec<_>>().join(", ")
+            };
             RewardError::Config(format!(
-                "algorithm.filter_groups.metric={name}: the reward gave no `{name}` (it gave: {}); \
-                 reward_model.reward_manager=dapo records `acc` for every score",
-                if self.extra.is_empty() {
-                    "a score only".to_owned()
-                } else {
-                    self.extra.keys().cloned().collect::<Vec<_>>().join(", ")
-                }
+                "{context}: the reward gave no `{key}` (it gave: {given}); {hint}"
             ))
         })?;
         if values.len() != self.rewards.len() {
             return Err(RewardError::Config(format!(
-                "algorithm.filter_groups.metric={name}: the reward gave `{name}` for {} of {} responses",
+                "{context}: the reward gave `{key}` for {} of {} responses",
                 values.len(),
                 self.rewards.len()
             )));
@@ -134,12 +143,31 @@ impl Rewards {
             .iter()
             .map(|v| {
                 numeric(v).ok_or_else(|| {
-                    RewardError::Config(format!(
-                        "algorithm.filter_groups.metric={name}: `{name}` is not a number: {v}"
-                    ))
+                    RewardError::Config(format!("{context}: `{key}` is not a number: {v}"))
                 })
             })
             .collect()
+    }
+
+    /// The reward components `keys` name (verl's `algorithm.gdpo_reward_keys`: keys of the
+    /// reward's result dict), one row per response holding one value per key (bools count 1 and
+    /// 0, as numpy's float cast makes them). No keys: no rows.
+    pub fn components(&self, keys: &[String]) -> Result<Vec<Vec<f64>>, RewardError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut rows = vec![Vec::with_capacity(keys.len()); self.rewards.len()];
+        for key in keys {
+            let values = self.numbers(
+                key,
+                "algorithm.gdpo_reward_keys",
+                "GDPO needs a reward whose result dict holds every key",
+            )?;
+            for (row, value) in rows.iter_mut().zip(values) {
+                row.push(value);
+            }
+        }
+        Ok(rows)
     }
 }
 
@@ -321,6 +349,37 @@ mod tests {
             out.filter_metric(Some("seq_reward")).unwrap(),
             vec![0.5, 0.0]
         );
+    }
+
+    #[test]
+    fn gdpo_components_come_from_the_result_dicts() {
+        let naive = RewardManager::new("naive", &OverlongBufferConfig::default(), 8).unwrap();
+        let dicts = [
+            RewardScore::new(1.5)
+                .with("format", true)
+                .with("accuracy", 0.5),
+            RewardScore::new(0.0)
+                .with("format", false)
+                .with("accuracy", -2),
+        ];
+        let out = naive.apply(&dicts, &[1, 1]);
+        let keys = |k: &[&str]| k.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            out.components(&keys(&["accuracy", "format", "score"]))
+                .unwrap(),
+            vec![vec![0.5, 1.0, 1.5], vec![-2.0, 0.0, 0.0]]
+        );
+        assert!(out.components(&[]).unwrap().is_empty());
+        let err = out.components(&keys(&["length"])).unwrap_err().to_string();
+        assert!(
+            err.contains("gdpo_reward_keys")
+                && err.contains("`length`")
+                && err.contains("accuracy, format, score"),
+            "{err}"
+        );
+        let text = naive.apply(&[RewardScore::new(0.0).with("pred", "7")], &[1]);
+        let err = text.components(&keys(&["pred"])).unwrap_err().to_string();
+        assert!(err.contains("not a number"), "{err}");
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! whatever engine, rollout, weight sync and trackers the plugins provide. With several ranks
 //! every rank runs this loop on its share of the batch (module `spmd`).
 
+mod distill;
+mod fully_async;
 mod guard;
 pub mod perf;
 mod records;
@@ -25,18 +27,20 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use verl_plugin_api::{
     Batch, ComponentInit, ComponentKind, EngineCapabilities, GenerateRequest, Metric, PluginError,
-    RolloutCapabilities, RunContext, SamplingParams, Table, keys,
+    RolloutCapabilities, RoutedExperts, RunContext, SamplingParams, Table, keys,
 };
 use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, RewardHandle};
 
 use crate::algo::{
-    AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler, KlController,
-    Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
+    AdvEstimator, AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler,
+    KlController, Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
     compute_data_metrics, filter_groups, place_scores, rollout_correction, timing_metrics,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
-use crate::config::{Config, EngineRole, NanPolicy, ResumeMode, Slot, TrainingMode};
+use crate::config::{
+    Config, EngineRole, NanPolicy, ResumeMode, RouterReplayMode, Slot, TrainingMode,
+};
 use crate::data::{
     ChatTemplate, DataError, DataLoader, LoaderState, PromptProcessor, Sample, TokenizedPrompt,
     expand_home, load_samples,
@@ -160,15 +164,15 @@ struct TrainerState {
     /// before this one), so a resumed run trains on it as the interrupted one would have.
     #[serde(default)]
     pending: Option<Collected>,
+    /// `fully_async`: the batches generated ahead and not trained on yet, the next step's first.
+    #[serde(default)]
+    queued: Vec<Collected>,
 }
 
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// verl's batch key for the truncated rollout-correction IS weights, which multiply the per-token
 /// policy loss in the actor.
 const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
-/// verl's batch key for Σπ² over the vocabulary per response token, which an engine returns from
-/// `compute_log_prob` when the meta asks for `calculate_sum_pi_squared`.
-const SUM_PI_SQUARED: &str = "sum_pi_squared";
 
 /// The rollout's log-probs as a `[rows × width]` matrix aligned with the response tokens, when it
 /// returned one per token of every response (`None` when it returned none).
@@ -202,6 +206,10 @@ struct Row {
     rollout_log_probs: Vec<f32>,
     /// The weight version (the global step whose weights) the rollout generated it with.
     weight_version: u64,
+    /// The experts each token was routed through, when the rollout recorded them
+    /// (`enable_rollout_routing_replay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    routed_experts: Option<RoutedExperts>,
 }
 
 /// A training batch, generated and scored: what a step trains on. In `one_step_off` mode the
@@ -214,14 +222,19 @@ struct Collected {
     scores: Vec<u64>,
     /// Generation rounds it took (`algorithm.filter_groups`).
     gen_batches: usize,
+    /// GDPO's reward components (`algorithm.gdpo_reward_keys`) per row, one per key, as bits;
+    /// empty without keys.
+    #[serde(default)]
+    components: Vec<Vec<u64>>,
 }
 
 impl Collected {
-    fn new(rows: Vec<Row>, scores: &[f64], gen_batches: usize) -> Self {
+    fn new(rows: Vec<Row>, scores: &[f64], components: &[Vec<f64>], gen_batches: usize) -> Self {
         Self {
             rows,
             scores: score_bits(scores),
             gen_batches,
+            components: components.iter().map(|c| score_bits(c)).collect(),
         }
     }
 }
@@ -294,6 +307,7 @@ impl Generation {
                     response: c.response_ids.clone(),
                     rollout_log_probs: c.logprobs.clone(),
                     weight_version,
+                    routed_experts: c.routed_experts.clone(),
                 });
             }
             rows.sort_by_key(|r| r.group);
@@ -359,6 +373,8 @@ pub struct Trainer {
     actor: Box<dyn EngineWorker>,
     reference: Option<Box<dyn EngineWorker>>,
     critic: Option<Box<dyn EngineWorker>>,
+    /// The distillation teacher (`distillation.enabled`).
+    teacher: Option<Box<dyn EngineWorker>>,
     /// Away only while a `one_step_off` step generates the next batch on its own thread.
     generation: Option<Generation>,
     weight_sync: CheckpointHandle,
@@ -389,6 +405,8 @@ pub struct Trainer {
     rollout_version: u64,
     /// `one_step_off`: the next step's batch, generated while this one trained.
     pending: Option<Collected>,
+    /// `fully_async`: the rollouter, its queue and schedule.
+    fully_async: Option<fully_async::Rollouter>,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -424,10 +442,15 @@ impl Trainer {
     /// creates and initialises every component where `placement` says (trackers are initialised
     /// by `fit`, once it knows the step a resumed run continues after).
     pub fn new(
-        config: Config,
+        mut config: Config,
         registry: &Registry,
         placement: &Placement,
     ) -> Result<Self, TrainError> {
+        let schedule = if config.trainer.training_mode == TrainingMode::FullyAsync {
+            Some(fully_async::prepare(&mut config)?)
+        } else {
+            None
+        };
         check_batch_sizes(&config)?;
         crate::limits::check_rl(&config).map_err(|e| TrainError::Invalid(e.to_string()))?;
         let run_dir = expand_home(&config.trainer.default_local_dir);
@@ -512,6 +535,7 @@ impl Trainer {
             world_size: run.world_size,
         };
         check_data_parallel(&config, ranks)?;
+        distill::check(&config)?;
         let components = Components::resolve(&config, registry, &run.device_type)?;
         components.check(&config, &run)?;
 
@@ -521,7 +545,6 @@ impl Trainer {
             let mut engine = component.create_engine()?;
             let mut section = config.engine_json(role);
             section["optim"]["total_training_steps"] = json!(total_steps);
-            section["deterministic"] = json!(config.trainer.deterministic);
             // verl's bound on a collective of the engines' process group.
             section["nccl_timeout"] = json!(config.actor_rollout_ref.nccl_timeout);
             let init = plugin_init(&config, Slot::Engine(role), component, section, &run);
@@ -544,6 +567,11 @@ impl Trainer {
             .critic
             .as_ref()
             .map(|c| engine(EngineRole::Critic, c))
+            .transpose()?;
+        let teacher = components
+            .teacher
+            .as_ref()
+            .map(|c| engine(EngineRole::Teacher, c))
             .transpose()?;
 
         // The rollout generates while the engines train in `one_step_off`: it never sleeps.
@@ -629,6 +657,7 @@ impl Trainer {
             actor,
             reference,
             critic,
+            teacher,
             generation: Some(Generation {
                 rollout: Box::new(rollout),
                 rollout_name: components.rollout.name.clone(),
@@ -657,6 +686,7 @@ impl Trainer {
             perf,
             rollout_version: 0,
             pending: None,
+            fully_async: schedule.map(fully_async::Rollouter::new),
         })
     }
 
@@ -832,6 +862,54 @@ impl Trainer {
         MatrixRows::concat(parts, name).map_err(|reason| TrainError::Ranks { what, reason })
     }
 
+    /// Every rank's rows of an int64 batch tensor (`routed_experts`), in rank order.
+    fn gather_rows(
+        &mut self,
+        name: &str,
+        part: &verl_plugin_api::Tensor,
+    ) -> Result<verl_plugin_api::Tensor, TrainError> {
+        if self.ranks.single() {
+            return Ok(part.clone());
+        }
+        let what = format!("gathering `{name}`");
+        let values = part
+            .to_vec::<i64>()
+            .map_err(|e| TrainError::Invalid(format!("`{name}`: {e}")))?;
+        let parts = self.all_gather(&what, (part.shape.to_vec(), values))?;
+        let mut shape = parts[0].0.clone();
+        if parts.iter().any(|(s, _)| s[1..] != shape[1..]) {
+            return Err(TrainError::Ranks {
+                what,
+                reason: "the ranks' parts differ in shape beyond the rows".to_owned(),
+            });
+        }
+        shape[0] = parts.iter().map(|(s, _)| s[0]).sum();
+        let data: Vec<i64> = parts.into_iter().flat_map(|(_, v)| v).collect();
+        verl_plugin_api::Tensor::from_slice(&shape, &data).context(|| what.clone())
+    }
+
+    /// The rollout's `routed_experts` of `rows` laid out like their batch (router replay R3).
+    fn rollout_routing(
+        &self,
+        rows: &[Row],
+        prompts: &[Vec<u32>],
+        responses: &[Vec<u32>],
+    ) -> Result<verl_plugin_api::Tensor, TrainError> {
+        let name = &self.config.actor_rollout_ref.rollout.name;
+        let routed = rows
+            .iter()
+            .map(|r| {
+                r.routed_experts.as_ref().ok_or_else(|| {
+                    TrainError::Invalid(format!(
+                        "actor_rollout_ref.actor.router_replay.mode=R3: rollout `{name}` returned a completion without routed_experts"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        batch::routed_experts(prompts, responses, &routed)
+            .context(|| format!("the routed_experts of rollout `{name}`"))
+    }
+
     /// This rank's rows of the global batch (all of it on one rank).
     fn local<'a>(
         &self,
@@ -980,6 +1058,59 @@ impl Trainer {
         Ok(all)
     }
 
+    /// `algorithm.gdpo_reward_keys` when the estimator is GDPO (verl reads them only there).
+    fn gdpo_keys(&self) -> &[String] {
+        match (
+            self.config.algorithm.adv_estimator,
+            &self.config.algorithm.gdpo_reward_keys,
+        ) {
+            (AdvEstimator::Gdpo, Some(keys)) => keys,
+            _ => &[],
+        }
+    }
+
+    /// GDPO's component rewards as verl places them (each response's value on its last token),
+    /// one matrix per key, with verl's `gdpo/<key>/{mean,std,max,min}` metrics; `None` without
+    /// keys.
+    fn gdpo_components(
+        &self,
+        components: &[Vec<f64>],
+        mask: &Matrix,
+        metrics: &mut Vec<Metric>,
+    ) -> Result<Option<Vec<Matrix>>, TrainError> {
+        let keys = self.gdpo_keys();
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        if components.len() != mask.rows() {
+            return Err(TrainError::Invalid(format!(
+                "algorithm.gdpo_reward_keys: {} rows of reward components for {} responses",
+                components.len(),
+                mask.rows()
+            )));
+        }
+        let mut matrices = Vec::with_capacity(keys.len());
+        for (k, key) in keys.iter().enumerate() {
+            let values: Vec<f64> = components.iter().map(|row| row[k]).collect();
+            let n = values.len().max(1) as f64;
+            let mean = values.iter().sum::<f64>() / n;
+            // numpy's std (population), as verl logs it.
+            let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt();
+            let fold = |init: f64, f: fn(f64, f64) -> f64| values.iter().copied().fold(init, f);
+            for (stat, value) in [
+                ("mean", mean),
+                ("std", std),
+                ("max", fold(f64::NEG_INFINITY, f64::max)),
+                ("min", fold(f64::INFINITY, f64::min)),
+            ] {
+                metrics.push(Metric::new(format!("gdpo/{key}/{stat}"), value));
+            }
+            let scores: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+            matrices.push(place_scores(&scores, mask)?);
+        }
+        Ok(Some(matrices))
+    }
+
     /// Generates and scores a training batch, `data.gen_batch_size` prompts a round; with DAPO's
     /// `filter_groups` keeps generating until `train_batch_size` prompts have responses whose
     /// metric differs (verl's `ray_dapo_trainer`).
@@ -988,7 +1119,8 @@ impl Trainer {
         let target = self.config.data.train_batch_size;
         let round = self.config.data.gen_batch_size.unwrap_or(target);
         let mut sampler = DynamicSampler::new(target, filter.max_num_gen_batches);
-        let (mut rows, mut scores, mut gen_batches) = (Vec::new(), Vec::new(), 0usize);
+        let (mut rows, mut scores, mut components, mut gen_batches) =
+            (Vec::new(), Vec::new(), Vec::new(), 0usize);
         loop {
             let indices = self.next_indices();
             let mut sampling = self.sampling(step, false);
@@ -1001,8 +1133,14 @@ impl Trainer {
                 rewards,
             } = self.generate(false, &indices, sampling, first_group)?;
             gen_batches += 1;
+            let new_components = rewards.components(self.gdpo_keys())?;
             if !filter.enable {
-                return Ok(Collected::new(new_rows, &rewards.rewards, gen_batches));
+                return Ok(Collected::new(
+                    new_rows,
+                    &rewards.rewards,
+                    &new_components,
+                    gen_batches,
+                ));
             }
             let metric = rewards.filter_metric(filter.metric.as_deref())?;
             let new_scores = rewards.rewards;
@@ -1013,6 +1151,7 @@ impl Trainer {
                 if kept.contains(&i) {
                     rows.push(row);
                     scores.push(score);
+                    components.extend(new_components.get(i).cloned());
                 }
             }
             if sampler.record(kept_groups)? == SamplerProgress::Full {
@@ -1023,17 +1162,29 @@ impl Trainer {
                         first_groups.push(row.group);
                     }
                 }
-                let (rows, scores): (Vec<Row>, Vec<f64>) = rows
-                    .into_iter()
-                    .zip(scores)
-                    .filter(|(row, _)| first_groups.contains(&row.group))
-                    .unzip();
-                return Ok(Collected::new(rows, &scores, gen_batches));
+                let keep: Vec<bool> = rows
+                    .iter()
+                    .map(|row| first_groups.contains(&row.group))
+                    .collect();
+                let components = if components.is_empty() {
+                    components
+                } else {
+                    keep_marked(components, &keep)
+                };
+                return Ok(Collected::new(
+                    keep_marked(rows, &keep),
+                    &keep_marked(scores, &keep),
+                    &components,
+                    gen_batches,
+                ));
             }
         }
     }
 
     fn train_step(&mut self, step: u64) -> Result<Vec<Metric>, TrainError> {
+        if self.fully_async.is_some() {
+            return self.async_step(step);
+        }
         let step_start = Instant::now();
         let mut timing: Vec<(&str, f64)> = Vec::new();
         let mut metrics: Vec<Metric> = Vec::new();
@@ -1080,7 +1231,8 @@ impl Trainer {
             gen_wait += waited;
             let trained = trained?;
             let (rows, rewards) = next?;
-            self.pending = Some(Collected::new(rows, &rewards.rewards, 1));
+            let components = rewards.components(self.gdpo_keys())?;
+            self.pending = Some(Collected::new(rows, &rewards.rewards, &components, 1));
             timing.push(("generate_async", generated_in));
             if step > self.config.trainer.critic_warmup {
                 let t = Instant::now();
@@ -1096,7 +1248,18 @@ impl Trainer {
 
         // Awake for validation and the next step (a step without an update synced nothing).
         self.rollout_wake()?;
+        self.finish_step(step, step_start, timing, metrics, trained)
+    }
 
+    /// The end of a step: the data, timing and throughput metrics of what it trained on.
+    fn finish_step(
+        &mut self,
+        step: u64,
+        step_start: Instant,
+        mut timing: Vec<(&'static str, f64)>,
+        mut metrics: Vec<Metric>,
+        trained: Trained,
+    ) -> Result<Vec<Metric>, TrainError> {
         let Trained {
             token_level_scores,
             token_level_rewards,
@@ -1217,8 +1380,10 @@ impl Trainer {
             mut rows,
             scores,
             gen_batches,
+            components,
         } = collected;
         let mut scores = scores_of(&scores);
+        let mut components: Vec<Vec<f64>> = components.iter().map(|c| scores_of(c)).collect();
         self.rollout_sleep()?;
         if self.config.trainer.training_mode != TrainingMode::Sync {
             // How many versions behind the policy being updated (step − 1) each sample is.
@@ -1257,6 +1422,9 @@ impl Trainer {
             })?;
             rows = permute(rows, &balanced.order);
             scores = permute(scores, &balanced.order);
+            if !components.is_empty() {
+                components = permute(components, &balanced.order);
+            }
             metrics.extend(balanced.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
         }
 
@@ -1272,10 +1440,16 @@ impl Trainer {
         let responses: Vec<Vec<u32>> = rows.iter().map(|r| r.response.clone()).collect();
         let mut batch = batch::build(&prompts, &responses, 0)
             .context(|| "building the training batch".to_owned())?;
+        if self.config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R3 {
+            batch.insert(
+                keys::ROUTED_EXPERTS,
+                self.rollout_routing(&rows, &prompts, &responses)?,
+            );
+        }
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
         batch.meta_json =
             json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true,
-                "calculate_sum_pi_squared": self.config.algorithm.adv_estimator.needs_sum_pi_squared() })
+                "calculate_sum_pi_squared": self.config.actor_rollout_ref.actor.calculate_sum_pi_squared })
                 .to_string()
                 .into();
         let mask = batch::matrix(
@@ -1289,53 +1463,75 @@ impl Trainer {
 
         let rollout_lp = rollout_log_probs(&rows, mask.cols())?;
         let correction = self.config.algorithm.rollout_correction.clone();
-        let (old_log_probs, sum_pi_squared) = if correction.bypass_mode {
-            // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
-            // recomputation is skipped.
-            let old = rollout_lp.clone().ok_or_else(|| {
+        let (old_log_probs, sum_pi_squared) =
+            if fully_async::old_log_probs_from_rollout(&self.config) {
+                // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
+                // recomputation is skipped.
+                let old = rollout_lp.clone().ok_or_else(|| {
                 TrainError::Invalid(format!(
                     "algorithm.rollout_correction.bypass_mode: rollout `{}` returned no log-probs",
                     self.config.actor_rollout_ref.rollout.name
                 ))
             })?;
-            (old, None)
-        } else {
-            let t = Instant::now();
-            let local = self.local(&batch, &mine)?;
-            let old = self
-                .actor
-                .compute_log_prob(&local)
-                .context(|| "computing old log-probs".to_owned())?;
-            let old_log_probs = batch::matrix(
-                keys::LOG_PROBS,
-                old.require(keys::LOG_PROBS)
-                    .context(|| "actor output".to_owned())?,
-            )
-            .context(|| "actor output".to_owned())?;
-            let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
-            if let Some(entropy) = old.get(keys::ENTROPYS) {
-                let entropy =
-                    batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
-                let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
-                metrics.push(Metric::new(
-                    "actor/entropy",
-                    crate::algo::masked_mean(&entropy, &mask)?,
-                ));
-            }
-            // Σπ² per token, for the optimal token baselines, when the engine reports it.
-            let sum_pi_squared = old
-                .get(SUM_PI_SQUARED)
-                .map(|t| batch::matrix(SUM_PI_SQUARED, t))
-                .transpose()
+                (old, None)
+            } else {
+                let t = Instant::now();
+                let local = self.local(&batch, &mine)?;
+                let old = self
+                    .actor
+                    .compute_log_prob(&local)
+                    .context(|| "computing old log-probs".to_owned())?;
+                let old_log_probs = batch::matrix(
+                    keys::LOG_PROBS,
+                    old.require(keys::LOG_PROBS)
+                        .context(|| "actor output".to_owned())?,
+                )
                 .context(|| "actor output".to_owned())?;
-            timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
-            if let Some(rollout_log_probs) = &rollout_lp {
-                let diff =
-                    crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
-                metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
-            }
-            (old_log_probs, sum_pi_squared)
-        };
+                let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
+                // R2: the experts this forward routed, for the update to replay (verl keeps them in
+                // place of any rollout's).
+                if let Some(routed) = old.get(keys::ROUTED_EXPERTS)
+                    && self.config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R2
+                {
+                    let routed = self.gather_rows(keys::ROUTED_EXPERTS, routed)?;
+                    batch.insert(keys::ROUTED_EXPERTS, routed);
+                }
+                if let Some(entropy) = old.get(keys::ENTROPYS) {
+                    let entropy = batch::matrix(keys::ENTROPYS, entropy)
+                        .context(|| "actor output".to_owned())?;
+                    let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
+                    metrics.push(Metric::new(
+                        "actor/entropy",
+                        crate::algo::masked_mean(&entropy, &mask)?,
+                    ));
+                }
+                // Σπ² per token, for the optimal token baselines (asked for in the meta above).
+                let sum_pi_squared = match old.get(keys::SUM_PI_SQUARED) {
+                    Some(t) => {
+                        let m = batch::matrix(keys::SUM_PI_SQUARED, t)
+                            .context(|| "actor output".to_owned())?;
+                        Some(self.gather_matrix(keys::SUM_PI_SQUARED, m)?)
+                    }
+                    None if self.config.algorithm.adv_estimator.needs_sum_pi_squared() => {
+                        return Err(TrainError::Invalid(format!(
+                            "algorithm.adv_estimator={}: actor engine `{}` returned no `{}` from compute_log_prob \
+                             (verl's actor.calculate_sum_pi_squared); an engine must compute it when the batch meta has \
+                             \"calculate_sum_pi_squared\": true",
+                            self.config.algorithm.adv_estimator.name(),
+                            self.config.actor_rollout_ref.actor.strategy,
+                            keys::SUM_PI_SQUARED
+                        )));
+                    }
+                    None => None,
+                };
+                timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
+                if let Some(rollout_log_probs) = &rollout_lp {
+                    let diff =
+                        crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
+                    metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
+                }
+                (old_log_probs, sum_pi_squared)
+            };
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
 
         let mut ref_log_probs = None;
@@ -1358,6 +1554,18 @@ impl Trainer {
             batch.insert(keys::REF_LOG_PROB, batch::tensor(&m));
             ref_log_probs = Some(m);
             timing.push(("ref", t.elapsed().as_secs_f64()));
+        }
+
+        let mut teacher_outputs = Vec::new();
+        let t = Instant::now();
+        let local = self
+            .teacher
+            .is_some()
+            .then(|| self.local(&batch, &mine))
+            .transpose()?;
+        if let (Some(teacher), Some(local)) = (&mut self.teacher, local) {
+            teacher_outputs = distill::teacher_outputs(teacher.as_mut(), &local, &self.config)?;
+            timing.push(("teacher", t.elapsed().as_secs_f64()));
         }
 
         let mut values = None;
@@ -1404,7 +1612,7 @@ impl Trainer {
         // rollout's π): IS weights for the loss and the rejection mask, after the rewards.
         let mut train_mask = mask.clone();
         let mut is_weights = None;
-        if !correction.bypass_mode
+        if !fully_async::old_log_probs_from_rollout(&self.config)
             && self.config.actor_rollout_ref.rollout.calculate_log_probs
             && let Some(rollout_lp) = &rollout_lp
         {
@@ -1433,12 +1641,19 @@ impl Trainer {
             norm_adv_by_std_in_grpo: algorithm.norm_adv_by_std_in_grpo,
             ..AdvantageParams::default()
         };
+        let reward_components = self.gdpo_components(&components, &mask, metrics)?;
+        let reward_weights: Option<Vec<f32>> = algorithm
+            .gdpo_reward_weights
+            .as_ref()
+            .map(|w| w.iter().map(|&x| x as f32).collect());
         let input = AdvantageInput {
             values: values.as_ref(),
             reward_baselines: baselines.as_deref(),
             old_log_probs: Some(&old_log_probs),
             sum_pi_squared: sum_pi_squared.as_ref(),
             rollout_is_weights: is_weights.as_ref(),
+            reward_components: reward_components.as_deref(),
+            reward_weights: reward_weights.as_deref(),
             ..AdvantageInput::new(&token_level_rewards, &train_mask, &groups)
         };
         let (advantages, returns) = compute_advantage(algorithm.adv_estimator, &params, &input)?;
@@ -1447,7 +1662,10 @@ impl Trainer {
         timing.push(("adv", t.elapsed().as_secs_f64()));
 
         let mut skipped = false;
-        let update = self.local(&batch, &mine)?;
+        let mut update = self.local(&batch, &mine)?;
+        for (name, tensor) in teacher_outputs {
+            update.to_mut().insert(name, tensor);
+        }
         if let Some(critic) = &mut self.critic {
             let t = Instant::now();
             let out = critic
@@ -1651,6 +1869,11 @@ impl Trainer {
     /// once every rank has reported success, rank 0 writes the manifest over all of them and
     /// commits. A rank that fails or is lost leaves the checkpoint uncommitted, never visible.
     fn save_checkpoint(&mut self) -> Result<(), TrainError> {
+        if self.fully_async.is_some() {
+            // The checkpoint carries what the rollouter generated ahead: all it may generate
+            // with the weights it holds, which a resumed run could not regenerate.
+            self.async_settle()?;
+        }
         let step = self.global_step;
         let (pending, began) = if self.ranks.leader() {
             match self.checkpoints.begin(step) {
@@ -1694,6 +1917,11 @@ impl Trainer {
                 skipped_steps: self.skipped_steps,
                 records: self.records.clone(),
                 pending: self.pending.clone(),
+                queued: self
+                    .fully_async
+                    .as_ref()
+                    .map(fully_async::Rollouter::queued)
+                    .unwrap_or_default(),
             };
             let path = dir.join(TRAINER_STATE_FILE);
             std::fs::write(
@@ -1821,6 +2049,9 @@ impl Trainer {
         self.records = state.records;
         self.skipped_steps = state.skipped_steps;
         self.pending = state.pending;
+        if let Some(rollouter) = &mut self.fully_async {
+            rollouter.restore(state.global_step, state.queued);
+        }
         self.sync_weights(state.global_step).map_err(|e| match e {
             TrainError::Sync(SyncError::NonFinite { tensor }) => TrainError::NonFiniteCheckpoint {
                 dir: dir.to_path_buf(),
@@ -2067,6 +2298,7 @@ struct Components {
     actor: Component,
     reference: Option<Component>,
     critic: Option<Component>,
+    teacher: Option<Component>,
     rollout: Component,
     weight_sync: Component,
 }
@@ -2097,6 +2329,10 @@ impl Components {
                 .critic_enabled()
                 .then(|| engine(EngineRole::Critic))
                 .transpose()?,
+            teacher: config
+                .teacher_enabled()
+                .then(|| engine(EngineRole::Teacher))
+                .transpose()?,
             rollout: registry.resolve(ComponentKind::ROLLOUT, &rollout.name)?,
             weight_sync: registry.resolve(
                 ComponentKind::CHECKPOINT,
@@ -2112,6 +2348,7 @@ impl Components {
             (EngineRole::Actor, Some(&self.actor)),
             (EngineRole::Ref, self.reference.as_ref()),
             (EngineRole::Critic, self.critic.as_ref()),
+            (EngineRole::Teacher, self.teacher.as_ref()),
         ];
         for (role, component) in roles {
             let Some(component) = component else { continue };
@@ -2174,13 +2411,27 @@ impl Components {
                 run.world_size
             );
         }
+        if settings.enable_rollout_routing_replay && !rollout_caps.routed_experts {
+            return Err(TrainError::Capability(format!(
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true, but rollout `{}` cannot return each token's experts (routed_experts)",
+                self.rollout.name
+            )));
+        }
+        if config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R3
+            && !settings.enable_rollout_routing_replay
+        {
+            return Err(TrainError::Capability(
+                "actor_rollout_ref.actor.router_replay.mode=R3 replays the rollout's experts: set actor_rollout_ref.rollout.enable_rollout_routing_replay=true".to_owned(),
+            ));
+        }
         if settings.calculate_log_probs && !rollout_caps.logprobs {
             return Err(TrainError::Capability(format!(
                 "actor_rollout_ref.rollout.calculate_log_probs=true, but rollout `{}` does not return log-probs",
                 self.rollout.name
             )));
         }
-        if config.trainer.training_mode == TrainingMode::OneStepOff {
+        let mode = config.trainer.training_mode;
+        if mode != TrainingMode::Sync {
             // The next batch is generated on a thread of its own, by this process's rollout in
             // one request: the rank exchange, DAPO's extra rounds and ReMax's greedy rollouts
             // (which need the rollout during the update) are not done there.
@@ -2195,9 +2446,66 @@ impl Components {
             };
             if let Some(what) = refused {
                 return Err(TrainError::Invalid(format!(
-                    "trainer.training_mode=one_step_off does not support {what}"
+                    "trainer.training_mode={} does not support {what}",
+                    mode.as_str()
                 )));
             }
+        }
+        let algorithm = &config.algorithm;
+        match (algorithm.adv_estimator, &algorithm.gdpo_reward_keys) {
+            (AdvEstimator::Gdpo, None) => {
+                return Err(TrainError::Invalid(
+                    "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward's \
+                     result dict to normalise one by one (as verl asserts)"
+                        .to_owned(),
+                ));
+            }
+            (AdvEstimator::Gdpo, Some(keys)) => {
+                if keys.is_empty() {
+                    return Err(TrainError::Invalid(
+                        "algorithm.gdpo_reward_keys is empty: name at least one key of the reward's result dict"
+                            .to_owned(),
+                    ));
+                }
+                if let Some(weights) = &algorithm.gdpo_reward_weights
+                    && weights.len() != keys.len()
+                {
+                    return Err(TrainError::Invalid(format!(
+                        "algorithm.gdpo_reward_weights has {} weights for {} algorithm.gdpo_reward_keys",
+                        weights.len(),
+                        keys.len()
+                    )));
+                }
+            }
+            (_, Some(_)) => tracing::warn!(
+                "algorithm.gdpo_reward_keys: only algorithm.adv_estimator=gdpo reads them (it is {})",
+                algorithm.adv_estimator.name()
+            ),
+            (_, None) => {}
+        }
+        let wants_sum_pi_squared = config.actor_rollout_ref.actor.calculate_sum_pi_squared;
+        if algorithm.adv_estimator.needs_sum_pi_squared() && !wants_sum_pi_squared {
+            return Err(TrainError::Invalid(format!(
+                "algorithm.adv_estimator={} needs Σπ² per token from the actor: set \
+                 actor_rollout_ref.actor.calculate_sum_pi_squared=True (as verl asks)",
+                algorithm.adv_estimator.name()
+            )));
+        }
+        if wants_sum_pi_squared && !algorithm.adv_estimator.needs_sum_pi_squared() {
+            tracing::warn!(
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=True: Σπ² is computed but only the optimal \
+                 token baselines use it here (verl's variance_proxy/* metrics are not computed)"
+            );
+        }
+        if algorithm.adv_estimator.needs_sum_pi_squared()
+            && algorithm.rollout_correction.bypass_mode
+        {
+            // Bypass mode skips the actor's log-prob pass, which is what computes Σπ².
+            return Err(TrainError::Invalid(format!(
+                "algorithm.adv_estimator={} needs Σπ² from the actor's log-prob pass, which \
+                 algorithm.rollout_correction.bypass_mode=true skips",
+                algorithm.adv_estimator.name()
+            )));
         }
         let correction = &config.algorithm.rollout_correction;
         let checked = correction.settings()?;
@@ -2225,6 +2533,15 @@ impl Components {
         }
         Ok(())
     }
+}
+
+/// The `items` whose `keep` is set, in order.
+fn keep_marked<T>(items: Vec<T>, keep: &[bool]) -> Vec<T> {
+    items
+        .into_iter()
+        .zip(keep)
+        .filter_map(|(item, &k)| k.then_some(item))
+        .collect()
 }
 
 /// `items` in `order`: item `i` of the result is `items[order[i]]` (`order` a permutation).

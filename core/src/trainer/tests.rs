@@ -10,15 +10,15 @@ use serde_json::json;
 use verl_plugin_api::{
     Batch, CheckpointCapabilities, CheckpointEngine, Completion, ComponentInit, DType, Engine,
     EngineCapabilities, FinishReason, GenerateOutput, GenerateRequest, Handover, Metric,
-    PluginBuilder, PluginError, Rollout, RolloutCapabilities, Table, Tensor, TensorRef, Tracker,
-    TrackerCapabilities, WeightSource, WeightSourceKind, keys,
+    PluginBuilder, PluginError, Rollout, RolloutCapabilities, RoutedExperts, Table, Tensor,
+    TensorRef, Tracker, TrackerCapabilities, WeightSource, WeightSourceKind, keys,
 };
 use verl_plugin_host::{DeviceReport, Registry};
 
 use super::{NonFinite, RunSummary, TrainError, Trainer};
 use crate::algo::{AdvEstimator, IsLevel};
 use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
-use crate::config::{Config, NanPolicy, ResumeMode, RsThreshold, TrainingMode};
+use crate::config::{Config, NanPolicy, ResumeMode, RouterReplayMode, RsThreshold, TrainingMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
 use crate::placement::Placement;
 
@@ -50,10 +50,21 @@ enum Event {
         role: String,
         keys: Vec<String>,
         step: u64,
+        /// `[B, R]` and the F32 tensors of [`RECORDED`] the update got, row-major.
+        shape: [i64; 2],
+        floats: BTreeMap<String, Vec<f32>>,
     },
     UpdateCritic {
         role: String,
         keys: Vec<String>,
+    },
+    /// The `routed_experts` an engine call received (`[B, T, L, k]` values and shape) with the
+    /// batch's attention mask.
+    Routed {
+        op: &'static str,
+        experts: Vec<i64>,
+        shape: Vec<i64>,
+        mask: Vec<i64>,
     },
     /// The engine lent its weights.
     Weights(String),
@@ -104,6 +115,8 @@ struct Faults {
     fail_update_at: Option<u64>,
     /// `update_actor` goes non-finite at this global step.
     non_finite_at: Option<(u64, Bad)>,
+    /// `compute_log_prob` ignores the meta's `calculate_sum_pi_squared`.
+    no_sum_pi_squared: bool,
 }
 
 /// How the fake actor's update goes non-finite.
@@ -129,9 +142,36 @@ fn response_shape(batch: &Batch) -> Result<[i64; 2], PluginError> {
     }
 }
 
+/// The update batch's tensors the fake actor records.
+const RECORDED: [&str; 4] = [
+    keys::ADVANTAGES,
+    keys::RETURNS,
+    keys::RESPONSE_MASK,
+    keys::OLD_LOG_PROBS,
+];
+
+/// The fake Σπ² of row `i`, token `t`: varied over rows and tokens, so that the optimal token
+/// baseline's weights differ between the responses of a group.
+fn fake_sum_pi_squared(i: i64, t: i64) -> f32 {
+    0.1 + 0.2 * ((3 * i + t) % 4) as f32
+}
+
 fn filled(batch: &Batch, value: f32) -> Result<Tensor, PluginError> {
     let [b, r] = response_shape(batch)?;
     Tensor::from_slice(&[b, r], &vec![value; (b * r) as usize])
+}
+
+/// Records the batch's `routed_experts`, when it has them.
+fn log_routing(log: &Log, op: &'static str, batch: &Batch) -> Result<(), PluginError> {
+    if let Some(routed) = batch.get(keys::ROUTED_EXPERTS) {
+        log.push(Event::Routed {
+            op,
+            experts: routed.to_vec::<i64>()?,
+            shape: routed.shape.to_vec(),
+            mask: batch.require(keys::ATTENTION_MASK)?.to_vec::<i64>()?,
+        });
+    }
+    Ok(())
 }
 
 fn global_steps(batch: &Batch) -> u64 {
@@ -149,6 +189,8 @@ struct FakeEngine {
     log: Log,
     faults: Faults,
     role: String,
+    /// `router_replay.mode` of its section.
+    router_replay: String,
     shape: Vec<i64>,
     weight: Vec<u8>,
 }
@@ -159,6 +201,7 @@ impl FakeEngine {
             log,
             faults,
             role: String::new(),
+            router_replay: String::new(),
             shape: vec![1],
             weight: 0f32.to_le_bytes().to_vec(),
         }
@@ -177,6 +220,10 @@ impl Engine for FakeEngine {
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.role = init.config["role"].as_str().unwrap_or("?").to_owned();
+        self.router_replay = init.config["router_replay"]["mode"]
+            .as_str()
+            .unwrap_or("?")
+            .to_owned();
         self.log.push(Event::Init(format!("engine:{}", self.role)));
         Ok(())
     }
@@ -185,9 +232,29 @@ impl Engine for FakeEngine {
             role: self.role.clone(),
             keys: batch_keys(batch),
         });
+        log_routing(&self.log, "compute_log_prob", batch)?;
         let mut out = Batch::default();
         out.insert(keys::LOG_PROBS, filled(batch, -0.5)?);
         out.insert(keys::ENTROPYS, filled(batch, 0.25)?);
+        let meta: serde_json::Value =
+            serde_json::from_str(batch.meta_json.as_str()).unwrap_or_default();
+        if meta["calculate_sum_pi_squared"] == true && !self.faults.no_sum_pi_squared {
+            let [b, r] = response_shape(batch)?;
+            let values: Vec<f32> = (0..b)
+                .flat_map(|i| (0..r).map(move |t| fake_sum_pi_squared(i, t)))
+                .collect();
+            out.insert(keys::SUM_PI_SQUARED, Tensor::from_slice(&[b, r], &values)?);
+        }
+        if self.router_replay == "R2" {
+            // A recording: expert 3 (and 2) for every token of the `[B, P+R]` batch, 1 layer.
+            let ids = batch.require(keys::INPUT_IDS)?;
+            let (b, w) = (ids.shape[0], ids.shape[1]);
+            let experts: Vec<i64> = (0..b * w).flat_map(|_| [3, 2]).collect();
+            out.insert(
+                keys::ROUTED_EXPERTS,
+                Tensor::from_slice(&[b, w, 1, 2], &experts)?,
+            );
+        }
         Ok(out)
     }
     fn compute_values(&mut self, batch: &Batch) -> Result<Batch, PluginError> {
@@ -201,11 +268,20 @@ impl Engine for FakeEngine {
     }
     fn update_actor(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
         let step = global_steps(batch);
+        let mut floats = BTreeMap::new();
+        for key in RECORDED {
+            if let Some(t) = batch.get(key) {
+                floats.insert(key.to_owned(), t.to_vec::<f32>()?);
+            }
+        }
         self.log.push(Event::UpdateActor {
             role: self.role.clone(),
             keys: batch_keys(batch),
             step,
+            shape: response_shape(batch)?,
+            floats,
         });
+        log_routing(&self.log, "update_actor", batch)?;
         if self.faults.fail_update_at == Some(step) {
             return Err(PluginError::other(format!(
                 "injected failure at step {step}"
@@ -430,6 +506,35 @@ impl Rollout for LogProbRollout {
     }
 }
 
+/// The fake rollout, recording routing: one sparse layer, top-2, token `t` of the fed sequence
+/// (prompt, then response but its last token) routed to experts `1 + t % 3` and `4`.
+struct RoutingRollout(FakeRollout);
+
+impl Rollout for RoutingRollout {
+    fn capabilities() -> RolloutCapabilities {
+        FakeRollout::capabilities().routed_experts(true)
+    }
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        self.0.init(init)
+    }
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateOutput, PluginError> {
+        let mut out = self.0.generate(request)?;
+        out.completions = out
+            .completions
+            .into_iter()
+            .map(|c| {
+                let fed = request.prompts[c.prompt_index as usize].len() + c.response_ids.len() - 1;
+                let experts = (0..fed as u32).flat_map(|t| [1 + t % 3, 4]).collect();
+                c.with_routed_experts(RoutedExperts::new(1, 2, experts))
+            })
+            .collect();
+        Ok(out)
+    }
+    fn update_weights(&mut self, source: &WeightSource<'_>) -> Result<(), PluginError> {
+        self.0.update_weights(source)
+    }
+}
+
 /// A rollout that only reloads weights from files.
 struct FileOnlyRollout;
 
@@ -622,6 +727,15 @@ fn registry(log: &Log, faults: Faults) -> Registry {
                     })
                 },
             )
+            .rollout("routing", 0, "the fake rollout, with routing", {
+                let log = log.clone();
+                move || {
+                    RoutingRollout(FakeRollout {
+                        log: log.clone(),
+                        version: None,
+                    })
+                }
+            })
             .rollout("file-only", 0, "takes weights from files", move || {
                 l4.push(Event::Created("rollout"));
                 FileOnlyRollout
@@ -739,7 +853,9 @@ fn fit(config: Config, log: &Log, faults: Faults) -> Result<RunSummary, TrainErr
 /// The event as a short label; `None` for what the order tests leave out.
 fn label(event: &Event) -> Option<String> {
     Some(match event {
-        Event::Created(_) | Event::Init(_) | Event::Table(_) => return None,
+        Event::Created(_) | Event::Init(_) | Event::Table(_) | Event::Routed { .. } => {
+            return None;
+        }
         Event::Generate { n: 1, version, .. } => format!("gen(val)@{version:?}"),
         Event::Generate { version, .. } => format!("gen@{version:?}"),
         Event::LogProb { role, .. } => format!("{role}.log_prob"),
@@ -1192,6 +1308,9 @@ fn comparable_logs(events: &[Event]) -> Vec<(u64, BTreeMap<String, f64>)> {
                 .filter(|(k, _)| {
                     !k.starts_with("timing_s/")
                         && !k.starts_with("timing_per_token_ms/")
+                        // How far the rollouter was ahead, and the wait: timing, not results.
+                        && !k.starts_with("fully_async/monitor/")
+                        && k.as_str() != "fully_async/total_wait_time"
                         && (!k.starts_with("perf/") || k.as_str() == "perf/total_num_tokens")
                 })
                 .map(|(k, v)| (k.clone(), *v))
@@ -2560,5 +2679,476 @@ fn rollout_correction_reaches_the_update() {
     refused(
         two_ranks_off,
         "one_step_off does not support algorithm.filter_groups.enable=true",
+    );
+}
+
+/// `trainer.training_mode=fully_async` on the fake rollout with log-probs, with verl's layout
+/// (`data.train_batch_size=0`: a step trains on `ppo_mini_batch_size × require_batches` = 4
+/// prompts), publishing every `trigger` steps with `staleness_threshold`.
+fn fully_async(s: &Setup, run: &str, trigger: u64, staleness: f64) -> Config {
+    let mut c = s.config(run);
+    c.trainer.training_mode = TrainingMode::FullyAsync;
+    c.data.train_batch_size = 0;
+    c.async_training.trigger_parameter_sync_step = trigger;
+    c.async_training.staleness_threshold = staleness;
+    c.actor_rollout_ref.rollout.name = "logprobs".into();
+    c.actor_rollout_ref.rollout.calculate_log_probs = true;
+    c.trainer.rollout_data_dir = Some(s.run_dir(run).join("rollouts").display().to_string());
+    c
+}
+
+/// The weight versions the rollout was given, in order.
+fn synced_versions(events: &[Event]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateWeights { version, .. } => Some(*version),
+            _ => None,
+        })
+        .collect()
+}
+
+/// verl's fully-async policy with the schedule decided by the trainer: T = 2 and a staleness
+/// threshold of 0.5 allow K = int(4 × 1.5 × 2) / 4 = 3 batches per published version, so batches
+/// 1–3 are generated with the initial weights and 4–5 with step 2's; weights are published after
+/// steps 2, 4 and the last; the prompts and seeds are a synchronous run's. With T = 1 and no
+/// staleness it is a synchronous run, record for record; with T = 1 and a staleness of 1 it
+/// generates with one-step-off's versions.
+#[test]
+fn fully_async_generates_each_batch_with_the_version_the_schedule_gives() {
+    let s = setup();
+    let sync = Log::default();
+    let mut sync_config = s.config("sync");
+    sync_config.actor_rollout_ref.rollout.name = "logprobs".into();
+    sync_config.actor_rollout_ref.rollout.calculate_log_probs = true;
+    fit(sync_config, &sync, Faults::default()).unwrap();
+
+    let log = Log::default();
+    let summary = fit(fully_async(&s, "async", 2, 0.5), &log, Faults::default()).unwrap();
+    assert_eq!(summary.global_step, 5);
+    let events = log.events();
+    assert_eq!(
+        train_generations(&events),
+        train_generations(&sync.events()),
+        "the same prompts and seeds, in the same order"
+    );
+    assert_eq!(
+        train_versions(&events),
+        [None, None, None, Some(2), Some(2)]
+    );
+    assert_eq!(synced_versions(&events), [2, 4, 5]);
+    let logged = logs(&events);
+    let series = |key: &str| -> Vec<f64> { logged.iter().map(|(_, m)| m[key]).collect() };
+    // Versions behind the policy being updated (step − 1).
+    assert_eq!(series("training/staleness_mean"), [0.0, 1.0, 2.0, 1.0, 2.0]);
+    assert_eq!(
+        series("fully_async/count/current_param_version"),
+        [0.0, 0.0, 1.0, 1.0, 2.0]
+    );
+    // Batches 3 and 5 are a published version behind when trained: 4 prompts, 8 responses each.
+    assert_eq!(
+        series("fully_async/count/stale_samples_processed"),
+        [0.0, 0.0, 4.0, 4.0, 8.0]
+    );
+    assert_eq!(
+        series("fully_async/count/stale_trajectory_processed"),
+        [0.0, 0.0, 8.0, 8.0, 16.0]
+    );
+    assert_eq!(series("fully_async/static/max_required_samples"), [12.0; 5]);
+    for (step, m) in &logged {
+        assert!(
+            m.contains_key("fully_async/monitor/queue/mq_queue_size"),
+            "{step}"
+        );
+        assert!(m["fully_async/total_wait_time"] >= 0.0);
+        assert_eq!(
+            m.contains_key("timing_s/param_sync"),
+            *step != 1 && *step != 3,
+            "{step}"
+        );
+        // use_rollout_log_probs (verl's default): the actor recomputes no log-probs.
+        assert!(!m.contains_key("timing_s/old_log_prob"), "{step}");
+    }
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::LogProb { role, .. } if role == "actor"))
+    );
+
+    // No staleness, a publication per step, old log-probs recomputed: a synchronous run.
+    let log = Log::default();
+    let mut c = fully_async(&s, "as-sync", 1, 0.0);
+    c.async_training.use_rollout_log_probs = false;
+    fit(c, &log, Faults::default()).unwrap();
+    let without_async = |logs: Vec<(u64, BTreeMap<String, f64>)>| {
+        logs.into_iter()
+            .map(|(step, mut m)| {
+                m.retain(|k, _| {
+                    !k.starts_with("fully_async/") && !k.starts_with("training/staleness")
+                });
+                (step, m)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        without_async(comparable_logs(&log.events())),
+        without_async(comparable_logs(&sync.events()))
+    );
+    assert_eq!(
+        train_versions(&log.events()),
+        train_versions(&sync.events())
+    );
+
+    // A staleness of one version, a publication per step: one-step-off's versions.
+    let log = Log::default();
+    fit(fully_async(&s, "as-off", 1, 1.0), &log, Faults::default()).unwrap();
+    assert_eq!(
+        train_versions(&log.events()),
+        [None, None, Some(1), Some(2), Some(3)]
+    );
+}
+
+/// Exact resume of a fully-async run: a checkpoint carries the batches generated ahead, so a run
+/// that fails in any step and resumes (`resume_mode=auto`) trains on exactly the uninterrupted
+/// run's batches (no prompt skipped or trained twice, the same samples), generates only the
+/// batches after those carried, with the same versions, and logs the same records.
+#[test]
+fn a_resumed_fully_async_run_trains_on_exactly_the_uninterrupted_batches() {
+    let s = setup();
+    let configure = |run: &str, save_freq: i64| {
+        let mut c = fully_async(&s, run, 2, 0.5);
+        c.trainer.save_freq = save_freq;
+        c
+    };
+    let whole = Log::default();
+    fit(configure("whole", 1), &whole, Faults::default()).unwrap();
+    let whole_events = whole.events();
+    let whole_logs = comparable_logs(&whole_events);
+    let whole_dump = dumped(&s.run_dir("whole").join("rollouts"));
+    assert_eq!(whole_dump.len(), 5);
+    // Carried per checkpoint: after step 1, batches 2–3 (K = 3 with the initial weights); after
+    // the publication at 2, batch 3; after 3, batches 4–5; after 4, batch 5; after 5, none.
+    let carried: Vec<usize> = (1..=5)
+        .map(|step| {
+            let path = s
+                .run_dir("whole")
+                .join(format!("global_step_{step}/trainer_state.json"));
+            let state: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+            state["queued"].as_array().unwrap().len()
+        })
+        .collect();
+    assert_eq!(carried, [2, 1, 2, 1, 0]);
+    let final_weight = |events: &[Event]| {
+        events.iter().rev().find_map(|e| match e {
+            Event::UpdateWeights { value, .. } => Some(*value),
+            _ => None,
+        })
+    };
+
+    for save_freq in [1, 2] {
+        for fail_at in 1..=5u64 {
+            let run = format!("failed{fail_at}-every{save_freq}");
+            let faults = Faults {
+                fail_update_at: Some(fail_at),
+                ..Faults::default()
+            };
+            fit(configure(&run, save_freq), &Log::default(), faults).unwrap_err();
+            let resumed = Log::default();
+            fit(configure(&run, save_freq), &resumed, Faults::default()).unwrap();
+            let events = resumed.events();
+            let checkpoint = (fail_at - 1) / save_freq as u64 * save_freq as u64;
+            let resumed_logs = comparable_logs(&events);
+            let first = resumed_logs[0].0;
+            assert!(first <= checkpoint + 1, "{run}: first record {first}");
+            assert_eq!(
+                resumed_logs[..],
+                whole_logs[first as usize - 1..],
+                "{run}: the records differ from the uninterrupted run's"
+            );
+            let dump = dumped(&s.run_dir(&run).join("rollouts"));
+            assert_eq!(dump, whole_dump, "{run}: the same samples, step by step");
+            // Only the batches after those the checkpoint carried are generated again, each
+            // with the weights the uninterrupted run generated it with.
+            let carried_to = if checkpoint == 0 {
+                0
+            } else {
+                checkpoint as usize + carried[checkpoint as usize - 1]
+            };
+            assert_eq!(
+                train_generations(&events)[..],
+                train_generations(&whole_events)[carried_to..],
+                "{run}: resumed after checkpoint {checkpoint}"
+            );
+            assert_eq!(
+                train_versions(&events)[..],
+                train_versions(&whole_events)[carried_to..],
+                "{run}"
+            );
+            assert_eq!(final_weight(&events), final_weight(&whole_events), "{run}");
+        }
+    }
+}
+
+/// One engine call's `routed_experts`: the call, the values, the shape and the attention mask.
+type RoutedCall = (&'static str, Vec<i64>, Vec<i64>, Vec<i64>);
+
+/// The `routed_experts` the engine calls of a run received, by call.
+fn routed(log: &Log) -> Vec<RoutedCall> {
+    log.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Routed {
+                op,
+                experts,
+                shape,
+                mask,
+            } => Some((op, experts, shape, mask)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// R3: the rollout's experts reach the old-log-prob forward and the update laid out like
+/// `input_ids` (verl's `[B, P+R, layers, k]`): row `i`'s fed tokens (its prompt from the first
+/// real column, then its response but the last token) carry the rollout's experts in order,
+/// every other column zeros.
+#[test]
+fn r3_carries_the_rollouts_experts_to_the_engine() {
+    let setup = setup();
+    let mut c = setup.config("r3");
+    c.trainer.total_training_steps = Some(1);
+    c.actor_rollout_ref.rollout.name = "routing".into();
+    c.actor_rollout_ref.rollout.enable_rollout_routing_replay = true;
+    c.actor_rollout_ref.actor.router_replay.mode = RouterReplayMode::R3;
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let calls = routed(&log);
+    let ops: Vec<&str> = calls.iter().map(|c| c.0).collect();
+    assert_eq!(ops, ["compute_log_prob", "update_actor"]);
+    for (op, experts, shape, mask) in &calls {
+        let [b, w, layers, k] = shape[..] else {
+            panic!("{op}: shape {shape:?}")
+        };
+        assert_eq!((b, layers, k), (8, 1, 2), "{op}");
+        for row in 0..b as usize {
+            let real = &mask[row * w as usize..(row + 1) * w as usize];
+            let first = real.iter().position(|&m| m == 1).unwrap();
+            let fed = real.iter().sum::<i64>() as usize - 1;
+            for col in 0..w as usize {
+                let at = (row * w as usize + col) * 2;
+                let want = if (first..first + fed).contains(&col) {
+                    let t = (col - first) as i64;
+                    [1 + t % 3, 4]
+                } else {
+                    [0, 0]
+                };
+                assert_eq!(experts[at..at + 2], want, "{op} row {row} column {col}");
+            }
+        }
+    }
+}
+
+/// R2: the old-log-prob forward's recording (not any rollout's) is what the update replays.
+#[test]
+fn r2_carries_the_old_log_prob_forwards_routing_to_the_update() {
+    let setup = setup();
+    let mut c = setup.config("r2");
+    c.trainer.total_training_steps = Some(1);
+    c.actor_rollout_ref.actor.router_replay.mode = RouterReplayMode::R2;
+    let log = Log::default();
+    fit(c, &log, Faults::default()).unwrap();
+    let calls = routed(&log);
+    let ops: Vec<&str> = calls.iter().map(|c| c.0).collect();
+    assert_eq!(ops, ["update_actor"]);
+    assert!(calls[0].1.chunks(2).all(|e| e == [3, 2]));
+}
+
+/// A mode the run's components cannot serve stops it before step 1, naming the key and the
+/// rollout.
+#[test]
+fn router_replay_needs_a_recording_rollout() {
+    let setup = setup();
+    let mut c = setup.config("r3-without");
+    c.actor_rollout_ref.actor.router_replay.mode = RouterReplayMode::R3;
+    c.actor_rollout_ref.rollout.name = "routing".into();
+    let err = fit(c, &Log::default(), Faults::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("actor_rollout_ref.actor.router_replay.mode=R3")
+            && err.contains("enable_rollout_routing_replay=true"),
+        "{err}"
+    );
+    let mut c = setup.config("r3-fake");
+    c.actor_rollout_ref.rollout.enable_rollout_routing_replay = true;
+    let err = fit(c, &Log::default(), Faults::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("enable_rollout_routing_replay=true") && err.contains("rollout `fake`"),
+        "{err}"
+    );
+}
+
+/// The F32 tensors of every recorded actor update, as `[B, R]` matrices.
+fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UpdateActor { shape, floats, .. } => Some(
+                floats
+                    .iter()
+                    .map(|(k, v)| {
+                        let m = crate::algo::Matrix::new(
+                            shape[0] as usize,
+                            shape[1] as usize,
+                            v.clone(),
+                        )
+                        .unwrap();
+                        (k.clone(), m)
+                    })
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect()
+}
+
+fn refused(c: Config, faults: Faults, wanted: &str) {
+    let err = match Trainer::new(c, &registry(&Log::default(), faults), &placement(&[]))
+        .and_then(|mut t| t.fit())
+    {
+        Ok(_) => panic!("expected {wanted}"),
+        Err(err) => err.to_string(),
+    };
+    assert!(err.contains(wanted), "{err}");
+}
+
+#[test]
+fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
+    use crate::algo::{AdvantageInput, AdvantageParams, Matrix, compute_advantage, place_scores};
+    let s = setup();
+    let mut c = s.config("otb");
+    c.trainer.total_training_steps = Some(2);
+    // Rows stay in generation order: the two responses of prompt g are rows 2g and 2g + 1.
+    c.trainer.balance_batch = false;
+    c.algorithm.adv_estimator = AdvEstimator::OptimalTokenBaseline;
+    c.actor_rollout_ref.actor.calculate_sum_pi_squared = true;
+    let log = Log::default();
+    fit(c.clone(), &log, Faults::default()).unwrap();
+    let updates = updates(&log.events());
+    assert_eq!(updates.len(), 2);
+    for update in &updates {
+        let (mask, returns) = (&update[keys::RESPONSE_MASK], &update[keys::RETURNS]);
+        let (rows, cols) = mask.shape();
+        // The outcome reward is the return at the first token (γ = 1).
+        let scores: Vec<f32> = (0..rows).map(|i| returns.row(i)[0]).collect();
+        let rewards = place_scores(&scores, mask).unwrap();
+        let spp = Matrix::new(
+            rows,
+            cols,
+            (0..rows as i64)
+                .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
+                .collect(),
+        )
+        .unwrap();
+        let groups: Vec<u64> = (0..rows as u64).map(|i| i / 2).collect();
+        let input = AdvantageInput {
+            old_log_probs: Some(&update[keys::OLD_LOG_PROBS]),
+            sum_pi_squared: Some(&spp),
+            ..AdvantageInput::new(&rewards, mask, &groups)
+        };
+        let (want, _) = compute_advantage(
+            AdvEstimator::OptimalTokenBaseline,
+            &AdvantageParams::default(),
+            &input,
+        )
+        .unwrap();
+        let got = &update[keys::ADVANTAGES];
+        assert!(got.data().iter().any(|&a| a.abs() > 0.1), "{got:?}");
+        for (a, b) in got.data().iter().zip(want.data()) {
+            assert!((a - b).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+    }
+
+    // As verl: the actor must be asked for Σπ², and must deliver it.
+    let mut unasked = c.clone();
+    unasked.actor_rollout_ref.actor.calculate_sum_pi_squared = false;
+    refused(
+        unasked,
+        Faults::default(),
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+    );
+    refused(
+        c.clone(),
+        Faults {
+            no_sum_pi_squared: true,
+            ..Faults::default()
+        },
+        "returned no `sum_pi_squared`",
+    );
+    let mut bypass = c;
+    bypass.actor_rollout_ref.rollout.name = "logprobs".into();
+    bypass.actor_rollout_ref.rollout.calculate_log_probs = true;
+    bypass.algorithm.rollout_correction.bypass_mode = true;
+    refused(bypass, Faults::default(), "bypass_mode=true skips");
+}
+
+#[test]
+fn gdpo_normalises_the_reward_components_the_keys_name() {
+    use crate::algo::masked_whiten;
+    let s = setup();
+    let run = |name: &str, edit: &dyn Fn(&mut Config)| {
+        let mut c = s.config(name);
+        c.trainer.total_training_steps = Some(2);
+        // `dapo` records each score as `acc`: a component equal to the score.
+        c.reward_model.reward_manager = "dapo".into();
+        edit(&mut c);
+        let log = Log::default();
+        fit(c, &log, Faults::default()).unwrap();
+        log.events()
+    };
+    let grpo = run("grpo", &|_| {});
+    let gdpo = run("gdpo", &|c| {
+        c.algorithm.adv_estimator = AdvEstimator::Gdpo;
+        c.algorithm.gdpo_reward_keys = Some(vec!["acc".into()]);
+        c.algorithm.gdpo_reward_weights = Some(vec![2.0]);
+    });
+    // One component equal to the score, through balance_batch's reordering: GDPO is the
+    // whitened GRPO advantage (the weight scales out) on the same rows.
+    for (g, d) in updates(&grpo).iter().zip(&updates(&gdpo)) {
+        let mask = &g[keys::RESPONSE_MASK];
+        let want = masked_whiten(&g[keys::ADVANTAGES], mask).unwrap();
+        let got = &d[keys::ADVANTAGES];
+        for ((a, b), m) in got.data().iter().zip(want.data()).zip(mask.data()) {
+            assert!((a - b * m).abs() < 1e-4, "{got:?} vs {want:?}");
+        }
+    }
+    // verl's per-component metrics: the fake rollout answers one of the two responses right.
+    for (step, m) in logs(&gdpo) {
+        assert_eq!(m["gdpo/acc/mean"], 0.5, "step {step}");
+        assert_eq!(m["gdpo/acc/std"], 0.5);
+        assert_eq!((m["gdpo/acc/max"], m["gdpo/acc/min"]), (1.0, 0.0));
+    }
+
+    let mut c = s.config("gdpo-bad");
+    c.algorithm.adv_estimator = AdvEstimator::Gdpo;
+    refused(
+        c.clone(),
+        Faults::default(),
+        "needs algorithm.gdpo_reward_keys",
+    );
+    c.algorithm.gdpo_reward_keys = Some(vec!["format".into()]);
+    refused(
+        c.clone(),
+        Faults::default(),
+        "algorithm.gdpo_reward_keys: the reward gave no `format` (it gave: a score only)",
+    );
+    c.algorithm.gdpo_reward_weights = Some(vec![1.0, 2.0]);
+    refused(
+        c,
+        Faults::default(),
+        "2 weights for 1 algorithm.gdpo_reward_keys",
     );
 }

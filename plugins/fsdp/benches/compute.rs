@@ -28,7 +28,7 @@ use tch::{Kind, Tensor};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
 use verl_plugin_fsdp::FsdpEngine;
 use verl_torch_runtime::{
-    AdamW, AdamWConfig, CausalLM, ModelConfig, ModelOptions, Rng, SamplingParams,
+    AdamW, AdamWConfig, CausalLM, ModelConfig, ModelOptions, Rng, SamplingParams, ScoreOutputs,
 };
 
 const BATCH: i64 = 8;
@@ -240,7 +240,7 @@ fn main() {
     let train = || {
         grads.zero_grad();
         let scores = model
-            .response_scores(&input, &mask, SEQ - 1, 1.0, false)
+            .response_scores(&input, &mask, SEQ - 1, 1.0, ScoreOutputs::NONE)
             .unwrap();
         scores.log_probs.mean(Kind::Float).neg().backward();
     };

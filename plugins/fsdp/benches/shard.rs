@@ -21,7 +21,7 @@ use tch::{Device, Kind, Tensor};
 use verl_distributed::{Backend, DistError, Options, ProcessGroup, ReduceOp, Rendezvous};
 use verl_plugin_fsdp::shard::{ShardMemory, ShardOptions, ShardedModel};
 use verl_torch_runtime::{
-    AdamW, AdamWConfig, Architecture, CausalLM, ModelConfig, ModelOptions, Rng,
+    AdamW, AdamWConfig, Architecture, CausalLM, ModelConfig, ModelOptions, Rng, ScoreOutputs,
 };
 
 const RANK_ENV: &str = "VERL_SHARD_BENCH_RANK";
@@ -161,8 +161,14 @@ fn rank_main(rank: u32) -> Result<(), Box<dyn std::error::Error>> {
         // The loss value is not needed.
         let context = sm.model().block_context(&ids, &mask)?;
         let _ = sm.forward_backward(group, &context, |model, hidden| {
-            let scores =
-                model.response_scores_from_hidden(hidden, &ids, &mask, SEQ - 1, 1.0, false)?;
+            let scores = model.response_scores_from_hidden(
+                hidden,
+                &ids,
+                &mask,
+                SEQ - 1,
+                1.0,
+                ScoreOutputs::NONE,
+            )?;
             Ok(-scores.log_probs.sum(Kind::Float) / tokens)
         })?;
         sm.clip_grad_norm_global(group, 1.0)?;
@@ -183,7 +189,7 @@ fn rank_main(rank: u32) -> Result<(), Box<dyn std::error::Error>> {
         let mut optimizer = AdamW::for_model(&model, AdamWConfig::default());
         let mut update = || -> Result<(), Box<dyn std::error::Error>> {
             optimizer.zero_grad();
-            let scores = model.response_scores(&ids, &mask, SEQ - 1, 1.0, false)?;
+            let scores = model.response_scores(&ids, &mask, SEQ - 1, 1.0, ScoreOutputs::NONE)?;
             (-scores.log_probs.sum(Kind::Float) / tokens).f_backward()?;
             optimizer.clip_grad_norm(1.0);
             let _applied = optimizer.step(1e-4);

@@ -14,9 +14,10 @@ use verl_plugin_api::{ComponentInit, TensorRef};
 use verl_torch_runtime::actor::{
     ActorConfig, ActorError, ActorWorker, Reduction, Role, Rows, Strategy,
 };
+use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng,
+    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, ScoreOutputs,
     load_training_state, load_training_state_from, parse_device, save_training_state,
 };
 
@@ -45,7 +46,7 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
     let mut settings = init.config::<ActorConfig>("fsdp")?.validate()?;
     // Checked for unknown keys and types; `fsdp_size` and offloading place the model.
     let fsdp = FsdpConfig::of(init, settings.role)?;
-    let optimizer = (settings.role != Role::Ref).then_some(settings.optimizer);
+    let optimizer = settings.role.trains().then_some(settings.optimizer);
     let path = FsdpConfig::path(init, settings.role);
     let sharding = fsdp.shard_options(&path, optimizer, run.world_size)?;
     // As verl's workers: the (global) mini-batch is split over the data-parallel ranks.
@@ -73,6 +74,14 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
         Head::Lm
     };
     let mut model = settings.model.load(device, head, run.seed)?;
+    // verl-core copies `trainer.deterministic` into every engine section: the batch-invariant
+    // kernels, so log-probs match the native rollout's bit for bit (see `set_batch_invariant`).
+    model.set_batch_invariant(
+        init.config
+            .get("deterministic")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false),
+    );
     if optimizer.is_none() {
         model.set_trainable(false);
     }
@@ -107,22 +116,76 @@ impl LocalModel {
 
     /// Forward and backward of one micro-batch; `loss_fn` maps final hidden states (of the
     /// context's layout) to the scalar loss (with activation checkpointing when the model
-    /// config asks for it).
+    /// config asks for it). With `aux_weight`, adds that × `router_aux_loss_coef` × the
+    /// load-balancing loss when the model's config asks for it, and returns that loss.
     fn backward(
         &self,
         rows: &Rows,
+        aux_weight: Option<f64>,
         loss_fn: impl FnOnce(&Tensor, &BlockContext) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+    ) -> verl_torch_runtime::Result<Option<f64>> {
         let context = self.context(rows)?;
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
-            let _ = self
-                .model
-                .backward_checkpointed_in(&context, |hidden| loss_fn(hidden, &context))?;
-        } else {
-            loss_fn(&self.model.hidden_states_in(&context), &context)?.f_backward()?;
+            let (_, aux) =
+                self.model
+                    .backward_checkpointed_aux_in(&context, aux_weight, |hidden| {
+                        loss_fn(hidden, &context)
+                    })?;
+            return Ok(aux);
         }
-        Ok(())
+        let hidden = self.model.hidden_states_in(&context);
+        let mut loss = loss_fn(&hidden, &context)?;
+        let mut aux = None;
+        if let Some((weight, coef)) = aux_weight.zip(self.model.router_aux_loss_coef()) {
+            // The router logits this pass recorded are in its graph.
+            let balance = self.model.load_balancing_loss_in(&context)?;
+            aux = Some(balance.double_value(&[]));
+            loss += balance * (weight * coef);
+        }
+        loss.f_backward()?;
+        Ok(aux)
+    }
+}
+
+impl LocalModel {
+    /// The response scores of `rows` and the context of their forward pass (which recorded the
+    /// experts of a mixture-of-experts model).
+    fn scored(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        let scores = self.model.response_scores_in(
+            &hidden,
+            &context,
+            rows.response_len,
+            temperature,
+            outputs,
+        )?;
+        Ok((scores, context))
+    }
+
+    fn backward_scores_with(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: Option<f64>,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward(rows, aux_weight, |hidden, context| {
+            loss(&self.model.response_scores_in(
+                hidden,
+                context,
+                rows.response_len,
+                temperature,
+                outputs,
+            )?)
+        })
     }
 }
 
@@ -135,17 +198,20 @@ impl Strategy for LocalModel {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        let context = self.context(rows)?;
-        let hidden = self.model.hidden_states_in(&context);
-        self.model.response_scores_in(
-            &hidden,
-            &context,
-            rows.response_len,
-            temperature,
-            with_entropy,
-        )
+        self.scored(rows, temperature, outputs)
+            .map(|(scores, _)| scores)
+    }
+
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        let (scores, context) = self.scored(rows, temperature, outputs)?;
+        Ok((scores, context.take_routed_experts()?))
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -159,16 +225,53 @@ impl Strategy for LocalModel {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
-            loss(&self.model.response_scores_in(
+        self.backward_scores_with(rows, temperature, outputs, None, loss)
+            .map(drop)
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward_scores_with(rows, temperature, outputs, Some(aux_weight), loss)
+    }
+
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+        let context = self.context(rows)?;
+        let hidden = self.model.hidden_states_in(&context);
+        self.model
+            .response_topk_in(&hidden, &context, rows.response_len, temperature, k)
+    }
+
+    fn backward_distill_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        ids: &Tensor,
+        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward(rows, Some(aux_weight), |hidden, context| {
+            loss(&self.model.response_distill_scores_in(
                 hidden,
                 context,
                 rows.response_len,
                 temperature,
-                with_entropy,
+                outputs,
+                ids,
             )?)
         })
     }
@@ -178,13 +281,14 @@ impl Strategy for LocalModel {
         rows: &Rows,
         loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.backward(rows, |hidden, context| {
+        self.backward(rows, None, |hidden, context| {
             loss(
                 &self
                     .model
                     .response_values_in(hidden, context, rows.response_len)?,
             )
         })
+        .map(drop)
     }
 
     fn zero_grad(&mut self) {

@@ -78,10 +78,12 @@ impl FsdpEngine {
 impl Engine for FsdpEngine {
     fn capabilities() -> EngineCapabilities {
         EngineCapabilities::default()
-            .roles(["actor", "ref", "critic"])
+            .roles(["actor", "ref", "critic", "teacher"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
-            .config_keys(config::FsdpConfig::declared_keys())
+            // Router replay of a mixture-of-experts actor (verl's R2 / R3): its forwards
+            // replay the batch's `routed_experts`.
+            .config_keys(config::FsdpConfig::declared_keys().acts_on(["router_replay.mode"]))
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.worker = Some(new_worker(init)?);

@@ -7,7 +7,8 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::{LrSchedule, ResponseScores, Rng};
+use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
+use verl_torch_runtime::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
 use crate::engine::LocalModel;
 use crate::shard::strategy::ShardedStrategy;
@@ -37,9 +38,18 @@ impl Strategy for Placement {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        each!(self, s => s.scores(rows, temperature, with_entropy))
+        each!(self, s => s.scores(rows, temperature, outputs))
+    }
+
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        each!(self, s => s.scores_routed(rows, temperature, outputs))
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -50,10 +60,42 @@ impl Strategy for Placement {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        each!(self, s => s.backward_scores(rows, temperature, with_entropy, loss))
+        each!(self, s => s.backward_scores(rows, temperature, outputs, loss))
+    }
+
+    fn topk(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        k: i64,
+    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+        each!(self, s => s.topk(rows, temperature, k))
+    }
+
+    fn backward_distill_scores(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        ids: &Tensor,
+        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_distill_scores(rows, temperature, outputs, aux_weight, ids, loss))
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        each!(self, s => s.backward_scores_aux(rows, temperature, outputs, aux_weight, loss))
     }
 
     fn backward_values(

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use serde_json::json;
 use verl_plugin_api::{ErrorKind, NamedTensor, Tensor, keys};
-use verl_torch_runtime::{CausalLM, ModelOptions};
+use verl_torch_runtime::{CausalLM, ModelOptions, ScoreOutputs};
 
 fn rstr(path: &std::path::Path) -> &str {
     path.to_str().unwrap()
@@ -71,12 +71,57 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
                         &t(keys::ATTENTION_MASK),
                         r,
                         temperature,
-                        true,
+                        ScoreOutputs::ENTROPY,
                     )
                     .unwrap()
             });
             let direct_lp = verl_torch_runtime::interop::from_tch("lp", &scores.log_probs).unwrap();
             assert_eq!(&direct_lp, out.require(keys::LOG_PROBS).unwrap(), "{model}");
+        }
+    }
+}
+
+/// verl's `calculate_sum_pi_squared`: the engine returns `sum_pi_squared` only when the meta asks,
+/// equal (relative 1e-5) to verl's `calculate_sum_pi_squared_from_logits` on transformers' logits
+/// (`fixtures/sum_pi_squared.json`) on the left/right-padded fixture batch, zero on padding.
+#[test]
+fn compute_log_prob_returns_sum_pi_squared_when_asked() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("sum_pi_squared.json")).unwrap())
+            .unwrap();
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let (mut batch, lens) = fixture_batch(model);
+        let mut engine = engine(&json!({"role": "ref", "model": {"path": fixture(model)}}));
+        set_meta(&mut batch, json!({"temperature": 0.3}));
+        let out = engine.compute_log_prob(&batch).unwrap();
+        assert!(out.get(keys::SUM_PI_SQUARED).is_none(), "not asked for");
+        set_meta(
+            &mut batch,
+            json!({"temperature": 0.3, "calculate_sum_pi_squared": true, "calculate_entropy": false}),
+        );
+        let out = engine.compute_log_prob(&batch).unwrap();
+        assert!(out.get(keys::ENTROPYS).is_none());
+        let spp = rows(&out, keys::SUM_PI_SQUARED);
+        let cases: Vec<&serde_json::Value> = reference["models"][model]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["temperature"] == 0.3)
+            .collect();
+        assert_eq!(cases.len(), lens.len());
+        for (i, case) in cases.iter().enumerate() {
+            let want: Vec<f64> = serde_json::from_value(case["sum_pi_squared"].clone()).unwrap();
+            let want = &want[want.len() - lens[i]..];
+            for (a, e) in spp[i][..lens[i]].iter().zip(want) {
+                assert!(
+                    (f64::from(*a) - e).abs() / e < 1e-5,
+                    "{model} row {i}: {a} vs {e}"
+                );
+            }
+            assert!(
+                spp[i][lens[i]..].iter().all(|&x| x == 0.0),
+                "padding is zero"
+            );
         }
     }
 }
@@ -517,7 +562,7 @@ fn errors_name_the_problem() {
     );
 
     let mut config = base();
-    config["role"] = json!("teacher");
+    config["role"] = json!("student");
     assert!(init_err(config).message().contains("`role`"));
 
     let mut config = base();

@@ -22,7 +22,7 @@ use verl_plugin_fsdp::shard::strategy::ShardedStrategy;
 use verl_plugin_fsdp::shard::{ShardOptions, ShardedModel};
 use verl_torch_runtime::actor::{ActorConfig, ActorWorker};
 use verl_torch_runtime::{
-    AdamW, AdamWConfig, Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng,
+    AdamW, AdamWConfig, Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng, ScoreOutputs,
     read_safetensors, write_safetensors,
 };
 
@@ -198,8 +198,14 @@ impl TrainBatch {
             let values = model.response_values_from_hidden(hidden, &self.mask, RESPONSE)?;
             ((values - &self.weights).square() * response_mask).sum(Kind::Float)
         } else {
-            let scores = model
-                .response_scores_from_hidden(hidden, &self.ids, &self.mask, RESPONSE, 0.7, true)?;
+            let scores = model.response_scores_from_hidden(
+                hidden,
+                &self.ids,
+                &self.mask,
+                RESPONSE,
+                0.7,
+                ScoreOutputs::ENTROPY,
+            )?;
             let entropy = scores.entropy.expect("asked for").sum(Kind::Float);
             -(scores.log_probs * &self.weights).sum(Kind::Float) - entropy * 0.01
         };
@@ -212,7 +218,14 @@ impl TrainBatch {
             model.response_values_from_hidden(hidden, &self.mask, RESPONSE)
         } else {
             Ok(model
-                .response_scores_from_hidden(hidden, &self.ids, &self.mask, RESPONSE, 0.7, false)?
+                .response_scores_from_hidden(
+                    hidden,
+                    &self.ids,
+                    &self.mask,
+                    RESPONSE,
+                    0.7,
+                    ScoreOutputs::NONE,
+                )?
                 .log_probs)
         }
     }

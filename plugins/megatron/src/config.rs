@@ -138,7 +138,12 @@ impl MegatronConfig {
             "context_parallel_size",
             "sequence_parallel",
         ];
-        engine_section_keys("megatron", &defaults, &acted_on, &unsupported, &no_effect)
+        engine_section_keys("megatron", &defaults, &acted_on, &unsupported, &no_effect).no_effect(
+            "deterministic",
+            false,
+            "the megatron engine runs libtorch's default kernels, whose results depend on \
+                 the batch; the fsdp engine implements the batch-invariant mode",
+        )
     }
 
     /// The section of `init`'s config (`megatron` under the role's section), strictly: an
@@ -252,6 +257,13 @@ mod tests {
             .chain(keys.unsupported.iter().map(|n| n.key.clone()))
             .chain(keys.no_effect.iter().map(|n| n.key.clone()))
             .collect();
+        // The engine section's own `deterministic` (copied from `trainer.deterministic`) is
+        // declared beside the `megatron` keys.
+        assert!(
+            declared.iter().any(|k| k == "deterministic"),
+            "{declared:?}"
+        );
+        declared.retain(|k| k.starts_with("megatron."));
         declared.sort();
         let mut all: Vec<String> = defaults
             .as_object()

@@ -93,7 +93,7 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Comm), ActorError> {
         .model
         .load(parse_device(&run.device)?, head, run.seed)?;
     let mut model = TpModel::new(full, comm.clone(), layout.sequence_parallel)?;
-    let optimizer = (settings.role != Role::Ref).then_some(settings.optimizer);
+    let optimizer = settings.role.trains().then_some(settings.optimizer);
     if optimizer.is_none() {
         model.local_mut().set_trainable(false);
     }

@@ -18,7 +18,7 @@ use tch::{Kind, Tensor};
 use verl_distributed::ReduceOp;
 use verl_torch_runtime::{
     BlockContext, CausalLM, Head, ModelConfig, ModelError, ModelOptions, Packing, ResponseScores,
-    Result, TensorParallel,
+    Result, ScoreOutputs, TensorParallel,
 };
 
 use crate::comm::{Comm, Scope};
@@ -597,16 +597,16 @@ impl TpModel {
         }
     }
 
-    /// Per-token log-probs (and entropy) of the last `response_len` tokens of each row, as
-    /// [`CausalLM::response_scores`] computes them on the whole model, from the vocabulary
-    /// shards. Differentiated through `tape` when given.
+    /// Per-token log-probs (and the `outputs` asked for) of the last `response_len` tokens of
+    /// each row, as [`CausalLM::response_scores`] computes them on the whole model, from the
+    /// vocabulary shards. Differentiated through `tape` when given.
     pub fn response_scores(
         &self,
         ids: &Tensor,
         mask: &Tensor,
         response_len: i64,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         tape: Option<&Tape>,
     ) -> Result<ResponseScores> {
         let head = self
@@ -653,21 +653,34 @@ impl TpModel {
             .narrow(1, seq - response_len, response_len)
             .to_kind(Kind::Float);
         let log_probs = self.response_columns(target - &log_sum_exp, &place, response_len)?;
-        let entropy = if with_entropy {
+        let entropy = if outputs.entropy {
             // H = logsumexp(z) − Σ softmax(z)·z = log S − (Σ e^z·z) / S on the shifted logits.
             let weighted = all_reduce_identity_backward(
                 &self.comm,
                 Scope::Tensor,
-                &(exp * &shifted).sum_dim_intlist(-1, false, Kind::Float),
+                &(&exp * &shifted).sum_dim_intlist(-1, false, Kind::Float),
             )?;
-            let entropy = log_sum_exp - weighted / sum_exp;
+            let entropy = &log_sum_exp - weighted / &sum_exp;
             Some(self.response_columns(entropy, &place, response_len)? * &response_mask)
+        } else {
+            None
+        };
+        let sum_pi_squared = if outputs.sum_pi_squared {
+            // Σπ² = Σ e^{2z} / S² on the shifted logits (z ≤ 0: no overflow).
+            let squares = all_reduce_identity_backward(
+                &self.comm,
+                Scope::Tensor,
+                &(&exp * &exp).sum_dim_intlist(-1, false, Kind::Float),
+            )?;
+            let sum_pi_squared = squares / sum_exp.square();
+            Some(self.response_columns(sum_pi_squared, &place, response_len)? * &response_mask)
         } else {
             None
         };
         Ok(ResponseScores {
             log_probs: log_probs * response_mask,
             entropy,
+            sum_pi_squared,
         })
     }
 

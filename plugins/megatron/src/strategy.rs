@@ -18,7 +18,7 @@ use verl_torch_runtime::actor::{ActorWorker, Reduction, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
     AdamW, AdamWConfig, CausalLM, LrSchedule, ModelError, ModelOptions, ModelSpec, ResponseScores,
-    Rng, TRAIN_STATE_FILE, TrainState, load_training_state_from, read_safetensors,
+    Rng, ScoreOutputs, TRAIN_STATE_FILE, TrainState, load_training_state_from, read_safetensors,
     write_safetensors,
 };
 
@@ -197,18 +197,12 @@ impl Strategy for TpStrategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
-        self.model.response_scores(
-            ids,
-            mask,
-            rows.response_len,
-            temperature,
-            with_entropy,
-            None,
-        )
+        self.model
+            .response_scores(ids, mask, rows.response_len, temperature, outputs, None)
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -222,7 +216,7 @@ impl Strategy for TpStrategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
         self.check()?;
@@ -233,7 +227,7 @@ impl Strategy for TpStrategy {
             mask,
             rows.response_len,
             temperature,
-            with_entropy,
+            outputs,
             Some(&tape),
         )?;
         tape.backward(&loss(&scores)?, self.model.comm())

@@ -198,7 +198,7 @@ fn global_batch(vocab: i64, rows: usize) -> Batch {
     let (mut batch, _) = common::layout(&seqs);
     common::set_meta(
         &mut batch,
-        json!({"temperature": 0.7, "calculate_entropy": true}),
+        json!({"temperature": 0.7, "calculate_entropy": true, "calculate_sum_pi_squared": true}),
     );
     batch
 }
@@ -273,7 +273,7 @@ fn play_parity(model: &Path, megatron: Value, dir: &Path) {
         let got = engine
             .compute_log_prob(&narrow_batch(&batch, start, len))
             .unwrap();
-        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+        for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
             let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
             assert_close(key, max_diff(g, &narrow(w, start, len)));
         }
@@ -424,7 +424,8 @@ fn verl_batch(
     );
     common::set_meta(
         &mut batch,
-        json!({"temperature": temperature, "calculate_entropy": true}),
+        json!({"temperature": temperature, "calculate_entropy": true,
+               "calculate_sum_pi_squared": true}),
     );
     batch
 }
@@ -444,7 +445,7 @@ fn play_widths(model: &Path, megatron: Value) {
         let got = engine
             .compute_log_prob(&narrow_batch(&batch, start, len))
             .unwrap();
-        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+        for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
             let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
             assert_close(
                 &format!("{key} at width {width}"),
@@ -494,7 +495,7 @@ fn play_lengths(model: &Path, megatron: Value) {
     let got = engine
         .compute_log_prob(&narrow_batch(&batch, start, len))
         .unwrap();
-    for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+    for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
         let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
         assert_close(
             &format!("{key} of lengths 1..={longest}"),
@@ -586,7 +587,7 @@ fn play_token_budget(model: &Path, megatron: Value) {
             engine.compute_log_prob(&local).unwrap(),
             reference.compute_log_prob(&batch).unwrap(),
         );
-        for key in [keys::LOG_PROBS, keys::ENTROPYS] {
+        for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
             let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
             assert_close(
                 &format!("{key} before update {step}"),

@@ -7,7 +7,8 @@
 //! Config (`ComponentInit::config_json`): verl's `actor_rollout_ref.rollout` section plus
 //! `"model": {"path", "random_init", "dtype"}`. Sampling settings come with each request
 //! ([`verl_plugin_api::SamplingParams`]); of the section itself only
-//! `ignore_eos` is read (the trainer folds `temperature`, `top_p`, `top_k`, `n` into the request;
+//! `ignore_eos` and `deterministic` (`trainer.deterministic`: batch-invariant kernels, greedy
+//! tokens and log-probs bit-identical in any batch and equal to the fsdp engine's) are read (the trainer folds `temperature`, `top_p`, `top_k`, `n` into the request;
 //! the model's dtype is `model.dtype`, not the section's vLLM-oriented `dtype`).
 //!
 //! EOS ids come from the model's `generation_config.json` (else `config.json`); `stop_token_ids`
@@ -22,8 +23,9 @@ use serde::Deserialize;
 use std::path::Path;
 
 use verl_plugin_api::{
-    Completion, ComponentInit, FinishReason, GenerateOutput, GenerateRequest, PluginBuilder,
-    PluginError, Rollout, RolloutCapabilities, SamplingParams, WeightSource, WeightSourceKind,
+    Completion, ComponentInit, ConfigKeys, FinishReason, GenerateOutput, GenerateRequest,
+    PluginBuilder, PluginError, Rollout, RolloutCapabilities, RoutedExperts, SamplingParams,
+    WeightSource, WeightSourceKind,
 };
 use verl_torch_runtime::interop::load_views;
 use verl_torch_runtime::{CausalLM, Head, ModelError, ModelSpec, Rng, parse_device};
@@ -35,6 +37,13 @@ struct RolloutConfig {
     /// Keep generating past EOS (only `stop_token_ids` and the length limit end a sequence).
     #[serde(default)]
     ignore_eos: bool,
+    /// `trainer.deterministic`, which verl-core copies into the section: batch-invariant
+    /// kernels (see `CausalLM::set_batch_invariant`).
+    #[serde(default)]
+    deterministic: bool,
+    /// verl's rollout router replay (R3): return each token's experts with the completions.
+    #[serde(default)]
+    enable_rollout_routing_replay: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +70,9 @@ struct Generator {
     model: CausalLM,
     eos_token_ids: Vec<i64>,
     ignore_eos: bool,
+    /// `[sparse layers, top_k]` of a mixture-of-experts model whose routing is returned
+    /// (`enable_rollout_routing_replay`).
+    routing: Option<(u32, u32)>,
     /// Seeds for requests that bring none.
     seeds: Rng,
     weight_version: Option<u64>,
@@ -72,14 +84,28 @@ impl Generator {
         let device = parse_device(&init.run.device)?;
         let mut model = config.model.load(device, Head::Lm, init.run.seed)?;
         model.set_trainable(false);
+        model.set_batch_invariant(config.deterministic);
         let eos_token_ids = config
             .model
             .generation_config(model.config())?
             .eos_token_ids;
+        let routing = if config.enable_rollout_routing_replay {
+            let Some(moe) = &model.config().moe else {
+                return Err(PluginError::invalid_config(
+                    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true: the model has no mixture-of-experts layers whose routing could be replayed",
+                )
+                .into());
+            };
+            // Layer and expert counts come from config.json, far below u32::MAX.
+            Some((model.sparse_layers() as u32, moe.num_experts_per_tok as u32))
+        } else {
+            None
+        };
         Ok(Self {
             model,
             eos_token_ids,
             ignore_eos: config.ignore_eos,
+            routing,
             seeds: Rng::stream(init.run.seed, 2),
             weight_version: None,
         })
@@ -121,7 +147,7 @@ impl Generator {
         let completions = completions
             .into_iter()
             .map(|c| {
-                Completion::new(
+                let completion = Completion::new(
                     c.prompt_index as u32,
                     // Ids come from the vocabulary, so they are non-negative and fit.
                     c.response_ids.iter().map(|&id| id as u32).collect(),
@@ -130,7 +156,16 @@ impl Generator {
                         verl_torch_runtime::FinishReason::Stop => FinishReason::Stop,
                         verl_torch_runtime::FinishReason::Length => FinishReason::Length,
                     },
-                )
+                );
+                match self.routing {
+                    // Expert ids lie in [0, num_experts).
+                    Some((layers, top_k)) => completion.with_routed_experts(RoutedExperts::new(
+                        layers,
+                        top_k,
+                        c.routed_experts.iter().map(|&e| e as u32).collect(),
+                    )),
+                    None => completion,
+                }
             })
             .collect();
         Ok(GenerateOutput::new(completions, self.weight_version))
@@ -174,6 +209,8 @@ impl Rollout for NativeRollout {
             .weight_sources([WeightSourceKind::Memory, WeightSourceKind::File])
             .logprobs(true)
             .prompt_seeds(true)
+            .routed_experts(true)
+            .config_keys(ConfigKeys::default().acts_on(["enable_rollout_routing_replay"]))
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.generator = Some(Generator::new(init)?);

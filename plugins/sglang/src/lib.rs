@@ -532,12 +532,23 @@ impl Rollout for SglangRollout {
             .weight_sources([WeightSourceKind::File, WeightSourceKind::Memory])
             .logprobs(true)
             .sleep_wake(true)
-            .config_keys(ConfigKeys::default().acts_on([
-                "dtype",
-                "max_model_len",
-                "prompt_length",
-                "gpu_memory_utilization",
-            ]))
+            .config_keys(
+                ConfigKeys::default()
+                    .acts_on([
+                        "dtype",
+                        "max_model_len",
+                        "prompt_length",
+                        "gpu_memory_utilization",
+                    ])
+                    .no_effect(
+                        "deterministic",
+                        false,
+                        "the SGLang server runs as started: its own deterministic inference \
+                 (`--enable-deterministic-inference`, GPU attention backends) can be asked for in \
+                 its extra_args, and even then its log-probs are not bit-identical to the \
+                 engine's; the native rollout with the fsdp engine gives the bit-identical mode",
+                    ),
+            )
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         // A second init replaces the servers (the old ones stop when dropped).

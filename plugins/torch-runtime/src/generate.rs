@@ -271,7 +271,17 @@ impl CausalLM {
         }
 
         for step in 0..params.max_new_tokens {
-            let (tokens, logprobs) = pick(&logits, params, &mut rngs)?;
+            let (tokens, mut logprobs) = pick(&logits, params, &mut rngs)?;
+            if self.batch_invariant() {
+                // The engine's log-softmax over the same row tiles: bit-identical log-probs.
+                let scaled = if params.temperature == 0.0 {
+                    logits.shallow_clone()
+                } else {
+                    &logits / params.temperature
+                };
+                let picked = Tensor::from_slice(&tokens).to_device(device);
+                logprobs = Vec::try_from(&self.log_probs_in_rows(&scaled, &picked))?;
+            }
             for (r, completion) in out.iter_mut().enumerate() {
                 if done[r] {
                     continue;

@@ -6,6 +6,7 @@
 
 pub mod actor;
 mod config;
+pub mod distill;
 mod error;
 mod export;
 mod generate;
@@ -24,9 +25,12 @@ mod weights;
 pub use config::{Architecture, GenerationConfig, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
-pub use logprobs::{ResponseScores, entropy_from_logits, log_probs_from_logits};
+pub use logprobs::{
+    ResponseScores, ScoreOutputs, entropy_from_logits, log_probs_from_logits,
+    sum_pi_squared_from_logits,
+};
 pub use model::{
-    BlockContext, CausalLM, Head, ModelOptions, Packing, RouterOutput, TensorParallel,
+    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, Packing, RouterOutput, TensorParallel,
     load_balancing_loss,
 };
 pub use optim::{

@@ -1,4 +1,4 @@
-//! Per-token log-probabilities and entropy of response tokens, in fp32.
+//! Per-token log-probabilities of response tokens, with entropy and Σπ² when wanted, in fp32.
 
 use tch::{Kind, Tensor};
 
@@ -20,12 +20,55 @@ pub fn entropy_from_logits(logits: &Tensor) -> Tensor {
     logits.logsumexp(-1, false) - (p * &logits).sum_dim_intlist(-1, false, Kind::Float)
 }
 
-/// Log-probs (and optionally entropy) of the response part of a batch, `[B, R]` fp32, zero where
-/// the response is padding.
+/// Σ_v π(v)² of `softmax(logits)` per position, as verl's `calculate_sum_pi_squared_from_logits`:
+/// `exp(logsumexp(2z) − 2·logsumexp(z))`, fp32.
+pub fn sum_pi_squared_from_logits(logits: &Tensor) -> Tensor {
+    let logits = logits.to_kind(Kind::Float);
+    ((&logits * 2.0).logsumexp(-1, false) - logits.logsumexp(-1, false) * 2.0).exp()
+}
+
+/// The per-token outputs a scoring pass computes besides the log-probs (each costs a pass over
+/// the `[.., vocab]` logits, so only when asked).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScoreOutputs {
+    /// Entropy of the policy (verl's `calculate_entropy`).
+    pub entropy: bool,
+    /// Σ_v π(v)² over the vocabulary (verl's `calculate_sum_pi_squared`), for the optimal token
+    /// baselines.
+    pub sum_pi_squared: bool,
+}
+
+impl ScoreOutputs {
+    /// Log-probs only.
+    pub const NONE: Self = Self {
+        entropy: false,
+        sum_pi_squared: false,
+    };
+    /// Log-probs and entropy.
+    pub const ENTROPY: Self = Self {
+        entropy: true,
+        sum_pi_squared: false,
+    };
+}
+
+/// Log-probs (and the [`ScoreOutputs`] asked for) of the response part of a batch, `[B, R]` fp32,
+/// zero where the response is padding.
 #[derive(Debug)]
 pub struct ResponseScores {
     pub log_probs: Tensor,
     pub entropy: Option<Tensor>,
+    pub sum_pi_squared: Option<Tensor>,
+}
+
+impl ResponseScores {
+    /// Applies `f` to every output (masking, unpacking).
+    fn map(self, f: impl Fn(Tensor) -> Tensor) -> Self {
+        Self {
+            log_probs: f(self.log_probs),
+            entropy: self.entropy.map(&f),
+            sum_pi_squared: self.sum_pi_squared.map(&f),
+        }
+    }
 }
 
 impl CausalLM {
@@ -39,7 +82,7 @@ impl CausalLM {
         attention_mask: &Tensor,
         response_len: i64,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> Result<ResponseScores> {
         self.lm_head()?;
         let hidden = self.hidden_states(input_ids, attention_mask)?;
@@ -49,7 +92,7 @@ impl CausalLM {
             attention_mask,
             response_len,
             temperature,
-            with_entropy,
+            outputs,
         )
     }
 
@@ -62,7 +105,7 @@ impl CausalLM {
         attention_mask: &Tensor,
         response_len: i64,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> Result<ResponseScores> {
         let seq = hidden.size()[1];
         check_response_len(seq, response_len)?;
@@ -75,13 +118,10 @@ impl CausalLM {
             &hidden.narrow(1, seq - response_len - 1, response_len),
             &labels,
             temperature,
-            with_entropy,
+            outputs,
         )?;
         let mask = self.response_mask(attention_mask, response_len);
-        Ok(ResponseScores {
-            log_probs: scores.log_probs * &mask,
-            entropy: scores.entropy.map(|e| e * &mask),
-        })
+        Ok(scores.map(|t| t * &mask))
     }
 
     /// [`Self::response_scores_from_hidden`] for the final hidden states of a block context's
@@ -93,7 +133,7 @@ impl CausalLM {
         context: &BlockContext,
         response_len: i64,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> Result<ResponseScores> {
         match &context.layout {
             Layout::Padded(mask) => self.response_scores_from_hidden(
@@ -102,46 +142,46 @@ impl CausalLM {
                 mask,
                 response_len,
                 temperature,
-                with_entropy,
+                outputs,
             ),
             Layout::Packed(packing) => {
                 let predictors = packed_predictors(hidden, packing, response_len)?;
                 let labels = packing.labels(&context.batch_ids);
-                let scores = self.scores_of(&predictors, &labels, temperature, with_entropy)?;
-                Ok(ResponseScores {
-                    log_probs: packing.unpack_response(&scores.log_probs),
-                    entropy: scores.entropy.map(|e| packing.unpack_response(&e)),
-                })
+                let scores = self.scores_of(&predictors, &labels, temperature, outputs)?;
+                Ok(scores.map(|t| packing.unpack_response(&t)))
             }
         }
     }
 
-    /// Log-probs (and entropy) of `labels` `[..]` from their predictors' hidden states
-    /// `[.., hidden]` at `temperature`, fp32.
+    /// Log-probs (and the `outputs` asked for) of `labels` `[..]` from their predictors' hidden
+    /// states `[.., hidden]` at `temperature`, fp32.
     fn scores_of(
         &self,
         hidden: &Tensor,
         labels: &Tensor,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> Result<ResponseScores> {
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return Err(ModelError::invalid_input(
-                "temperature",
-                format!("must be positive, got {temperature}"),
-            ));
-        }
-        let logits = self.logits(hidden)?;
-        // Dividing by 1 is exact: skip a pass (and its backward) over the largest activation.
-        let logits = if temperature == 1.0 {
-            logits
-        } else {
-            logits / temperature
-        };
+        let logits = self.tempered_logits(hidden, temperature)?;
         Ok(ResponseScores {
-            log_probs: log_probs_from_logits(&logits, labels),
-            entropy: with_entropy.then(|| entropy_from_logits(&logits)),
+            log_probs: self.log_probs_in_rows(&logits, labels),
+            entropy: outputs.entropy.then(|| {
+                self.row_wise(&logits, |t| entropy_from_logits(t).unsqueeze(-1))
+                    .squeeze_dim(-1)
+            }),
+            sum_pi_squared: outputs.sum_pi_squared.then(|| {
+                self.row_wise(&logits, |t| sum_pi_squared_from_logits(t).unsqueeze(-1))
+                    .squeeze_dim(-1)
+            }),
         })
+    }
+
+    /// [`log_probs_from_logits`] with the log-softmax over fixed row tiles in the deterministic
+    /// mode (the rollout's log-probs go through the same function).
+    pub(crate) fn log_probs_in_rows(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
+        self.row_wise(logits, |t| t.log_softmax(-1, Kind::Float))
+            .gather(-1, &labels.unsqueeze(-1), false)
+            .squeeze_dim(-1)
     }
 
     /// Values of the response tokens, `[B, R]` fp32, zero on padding: the value at the position
@@ -198,7 +238,11 @@ impl CausalLM {
 }
 
 /// The hidden states `[n, hidden]` of a packed stream's (`[1, N, hidden]`) scored predictors.
-fn packed_predictors(hidden: &Tensor, packing: &Packing, response_len: i64) -> Result<Tensor> {
+pub(crate) fn packed_predictors(
+    hidden: &Tensor,
+    packing: &Packing,
+    response_len: i64,
+) -> Result<Tensor> {
     if packing.response_len() != response_len {
         return Err(ModelError::invalid_input(
             "response_len",
@@ -246,5 +290,16 @@ mod tests {
         // H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335...
         let h = entropy_from_logits(&logits).double_value(&[0, 0]);
         assert!((h - 0.562_335_144).abs() < 1e-6, "{h}");
+        // Σπ² = 1/16 + 9/16.
+        let s = sum_pi_squared_from_logits(&logits).double_value(&[0, 0]);
+        assert!((s - 0.625).abs() < 1e-6, "{s}");
+    }
+
+    #[test]
+    fn sum_pi_squared_stays_finite_for_large_logits() {
+        // exp(2z) overflows fp32 at z = 60; the logsumexp form stays finite.
+        let logits = Tensor::from_slice(&[60.0f32, 60.0, 0.0]).view([1, 3]);
+        let s = sum_pi_squared_from_logits(&logits).double_value(&[0]);
+        assert!((s - 0.5).abs() < 1e-6, "{s}");
     }
 }

@@ -3,6 +3,7 @@
 //! loading and saving safetensors is a name lookup.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use tch::{Device, Kind, Tensor, nn};
@@ -13,11 +14,12 @@ use crate::rng::Rng;
 use crate::weights;
 
 mod cpu_step;
+mod invariant;
 mod moe;
 mod packed;
 
 use cpu_step::StepBuffers;
-pub use moe::{RouterOutput, load_balancing_loss};
+pub use moe::{LoadBalance, RouterOutput, load_balancing_loss};
 use moe::{Routing, SparseMoe};
 pub use packed::Packing;
 
@@ -74,6 +76,15 @@ impl Linear {
     /// `x·Wᵀ + b`.
     fn forward(&self, x: &Tensor) -> Tensor {
         x.linear(&self.weight, self.bias.as_ref())
+    }
+
+    /// [`Self::forward`], over fixed row tiles when `invariant` (see [`invariant::rows`]).
+    fn apply(&self, x: &Tensor, invariant: bool) -> Tensor {
+        if invariant {
+            invariant::rows(x, |t| self.forward(t))
+        } else {
+            self.forward(x)
+        }
     }
 
     /// The parameters a [`DecodeLinear`] copies.
@@ -191,6 +202,15 @@ impl RmsNorm {
         let variance = x32.square().mean_dim(-1, true, Kind::Float);
         &self.weight * (x32 * (variance + self.eps).rsqrt()).to_kind(x.kind())
     }
+
+    /// [`Self::forward`], over fixed row tiles when `invariant` (see [`invariant::rows`]).
+    fn apply(&self, x: &Tensor, invariant: bool) -> Tensor {
+        if invariant {
+            invariant::rows(x, |t| self.forward(t))
+        } else {
+            self.forward(x)
+        }
+    }
 }
 
 /// transformers' default RoPE tables for positions `0..len`, `[len, head_dim]`: `inv_freq` and
@@ -203,10 +223,25 @@ struct RopeTable {
 }
 
 impl RopeTable {
-    fn new(inv_freq: &Tensor, len: i64, kind: Kind) -> Self {
-        let positions = Tensor::arange(len, (Kind::Float, inv_freq.device()));
-        let freqs = positions.unsqueeze(-1) * inv_freq;
-        let (cos, sin) = (freqs.cos().to_kind(kind), freqs.sin().to_kind(kind));
+    /// `invariant`: the angles are computed over fixed tiles of positions, so that a position's
+    /// values do not depend on the table's length (a vectorised cosine and its scalar tail loop
+    /// may round differently).
+    fn new(inv_freq: &Tensor, len: i64, kind: Kind, invariant: bool) -> Self {
+        let positions = Tensor::arange(len, (Kind::Float, inv_freq.device())).unsqueeze(-1);
+        let angles = |p: &Tensor| {
+            let freqs = p * inv_freq;
+            Tensor::cat(&[freqs.cos(), freqs.sin()], -1)
+        };
+        let angles = if invariant {
+            invariant::rows(&positions, angles)
+        } else {
+            angles(&positions)
+        };
+        let half = inv_freq.size()[0];
+        let (cos, sin) = (
+            angles.narrow(-1, 0, half).to_kind(kind),
+            angles.narrow(-1, half, half).to_kind(kind),
+        );
         Self {
             cos: Tensor::cat(&[&cos, &cos], -1),
             signed_sin: Tensor::cat(&[sin.neg(), sin], -1),
@@ -256,6 +291,16 @@ enum Attend {
     /// A packed batch (`B = 1`): each run of queries attends causally within its sequence's
     /// keys (see [`packed::Segment`]).
     Segments(Vec<packed::Segment>),
+    /// The deterministic mode: each sequence's queries over its own real keys, in fixed tiles
+    /// (see [`invariant::attention`]).
+    Spans(Vec<invariant::Span>),
+}
+
+impl Context {
+    /// Whether the pass runs the batch-invariant kernels.
+    fn invariant(&self) -> bool {
+        matches!(self.attend, Attend::Spans(_))
+    }
 }
 
 /// The state of one `generate` call: key/value buffers `[B, kv_heads, capacity, head_dim]` per
@@ -286,7 +331,12 @@ impl KvCache {
             len: 0,
             mask: Tensor::zeros([batch, 1, 1, capacity], options),
             next_positions: Tensor::zeros([batch, 1], (Kind::Int64, model.device())),
-            rope: RopeTable::new(&model.inv_freq, capacity, model.kind()),
+            rope: RopeTable::new(
+                &model.inv_freq,
+                capacity,
+                model.kind(),
+                model.batch_invariant(),
+            ),
         }
     }
 
@@ -413,9 +463,21 @@ impl<'m> Decoder<'m> {
         let tokens = Tensor::from_slice(tokens).to_device(model.device());
         // Every generated token is real: its rotary row is the row's next position and its mask
         // the cached prefix's.
+        let mask = cache.mask.narrow(3, 0, cache.len + 1);
+        let attend = if model.batch_invariant() {
+            // One query per row, at its next position, over its real cached keys and itself.
+            let real = mask.reshape([mask.size()[0], -1]).eq(0);
+            Attend::Spans(invariant::Span::per_row(
+                &real,
+                &Tensor::from_slice(&[cache.len]),
+                &cache.next_positions,
+            ))
+        } else {
+            Attend::Mask(mask)
+        };
         let context = Context {
             rope: cache.rope.at(&cache.next_positions),
-            attend: Attend::Mask(cache.mask.narrow(3, 0, cache.len + 1)),
+            attend,
             routing: Routing::default(),
         };
         let rows = tokens.size()[0];
@@ -473,7 +535,7 @@ impl Attention {
         let out = self.attend(x, context, cache, weights);
         match weights {
             Some(w) => w.o.forward(&out),
-            None => self.o_proj.forward(&out),
+            None => self.o_proj.apply(&out, context.invariant()),
         }
     }
 
@@ -514,19 +576,20 @@ impl Attention {
                 )
             }
             None => {
+                let inv = context.invariant();
                 let heads = |y: Tensor, n: i64| y.view([b, t, n, d]);
                 let (q, k) = (
-                    heads(self.q_proj.forward(x), h),
-                    heads(self.k_proj.forward(x), kv),
+                    heads(self.q_proj.apply(x, inv), h),
+                    heads(self.k_proj.apply(x, inv), kv),
                 );
                 let (q, k) = match &self.qk_norm {
-                    Some((q_norm, k_norm)) => (q_norm.forward(&q), k_norm.forward(&k)),
+                    Some((q_norm, k_norm)) => (q_norm.apply(&q, inv), k_norm.apply(&k, inv)),
                     None => (q, k),
                 };
                 (
                     rope.apply(&q),
                     rope.apply(&k),
-                    heads(self.v_proj.forward(x), kv),
+                    heads(self.v_proj.apply(x, inv), kv),
                 )
             }
         };
@@ -554,6 +617,9 @@ impl Attention {
             (k, v)
         };
         let scale = (d as f64).powf(-0.5);
+        if let Attend::Spans(spans) = &context.attend {
+            return invariant::attention(q, &k, &v, spans, scale).reshape([b, t, h * d]);
+        }
         let q = q.transpose(1, 2);
         let out = match &context.attend {
             Attend::Mask(mask) => Tensor::scaled_dot_product_attention(
@@ -567,6 +633,7 @@ impl Attention {
                 false,
             ),
             Attend::Segments(segments) => packed::attend(&q, &k, &v, segments, scale),
+            Attend::Spans(_) => unreachable!("handled above"),
         };
         out.transpose(1, 2).reshape([b, t, h * d])
     }
@@ -603,6 +670,15 @@ impl Mlp {
                     .forward(&(gate_up.narrow(-1, 0, i).silu() * gate_up.narrow(-1, i, i)))
             }
             None => self.down_proj.forward(&self.inner(x)),
+        }
+    }
+
+    /// [`Self::forward`] without decode weights, over fixed row tiles when `invariant`.
+    fn apply(&self, x: &Tensor, invariant: bool) -> Tensor {
+        if invariant {
+            invariant::rows(x, |t| self.forward(t, None))
+        } else {
+            self.forward(x, None)
         }
     }
 
@@ -681,14 +757,18 @@ impl DecoderLayer {
         cache: Option<(&mut KvCache, usize)>,
         weights: Option<&LayerWeights>,
     ) -> Tensor {
-        let x =
-            x + self
-                .self_attn
-                .forward(&self.input_layernorm.forward(x), context, cache, weights);
-        let normed = self.post_attention_layernorm.forward(&x);
+        let inv = context.invariant();
+        let x = x + self.self_attn.forward(
+            &self.input_layernorm.apply(x, inv),
+            context,
+            cache,
+            weights,
+        );
+        let normed = self.post_attention_layernorm.apply(&x, inv);
         &x + match &self.mlp {
+            Ffn::Dense(mlp) if inv => mlp.apply(&normed, true),
             Ffn::Dense(mlp) => mlp.forward(&normed, weights),
-            Ffn::Sparse(moe) => moe.forward(&normed, &context.routing),
+            Ffn::Sparse(moe) => moe.forward(&normed, &context.routing, inv),
         }
     }
 
@@ -742,6 +822,8 @@ pub struct CausalLM {
     inv_freq: Tensor,
     /// Built by the first `generate` on CPU; see [`DecodeWeights`].
     decode_weights: Mutex<Option<DecodeWeights>>,
+    /// The deterministic mode (see [`Self::set_batch_invariant`]).
+    invariant: AtomicBool,
 }
 
 impl std::fmt::Debug for CausalLM {
@@ -816,6 +898,7 @@ impl CausalLM {
             head,
             inv_freq,
             decode_weights: Mutex::new(None),
+            invariant: AtomicBool::new(false),
         })
     }
 
@@ -861,6 +944,20 @@ impl CausalLM {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The deterministic mode (verl's `trainer.deterministic`): when on, every forward pass and
+    /// `generate` call built afterwards runs batch-invariant kernels, so a sequence's logits,
+    /// log-probs and greedy tokens are bit-identical whatever else is in its batch, however it
+    /// is padded or packed, and a KV-cache decode step equals the full forward pass at that
+    /// position (see the `invariant` module). Off (the default): libtorch's fastest kernels.
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.invariant.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the deterministic mode is on.
+    pub fn batch_invariant(&self) -> bool {
+        self.invariant.load(Ordering::Relaxed)
     }
 
     pub fn device(&self) -> Device {
@@ -931,9 +1028,10 @@ impl CausalLM {
     /// Value-head outputs in fp32 for hidden states `[.., hidden]` → `[..]`.
     pub(crate) fn values_from_hidden(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.head {
-            OutputHead::Value(score) => {
-                Ok(score.forward(hidden).squeeze_dim(-1).to_kind(Kind::Float))
-            }
+            OutputHead::Value(score) => Ok(score
+                .apply(hidden, self.batch_invariant())
+                .squeeze_dim(-1)
+                .to_kind(Kind::Float)),
             OutputHead::Lm(_) => Err(ModelError::invalid_input(
                 "head",
                 "values need a model built with Head::Value",
@@ -965,8 +1063,12 @@ impl CausalLM {
     /// been written since they were made.
     fn decode_weights(&self) -> Option<DecodeWeights> {
         // Sparse layers and query/key norms have no fused decode form: such models decode with
-        // the tensor ops of the training forward.
-        if self.device() != Device::Cpu || self.config.moe.is_some() || self.config.qk_norm {
+        // the tensor ops of the training forward, and so does the deterministic mode.
+        if self.device() != Device::Cpu
+            || self.config.moe.is_some()
+            || self.config.qk_norm
+            || self.batch_invariant()
+        {
             return None;
         }
         let projections = self
@@ -1002,9 +1104,22 @@ impl CausalLM {
 
     /// LM-head logits in fp32 for hidden states of any leading shape.
     pub(crate) fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden
-            .linear(self.lm_head()?, None::<&Tensor>)
-            .to_kind(Kind::Float))
+        let head = self.lm_head()?;
+        let logits = if self.batch_invariant() {
+            invariant::rows(hidden, |t| t.linear(head, None::<&Tensor>))
+        } else {
+            hidden.linear(head, None::<&Tensor>)
+        };
+        Ok(logits.to_kind(Kind::Float))
+    }
+
+    /// `f` applied to the rows of `x`, over fixed row tiles in the deterministic mode.
+    pub(crate) fn row_wise(&self, x: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
+        if self.batch_invariant() {
+            invariant::rows(x, f)
+        } else {
+            f(x)
+        }
     }
 
     /// Validates `[B, T]` int64 token ids within the vocabulary and a matching mask.
@@ -1031,18 +1146,24 @@ impl CausalLM {
         let positions = (valid.cumsum(-1, Kind::Int64) - 1)
             .clamp_min(0)
             .index_select(1, queries);
-        let rope = RopeTable::new(&self.inv_freq, s, self.kind()).at(&positions);
+        let rope =
+            RopeTable::new(&self.inv_freq, s, self.kind(), self.batch_invariant()).at(&positions);
         // Causal and padding mask, [B, 1, T, S]. The diagonal stays open so that a padding query
         // (whose output is never used) has one key and its softmax stays finite.
         let query = queries.view([t, 1]);
         let key = Tensor::arange(s, (Kind::Int64, device)).view([1, s]);
-        let mask = key
-            .le_tensor(&query)
-            .logical_and(&valid.view([b, 1, 1, s]))
-            .logical_or(&key.eq_tensor(&query));
+        let attend = if self.batch_invariant() {
+            Attend::Spans(invariant::Span::per_row(&valid, queries, &positions))
+        } else {
+            let mask = key
+                .le_tensor(&query)
+                .logical_and(&valid.view([b, 1, 1, s]))
+                .logical_or(&key.eq_tensor(&query));
+            Attend::Mask(mask)
+        };
         Context {
             rope,
-            attend: Attend::Mask(mask),
+            attend,
             routing: Routing::default(),
         }
     }
@@ -1108,7 +1229,7 @@ impl CausalLM {
         if let Some(cache) = cache {
             cache.len += input_ids.size()[1];
         }
-        self.norm.forward(&x)
+        self.norm.apply(&x, context.invariant())
     }
 
     /// Checks a batch and prepares what every block of one forward pass shares, for running the
@@ -1249,12 +1370,28 @@ impl CausalLM {
         };
         let batch_ids = input_ids.to_device(device);
         let packed = packing.pack_ids(&batch_ids);
-        let rope = RopeTable::new(&self.inv_freq, packing.max_len().max(1), self.kind())
-            .at(&packing.positions(tokens.as_ref()));
+        let rope = RopeTable::new(
+            &self.inv_freq,
+            packing.max_len().max(1),
+            self.kind(),
+            self.batch_invariant(),
+        )
+        .at(&packing.positions(tokens.as_ref()));
+        let segments = packing.segments(slots.as_deref());
+        let attend = if self.batch_invariant() {
+            Attend::Spans(
+                segments
+                    .iter()
+                    .map(|segment| invariant::Span::of_segment(segment, device))
+                    .collect(),
+            )
+        } else {
+            Attend::Segments(segments)
+        };
         Ok(BlockContext {
             context: Context {
                 rope,
-                attend: Attend::Segments(packing.segments(slots.as_deref())),
+                attend,
                 routing: Routing::default(),
             },
             input_ids: match &tokens {
@@ -1311,7 +1448,7 @@ impl CausalLM {
 
     /// The final norm: its output is the model's final hidden states.
     pub fn norm_block(&self, x: &Tensor) -> Tensor {
-        self.norm.forward(x)
+        self.norm.apply(x, self.batch_invariant())
     }
 
     /// Forward and backward with activation checkpointing: the forward pass keeps only each
@@ -1335,6 +1472,58 @@ impl CausalLM {
         block: &BlockContext,
         loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        self.backward_checkpointed_aux_in(block, None, loss_fn)
+            .map(|(loss, _)| loss)
+    }
+
+    /// `router_aux_loss_coef` when the config puts the load-balancing loss into the training
+    /// loss (`output_router_logits`, as transformers' mixture-of-experts models add it).
+    pub fn router_aux_loss_coef(&self) -> Option<f64> {
+        let moe = self.config.moe.as_ref()?;
+        moe.output_router_logits.then_some(moe.router_aux_loss_coef)
+    }
+
+    /// The load-balancing loss of the pass just run over `block` (its recorded router logits,
+    /// in the pass's graph), over its real tokens.
+    pub fn load_balancing_loss_in(&self, block: &BlockContext) -> Result<Tensor> {
+        let (e, k) = self.experts()?;
+        load_balancing_loss(
+            &block.take_router_logits(),
+            e,
+            k,
+            block.token_mask().as_ref(),
+        )
+    }
+
+    /// [`Self::load_balancing_loss_in`] split by layer, for a backward pass that recomputes one
+    /// layer at a time.
+    pub fn load_balance_in(&self, block: &BlockContext) -> Result<LoadBalance> {
+        let (e, k) = self.experts()?;
+        LoadBalance::new(
+            &block.take_router_logits(),
+            e,
+            k,
+            block.token_mask().as_ref(),
+        )
+    }
+
+    /// Experts per sparse layer and per token.
+    fn experts(&self) -> Result<(i64, i64)> {
+        let moe = self.config.moe.as_ref().ok_or_else(|| {
+            ModelError::invalid_input("router logits", "the model has no sparse layer")
+        })?;
+        Ok((moe.num_experts, moe.num_experts_per_tok))
+    }
+
+    /// [`Self::backward_checkpointed_in`], adding `aux_weight` × [`Self::router_aux_loss_coef`] ×
+    /// the pass's load-balancing loss to the loss when the config asks for it; returns the loss
+    /// and the load-balancing loss added (each layer's share joins that layer's recomputation).
+    pub fn backward_checkpointed_aux_in(
+        &self,
+        block: &BlockContext,
+        aux_weight: Option<f64>,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Option<f64>)> {
         let (ids, context) = (&block.input_ids, &block.context);
         let inputs = tch::no_grad(|| {
             let mut inputs = vec![self.embed(ids)];
@@ -1349,6 +1538,10 @@ impl CausalLM {
             }
             inputs
         });
+        let balance = match aux_weight.zip(self.router_aux_loss_coef()) {
+            Some((weight, coef)) => Some((weight * coef, self.load_balance_in(block)?)),
+            None => None,
+        };
         // Backward through the head, then through each layer from its saved input: the gradient of
         // sum(output · g) with respect to the layer's input and parameters is the chain rule's step.
         let last = inputs
@@ -1356,23 +1549,33 @@ impl CausalLM {
             .expect("starts with the embedding")
             .detach()
             .set_requires_grad(true);
-        let loss = loss_fn(&self.norm.forward(&last))?;
+        let loss = loss_fn(&self.norm.apply(&last, context.invariant()))?;
         loss.f_backward()?;
         let mut grad = last.grad();
+        let aux = balance.as_ref().map(|(_, b)| b.value);
         for (layer, input) in self.layers.iter().zip(&inputs).rev() {
-            if !grad.defined() {
-                return Ok(loss.detach()); // the loss does not depend on earlier layers
+            if !grad.defined() && balance.is_none() {
+                return Ok((loss.detach(), aux)); // the loss does not depend on earlier layers
             }
             let x = input.detach().set_requires_grad(true);
-            (layer.forward(&x, context, None, None) * &grad)
-                .sum(Kind::Float)
-                .f_backward()?;
+            let out = layer.forward(&x, context, None, None);
+            let mut objective = if grad.defined() {
+                (out * &grad).sum(Kind::Float)
+            } else {
+                out.sum(Kind::Float) * 0.0
+            };
+            if let Some((weight, balance)) = &balance {
+                for logits in block.take_router_logits() {
+                    objective += balance.layer_term(&logits) * *weight;
+                }
+            }
+            objective.f_backward()?;
             grad = x.grad();
         }
         if grad.defined() {
             (self.embed(ids) * grad).sum(Kind::Float).f_backward()?;
         }
-        Ok(loss.detach())
+        Ok((loss.detach(), aux))
     }
 }
 
@@ -1456,6 +1659,39 @@ impl BlockContext {
     /// packed: `[1, T]`).
     pub fn input_ids(&self) -> &Tensor {
         &self.input_ids
+    }
+
+    /// The experts each token of the padded batch used in the last pass over this context,
+    /// `[B, T, sparse layers, k]` int64 (router replay R2 records them).
+    pub fn take_routed_experts(&self) -> Result<Tensor> {
+        if matches!(self.layout, Layout::Packed(_)) {
+            return Err(ModelError::invalid_input(
+                "routed_experts",
+                "router replay needs a padded batch (use_remove_padding=false)",
+            ));
+        }
+        let (batch, tokens) = self.input_ids.size2()?;
+        Ok(self.take_routing(batch, tokens).experts)
+    }
+
+    /// Each sparse layer's router logits `[N, experts]` recorded since the last take, in layer
+    /// order (`N`: the context's tokens, flattened).
+    pub fn take_router_logits(&self) -> Vec<Tensor> {
+        self.context
+            .routing
+            .take()
+            .into_iter()
+            .map(|l| l.logits)
+            .collect()
+    }
+
+    /// Which of the context's `N` tokens are real, flattened like the router logits; `None` when
+    /// all are (a packed stream).
+    pub fn token_mask(&self) -> Option<Tensor> {
+        match &self.layout {
+            Layout::Padded(mask) => Some(mask.reshape([-1])),
+            Layout::Packed(_) => None,
+        }
     }
 
     /// The packing of a packed batch's context.

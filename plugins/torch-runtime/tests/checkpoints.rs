@@ -8,8 +8,8 @@ use std::path::Path;
 use common::{Padding, batch, fixture, load, sequence_ids};
 use tch::Tensor;
 use verl_torch_runtime::{
-    CausalLM, Head, INDEX_FILE, ModelError, ModelOptions, SINGLE_FILE, read_safetensors,
-    write_safetensors,
+    CausalLM, Head, INDEX_FILE, ModelError, ModelOptions, SINGLE_FILE, ScoreOutputs,
+    read_safetensors, write_safetensors,
 };
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -304,11 +304,11 @@ fn bf16_parameters_give_close_fp32_log_probs() {
     let seqs = sequence_ids(name);
     let (ids, mask) = batch(&seqs, Padding::Left);
     let a = fp32
-        .response_scores(&ids, &mask, 5, 1.0, false)
+        .response_scores(&ids, &mask, 5, 1.0, ScoreOutputs::NONE)
         .unwrap()
         .log_probs;
     let b = bf16
-        .response_scores(&ids, &mask, 5, 1.0, false)
+        .response_scores(&ids, &mask, 5, 1.0, ScoreOutputs::NONE)
         .unwrap()
         .log_probs;
     assert_eq!(b.kind(), tch::Kind::Float);

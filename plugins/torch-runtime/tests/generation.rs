@@ -6,7 +6,7 @@ mod common;
 use common::{Padding, batch, expected, fixture, load, max_abs_diff, row};
 use tch::Tensor;
 use verl_torch_runtime::{
-    CausalLM, Completion, FinishReason, ModelConfig, ModelOptions, SamplingParams,
+    CausalLM, Completion, FinishReason, ModelConfig, ModelOptions, SamplingParams, ScoreOutputs,
 };
 
 fn prompts(name: &str) -> Vec<Vec<i64>> {
@@ -74,7 +74,13 @@ fn sampled_log_probs_match_the_trainer_recomputation() {
     let ids = Tensor::cat(&[p_ids, r_ids.shallow_clone()], 1);
     let mask = Tensor::cat(&[p_mask, r_mask], 1);
     let scores = model
-        .response_scores(&ids, &mask, r_ids.size()[1], params.temperature, false)
+        .response_scores(
+            &ids,
+            &mask,
+            r_ids.size()[1],
+            params.temperature,
+            ScoreOutputs::NONE,
+        )
         .unwrap();
     let mut worst = 0.0f64;
     for (k, c) in out.iter().enumerate() {

@@ -8,8 +8,8 @@ use common::{fixture, load, max_abs_diff, row};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 use verl_torch_runtime::{
-    CausalLM, Completion, ModelOptions, SamplingParams, load_balancing_loss, log_probs_from_logits,
-    write_safetensors,
+    CausalLM, Completion, LoadBalance, ModelOptions, SamplingParams, load_balancing_loss,
+    log_probs_from_logits, write_safetensors,
 };
 
 const MODELS: [&str; 2] = ["tiny-qwen2-moe", "tiny-qwen3-moe"];
@@ -411,4 +411,41 @@ fn the_router_trains_under_replay_and_the_aux_loss_has_a_gradient() {
         (with_aux - router).abs() > 1e-6 * router,
         "{with_aux} vs {router}"
     );
+}
+
+/// The aux loss taken layer by layer (what a backward pass that recomputes one layer at a time
+/// adds, `LoadBalance`) sums to transformers' loss and has its gradient with respect to every
+/// layer's router logits, on a padded batch.
+#[test]
+fn the_layer_split_aux_loss_equals_the_whole_one_in_value_and_gradient() {
+    let model = load("tiny-qwen3-moe");
+    let moe = model.config().moe.as_ref().unwrap();
+    let padded = expected("tiny-qwen3-moe").padded;
+    let (ids, mask) = (tensor2(&padded.input_ids), tensor2(&padded.attention_mask));
+    let (_, router) = tch::no_grad(|| model.forward_routed(&ids, &mask, None)).unwrap();
+    let (e, k) = (moe.num_experts, moe.num_experts_per_tok);
+    let leaves: Vec<Tensor> = router
+        .logits
+        .iter()
+        .map(|l| l.detach().set_requires_grad(true))
+        .collect();
+    let whole = load_balancing_loss(&leaves, e, k, Some(&mask)).unwrap();
+    let want = Tensor::run_backward(&[&whole], &leaves, false, false);
+    let split = LoadBalance::new(&router.logits, e, k, Some(&mask)).unwrap();
+    let terms: Vec<Tensor> = leaves.iter().map(|l| split.layer_term(l)).collect();
+    let total = terms.iter().fold(
+        Tensor::zeros([], (Kind::Float, tch::Device::Cpu)),
+        |a, t| a + t,
+    );
+    assert!((total.double_value(&[]) - whole.double_value(&[])).abs() < 1e-6);
+    assert!((split.value - whole.double_value(&[])).abs() < 1e-6);
+    let got = Tensor::run_backward(&[&total], &leaves, false, false);
+    for (g, w) in got.iter().zip(&want) {
+        let diff = (g - w).abs().max().double_value(&[]);
+        assert!(diff < 1e-7, "gradient differs by {diff:e}");
+        assert!(
+            w.abs().max().double_value(&[]) > 0.0,
+            "a gradient to compare"
+        );
+    }
 }

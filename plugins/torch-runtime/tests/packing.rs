@@ -8,7 +8,7 @@ mod common;
 
 use common::{MODELS, fixture, load};
 use tch::{Kind, Tensor};
-use verl_torch_runtime::{CausalLM, Head, ModelOptions, Rng};
+use verl_torch_runtime::{CausalLM, Head, ModelOptions, ResponseScores, Rng, ScoreOutputs};
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -51,23 +51,32 @@ fn batches(vocab: i64) -> Vec<(Tensor, Tensor, i64)> {
     ]
 }
 
-fn packed_scores(
-    model: &CausalLM,
-    ids: &Tensor,
-    mask: &Tensor,
-    r: i64,
-    t: f64,
-) -> (Tensor, Tensor) {
+const ALL: ScoreOutputs = ScoreOutputs {
+    entropy: true,
+    sum_pi_squared: true,
+};
+
+fn packed_scores(model: &CausalLM, ids: &Tensor, mask: &Tensor, r: i64, t: f64) -> ResponseScores {
     let context = model.packed_block_context(ids, mask, r).unwrap();
     let hidden = model.hidden_states_in(&context);
-    let scores = model
-        .response_scores_in(&hidden, &context, r, t, true)
-        .unwrap();
-    (scores.log_probs, scores.entropy.unwrap())
+    model
+        .response_scores_in(&hidden, &context, r, t, ALL)
+        .unwrap()
+}
+
+/// The largest difference of log-probs, entropy and Σπ² between two scorings.
+fn max_scores_diff(a: &ResponseScores, b: &ResponseScores) -> f64 {
+    let lp = max_diff(&a.log_probs, &b.log_probs);
+    let h = max_diff(a.entropy.as_ref().unwrap(), b.entropy.as_ref().unwrap());
+    let spp = max_diff(
+        a.sum_pi_squared.as_ref().unwrap(),
+        b.sum_pi_squared.as_ref().unwrap(),
+    );
+    lp.max(h).max(spp)
 }
 
 #[test]
-fn packed_log_probs_and_entropy_equal_padded() {
+fn packed_log_probs_entropy_and_sum_pi_squared_equal_padded() {
     for name in MODELS {
         let model = load(name);
         let vocab = model.config().vocab_size;
@@ -75,22 +84,22 @@ fn packed_log_probs_and_entropy_equal_padded() {
             tch::no_grad(|| {
                 for temperature in [1.0, 0.7] {
                     let padded = model
-                        .response_scores(&ids, &mask, r, temperature, true)
+                        .response_scores(&ids, &mask, r, temperature, ALL)
                         .unwrap();
-                    let (log_probs, entropy) = packed_scores(&model, &ids, &mask, r, temperature);
-                    let lp = max_diff(&log_probs, &padded.log_probs);
-                    let h = max_diff(&entropy, padded.entropy.as_ref().unwrap());
-                    assert!(lp <= TOLERANCE && h <= TOLERANCE, "{name}: {lp} {h}");
+                    let packed = packed_scores(&model, &ids, &mask, r, temperature);
+                    let diff = max_scores_diff(&packed, &padded);
+                    assert!(diff <= TOLERANCE, "{name}: {diff}");
                     // Scored positions are real, and padding scores zero in both.
                     let zero = mask.narrow(1, mask.size()[1] - r, r).eq(0);
-                    assert!(
-                        log_probs
-                            .masked_select(&zero)
-                            .abs()
-                            .sum(Kind::Float)
-                            .double_value(&[])
-                            == 0.0
-                    );
+                    for t in [&packed.log_probs, packed.sum_pi_squared.as_ref().unwrap()] {
+                        assert!(
+                            t.masked_select(&zero)
+                                .abs()
+                                .sum(Kind::Float)
+                                .double_value(&[])
+                                == 0.0
+                        );
+                    }
                 }
             });
         }
@@ -116,10 +125,9 @@ fn right_padded_sequences_pack_too() {
     let model = load("tiny-llama");
     let (ids, mask, _) = verl_batch(&[9, 9, 9], &[2, 5, 1], 320, 4);
     tch::no_grad(|| {
-        let padded = model.response_scores(&ids, &mask, 5, 1.0, true).unwrap();
-        let (log_probs, entropy) = packed_scores(&model, &ids, &mask, 5, 1.0);
-        assert!(max_diff(&log_probs, &padded.log_probs) <= TOLERANCE);
-        assert!(max_diff(&entropy, padded.entropy.as_ref().unwrap()) <= TOLERANCE);
+        let padded = model.response_scores(&ids, &mask, 5, 1.0, ALL).unwrap();
+        let packed = packed_scores(&model, &ids, &mask, 5, 1.0);
+        assert!(max_scores_diff(&packed, &padded) <= TOLERANCE);
     });
 }
 
@@ -169,12 +177,14 @@ fn packed_gradients_equal_padded_with_and_without_checkpointing() {
         let weights = Tensor::randn([4, r], (Kind::Float, tch::Device::Cpu));
         let loss_of = |lp: &Tensor, h: &Tensor| (lp * &weights + h * 0.1).sum(Kind::Float);
         let padded = {
-            let s = model.response_scores(&ids, &mask, r, 0.7, true).unwrap();
+            let s = model
+                .response_scores(&ids, &mask, r, 0.7, ScoreOutputs::ENTROPY)
+                .unwrap();
             gradients(&model, loss_of(&s.log_probs, s.entropy.as_ref().unwrap()))
         };
         let packed = {
-            let (lp, h) = packed_scores(&model, &ids, &mask, r, 0.7);
-            gradients(&model, loss_of(&lp, &h))
+            let s = packed_scores(&model, &ids, &mask, r, 0.7);
+            gradients(&model, loss_of(&s.log_probs, s.entropy.as_ref().unwrap()))
         };
         let checkpointed = {
             let context = model.packed_block_context(&ids, &mask, r).unwrap();
@@ -183,7 +193,13 @@ fn packed_gradients_equal_padded_with_and_without_checkpointing() {
             }
             let _ = model
                 .backward_checkpointed_in(&context, |hidden| {
-                    let s = model.response_scores_in(hidden, &context, r, 0.7, true)?;
+                    let s = model.response_scores_in(
+                        hidden,
+                        &context,
+                        r,
+                        0.7,
+                        ScoreOutputs::ENTROPY,
+                    )?;
                     Ok(loss_of(&s.log_probs, s.entropy.as_ref().unwrap()))
                 })
                 .unwrap();
@@ -208,7 +224,7 @@ fn a_mismatched_response_length_is_an_error() {
     let context = model.packed_block_context(&ids, &mask, r).unwrap();
     let hidden = tch::no_grad(|| model.hidden_states_in(&context));
     let e = model
-        .response_scores_in(&hidden, &context, r - 1, 1.0, false)
+        .response_scores_in(&hidden, &context, r - 1, 1.0, ScoreOutputs::NONE)
         .unwrap_err()
         .to_string();
     assert!(e.contains("response_len"), "{e}");

@@ -7,7 +7,7 @@ mod common;
 use common::{MODELS, Padding, batch, expected, fixture, load, max_abs_diff, row, sequence_ids};
 use tch::Tensor;
 use verl_torch_runtime::{
-    FinishReason, GenerationConfig, SamplingParams, Tokenizer, log_probs_from_logits,
+    FinishReason, GenerationConfig, SamplingParams, ScoreOutputs, Tokenizer, log_probs_from_logits,
 };
 
 const TOL: f64 = 1e-5;
@@ -39,6 +39,54 @@ fn generation_config_eos_ids() {
     assert_eq!(llama.config().eos_token_ids, vec![0]);
 }
 
+/// `fixtures/sum_pi_squared.json` (`scripts/reference/sum_pi_squared_reference.py`): verl's
+/// `calculate_sum_pi_squared_from_logits` on transformers' logits of the fixture sequences.
+#[derive(serde::Deserialize)]
+struct SumPiSquaredCase {
+    ids: Vec<i64>,
+    temperature: f64,
+    sum_pi_squared: Vec<f64>,
+}
+
+#[test]
+fn sum_pi_squared_matches_verl_on_transformers_logits() {
+    let text = std::fs::read_to_string(fixture("sum_pi_squared.json")).unwrap();
+    let mut reference: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&text).unwrap();
+    let models: std::collections::BTreeMap<String, Vec<SumPiSquaredCase>> =
+        serde_json::from_value(reference.remove("models").unwrap()).unwrap();
+    assert_eq!(models.len(), MODELS.len());
+    let wanted = ScoreOutputs {
+        entropy: false,
+        sum_pi_squared: true,
+    };
+    for (name, cases) in &models {
+        let model = load(name);
+        let mut worst = 0.0f64;
+        for case in cases {
+            let n = case.ids.len() as i64;
+            let (ids, mask) = batch(std::slice::from_ref(&case.ids), Padding::Right);
+            let scores = tch::no_grad(|| {
+                model
+                    .response_scores(&ids, &mask, n - 1, case.temperature, wanted)
+                    .unwrap()
+            });
+            assert!(scores.entropy.is_none(), "only what was asked for");
+            let ours = row(&scores.sum_pi_squared.unwrap(), 0);
+            assert_eq!(ours.len(), case.sum_pi_squared.len());
+            // Relative: Σπ² spans 1/V (flat, ~0.004) to ~0.6 (T = 0.3) here.
+            for (a, e) in ours.iter().zip(&case.sum_pi_squared) {
+                worst = worst.max((a - e).abs() / e);
+            }
+        }
+        println!(
+            "{name}: max relative |Δ| Σπ² {worst:.2e} over {} cases",
+            cases.len()
+        );
+        assert!(worst < 1e-6, "{name}: {worst}");
+    }
+}
+
 #[test]
 fn log_probs_and_entropy_match_transformers() {
     for name in MODELS {
@@ -55,7 +103,7 @@ fn log_probs_and_entropy_match_transformers() {
             // The same through response_scores (everything after the first token is the
             // "response"), with entropy and with temperature.
             let scores = model
-                .response_scores(&ids, &mask, n - 1, 1.0, true)
+                .response_scores(&ids, &mask, n - 1, 1.0, ScoreOutputs::ENTROPY)
                 .unwrap();
             assert!(max_abs_diff(&row(&scores.log_probs, 0), &seq.logprobs) < TOL);
             worst[1] = worst[1].max(max_abs_diff(
@@ -63,7 +111,7 @@ fn log_probs_and_entropy_match_transformers() {
                 &seq.entropy,
             ));
             let hot = model
-                .response_scores(&ids, &mask, n - 1, exp.temperature, false)
+                .response_scores(&ids, &mask, n - 1, exp.temperature, ScoreOutputs::NONE)
                 .unwrap();
             worst[2] = worst[2].max(max_abs_diff(
                 &row(&hot.log_probs, 0),
@@ -91,7 +139,7 @@ fn left_and_right_padded_batches_match_unpadded() {
                 let (ids, mask) = batch(std::slice::from_ref(s), Padding::Left);
                 row(
                     &model
-                        .response_scores(&ids, &mask, response as i64, 1.0, false)
+                        .response_scores(&ids, &mask, response as i64, 1.0, ScoreOutputs::NONE)
                         .unwrap()
                         .log_probs,
                     0,
@@ -102,7 +150,7 @@ fn left_and_right_padded_batches_match_unpadded() {
         // the verl layout is [left-padded prompt | right-padded response], so build that too.
         let (ids, mask) = batch(&seqs, Padding::Left);
         let left = model
-            .response_scores(&ids, &mask, response as i64, 1.0, false)
+            .response_scores(&ids, &mask, response as i64, 1.0, ScoreOutputs::NONE)
             .unwrap()
             .log_probs;
         let prompts: Vec<Vec<i64>> = seqs
@@ -120,7 +168,7 @@ fn left_and_right_padded_batches_match_unpadded() {
         let ids = Tensor::cat(&[p_ids, r_ids], 1);
         let mask = Tensor::cat(&[p_mask, r_mask], 1);
         let mixed = model
-            .response_scores(&ids, &mask, response as i64, 1.0, false)
+            .response_scores(&ids, &mask, response as i64, 1.0, ScoreOutputs::NONE)
             .unwrap()
             .log_probs;
         let mut worst = 0.0f64;
@@ -203,7 +251,7 @@ fn llama3_rope_scaling_matches_transformers() {
         let n = seq.ids.len() as i64;
         let (ids, mask) = batch(std::slice::from_ref(&seq.ids), Padding::Left);
         let scores = model
-            .response_scores(&ids, &mask, n - 1, 1.0, false)
+            .response_scores(&ids, &mask, n - 1, 1.0, ScoreOutputs::NONE)
             .unwrap();
         worst = worst.max(max_abs_diff(&row(&scores.log_probs, 0), &seq.logprobs));
     }

@@ -10,8 +10,8 @@ use verl_torch_runtime::losses::{
     agg_loss, kl_penalty, policy_loss,
 };
 use verl_torch_runtime::{
-    AdamW, AdamWConfig, CausalLM, LrDecay, LrSchedule, ModelOptions, Rng, load_training_state,
-    save_training_state,
+    AdamW, AdamWConfig, CausalLM, LrDecay, LrSchedule, ModelOptions, Rng, ScoreOutputs,
+    load_training_state, save_training_state,
 };
 
 struct Batch {
@@ -28,7 +28,7 @@ fn ppo_batch(model: &CausalLM) -> Batch {
     let response_len = 5;
     let old_log_prob = tch::no_grad(|| {
         model
-            .response_scores(&ids, &mask, response_len, 1.0, false)
+            .response_scores(&ids, &mask, response_len, 1.0, ScoreOutputs::NONE)
             .unwrap()
             .log_probs
     });
@@ -48,7 +48,7 @@ fn ppo_batch(model: &CausalLM) -> Batch {
 fn update(model: &CausalLM, opt: &mut AdamW, schedule: &LrSchedule, b: &Batch) -> f64 {
     opt.zero_grad();
     let scores = model
-        .response_scores(&b.ids, &b.mask, b.response_len, 1.0, true)
+        .response_scores(&b.ids, &b.mask, b.response_len, 1.0, ScoreOutputs::ENTROPY)
         .unwrap();
     let response_mask = b
         .mask
@@ -205,13 +205,22 @@ fn checkpointed_backward_matches_plain_backward() {
             out
         };
 
-        let plain_loss = loss_of(model.response_scores(&ids, &mask, 5, 0.8, true).unwrap());
+        let plain_loss = loss_of(
+            model
+                .response_scores(&ids, &mask, 5, 0.8, ScoreOutputs::ENTROPY)
+                .unwrap(),
+        );
         plain_loss.backward();
         let plain = grads(&model);
         let loss = model
             .backward_checkpointed(&ids, &mask, |hidden| {
                 Ok(loss_of(model.response_scores_from_hidden(
-                    hidden, &ids, &mask, 5, 0.8, true,
+                    hidden,
+                    &ids,
+                    &mask,
+                    5,
+                    0.8,
+                    ScoreOutputs::ENTROPY,
                 )?))
             })
             .unwrap();

@@ -153,6 +153,8 @@ struct RolloutKeys {
     /// verl's `enable_sleep_mode` (default true).
     enable_sleep_mode: Option<bool>,
     engine_kwargs: Value,
+    /// `trainer.deterministic`: a started GPU server gets vLLM's batch-invariant kernels.
+    deterministic: bool,
 }
 
 impl RolloutKeys {
@@ -365,6 +367,9 @@ fn launch(
         ("HF_HUB_OFFLINE".into(), "1".into()),
         ("TRANSFORMERS_OFFLINE".into(), "1".into()),
     ];
+    if keys.deterministic && !cpu {
+        env.push(("VLLM_BATCH_INVARIANT".into(), "1".into()));
+    }
     if cpu {
         env.push(("VLLM_TARGET_DEVICE".into(), "cpu".into()));
         env.push((
@@ -447,6 +452,14 @@ fn setup_python() -> PathBuf {
 fn default_python() -> Option<PathBuf> {
     Some(setup_python()).filter(|p| p.exists())
 }
+
+/// What `trainer.deterministic` gets from vLLM (the audit's warning when it is set).
+const DETERMINISTIC: &str = "vLLM's log-probs are not bit-identical to the engine's: a GPU server \
+    this rollout starts runs with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels, so a \
+    sequence's output does not depend on its batch), but vLLM's CPU build has no batch-invariant \
+    attention backend (only its GPU flash/flex/triton backends support it) and an attached server \
+    (urls) runs as it was started; the native rollout with the fsdp engine gives the bit-identical \
+    mode";
 
 /// A running rollout: its servers and what they hold.
 struct Active {
@@ -1052,15 +1065,19 @@ impl Rollout for VllmRollout {
             // On a GPU; on a CPU vLLM's sleep frees nothing (said at start).
             .sleep_wake(true)
             // verl's rollout keys the started server's command line follows (see `launch`).
-            .config_keys(ConfigKeys::default().acts_on([
-                "dtype",
-                "max_model_len",
-                "prompt_length",
-                "response_length",
-                "enforce_eager",
-                "ignore_eos",
-                "enable_sleep_mode",
-            ]))
+            .config_keys(
+                ConfigKeys::default()
+                    .acts_on([
+                        "dtype",
+                        "max_model_len",
+                        "prompt_length",
+                        "response_length",
+                        "enforce_eager",
+                        "ignore_eos",
+                        "enable_sleep_mode",
+                    ])
+                    .no_effect("deterministic", false, DETERMINISTIC),
+            )
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         // A second init replaces the servers (the old ones stop when dropped).

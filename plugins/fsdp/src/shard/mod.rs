@@ -383,6 +383,22 @@ impl ShardedModel {
         context: &BlockContext,
         loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<Tensor>,
     ) -> Result<Tensor> {
+        self.forward_backward_aux(group, context, None, loss_fn)
+            .map(|(loss, _)| loss)
+    }
+
+    /// As [`ShardedModel::forward_backward`], adding `aux_weight` × `router_aux_loss_coef` × the
+    /// pass's load-balancing loss to the loss when the model's config asks for it
+    /// ([`CausalLM::router_aux_loss_coef`]); returns the loss and the load-balancing loss added.
+    /// Each layer's share (`LoadBalance::layer_term`) joins that layer's recomputation in the
+    /// backward pass, with the expert counts of the whole forward pass. Collective.
+    pub fn forward_backward_aux(
+        &mut self,
+        group: &mut ProcessGroup,
+        context: &BlockContext,
+        aux_weight: Option<f64>,
+        loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<Tensor>,
+    ) -> Result<(Tensor, Option<f64>)> {
         const OP: &str = "backward";
         if self.optimizer.is_none() {
             return Err(ShardError::NotTrainable { op: OP });
@@ -404,6 +420,10 @@ impl ShardedModel {
             })?;
             inputs.push(next);
         }
+        let balance = match aux_weight.zip(self.model.router_aux_loss_coef()) {
+            Some((weight, coef)) => Some((weight * coef, self.model.load_balance_in(context)?)),
+            None => None,
+        };
         // Backward, stage by stage from the head: each stage's gradient with respect to its
         // input is the next stage's incoming gradient.
         let last = inputs
@@ -429,8 +449,13 @@ impl ShardedModel {
                 let out = model.layer_block(layer, &x, context)?;
                 let wrt: Vec<&Tensor> = std::iter::once(&x).chain(params).collect();
                 // The gradient of sum(out · g) is the chain rule's step through the layer.
-                Tensor::f_run_backward(&[(out * &g).sum(Kind::Float)], &wrt, false, false)
-                    .map_err(torch(OP))
+                let mut objective = (out * &g).sum(Kind::Float);
+                if let Some((weight, balance)) = &balance {
+                    for logits in context.take_router_logits() {
+                        objective += balance.layer_term(&logits) * *weight;
+                    }
+                }
+                Tensor::f_run_backward(&[objective], &wrt, false, false).map_err(torch(OP))
             })?;
             incoming = grads.remove(0);
             self.reduce_scatter_grads(group, Stage::Layer(layer), &grads)?;
@@ -442,7 +467,7 @@ impl ShardedModel {
                 .map_err(torch(OP))
         })?;
         self.reduce_scatter_grads(group, Stage::Embed, &grads)?;
-        Ok(loss)
+        Ok((loss, balance.map(|(_, b)| b.value)))
     }
 
     /// Sums a stage's full parameter gradients over ranks into the blocks' gradient shards.

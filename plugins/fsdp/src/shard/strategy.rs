@@ -19,7 +19,8 @@ use verl_plugin_api::{RunContext, TensorRef};
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, TrainState,
+    BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, ScoreOutputs,
+    TrainState,
 };
 
 use super::{ShardError, ShardOptions, ShardedModel};
@@ -115,6 +116,54 @@ impl ShardedStrategy {
         Ok(rows.block_context(model.model(), self.spec.use_remove_padding)?)
     }
 
+    /// Forward and backward of `rows` through the policy, with the model's load-balancing term
+    /// × `aux_weight` when given and the model asks for one (see `Strategy::backward_scores_aux`).
+    fn backward_with(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: Option<f64>,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.run(|model, group| {
+            let context = self.context(model, rows)?;
+            model
+                .forward_backward_aux(group, &context, aux_weight, |m, hidden| {
+                    loss(&m.response_scores_in(
+                        hidden,
+                        &context,
+                        rows.response_len,
+                        temperature,
+                        outputs,
+                    )?)
+                })
+                .map(|(_, aux)| aux)
+        })
+    }
+
+    /// The response scores of `rows` and the context of their forward pass.
+    fn scored(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+        self.run(|model, group| {
+            let context = self.context(model, rows)?;
+            let scores = model.forward(group, &context, |m, hidden| {
+                m.response_scores_in(
+                    hidden,
+                    &context,
+                    rows.response_len,
+                    temperature,
+                    outputs,
+                )
+            })?;
+            Ok((scores, context))
+        })
+    }
+
     /// `f`'s value, or `fallback` with the failure kept for the next call.
     fn run_or_keep<T>(
         &mut self,
@@ -140,20 +189,22 @@ impl Strategy for ShardedStrategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> verl_torch_runtime::Result<ResponseScores> {
-        self.run(|model, group| {
-            let context = self.context(model, rows)?;
-            model.forward(group, &context, |m, hidden| {
-                m.response_scores_in(
-                    hidden,
-                    &context,
-                    rows.response_len,
-                    temperature,
-                    with_entropy,
-                )
-            })
-        })
+        self.scored(rows, temperature, outputs)
+            .map(|(scores, _)| scores)
+    }
+
+    /// The forward records each sparse layer's experts in the context (a replayed pass records
+    /// what it replayed).
+    fn scores_routed(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+        let (scores, context) = self.scored(rows, temperature, outputs)?;
+        Ok((scores, context.take_routed_experts()?))
     }
 
     fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
@@ -169,22 +220,22 @@ impl Strategy for ShardedStrategy {
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
     ) -> verl_torch_runtime::Result<()> {
-        self.run(|model, group| {
-            let context = self.context(model, rows)?;
-            model.forward_backward(group, &context, |m, hidden| {
-                loss(&m.response_scores_in(
-                    hidden,
-                    &context,
-                    rows.response_len,
-                    temperature,
-                    with_entropy,
-                )?)
-            })
-        })
-        .map(drop)
+        self.backward_with(rows, temperature, outputs, None, loss)
+            .map(drop)
+    }
+
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
+    ) -> verl_torch_runtime::Result<Option<f64>> {
+        self.backward_with(rows, temperature, outputs, Some(aux_weight), loss)
     }
 
     fn backward_values(

@@ -8,6 +8,7 @@ use serde_json::Value;
 use verl_plugin_api::{ComponentInit, ConfigKeys};
 
 use super::ActorError;
+use crate::distill::{DistillLossConfig, DistillSettings};
 use crate::losses::{ClipConfig, KlPenalty, LossAggMode, PolicyLossMode, PolicyLossOptions};
 use crate::{AdamWConfig, LrDecay, LrSchedule, ModelSpec};
 
@@ -21,6 +22,8 @@ pub enum Role {
     Ref,
     /// A value model: values and value-loss updates.
     Critic,
+    /// A frozen distillation teacher: log-probs and top-k log-probs only.
+    Teacher,
 }
 
 impl Role {
@@ -29,7 +32,13 @@ impl Role {
             Self::Actor => "actor",
             Self::Ref => "ref",
             Self::Critic => "critic",
+            Self::Teacher => "teacher",
         }
+    }
+
+    /// Whether the role trains (has an optimizer).
+    pub fn trains(self) -> bool {
+        matches!(self, Self::Actor | Self::Critic)
     }
 
     /// Where the role's section sits in verl's config.
@@ -38,6 +47,7 @@ impl Role {
             Self::Actor => "actor_rollout_ref.actor",
             Self::Ref => "actor_rollout_ref.ref",
             Self::Critic => "critic",
+            Self::Teacher => "distillation.teacher_model",
         }
     }
 
@@ -161,6 +171,29 @@ pub struct PolicyLossConfig {
     pub dro_beta: Option<f64>,
 }
 
+/// verl's `router_replay.mode` (`RouterReplayConfig`) for mixture-of-experts models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum RouterReplayMode {
+    /// Every forward routes with its own router.
+    #[default]
+    #[serde(rename = "disabled")]
+    Disabled,
+    /// `compute_log_prob` records each token's experts (returned as `routed_experts`); the
+    /// update's forwards replay them.
+    R2,
+    /// The rollout's experts (the batch's `routed_experts`) are replayed in `compute_log_prob`
+    /// and in the update.
+    R3,
+}
+
+/// verl's `router_replay` section. `record_file` / `replay_file` are declared by verl but read
+/// by none of its workers (the routing travels in the batch); the host reports them.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct RouterReplayConfig {
+    #[serde(default)]
+    pub mode: RouterReplayMode,
+}
+
 /// The section, as every strategy reads it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ActorConfig {
@@ -225,6 +258,10 @@ pub struct ActorConfig {
     /// Critic: clip range of the value update around the old values.
     #[serde(default = "default_cliprange_value")]
     pub cliprange_value: f64,
+    /// Actor: verl's `distillation.distillation_loss`, sent when `distillation.enabled`.
+    pub distillation_loss: Option<DistillLossConfig>,
+    #[serde(default)]
+    pub router_replay: RouterReplayConfig,
 }
 
 /// The validated, resolved settings an engine runs with.
@@ -251,6 +288,10 @@ pub struct ActorSettings {
     /// `Some((coef, penalty))` when `use_kl_loss`.
     pub kl_loss: Option<(f64, KlPenalty)>,
     pub cliprange_value: f64,
+    /// The distillation loss, when the actor distils a teacher.
+    pub distillation: Option<DistillSettings>,
+    /// Router replay of a mixture-of-experts policy (the actor only).
+    pub router_replay: RouterReplayMode,
 }
 
 /// How rows are cut into micro-batches (forward passes, and gradient accumulation in updates).
@@ -400,7 +441,7 @@ impl ActorConfig {
                 self.forward_max_token_len_per_gpu
                     .map(|m| ("forward_max_token_len_per_gpu", m)),
             ),
-            Role::Actor | Role::Ref => (
+            Role::Actor | Role::Ref | Role::Teacher => (
                 self.log_prob_use_dynamic_bsz
                     .unwrap_or(self.use_dynamic_bsz),
                 self.log_prob_max_token_len_per_gpu
@@ -443,8 +484,19 @@ impl ActorConfig {
         } else {
             None
         };
+        let router_replay = self.router_replay.mode;
+        if router_replay != RouterReplayMode::Disabled && self.role != Role::Actor {
+            return Err(invalid(
+                "router_replay.mode",
+                format!(
+                    "only the actor replays routing (verl's R2/R3); a `{}` engine routes with its own router",
+                    self.role.as_str()
+                ),
+            ));
+        }
         Ok(ActorSettings {
             role: self.role,
+            router_replay,
             optimizer: AdamWConfig {
                 betas: o.betas,
                 weight_decay: o.weight_decay,
@@ -482,6 +534,15 @@ impl ActorConfig {
             entropy_coeff: self.entropy_coeff,
             kl_loss,
             cliprange_value: non_negative("cliprange_value", self.cliprange_value)?,
+            distillation: self
+                .distillation_loss
+                .as_ref()
+                .map(|d| {
+                    d.validate().map_err(|(key, reason)| {
+                        invalid(&format!("distillation.distillation_loss.{key}"), reason)
+                    })
+                })
+                .transpose()?,
             model: self.model,
         })
     }

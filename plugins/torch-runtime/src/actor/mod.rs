@@ -45,41 +45,94 @@ use verl_seqlen_balancing::{BalanceError, inverse_permutation, micro_batch_count
 
 pub use config::{
     ActorConfig, ActorSettings, MicroBatching, OptimConfig, PolicyLossConfig, Role,
-    engine_section_keys,
+    RouterReplayConfig, RouterReplayMode, engine_section_keys,
 };
 pub use error::ActorError;
 pub use rows::{Meta, Rows};
 
+use crate::distill::{
+    DistillObjective, DistillScores, DistillSettings, TEACHER_IDS, TEACHER_LOGPROBS, TopkLogProbs,
+    topk_kl,
+};
 use crate::interop::from_tch;
 use crate::losses::{
     AggScale, PolicyBatch, agg_loss, kl_penalty, masked_mean, policy_loss, value_loss,
 };
-use crate::{LrSchedule, ResponseScores, Rng};
+use crate::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
 /// What an engine strategy supplies: how its (possibly sharded) model computes and learns.
 /// Everything else — verl's losses, loss scaling, mini/micro-batching, metrics, the schedule,
 /// checkpoint bookkeeping — is [`ActorWorker`]'s.
 pub trait Strategy {
     fn device(&self) -> Device;
-    /// Per-token log-probs (and entropy when asked) of the response tokens of `rows`, at
+    /// Per-token log-probs (and the `outputs` asked for) of the response tokens of `rows`, at
     /// `temperature`. Called under `no_grad`.
     fn scores(
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
     ) -> crate::Result<ResponseScores>;
+    /// As [`Strategy::scores`], and the experts each token of `rows` was routed through,
+    /// `[B, P+R, sparse layers, k]` int64 (router replay R2 records them here). A strategy that
+    /// cannot record routing keeps this default.
+    fn scores_routed(
+        &self,
+        _rows: &Rows,
+        _temperature: f64,
+        _outputs: ScoreOutputs,
+    ) -> crate::Result<(ResponseScores, Tensor)> {
+        Err(crate::ModelError::invalid_input(
+            "router_replay.mode",
+            "R2 needs an engine strategy that records each token's experts; this one does not",
+        ))
+    }
     /// Per-token values of the response tokens (value-head models). Called under `no_grad`.
     fn values(&self, rows: &Rows) -> crate::Result<Tensor>;
+    /// A distillation teacher's top-`k` tokens and log-probs at each response position,
+    /// `[B, R, k]` (see [`CausalLM::response_topk_in`](crate::CausalLM::response_topk_in)).
+    /// Called under `no_grad`. Strategies that hold the whole vocabulary implement it.
+    fn topk(&self, _rows: &Rows, _temperature: f64, _k: i64) -> crate::Result<TopkLogProbs> {
+        Err(unsupported_distillation("top-k log-probs"))
+    }
+    /// [`Strategy::backward_scores_aux`] where the loss also sees the student's log-probs of `ids`
+    /// (`[B, R, k]`, the teacher's top-k tokens), from the same log-softmax.
+    fn backward_distill_scores(
+        &self,
+        _rows: &Rows,
+        _temperature: f64,
+        _outputs: ScoreOutputs,
+        _aux_weight: f64,
+        _ids: &Tensor,
+        _loss: &mut dyn FnMut(&DistillScores) -> crate::Result<Tensor>,
+    ) -> crate::Result<Option<f64>> {
+        Err(unsupported_distillation("top-k distillation losses"))
+    }
     /// Forward and backward of one micro-batch through the policy: `loss` maps the response scores
     /// to the scalar loss, whose gradient is accumulated into the parameters.
     fn backward_scores(
         &self,
         rows: &Rows,
         temperature: f64,
-        with_entropy: bool,
+        outputs: ScoreOutputs,
         loss: &mut dyn FnMut(&ResponseScores) -> crate::Result<Tensor>,
     ) -> crate::Result<()>;
+    /// As [`Strategy::backward_scores`], adding `aux_weight` × the model's load-balancing loss
+    /// × `router_aux_loss_coef` to the loss when the model's config asks for it
+    /// (`output_router_logits`, as transformers adds it to a mixture-of-experts model's loss);
+    /// returns that loss's value, `None` when none was added. A strategy that cannot keeps this
+    /// default, which adds none.
+    fn backward_scores_aux(
+        &self,
+        rows: &Rows,
+        temperature: f64,
+        outputs: ScoreOutputs,
+        _aux_weight: f64,
+        loss: &mut dyn FnMut(&ResponseScores) -> crate::Result<Tensor>,
+    ) -> crate::Result<Option<f64>> {
+        self.backward_scores(rows, temperature, outputs, loss)
+            .map(|()| None)
+    }
     /// As [`Strategy::backward_scores`], through the value head.
     fn backward_values(
         &self,
@@ -111,6 +164,13 @@ pub trait Strategy {
     /// Makes each rank's gradients the sum of every rank's accumulated gradients (of what it
     /// holds), before they are clipped.
     fn reduce_gradients(&mut self) -> crate::Result<()>;
+}
+
+fn unsupported_distillation(what: &str) -> crate::ModelError {
+    crate::ModelError::invalid_input(
+        "distillation",
+        format!("this engine strategy does not compute {what} (fsdp with one shard does)"),
+    )
 }
 
 /// A reduction over the data-parallel ranks.
@@ -213,7 +273,7 @@ pub struct ActorWorker<S> {
 impl<S: Strategy> ActorWorker<S> {
     /// `seed` seeds mini-batch shuffling (the run seed).
     pub fn new(settings: ActorSettings, strategy: S, seed: u64) -> Self {
-        let training = (settings.role != Role::Ref).then(|| Training {
+        let training = settings.role.trains().then(|| Training {
             schedule: settings.schedule,
             rng: Rng::stream(seed, 1),
             updates: 0,
@@ -245,34 +305,71 @@ impl<S: Strategy> ActorWorker<S> {
     }
 
     pub fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
-        self.require_role("compute_log_prob", &[Role::Actor, Role::Ref])?;
+        self.require_role("compute_log_prob", &[Role::Actor, Role::Ref, Role::Teacher])?;
         let meta = Meta::of(batch)?;
-        let rows = Rows::load(
-            batch,
-            &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
-            self.strategy.device(),
-        )?;
+        let replay = self.settings.router_replay;
+        let mut wanted = vec![keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES];
+        // R3: the old log-probs come from the rollout's routing, as the update's will.
+        if replay == RouterReplayMode::R3 {
+            wanted.push(keys::ROUTED_EXPERTS);
+        }
+        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
-        let (mut log_probs, mut entropys) = (Vec::new(), Vec::new());
+        let outputs = meta.outputs();
+        let (mut log_probs, mut entropys, mut sum_pi_squared) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let (mut experts, mut topk_ids, mut topk_log_probs) = (Vec::new(), Vec::new(), Vec::new());
         tch::no_grad(|| -> Result<(), ActorError> {
             for rows in &micro.batches {
-                let scores =
-                    self.strategy
-                        .scores(rows, meta.temperature, meta.calculate_entropy)?;
+                let (t, e) = (meta.temperature, outputs);
+                let scores = if replay != RouterReplayMode::Disabled {
+                    let (scores, routed) = self.strategy.scores_routed(rows, t, e)?;
+                    experts.push(routed);
+                    scores
+                } else {
+                    self.strategy.scores(rows, t, e)?
+                };
                 log_probs.push(scores.log_probs);
                 entropys.extend(scores.entropy);
+                sum_pi_squared.extend(scores.sum_pi_squared);
+                if let Some(k) = meta.distill_topk {
+                    let top = self.strategy.topk(rows, meta.temperature, k)?;
+                    topk_ids.push(top.ids);
+                    topk_log_probs.push(top.log_probs);
+                }
             }
             Ok(())
         })?;
         let mut out = Batch::default();
-        out.insert(
-            keys::LOG_PROBS,
-            from_tch(keys::LOG_PROBS, &micro.restore(&log_probs))?,
-        );
-        if meta.calculate_entropy {
+        if meta.distill_topk.is_some() {
             out.insert(
-                keys::ENTROPYS,
-                from_tch(keys::ENTROPYS, &micro.restore(&entropys))?,
+                TEACHER_IDS,
+                from_tch(TEACHER_IDS, &micro.restore(&topk_ids))?,
+            );
+            out.insert(
+                TEACHER_LOGPROBS,
+                from_tch(TEACHER_LOGPROBS, &micro.restore(&topk_log_probs))?,
+            );
+        }
+        for (key, wanted, parts) in [
+            (keys::LOG_PROBS, true, &log_probs),
+            (keys::ENTROPYS, outputs.entropy, &entropys),
+            (
+                keys::SUM_PI_SQUARED,
+                outputs.sum_pi_squared,
+                &sum_pi_squared,
+            ),
+        ] {
+            if wanted {
+                out.insert(key, from_tch(key, &micro.restore(parts))?);
+            }
+        }
+        // The experts this forward used: R2's recording, for the update to replay (R3's are
+        // the replayed ones, returned so the caller can check them).
+        if !experts.is_empty() {
+            out.insert(
+                keys::ROUTED_EXPERTS,
+                from_tch(keys::ROUTED_EXPERTS, &micro.restore(&experts))?,
             );
         }
         Ok(out)
@@ -326,6 +423,15 @@ impl<S: Strategy> ActorWorker<S> {
         }
         if batch.get(ROLLOUT_IS_WEIGHTS).is_some() {
             wanted.push(ROLLOUT_IS_WEIGHTS);
+        }
+        match self.settings.distillation.map(|d| d.objective) {
+            Some(DistillObjective::Topk { .. }) => wanted.extend([TEACHER_IDS, TEACHER_LOGPROBS]),
+            Some(DistillObjective::Estimator(_)) => wanted.push(TEACHER_LOGPROBS),
+            None => {}
+        }
+        // R2 replays what `compute_log_prob` recorded, R3 the rollout's routing.
+        if self.settings.router_replay != RouterReplayMode::Disabled {
+            wanted.push(keys::ROUTED_EXPERTS);
         }
         let rows = Rows::load(batch, &wanted, self.strategy.device())?;
         let settings = self.settings.clone();
@@ -589,25 +695,124 @@ fn actor_micro_step<S: Strategy>(
     on_policy: bool,
     metrics: &mut Metrics,
 ) -> Result<Vec<(&'static str, f64)>, ActorError> {
-    let response_mask = micro.get(keys::RESPONSE_MASK);
     let mut losses = Vec::new();
     // As verl: entropy only when it is in the loss (then also reported); otherwise the trainer
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
-    let with_entropy = s.entropy_coeff != 0.0;
-    strategy.backward_scores(micro, temperature, with_entropy, &mut |scores| {
-        let detached = on_policy.then(|| scores.log_probs.detach());
+    let outputs = ScoreOutputs {
+        entropy: s.entropy_coeff != 0.0,
+        sum_pi_squared: false,
+    };
+    // The micro-batch's share of the mini-batch (by response tokens, like token-mean): the
+    // mini-batch's load-balancing term is the token-weighted mean of its micro-batches' losses.
+    let aux_weight = scalar(&micro.get(keys::RESPONSE_MASK).sum(Kind::Float))
+        / scale.batch_num_tokens.unwrap_or(1.0).max(1.0);
+    let aux = match s.distillation {
+        Some(
+            d @ DistillSettings {
+                objective: DistillObjective::Topk { kl, .. },
+                ..
+            },
+        ) => strategy.backward_distill_scores(
+            micro,
+            temperature,
+            outputs,
+            aux_weight,
+            micro.get(TEACHER_IDS),
+            &mut |scores| {
+                let top = topk_kl(&scores.topk_log_probs, micro.get(TEACHER_LOGPROBS), &kl);
+                let mask = micro.get(keys::RESPONSE_MASK);
+                metrics.push(
+                    "distillation/student_mass",
+                    scalar(&masked_mean(&top.student_mass, mask)),
+                );
+                metrics.push(
+                    "distillation/teacher_mass",
+                    scalar(&masked_mean(&top.teacher_mass, mask)),
+                );
+                actor_loss(
+                    s,
+                    micro,
+                    scale,
+                    &scores.scores,
+                    Some((&d, top.loss)),
+                    on_policy,
+                    metrics,
+                    &mut losses,
+                )
+            },
+        )?,
+        Some(
+            d @ DistillSettings {
+                objective: DistillObjective::Estimator(penalty),
+                ..
+            },
+        ) => strategy.backward_scores_aux(micro, temperature, outputs, aux_weight, &mut |scores| {
+            let per_token = kl_penalty(&scores.log_probs, micro.get(TEACHER_LOGPROBS), penalty);
+            actor_loss(
+                s,
+                micro,
+                scale,
+                scores,
+                Some((&d, per_token)),
+                on_policy,
+                metrics,
+                &mut losses,
+            )
+        })?,
+        None => strategy.backward_scores_aux(micro, temperature, outputs, aux_weight, &mut |scores| {
+            actor_loss(s, micro, scale, scores, None, on_policy, metrics, &mut losses)
+        })?,
+    };
+    if let Some(aux) = aux {
+        metrics.push("actor/moe_aux_loss", aux);
+    }
+    if let Some((coef, _)) = s.kl_loss {
+        metrics.push("actor/kl_coef", coef);
+    }
+    Ok(losses)
+}
+
+/// The policy loss's inputs for `micro` with `advantages`; the old log-probs are `own_old` (the
+/// on-policy shortcut's detached log-probs) when given, else the batch's.
+fn policy_batch<'a>(
+    micro: &'a Rows,
+    scores: &'a ResponseScores,
+    advantages: &'a Tensor,
+    own_old: Option<&'a Tensor>,
+) -> PolicyBatch<'a> {
+    PolicyBatch {
+        old_log_prob: own_old.unwrap_or_else(|| micro.get(keys::OLD_LOG_PROBS)),
+        log_prob: &scores.log_probs,
+        advantages,
+        response_mask: micro.get(keys::RESPONSE_MASK),
+        rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
+    }
+}
+
+/// The actor's loss on one micro-batch's scores: verl's policy loss, entropy bonus and KL loss,
+/// and with `distill` (the settings and the per-token distillation loss `[B, R]`) verl's
+/// `distillation_ppo_loss` combination. `on_policy`: the old log-probs are these scores' own,
+/// detached (verl's on-policy shortcut).
+#[allow(clippy::too_many_arguments)]
+fn actor_loss(
+    s: &ActorSettings,
+    micro: &Rows,
+    scale: &AggScale,
+    scores: &ResponseScores,
+    distill: Option<(&DistillSettings, Tensor)>,
+    on_policy: bool,
+    metrics: &mut Metrics,
+    losses: &mut Vec<(&'static str, f64)>,
+) -> crate::Result<Tensor> {
+    let response_mask = micro.get(keys::RESPONSE_MASK);
+    let own_old = on_policy.then(|| scores.log_probs.detach());
+    let mut terms = Vec::new();
+    // verl skips the task's policy loss when distilling without task rewards.
+    if distill.as_ref().is_none_or(|(d, _)| d.use_task_rewards) {
         let pg = policy_loss(
             s.loss_mode,
-            PolicyBatch {
-                old_log_prob: detached
-                    .as_ref()
-                    .unwrap_or_else(|| micro.get(keys::OLD_LOG_PROBS)),
-                log_prob: &scores.log_probs,
-                advantages: micro.get(keys::ADVANTAGES),
-                response_mask,
-                rollout_is_weights: micro.try_get(ROLLOUT_IS_WEIGHTS),
-            },
+            policy_batch(micro, scores, micro.get(keys::ADVANTAGES), own_old.as_ref()),
             &s.clip,
             &s.loss_options,
             s.loss_agg_mode,
@@ -617,33 +822,57 @@ fn actor_micro_step<S: Strategy>(
             metrics.push(key, value);
         }
         losses.push(("actor/pg_loss", scalar(&pg.pg_loss)));
-        let mut terms = vec![pg.pg_loss];
-        if let Some(entropy) = &scores.entropy {
-            // The micro-batch's own mean entropy, as verl reports it.
-            let own = agg_loss(
-                &entropy.detach(),
-                response_mask,
-                s.loss_agg_mode,
-                &AggScale::default(),
-            );
-            metrics.push("actor/entropy", scalar(&own));
-            terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
-        }
-        if let Some((coef, penalty)) = s.kl_loss {
-            let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
-            let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
-            losses.push(("actor/kl_loss", scalar(&kl_loss)));
-            terms.push(kl_loss * coef);
-        }
-        // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
-        let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
-        losses.push(("actor/loss", scalar(&loss)));
-        Ok(loss)
-    })?;
-    if let Some((coef, _)) = s.kl_loss {
-        metrics.push("actor/kl_coef", coef);
+        terms.push(pg.pg_loss);
     }
-    Ok(losses)
+    if let Some((d, per_token)) = distill {
+        let per_token = match d.loss_max_clamp {
+            Some(c) => per_token.clamp(-c, c),
+            None => per_token,
+        };
+        let loss = match &d.policy_gradient {
+            // The negated loss is the advantage (on-policy distillation as a reward).
+            Some(clip) => {
+                let advantages = -per_token.detach();
+                crate::losses::policy_loss_vanilla(
+                    policy_batch(micro, scores, &advantages, own_old.as_ref()),
+                    clip,
+                    s.loss_agg_mode,
+                    scale,
+                )?
+                .pg_loss
+            }
+            None => agg_loss(&per_token, response_mask, s.loss_agg_mode, scale),
+        };
+        metrics.push(
+            "distillation/token_loss",
+            scalar(&masked_mean(&per_token.detach(), response_mask)),
+        );
+        losses.push(("distillation/loss", scalar(&loss)));
+        // verl weights the distillation loss only when it is added to the task's loss.
+        let coef = if d.use_task_rewards { d.coef } else { 1.0 };
+        terms.push(loss * coef);
+    }
+    if let Some(entropy) = &scores.entropy {
+        // The micro-batch's own mean entropy, as verl reports it.
+        let own = agg_loss(
+            &entropy.detach(),
+            response_mask,
+            s.loss_agg_mode,
+            &AggScale::default(),
+        );
+        metrics.push("actor/entropy", scalar(&own));
+        terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
+    }
+    if let Some((coef, penalty)) = s.kl_loss {
+        let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);
+        let kl_loss = agg_loss(&kl, response_mask, s.loss_agg_mode, scale);
+        losses.push(("actor/kl_loss", scalar(&kl_loss)));
+        terms.push(kl_loss * coef);
+    }
+    // The loss backpropagated, summed over the mini-batch (verl's engine workers' `loss`).
+    let loss = Tensor::stack(&terms, 0).sum(Kind::Float);
+    losses.push(("actor/loss", scalar(&loss)));
+    Ok(loss)
 }
 
 fn checkpoint_error(path: &Path, reason: impl ToString) -> ActorError {

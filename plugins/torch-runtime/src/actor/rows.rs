@@ -6,8 +6,9 @@ use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{Batch, keys};
 
 use super::ActorError;
+use crate::distill::{TEACHER_IDS, TEACHER_LOGPROBS};
 use crate::interop::{parse_config, to_tch};
-use crate::{BlockContext, CausalLM};
+use crate::{BlockContext, CausalLM, ScoreOutputs};
 
 /// The per-call settings an engine reads from `Batch::meta_json`.
 #[derive(Debug, Deserialize)]
@@ -17,6 +18,13 @@ pub struct Meta {
     pub temperature: f64,
     #[serde(default = "yes")]
     pub calculate_entropy: bool,
+    /// verl's `calculate_sum_pi_squared`: `compute_log_prob` also returns Σπ² per token.
+    #[serde(default)]
+    pub calculate_sum_pi_squared: bool,
+    /// A distillation teacher's `k`: `compute_log_prob` also returns the top-`k` tokens and
+    /// log-probs of each response position.
+    #[serde(default)]
+    pub distill_topk: Option<i64>,
 }
 
 fn one() -> f64 {
@@ -37,17 +45,32 @@ impl Meta {
         }
         Ok(meta)
     }
-}
 
-/// The dtype `keys.rs` specifies for a batch tensor.
-fn kind_of(key: &str) -> Kind {
-    match key {
-        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES => Kind::Int64,
-        _ => Kind::Float,
+    /// The outputs `compute_log_prob` returns besides the log-probs.
+    pub fn outputs(&self) -> ScoreOutputs {
+        ScoreOutputs {
+            entropy: self.calculate_entropy,
+            sum_pi_squared: self.calculate_sum_pi_squared,
+        }
     }
 }
 
-/// Named row-aligned tensors: `[B, P+R]` for the sequence keys, `[B, R]` for the response keys.
+/// The dtype and ranks `keys.rs` specifies for a batch tensor.
+fn kind_of(key: &str) -> (Kind, &'static [usize]) {
+    match key {
+        keys::INPUT_IDS | keys::ATTENTION_MASK | keys::RESPONSES => (Kind::Int64, &[2]),
+        keys::ROUTED_EXPERTS => (Kind::Int64, &[4]),
+        // The teacher's top-k per response token `[B, R, k]`; its log-probs of the sampled token
+        // `[B, R]` for the single-sample estimators.
+        TEACHER_IDS => (Kind::Int64, &[3]),
+        TEACHER_LOGPROBS => (Kind::Float, &[2, 3]),
+        _ => (Kind::Float, &[2]),
+    }
+}
+
+/// Named row-aligned tensors: `[B, P+R]` for the sequence keys, `[B, R]` for the response keys
+/// (`[B, R, k]` for the teacher's top-k), `[B, P+R, L, k]` for `routed_experts` (replayed by every
+/// forward over these rows).
 pub struct Rows {
     tensors: Vec<(&'static str, Tensor)>,
     /// `R`: the response columns at the end of each sequence.
@@ -66,10 +89,10 @@ impl Rows {
         for &key in wanted {
             let abi = batch.require(key)?;
             let tensor = to_tch(key, abi, device)?;
-            if tensor.kind() != kind_of(key) || tensor.dim() != 2 {
+            let (kind, dims) = kind_of(key);
+            if tensor.kind() != kind || !dims.contains(&tensor.dim()) {
                 return Err(ActorError::Batch(format!(
-                    "`{key}` must be a 2-D {:?} tensor, got {:?} of shape {:?}",
-                    kind_of(key),
+                    "`{key}` must be a {dims:?}-D {kind:?} tensor, got {:?} of shape {:?}",
                     tensor.kind(),
                     tensor.size()
                 )));
@@ -95,10 +118,11 @@ impl Rows {
         }
         for (key, tensor) in &tensors {
             let expected = match *key {
-                keys::INPUT_IDS | keys::ATTENTION_MASK => seq.clone(),
+                // `routed_experts`' layers and top-k are the model's: the forward checks them.
+                keys::INPUT_IDS | keys::ATTENTION_MASK | keys::ROUTED_EXPERTS => seq.clone(),
                 _ => resp.clone(),
             };
-            if tensor.size() != expected {
+            if tensor.size()[..2] != expected[..] {
                 return Err(ActorError::Batch(format!(
                     "`{key}` has shape {:?}, expected {expected:?}",
                     tensor.size()
@@ -122,14 +146,19 @@ impl Rows {
     }
 
     /// The block context of these rows' forward pass on `model`: one packed stream of their
-    /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows.
+    /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows; replaying
+    /// the rows' `routed_experts` when they were loaded (router replay).
     pub fn block_context(&self, model: &CausalLM, packed: bool) -> crate::Result<BlockContext> {
         let (ids, mask) = (self.get(keys::INPUT_IDS), self.get(keys::ATTENTION_MASK));
-        if packed {
-            model.packed_block_context(ids, mask, self.response_len)
+        let mut context = if packed {
+            model.packed_block_context(ids, mask, self.response_len)?
         } else {
-            model.block_context(ids, mask)
+            model.block_context(ids, mask)?
+        };
+        if let Some(experts) = self.try_get(keys::ROUTED_EXPERTS) {
+            context.replay_experts(model, experts)?;
         }
+        Ok(context)
     }
 
     pub fn rows(&self) -> i64 {

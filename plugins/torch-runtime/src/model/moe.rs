@@ -84,47 +84,98 @@ impl RouterOutput {
 /// transformers' `load_balancing_loss_func` (Switch Transformer eq. 4–6) over the sparse layers'
 /// router `logits` (`[N, experts]` each): `experts · Σ_e f_e · P_e`, with `f_e` the fraction of
 /// top-`k` assignments to expert `e` and `P_e` its mean routing probability, over all layers'
-/// tokens; `attention_mask` (`[N]` flattened as the logits' rows) leaves padding out. fp32 scalar.
+/// tokens; `attention_mask` (`[N]` flattened as the logits' rows) leaves padding out. fp32 scalar,
+/// in the logits' graph.
 pub fn load_balancing_loss(
     logits: &[Tensor],
     num_experts: i64,
     top_k: i64,
     attention_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let Some(first) = logits.first() else {
-        return Err(ModelError::invalid_input(
-            "router logits",
-            "the model has no sparse layer",
-        ));
-    };
-    let options = (Kind::Float, first.device());
-    let mask = attention_mask.map(|m| {
-        m.reshape([-1])
-            .to_kind(Kind::Float)
-            .to_device(first.device())
-    });
-    let mut tokens_per_expert = Tensor::zeros([num_experts], options);
-    let mut prob_per_expert = Tensor::zeros([num_experts], options);
-    let mut rows = Tensor::zeros([], options);
-    for layer in logits {
-        let probs = layer.softmax(-1, Kind::Float);
-        let (_, selected) = probs.topk(top_k, -1, true, true);
-        let weight = match &mask {
-            Some(m) => m.shallow_clone(),
-            None => Tensor::ones([probs.size()[0]], options),
+    let balance = LoadBalance::new(logits, num_experts, top_k, attention_mask)?;
+    Ok(logits
+        .iter()
+        .map(|layer| balance.layer_term(layer))
+        .reduce(|a, b| a + b)
+        .expect("LoadBalance::new refuses no layers"))
+}
+
+/// [`load_balancing_loss`] taken one layer at a time, for a backward pass that recomputes and
+/// differentiates each layer on its own (activation checkpointing). The loss is
+/// `Σ_e (E·c_e/rows²) · Σ_layers Σ_tokens m·p_e` (`c_e` the masked top-k assignments to `e` over
+/// all layers, `rows` the masked tokens × layers): the counts carry no gradient, so with them
+/// fixed from the whole pass it is a sum over layers of [`LoadBalance::layer_term`], each with
+/// the loss's exact gradient with respect to its layer's logits.
+pub struct LoadBalance {
+    /// `E·f_e/rows²` per expert.
+    weights: Tensor,
+    /// The loss of the pass.
+    pub value: f64,
+    /// The real tokens `[N]` (fp32), `None`: all.
+    mask: Option<Tensor>,
+}
+
+impl LoadBalance {
+    /// From every sparse layer's router logits of a pass (no graph needed) and its token mask.
+    pub fn new(
+        logits: &[Tensor],
+        num_experts: i64,
+        top_k: i64,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Self> {
+        let Some(first) = logits.first() else {
+            return Err(ModelError::invalid_input(
+                "router logits",
+                "the model has no sparse layer",
+            ));
         };
-        tokens_per_expert = tokens_per_expert.scatter_add(
-            0,
-            &selected.reshape([-1]),
-            &weight.repeat_interleave_self_int(top_k, 0, None),
-        );
-        prob_per_expert += (probs * weight.unsqueeze(-1)).sum_dim_intlist(0, false, Kind::Float);
-        rows += weight.sum(Kind::Float);
+        let options = (Kind::Float, first.device());
+        let mask = attention_mask.map(|m| {
+            m.reshape([-1])
+                .to_kind(Kind::Float)
+                .to_device(first.device())
+        });
+        let weights = tch::no_grad(|| {
+            let mut counts = Tensor::zeros([num_experts], options);
+            let mut rows = 0.0;
+            for layer in logits {
+                let (_, selected) = layer.topk(top_k, -1, true, true);
+                let weight = match &mask {
+                    Some(m) => m.shallow_clone(),
+                    None => Tensor::ones([layer.size()[0]], options),
+                };
+                rows += weight.sum(Kind::Float).double_value(&[]);
+                counts = counts.scatter_add(
+                    0,
+                    &selected.reshape([-1]),
+                    &weight.repeat_interleave_self_int(top_k, 0, None),
+                );
+            }
+            counts * (num_experts as f64 / (rows * rows).max(1.0))
+        });
+        let mut balance = Self {
+            weights,
+            value: 0.0,
+            mask,
+        };
+        balance.value = tch::no_grad(|| {
+            logits
+                .iter()
+                .map(|layer| balance.layer_term(layer).double_value(&[]))
+                .sum()
+        });
+        Ok(balance)
     }
-    Ok(
-        (tokens_per_expert / &rows * (prob_per_expert / &rows)).sum(Kind::Float)
-            * num_experts as f64,
-    )
+
+    /// One layer's share of the loss, in the graph of its `logits` `[N, experts]`.
+    pub fn layer_term(&self, logits: &Tensor) -> Tensor {
+        let probs = logits.softmax(-1, Kind::Float);
+        let probs = match &self.mask {
+            Some(m) => probs * m.unsqueeze(-1),
+            None => probs,
+        };
+        (probs.sum_dim_intlist(0, false, Kind::Float) * &self.weights).sum(Kind::Float)
+    }
 }
 
 /// The sparse MLP: `Σ_top-k w_e · expert_e(x)` (+ the gated shared expert).
@@ -162,10 +213,12 @@ impl SparseMoe {
     }
 
     /// `x` `[B, T, hidden]` → `[B, T, hidden]`, routing recorded in (or replayed from) `routing`.
-    pub(super) fn forward(&self, x: &Tensor, routing: &Routing) -> Tensor {
+    /// `invariant`: the router and every expert run over fixed row tiles, so a token's result
+    /// does not depend on how many tokens its experts serve in this batch.
+    pub(super) fn forward(&self, x: &Tensor, routing: &Routing, invariant: bool) -> Tensor {
         let size = x.size();
         let hidden = x.reshape([-1, size[size.len() - 1]]);
-        let logits = self.gate.forward(&hidden);
+        let logits = self.gate.apply(&hidden, invariant);
         let probs = logits.softmax(-1, Kind::Float);
         // Replay keeps the recorded experts; their weights still come from this pass's router, so
         // the router trains (verl's router replay does the same).
@@ -191,12 +244,17 @@ impl SparseMoe {
             let weight = (&weights * chosen.to_kind(weights.kind()))
                 .sum_dim_intlist(-1, true, weights.kind())
                 .index_select(0, &tokens);
-            let y = expert.forward(&hidden.index_select(0, &tokens), None) * weight;
+            let y = expert.apply(&hidden.index_select(0, &tokens), invariant) * weight;
             let _ = out.index_add_(0, &tokens, &y);
         }
         let out = match &self.shared {
             Some((shared, gate)) => {
-                out + gate.forward(&hidden).sigmoid() * shared.forward(&hidden, None)
+                let mix = |t: &Tensor| gate.forward(t).sigmoid() * shared.forward(t, None);
+                out + if invariant {
+                    super::invariant::rows(&hidden, mix)
+                } else {
+                    mix(&hidden)
+                }
             }
             None => out,
         };

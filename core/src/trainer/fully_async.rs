@@ -260,6 +260,7 @@ impl Trainer {
             .take()
             .expect("generation is back between the rollouter's runs");
         let data = Arc::clone(&self.train);
+        let gdpo_keys = self.gdpo_keys().to_vec();
         let (sender, batches) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("rollouter".to_owned())
@@ -268,8 +269,12 @@ impl Trainer {
                     generation.reward_seconds = 0.0;
                     match generation.generate(&data, &indices, 0, sampling, 0, version) {
                         Ok((rows, rewards)) => {
+                            let components = match rewards.components(&gdpo_keys) {
+                                Ok(components) => components,
+                                Err(e) => return (generation, Err(e.into())),
+                            };
                             let ready = Ready {
-                                collected: Collected::new(rows, &rewards.rewards, 1),
+                                collected: Collected::new(rows, &rewards.rewards, &components, 1),
                                 reward_seconds: std::mem::take(&mut generation.reward_seconds),
                             };
                             // The trainer stopped (it failed): nothing more to generate for.

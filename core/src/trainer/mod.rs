@@ -1463,75 +1463,76 @@ impl Trainer {
 
         let rollout_lp = rollout_log_probs(&rows, mask.cols())?;
         let correction = self.config.algorithm.rollout_correction.clone();
-        let (old_log_probs, sum_pi_squared) =
-            if fully_async::old_log_probs_from_rollout(&self.config) {
-                // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
-                // recomputation is skipped.
-                let old = rollout_lp.clone().ok_or_else(|| {
+        let (old_log_probs, sum_pi_squared) = if fully_async::old_log_probs_from_rollout(
+            &self.config,
+        ) {
+            // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
+            // recomputation is skipped.
+            let old = rollout_lp.clone().ok_or_else(|| {
                 TrainError::Invalid(format!(
                     "algorithm.rollout_correction.bypass_mode: rollout `{}` returned no log-probs",
                     self.config.actor_rollout_ref.rollout.name
                 ))
             })?;
-                (old, None)
-            } else {
-                let t = Instant::now();
-                let local = self.local(&batch, &mine)?;
-                let old = self
-                    .actor
-                    .compute_log_prob(&local)
-                    .context(|| "computing old log-probs".to_owned())?;
-                let old_log_probs = batch::matrix(
-                    keys::LOG_PROBS,
-                    old.require(keys::LOG_PROBS)
-                        .context(|| "actor output".to_owned())?,
-                )
-                .context(|| "actor output".to_owned())?;
-                let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
-                // R2: the experts this forward routed, for the update to replay (verl keeps them in
-                // place of any rollout's).
-                if let Some(routed) = old.get(keys::ROUTED_EXPERTS)
-                    && self.config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R2
-                {
-                    let routed = self.gather_rows(keys::ROUTED_EXPERTS, routed)?;
-                    batch.insert(keys::ROUTED_EXPERTS, routed);
-                }
-                if let Some(entropy) = old.get(keys::ENTROPYS) {
-                    let entropy = batch::matrix(keys::ENTROPYS, entropy)
+            (old, None)
+        } else {
+            let t = Instant::now();
+            let local = self.local(&batch, &mine)?;
+            let old = self
+                .actor
+                .compute_log_prob(&local)
+                .context(|| "computing old log-probs".to_owned())?;
+            let old_log_probs = batch::matrix(
+                keys::LOG_PROBS,
+                old.require(keys::LOG_PROBS)
+                    .context(|| "actor output".to_owned())?,
+            )
+            .context(|| "actor output".to_owned())?;
+            let old_log_probs = self.gather_matrix(keys::LOG_PROBS, old_log_probs)?;
+            // R2: the experts this forward routed, for the update to replay (verl keeps them in
+            // place of any rollout's).
+            if let Some(routed) = old.get(keys::ROUTED_EXPERTS)
+                && self.config.actor_rollout_ref.actor.router_replay.mode == RouterReplayMode::R2
+            {
+                let routed = self.gather_rows(keys::ROUTED_EXPERTS, routed)?;
+                batch.insert(keys::ROUTED_EXPERTS, routed);
+            }
+            if let Some(entropy) = old.get(keys::ENTROPYS) {
+                let entropy =
+                    batch::matrix(keys::ENTROPYS, entropy).context(|| "actor output".to_owned())?;
+                let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
+                metrics.push(Metric::new(
+                    "actor/entropy",
+                    crate::algo::masked_mean(&entropy, &mask)?,
+                ));
+            }
+            // Σπ² per token, for the optimal token baselines (asked for in the meta above).
+            let sum_pi_squared = match old.get(keys::SUM_PI_SQUARED) {
+                Some(t) => {
+                    let m = batch::matrix(keys::SUM_PI_SQUARED, t)
                         .context(|| "actor output".to_owned())?;
-                    let entropy = self.gather_matrix(keys::ENTROPYS, entropy)?;
-                    metrics.push(Metric::new(
-                        "actor/entropy",
-                        crate::algo::masked_mean(&entropy, &mask)?,
-                    ));
+                    Some(self.gather_matrix(keys::SUM_PI_SQUARED, m)?)
                 }
-                // Σπ² per token, for the optimal token baselines (asked for in the meta above).
-                let sum_pi_squared = match old.get(keys::SUM_PI_SQUARED) {
-                    Some(t) => {
-                        let m = batch::matrix(keys::SUM_PI_SQUARED, t)
-                            .context(|| "actor output".to_owned())?;
-                        Some(self.gather_matrix(keys::SUM_PI_SQUARED, m)?)
-                    }
-                    None if self.config.algorithm.adv_estimator.needs_sum_pi_squared() => {
-                        return Err(TrainError::Invalid(format!(
-                            "algorithm.adv_estimator={}: actor engine `{}` returned no `{}` from compute_log_prob \
+                None if self.config.algorithm.adv_estimator.needs_sum_pi_squared() => {
+                    return Err(TrainError::Invalid(format!(
+                        "algorithm.adv_estimator={}: actor engine `{}` returned no `{}` from compute_log_prob \
                              (verl's actor.calculate_sum_pi_squared); an engine must compute it when the batch meta has \
                              \"calculate_sum_pi_squared\": true",
-                            self.config.algorithm.adv_estimator.name(),
-                            self.config.actor_rollout_ref.actor.strategy,
-                            keys::SUM_PI_SQUARED
-                        )));
-                    }
-                    None => None,
-                };
-                timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
-                if let Some(rollout_log_probs) = &rollout_lp {
-                    let diff =
-                        crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
-                    metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
+                        self.config.algorithm.adv_estimator.name(),
+                        self.config.actor_rollout_ref.actor.strategy,
+                        keys::SUM_PI_SQUARED
+                    )));
                 }
-                (old_log_probs, sum_pi_squared)
+                None => None,
             };
+            timing.push(("old_log_prob", t.elapsed().as_secs_f64()));
+            if let Some(rollout_log_probs) = &rollout_lp {
+                let diff =
+                    crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
+                metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
+            }
+            (old_log_probs, sum_pi_squared)
+        };
         batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
 
         let mut ref_log_probs = None;

@@ -3017,7 +3017,7 @@ fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
 
 fn refused(c: Config, faults: Faults, wanted: &str) {
     let err = match Trainer::new(c, &registry(&Log::default(), faults), &placement(&[]))
-        .and_then(|mut t| t.fit())
+        .and_then(|t| t.fit())
     {
         Ok(_) => panic!("expected {wanted}"),
         Err(err) => err.to_string(),

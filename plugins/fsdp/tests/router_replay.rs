@@ -44,9 +44,11 @@ fn near_tie_checkpoint(delta: f64) -> tempfile::TempDir {
 }
 
 /// A rollout of the checkpoint in `dir`: sampled (T = 1, two per prompt) continuations of the
-/// fixture's sequences, as the `native` rollout generates them.
-fn rollout(dir: &std::path::Path) -> (Vec<Vec<i64>>, Vec<Completion>) {
+/// fixture's sequences, as the `native` rollout generates them (with the batch-invariant kernels
+/// when `deterministic`).
+fn rollout(dir: &std::path::Path, deterministic: bool) -> (Vec<Vec<i64>>, Vec<Completion>) {
     let model = CausalLM::from_pretrained(dir, &ModelOptions::default()).unwrap();
+    model.set_batch_invariant(deterministic);
     let expected: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixture("tiny-qwen3-moe").join("expected.json")).unwrap(),
     )
@@ -151,16 +153,54 @@ const PLACEMENTS: [(&str, bool, bool); 3] = [
 fn placed_actor(
     dir: &std::path::Path,
     mode: &str,
-    &(_, checkpointing, sharded): &(&str, bool, bool),
+    placement: &(&str, bool, bool),
 ) -> verl_plugin_host::EngineHandle {
-    engine(&json!({
+    section_actor(dir, mode, placement, json!({}))
+}
+
+/// The actor's section, with `overrides` set on top.
+fn section_actor(
+    dir: &std::path::Path,
+    mode: &str,
+    &(_, checkpointing, sharded): &(&str, bool, bool),
+    overrides: serde_json::Value,
+) -> verl_plugin_host::EngineHandle {
+    let mut section = json!({
         "role": "actor",
         "model": {"path": dir, "enable_gradient_checkpointing": checkpointing},
         "optim": {"lr": 1e-3},
         "ppo_mini_batch_size": 64,
         "router_replay": {"mode": mode},
         "fsdp_config": {"param_offload": sharded},
-    }))
+    });
+    for (key, value) in overrides.as_object().unwrap() {
+        section[key] = value.clone();
+    }
+    engine(&section)
+}
+
+/// An actor whose updates are not on-policy (two mini-batches of the six rows, so verl's
+/// on-policy shortcut does not take the old log-probs from the update's forward) and leave the
+/// weights as they are (lr 0: the second mini-batch's forward is the first's model), with its
+/// `compute_log_prob` on the update's micro-batches, so an update's `ppo_kl` is exactly 0 when its
+/// forwards reproduce the old log-probs.
+fn replaying_updater(
+    dir: &std::path::Path,
+    mode: &str,
+    placement: &(&str, bool, bool),
+) -> verl_plugin_host::EngineHandle {
+    section_actor(
+        dir,
+        mode,
+        placement,
+        json!({
+            "ppo_mini_batch_size": 3,
+            // The old-log-prob forward on the update's shapes: rounding as the update's forwards.
+            "ppo_micro_batch_size_per_gpu": 3,
+            "log_prob_micro_batch_size_per_gpu": 3,
+            "optim": {"lr": 0.0},
+        }),
+    )
 }
 
 /// The largest |Δ| between the engine's and the rollout's log-probs over the response tokens.
@@ -194,7 +234,7 @@ fn flipping_case() -> (tempfile::TempDir, Rolled, Batch) {
         1e-7, -1e-7, 3e-7, -3e-7, 1e-6, -1e-6, 3e-6, -3e-6, 1e-5, -1e-5, 3e-5, -3e-5,
     ] {
         let dir = near_tie_checkpoint(delta);
-        let (prompts, completions) = rollout(dir.path());
+        let (prompts, completions) = rollout(dir.path(), false);
         let rolled = lay_out(&prompts, &completions, 2, 2);
         // R2 records the engine's own routing; its log-probs are the free forward's.
         let own = actor(dir.path(), "R2")
@@ -217,10 +257,9 @@ fn flipping_case() -> (tempfile::TempDir, Rolled, Batch) {
 /// log-probs are the rollout's within fp32 rounding, while the same engine without replay (whose
 /// own router flips an expert on this near-tied model) differs by more than 1e-3.
 ///
-/// Bit for bit needs the batch-invariant mode (`trainer.deterministic`, issue 15 item 6): the
-/// rollout decodes one token per step over a KV cache, the engine scores the whole sequence, and
-/// libtorch's CPU kernels round those shapes differently. When that mode lands, this is the test
-/// to switch: run both sides with it and replace `< FP32_ROUNDING` by `== 0.0`.
+/// Not bit for bit: the rollout decodes one token per step over a KV cache, the engine scores the
+/// whole sequence, and libtorch's fast CPU kernels round those shapes differently (bit for bit is
+/// the deterministic mode's, next test).
 #[test]
 fn r3_replays_the_rollouts_experts_and_reproduces_its_log_probs() {
     let (dir, rolled, free) = flipping_case();
@@ -256,6 +295,29 @@ fn r3_replays_the_rollouts_experts_and_reproduces_its_log_probs() {
     assert!(disabled.get(keys::ROUTED_EXPERTS).is_none());
 }
 
+/// With the batch-invariant kernels on both sides (`trainer.deterministic`, which verl-core copies
+/// into the rollout's and the engine's sections), R3's training log-probs are the rollout's bit for
+/// bit, whole, checkpointed and sharded, and the engine used the rollout's experts.
+#[test]
+fn r3_in_the_deterministic_mode_reproduces_the_rollouts_log_probs_bit_for_bit() {
+    let dir = near_tie_checkpoint(1e-7);
+    let (prompts, completions) = rollout(dir.path(), true);
+    let rolled = lay_out(&prompts, &completions, 2, 2);
+    for placement in &PLACEMENTS {
+        // verl-core copies `trainer.deterministic` into the section.
+        let out = section_actor(dir.path(), "R3", placement, json!({"deterministic": true}))
+            .compute_log_prob(&rolled.batch)
+            .unwrap();
+        assert_eq!(
+            out.require(keys::ROUTED_EXPERTS).unwrap(),
+            rolled.batch.require(keys::ROUTED_EXPERTS).unwrap(),
+            "{}",
+            placement.0
+        );
+        assert_eq!(vs_rollout(&out, &rolled), 0.0, "{}", placement.0);
+    }
+}
+
 /// `batch` with `old`'s log-probs as the old policy's and alternating advantages.
 fn ppo(mut batch: Batch, old: &Batch) -> Batch {
     let lp = old.require(keys::LOG_PROBS).unwrap().clone();
@@ -269,10 +331,10 @@ fn ppo(mut batch: Batch, old: &Batch) -> Batch {
 }
 
 /// The update replays too: with R3 (old log-probs from the R3 forward) and with R2 (old log-probs
-/// and routing from the R2 forward) the update's first forward reproduces the old log-probs bit
-/// for bit (same shapes, same kernels, same experts), so the first mini-batch's `ppo_kl` and
-/// clip fraction are exactly 0; an update without replay, fed R3's old log-probs, routes the
-/// flipped token its own way and sees a non-zero KL.
+/// and routing from the R2 forward) the update's forwards reproduce the old log-probs bit for bit
+/// (same kernels, same experts, unchanged weights), so `ppo_kl` and the clip fraction are exactly
+/// 0; an update without replay, fed R3's old log-probs, routes the flipped token its own way and
+/// sees a non-zero KL.
 #[test]
 fn updates_replay_the_batchs_routing() {
     let (dir, rolled, _) = flipping_case();
@@ -280,7 +342,7 @@ fn updates_replay_the_batchs_routing() {
         .compute_log_prob(&rolled.batch)
         .unwrap();
     for placement in &PLACEMENTS {
-        let mut r3 = placed_actor(dir.path(), "R3", placement);
+        let mut r3 = replaying_updater(dir.path(), "R3", placement);
         let old = r3.compute_log_prob(&rolled.batch).unwrap();
         let metrics = update(&mut r3, &ppo(rolled.batch.clone(), &old));
         assert_eq!(metric(&metrics, "actor/ppo_kl"), 0.0, "{}", placement.0);
@@ -292,14 +354,14 @@ fn updates_replay_the_batchs_routing() {
         );
     }
 
-    let mut free = actor(dir.path(), "disabled");
+    let mut free = replaying_updater(dir.path(), "disabled", &PLACEMENTS[0]);
     let metrics = update(&mut free, &ppo(rolled.batch.clone(), &old_r3));
     let kl = metric(&metrics, "actor/ppo_kl");
     println!("ppo_kl of an update without replay on R3's old log-probs: {kl:e}");
     assert!(kl.abs() > 0.0);
 
     // R2: the batch's routing is what compute_log_prob recorded, not the rollout's.
-    let mut r2 = actor(dir.path(), "R2");
+    let mut r2 = replaying_updater(dir.path(), "R2", &PLACEMENTS[0]);
     let old_r2 = r2.compute_log_prob(&rolled.batch).unwrap();
     let mut batch = ppo(rolled.batch.clone(), &old_r2);
     batch.insert(
@@ -315,7 +377,7 @@ fn updates_replay_the_batchs_routing() {
 #[test]
 fn replay_errors_name_the_key() {
     let dir = near_tie_checkpoint(0.0);
-    let (prompts, completions) = rollout(dir.path());
+    let (prompts, completions) = rollout(dir.path(), false);
     let rolled = lay_out(&prompts, &completions, 2, 2);
     let mut without = rolled.batch.clone();
     without.tensors = without
@@ -384,7 +446,7 @@ fn the_aux_loss_joins_the_actor_loss_when_the_config_asks() {
     config["router_aux_loss_coef"] = json!(10.0);
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
 
-    let (prompts, completions) = rollout(&source);
+    let (prompts, completions) = rollout(&source, false);
     let rolled = lay_out(&prompts, &completions, 2, 2);
     let old = actor(&source, "disabled")
         .compute_log_prob(&rolled.batch)

@@ -14,7 +14,9 @@
 use std::time::Instant;
 
 use tch::Tensor;
-use verl_torch_runtime::{Architecture, CausalLM, ModelConfig, ModelOptions, Rng, SamplingParams, ScoreOutputs};
+use verl_torch_runtime::{
+    Architecture, CausalLM, ModelConfig, ModelOptions, Rng, SamplingParams, ScoreOutputs,
+};
 
 const BATCH: i64 = 8;
 const PROMPT: i64 = 64;

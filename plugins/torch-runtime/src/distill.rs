@@ -257,9 +257,11 @@ pub fn fused_scores(
         entropy: outputs
             .entropy
             .then(|| -(log_softmax.exp() * &log_softmax).sum_dim_intlist(-1, false, Kind::Float)),
-        sum_pi_squared: outputs
-            .sum_pi_squared
-            .then(|| (&log_softmax * 2.0).exp().sum_dim_intlist(-1, false, Kind::Float)),
+        sum_pi_squared: outputs.sum_pi_squared.then(|| {
+            (&log_softmax * 2.0)
+                .exp()
+                .sum_dim_intlist(-1, false, Kind::Float)
+        }),
     }
 }
 

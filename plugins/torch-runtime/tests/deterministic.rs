@@ -13,8 +13,8 @@ mod common;
 use common::{fixture, load};
 use tch::{Kind, Tensor};
 use verl_torch_runtime::{
-    ScoreOutputs,
     Architecture, CausalLM, Completion, ModelConfig, ModelOptions, Rng, SamplingParams,
+    ScoreOutputs,
 };
 
 /// The models the switch tests run.
@@ -179,7 +179,9 @@ fn engine_log_probs(model: &CausalLM) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     tch::no_grad(|| {
         let (ids, mask, rl) = verl_batch(&[&t], (0, 0), vocab);
-        let alone = model.response_scores(&ids, &mask, rl, 1.0, ScoreOutputs::NONE).unwrap();
+        let alone = model
+            .response_scores(&ids, &mask, rl, 1.0, ScoreOutputs::NONE)
+            .unwrap();
         out.push(("alone".to_string(), alone.log_probs.get(0).narrow(0, 0, r)));
         for Composition {
             name,
@@ -190,7 +192,9 @@ fn engine_log_probs(model: &CausalLM) -> Vec<(String, Tensor)> {
         {
             let refs: Vec<&Row> = rows.iter().collect();
             let (ids, mask, rl) = verl_batch(&refs, extra, vocab);
-            let padded = model.response_scores(&ids, &mask, rl, 1.0, ScoreOutputs::NONE).unwrap();
+            let padded = model
+                .response_scores(&ids, &mask, rl, 1.0, ScoreOutputs::NONE)
+                .unwrap();
             out.push((
                 format!("{name}, padded"),
                 padded.log_probs.get(at as i64).narrow(0, 0, r),

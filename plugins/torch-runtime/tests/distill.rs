@@ -5,10 +5,10 @@
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
+use verl_torch_runtime::ScoreOutputs;
 use verl_torch_runtime::distill::{
     DistillLossMode, TopkKlConfig, fused_scores, topk_kl, topk_log_probs,
 };
-use verl_torch_runtime::ScoreOutputs;
 
 #[derive(Deserialize)]
 struct Case {

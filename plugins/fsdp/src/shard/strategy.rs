@@ -152,13 +152,7 @@ impl ShardedStrategy {
         self.run(|model, group| {
             let context = self.context(model, rows)?;
             let scores = model.forward(group, &context, |m, hidden| {
-                m.response_scores_in(
-                    hidden,
-                    &context,
-                    rows.response_len,
-                    temperature,
-                    outputs,
-                )
+                m.response_scores_in(hidden, &context, rows.response_len, temperature, outputs)
             })?;
             Ok((scores, context))
         })

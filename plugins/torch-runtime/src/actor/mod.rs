@@ -416,7 +416,7 @@ impl<S: Strategy> ActorWorker<S> {
             keys::ADVANTAGES,
         ];
         if !on_policy {
-            wanted.push(keys::OLD_LOG_PROBS);
+            wanted.insert(4, keys::OLD_LOG_PROBS);
         }
         if self.settings.kl_loss.is_some() {
             wanted.push(keys::REF_LOG_PROB);
@@ -747,22 +747,43 @@ fn actor_micro_step<S: Strategy>(
                 objective: DistillObjective::Estimator(penalty),
                 ..
             },
-        ) => strategy.backward_scores_aux(micro, temperature, outputs, aux_weight, &mut |scores| {
-            let per_token = kl_penalty(&scores.log_probs, micro.get(TEACHER_LOGPROBS), penalty);
-            actor_loss(
-                s,
-                micro,
-                scale,
-                scores,
-                Some((&d, per_token)),
-                on_policy,
-                metrics,
-                &mut losses,
-            )
-        })?,
-        None => strategy.backward_scores_aux(micro, temperature, outputs, aux_weight, &mut |scores| {
-            actor_loss(s, micro, scale, scores, None, on_policy, metrics, &mut losses)
-        })?,
+        ) => strategy.backward_scores_aux(
+            micro,
+            temperature,
+            outputs,
+            aux_weight,
+            &mut |scores| {
+                let per_token = kl_penalty(&scores.log_probs, micro.get(TEACHER_LOGPROBS), penalty);
+                actor_loss(
+                    s,
+                    micro,
+                    scale,
+                    scores,
+                    Some((&d, per_token)),
+                    on_policy,
+                    metrics,
+                    &mut losses,
+                )
+            },
+        )?,
+        None => strategy.backward_scores_aux(
+            micro,
+            temperature,
+            outputs,
+            aux_weight,
+            &mut |scores| {
+                actor_loss(
+                    s,
+                    micro,
+                    scale,
+                    scores,
+                    None,
+                    on_policy,
+                    metrics,
+                    &mut losses,
+                )
+            },
+        )?,
     };
     if let Some(aux) = aux {
         metrics.push("actor/moe_aux_loss", aux);

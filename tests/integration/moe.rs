@@ -31,6 +31,10 @@ fn an_moe_grpo_run_replays_the_rollouts_routing() {
             "quickstart.model.num_experts=4",
             "quickstart.model.num_experts_per_tok=2",
             "quickstart.task.val_size=16",
+            // One record per training step.
+            "trainer.val_before_train=false",
+            // Enough warm-up that some answers score (else every advantage is 0 and nothing moves).
+            "sft.steps=40",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.router_replay.mode=R3",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",

@@ -594,6 +594,8 @@ impl Trainer {
             .init(&plugin_init(&config, Slot::Checkpoint, sync, kwargs, &run))
             .context(|| format!("initialising the weight sync `{}`", sync.name))?;
 
+        let sources = train.iter().chain(&val).map(|(s, _)| s.data_source.as_str());
+        reward::check_sources(&config, sources)?;
         let reward_component = reward::select::resolve(registry, &config)?;
         let mut reward = reward_component.create_reward()?;
         reward

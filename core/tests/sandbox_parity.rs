@@ -29,7 +29,10 @@ struct FakeServer {
 
 impl FakeServer {
     fn start() -> Self {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/fake_sandbox_fusion.py");
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../scripts/fake_sandbox_fusion.py"
+        );
         let mut child = Command::new("python3")
             .args([script, "--port", "0"])
             .stdout(Stdio::piped())
@@ -48,7 +51,11 @@ impl FakeServer {
     }
 
     fn sandbox(&self, path: &str, max_concurrent: usize, memory_limit_mb: i64) -> Sandbox {
-        sandbox_at(&format!("{}{path}", self.base), max_concurrent, memory_limit_mb)
+        sandbox_at(
+            &format!("{}{path}", self.base),
+            max_concurrent,
+            memory_limit_mb,
+        )
     }
 
     /// Requests the server received per path.
@@ -143,23 +150,18 @@ fn the_client_follows_sandbox_fusions_schema() {
         keys(&serde_json::to_value(&response).unwrap()),
         field_names(&schema, "RunCodeResponse")
     );
-    let names = |values: &[Value]| values.to_vec();
-    assert_eq!(
-        names(&[
-            json!(RunStatus::Success),
-            json!(RunStatus::Failed),
-            json!(RunStatus::SandboxError)
-        ]),
-        schema["enums"]["RunStatus"].as_array().unwrap().clone()
-    );
-    assert_eq!(
-        names(&[
-            json!(CommandRunStatus::Finished),
-            json!(CommandRunStatus::Error),
-            json!(CommandRunStatus::TimeLimitExceeded)
-        ]),
-        schema["enums"]["CommandRunStatus"].as_array().unwrap().clone()
-    );
+    let statuses = [
+        RunStatus::Success,
+        RunStatus::Failed,
+        RunStatus::SandboxError,
+    ];
+    assert_eq!(json!(statuses), schema["enums"]["RunStatus"]);
+    let statuses = [
+        CommandRunStatus::Finished,
+        CommandRunStatus::Error,
+        CommandRunStatus::TimeLimitExceeded,
+    ];
+    assert_eq!(json!(statuses), schema["enums"]["CommandRunStatus"]);
     // Fields a newer server adds are ignored; a status outside the schema is not accepted.
     let extended: RunCodeResponse = serde_json::from_value(json!({
         "status": "Failed", "message": "", "run_result": {"status": "TimeLimitExceeded",
@@ -170,7 +172,10 @@ fn the_client_follows_sandbox_fusions_schema() {
         extended.run_result.unwrap().status,
         CommandRunStatus::TimeLimitExceeded
     );
-    assert!(serde_json::from_value::<RunCodeResponse>(json!({"status": "Done", "message": ""})).is_err());
+    assert!(
+        serde_json::from_value::<RunCodeResponse>(json!({"status": "Done", "message": ""}))
+            .is_err()
+    );
 }
 
 #[test]
@@ -226,7 +231,10 @@ fn scores_match_verl() {
         }
     }
     let passed = scores.iter().filter(|s| s.score == 1.0).count();
-    let partial = scores.iter().filter(|s| s.score > 0.0 && s.score < 1.0).count();
+    let partial = scores
+        .iter()
+        .filter(|s| s.score > 0.0 && s.score < 1.0)
+        .count();
     eprintln!(
         "{} samples ({passed} all passed, {partial} partly) and {} C++ checks against verl",
         samples.len(),
@@ -257,21 +265,42 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     let score = sandbox_at(&url, 2, 1024).score(&[task.clone()]).remove(0);
     assert_eq!(score.score, 0.0);
     for case in &score.cases {
-        assert_eq!((case.verdict, &*case.status), (Verdict::ApiError, "api_error"));
+        assert_eq!(
+            (case.verdict, &*case.status),
+            (Verdict::ApiError, "api_error")
+        );
         assert!(case.detail.as_ref().unwrap().contains(&url), "{case:?}");
     }
 
     // 504 is retried (3 attempts, 1 s then 2 s apart), other statuses are not.
-    let score = server.sandbox("/status/504", 2, 1024).score(&[task.clone()]).remove(0);
+    let score = server
+        .sandbox("/status/504", 2, 1024)
+        .score(&[task.clone()])
+        .remove(0);
     let detail = score.cases[0].detail.as_deref().unwrap();
-    assert!(detail.contains("Gateway Timeout (504) on attempt 3/3"), "{detail}");
-    let score = server.sandbox("/status/500", 1, 1024).score(&[task.clone()]).remove(0);
+    assert!(
+        detail.contains("Gateway Timeout (504) on attempt 3/3"),
+        "{detail}"
+    );
+    let score = server
+        .sandbox("/status/500", 1, 1024)
+        .score(&[task.clone()])
+        .remove(0);
     let detail = score.cases[1].detail.as_deref().unwrap();
-    assert!(detail.contains("HTTP 500") && detail.contains("fault injected"), "{detail}");
+    assert!(
+        detail.contains("HTTP 500") && detail.contains("fault injected"),
+        "{detail}"
+    );
     // An answer that is not JSON.
-    let score = server.sandbox("/malformed", 1, 1024).score(&[task.clone()]).remove(0);
+    let score = server
+        .sandbox("/malformed", 1, 1024)
+        .score(&[task.clone()])
+        .remove(0);
     let detail = score.cases[0].detail.as_deref().unwrap();
-    assert!(detail.contains("not SandboxFusion's RunCodeResponse"), "{detail}");
+    assert!(
+        detail.contains("not SandboxFusion's RunCodeResponse"),
+        "{detail}"
+    );
     assert!(score.cases.iter().all(|c| c.verdict == Verdict::ApiError));
     assert_eq!(
         server.requests(),
@@ -279,7 +308,10 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     );
 
     // The same test cases through the real endpoint pass.
-    let score = server.sandbox("/run_code", 2, 1024).score(&[task]).remove(0);
+    let score = server
+        .sandbox("/run_code", 2, 1024)
+        .score(&[task])
+        .remove(0);
     assert_eq!(score.score, 1.0);
 }
 
@@ -289,18 +321,37 @@ fn test_cases_verl_cannot_read_score_zero_without_a_request() {
     let sandbox = sandbox_at("http://127.0.0.1:9/run_code", 1, 1024);
     let cases = [
         (json!("{\"inputs\": [1"), "Invalid test_cases JSON format"),
-        (json!({"inputs": ["1"]}), "Invalid test_cases structure (missing inputs/outputs)"),
-        (json!({}), "Invalid test_cases structure (missing inputs/outputs)"),
-        (json!(7), "Invalid test_cases structure (missing inputs/outputs)"),
-        (json!({"inputs": "1", "outputs": "1"}), "Invalid test_cases structure (missing inputs/outputs)"),
+        (
+            json!({"inputs": ["1"]}),
+            "Invalid test_cases structure (missing inputs/outputs)",
+        ),
+        (
+            json!({}),
+            "Invalid test_cases structure (missing inputs/outputs)",
+        ),
+        (
+            json!(7),
+            "Invalid test_cases structure (missing inputs/outputs)",
+        ),
+        (
+            json!({"inputs": "1", "outputs": "1"}),
+            "Invalid test_cases structure (missing inputs/outputs)",
+        ),
     ];
     for (truth, problem) in &cases {
         let score = sandbox.score(&[one_case_task(truth)]).remove(0);
-        assert_eq!((score.score, score.problem), (0.0, Some(*problem)), "{truth}");
+        assert_eq!(
+            (score.score, score.problem),
+            (0.0, Some(*problem)),
+            "{truth}"
+        );
     }
     let truth = json!({"inputs": ["1"], "outputs": ["1"]});
     let score = sandbox.score(&[Task::new("print(1)", &truth)]).remove(0);
-    assert_eq!(score.problem, Some("Invalid completion (missing code block)"));
+    assert_eq!(
+        score.problem,
+        Some("Invalid completion (missing code block)")
+    );
     // Mismatched counts: one error entry per input, as verl.
     let truth = json!({"inputs": ["1", "2"], "outputs": ["1"]});
     let score = sandbox.score(&[one_case_task(&truth)]).remove(0);
@@ -308,7 +359,10 @@ fn test_cases_verl_cannot_read_score_zero_without_a_request() {
     // No inputs: no case, score 0.
     let truth = json!({"inputs": [], "outputs": []});
     let score = sandbox.score(&[one_case_task(&truth)]).remove(0);
-    assert_eq!((score.score, score.cases.len(), score.problem), (0.0, 0, None));
+    assert_eq!(
+        (score.score, score.cases.len(), score.problem),
+        (0.0, 0, None)
+    );
 }
 
 #[test]
@@ -318,11 +372,18 @@ fn bad_settings_name_the_key() {
         url: Some(u.into()),
         ..SandboxFusionConfig::default()
     };
-    assert!(err(url("localhost:8080/run_code")).contains("reward_model.sandbox_fusion.url=localhost:8080"));
+    assert!(
+        err(url("localhost:8080/run_code"))
+            .contains("reward_model.sandbox_fusion.url=localhost:8080")
+    );
     let zero = SandboxFusionConfig {
         max_concurrent: 0,
         ..url("http://127.0.0.1:8080/run_code")
     };
     assert!(err(zero).contains("reward_model.sandbox_fusion.max_concurrent"));
-    assert!(Sandbox::from_config(&SandboxFusionConfig::default()).unwrap().is_none());
+    assert!(
+        Sandbox::from_config(&SandboxFusionConfig::default())
+            .unwrap()
+            .is_none()
+    );
 }

@@ -331,12 +331,62 @@ mod tests {
     }
 
     #[test]
+    fn code_sources_need_a_sandbox() {
+        let err = compute_score("taco", "```python\nprint(1)\n```", "{}").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("data_source `taco`")
+                && text.contains("reward_model.sandbox_fusion.url")
+                && text.contains("prime_code")
+                && text.contains("reward_server.py"),
+            "{text}"
+        );
+        let request = RewardRequest::new(vec![
+            verl_plugin_api::RewardItem::new("openai/gsm8k", "#### 1", "1"),
+            verl_plugin_api::RewardItem::new("apps", "```python\nprint(1)\n```", "{}"),
+        ]);
+        let err = RuleReward::default().compute(&request).unwrap_err();
+        assert!(
+            err.message().contains("item 1") && err.message().contains("`apps`"),
+            "{err}"
+        );
+        // Checked before a run: only when the rule reward scores it.
+        let mut config = Config::default();
+        let sources = ["openai/gsm8k", "codeforces"];
+        let err = check_sources(&config, sources).unwrap_err().to_string();
+        assert!(err.contains("`codeforces`"), "{err}");
+        assert!(check_sources(&config, ["openai/gsm8k"]).is_ok());
+        config.reward_model.sandbox_fusion.url = Some("http://127.0.0.1:8080/run_code".into());
+        assert!(check_sources(&config, sources).is_ok());
+        config.reward_model.sandbox_fusion.url = None;
+        config.custom_reward_function.path = Some("http://127.0.0.1:8000".into());
+        assert!(check_sources(&config, sources).is_ok());
+    }
+
+    #[test]
+    fn the_rule_component_reads_its_sandbox_settings() {
+        let init = |section: Value| {
+            let mut reward = RuleReward::default();
+            reward
+                .init(&ComponentInit::new(section, Default::default()))
+                .map(|()| reward.sandbox.map(|s| s.url().to_owned()))
+        };
+        assert_eq!(init(serde_json::json!({"path": null})).unwrap(), None);
+        let url = "http://127.0.0.1:8080/run_code";
+        let section = serde_json::json!({"sandbox_fusion": {"url": url, "max_concurrent": 2, "memory_limit_mb": -1}});
+        assert_eq!(init(section).unwrap().as_deref(), Some(url));
+        let err = init(serde_json::json!({"sandbox_fusion": {"url": url, "max_concurent": 2}}))
+            .unwrap_err();
+        assert!(err.message().contains("max_concurent"), "{err}");
+    }
+
+    #[test]
     fn the_component_names_the_failing_item() {
         let request = RewardRequest::new(vec![
             verl_plugin_api::RewardItem::new("openai/gsm8k", "#### 1", "1"),
             verl_plugin_api::RewardItem::new("nope", "x", "y"),
         ]);
-        let err = RuleReward.compute(&request).unwrap_err();
+        let err = RuleReward::default().compute(&request).unwrap_err();
         assert!(
             err.message().contains("item 1") && err.message().contains("nope"),
             "{err}"

@@ -478,6 +478,11 @@ impl Trainer {
             &data.prompt_key,
             data.val_max_samples,
         )?;
+        let sources = train
+            .iter()
+            .chain(&val)
+            .map(|(s, _)| s.data_source.as_str());
+        reward::check_sources(&config, sources)?;
         if !data.val_files.is_empty() && val.is_empty() {
             return Err(TrainError::Invalid(format!(
                 "data.val_files ({}) hold no prompts (after filtering); give files with prompts or none",
@@ -594,8 +599,6 @@ impl Trainer {
             .init(&plugin_init(&config, Slot::Checkpoint, sync, kwargs, &run))
             .context(|| format!("initialising the weight sync `{}`", sync.name))?;
 
-        let sources = train.iter().chain(&val).map(|(s, _)| s.data_source.as_str());
-        reward::check_sources(&config, sources)?;
         let reward_component = reward::select::resolve(registry, &config)?;
         let mut reward = reward_component.create_reward()?;
         reward

@@ -116,7 +116,10 @@ mod tests {
     fn the_solution_is_embedded_verbatim_and_the_name_quoted() {
         let program = call_based("def f(x):\n    return x\n", "f\"x");
         assert!(program.contains("\ndef f(x):\n    return x\n\n"));
-        assert!(program.ends_with("_verl_core_call(\"f\\\"x\")\n"), "{program}");
+        assert!(
+            program.ends_with("_verl_core_call(\"f\\\"x\")\n"),
+            "{program}"
+        );
         assert!(program.contains("for _module_name in (\"string\", \"re\", "));
     }
 }

@@ -353,7 +353,8 @@ impl Sandbox {
                 });
             }
         }
-        let slots: Vec<Mutex<Option<CaseOutcome>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
+        let slots: Vec<Mutex<Option<CaseOutcome>>> =
+            jobs.iter().map(|_| Mutex::new(None)).collect();
         let next = AtomicUsize::new(0);
         std::thread::scope(|scope| {
             for _ in 0..self.max_concurrent.min(jobs.len()) {
@@ -395,7 +396,9 @@ impl Sandbox {
             .map(|cases| {
                 let mut cases: Vec<CaseOutcome> = cases
                     .into_iter()
-                    .map(|o| o.unwrap_or_else(|| CaseOutcome::new(Verdict::ApiError, "internal_error")))
+                    .map(|o| {
+                        o.unwrap_or_else(|| CaseOutcome::new(Verdict::ApiError, "internal_error"))
+                    })
                     .collect();
                 spread_compile_error(&mut cases);
                 cases
@@ -477,4 +480,205 @@ fn pass_rate(cases: &[CaseOutcome], continuous: bool) -> f64 {
         .filter(|c| c.verdict == Verdict::Passed)
         .count();
     passed as f64 / considered.len() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::api::CommandRunResult;
+    use super::*;
+
+    #[test]
+    fn code_is_extracted_by_verls_fence_rules() {
+        let cases = [
+            ("a\n```python\nx = 1\n```\nb", Some("\nx = 1\n")),
+            // The last ```python block wins, even after a bare one.
+            (
+                "```python\n1\n```\n```\n2\n```\n```python\n3\n```",
+                Some("\n3\n"),
+            ),
+            // Unclosed: everything after the tag.
+            ("```python\nprint(1)", Some("\nprint(1)")),
+            // ```python3 leaves "3" as the first line of code.
+            ("```python3\nx\n```", Some("3\nx\n")),
+            // A bare fence: the first block, less a language tag.
+            ("```cpp\nint x;\n```\n```\ny\n```", Some("int x;\n")),
+            ("``` py \nz\n```", Some("z\n")),
+            ("```c++\nz\n```", Some("c++\nz\n")),
+            ("```\nz\n```", Some("\nz\n")),
+            ("```z```", Some("z")),
+            ("no fence", None),
+        ];
+        for (completion, code) in cases {
+            assert_eq!(extract_code(completion), code, "{completion:?}");
+        }
+    }
+
+    fn response(
+        status: RunStatus,
+        compile: Option<(CommandRunStatus, Option<i64>)>,
+        run: Option<(CommandRunStatus, Option<i64>, &str)>,
+    ) -> RunCodeResponse {
+        let result = |status, return_code, stdout: &str| CommandRunResult {
+            status,
+            execution_time: Some(0.1),
+            return_code,
+            stdout: Some(stdout.into()),
+            stderr: None,
+        };
+        RunCodeResponse {
+            status,
+            message: String::new(),
+            compile_result: compile.map(|(s, rc)| result(s, rc, "")),
+            run_result: run.map(|(s, rc, out)| result(s, rc, out)),
+            executor_pod_name: None,
+            files: Default::default(),
+        }
+    }
+
+    #[test]
+    fn runs_are_classified_as_verl_does() {
+        use CommandRunStatus::{Error, Finished, TimeLimitExceeded as Tle};
+        use RunStatus::{Failed, SandboxError, Success};
+        let expected = json!("3");
+        let cases = [
+            (
+                response(Success, None, Some((Finished, Some(0), "3\n\n"))),
+                Verdict::Passed,
+                "success",
+            ),
+            (
+                response(Success, None, Some((Finished, Some(0), "3 \n"))),
+                Verdict::WrongAnswer,
+                "wrong_answer",
+            ),
+            (
+                response(Success, None, Some((Tle, None, ""))),
+                Verdict::ApiError,
+                "unexpected_success_state",
+            ),
+            (
+                response(Success, None, None),
+                Verdict::ApiError,
+                "unexpected_success_state",
+            ),
+            (
+                response(SandboxError, None, Some((Error, None, ""))),
+                Verdict::ApiError,
+                "sandbox_error",
+            ),
+            (
+                response(Failed, Some((Finished, Some(1))), None),
+                Verdict::CompileError,
+                "compile_error",
+            ),
+            (
+                response(Failed, Some((Tle, None)), None),
+                Verdict::CompileError,
+                "compile_timeout",
+            ),
+            (
+                response(Failed, Some((Finished, Some(0))), Some((Tle, None, ""))),
+                Verdict::Timeout,
+                "timeout",
+            ),
+            (
+                response(Failed, None, Some((Finished, Some(1), "3"))),
+                Verdict::RuntimeError,
+                "runtime_error",
+            ),
+            (
+                response(Failed, None, Some((Finished, None, ""))),
+                Verdict::RuntimeError,
+                "runtime_error",
+            ),
+            (
+                response(Failed, None, Some((Finished, Some(0), "3"))),
+                Verdict::ApiError,
+                "unknown_failure",
+            ),
+            (
+                response(Failed, None, None),
+                Verdict::ApiError,
+                "unknown_failure_state",
+            ),
+        ];
+        for (response, verdict, status) in cases {
+            let outcome = classify(&response, &expected);
+            assert_eq!(
+                (outcome.verdict, &*outcome.status),
+                (verdict, status),
+                "{response:?}"
+            );
+        }
+        // An expected output of None accepts anything; others compare as Python's str().
+        let any = response(Success, None, Some((Finished, Some(0), "whatever")));
+        assert_eq!(classify(&any, &Value::Null).verdict, Verdict::Passed);
+        let list = response(Success, None, Some((Finished, Some(0), "[1, 'a']\n")));
+        assert_eq!(classify(&list, &json!([1, "a"])).verdict, Verdict::Passed);
+        let boolean = response(Success, None, Some((Finished, Some(0), "true\n")));
+        assert_eq!(
+            classify(&boolean, &json!(true)).verdict,
+            Verdict::WrongAnswer
+        );
+    }
+
+    #[test]
+    fn a_compile_error_marks_the_later_cases_and_scores_count_passes() {
+        let case = |verdict| CaseOutcome::new(verdict, "x");
+        let mut cases = vec![
+            case(Verdict::Passed),
+            case(Verdict::CompileError),
+            case(Verdict::Passed),
+            case(Verdict::Timeout),
+            case(Verdict::CompileError),
+        ];
+        spread_compile_error(&mut cases);
+        let statuses: Vec<&str> = cases.iter().map(|c| &*c.status).collect();
+        assert_eq!(
+            statuses,
+            [
+                "x",
+                "x",
+                "compile_error_skipped",
+                "compile_error_skipped",
+                "x"
+            ]
+        );
+        assert_eq!(cases[3].verdict, Verdict::CompileError);
+        assert_eq!(pass_rate(&cases, true), 0.2);
+        // 12 cases, the first 10 passing once: continuous 1/10, over all 3/12.
+        let mut many = vec![case(Verdict::WrongAnswer); 12];
+        many[0] = case(Verdict::Passed);
+        many[10] = case(Verdict::Passed);
+        many[11] = case(Verdict::Passed);
+        assert_eq!(pass_rate(&many, true), 0.1);
+        assert_eq!(pass_rate(&many, false), 0.25);
+        assert_eq!(pass_rate(&[], true), 0.0);
+    }
+
+    #[test]
+    fn test_cases_parse_as_verl_reads_them() {
+        let cases = TestCases::parse(&json!(
+            r#"{"fn_name": "f", "inputs": ["1"], "outputs": [2]}"#
+        ))
+        .unwrap();
+        assert_eq!(cases.fn_name.as_deref(), Some("f"));
+        assert_eq!(
+            (cases.inputs, cases.outputs),
+            (vec![json!("1")], vec![json!(2)])
+        );
+        let asserts =
+            TestCases::parse(&json!({"assert_case": ["assert f()", "assert g()"]})).unwrap();
+        assert_eq!(asserts.inputs, vec![json!(""); 2]);
+        assert_eq!(asserts.outputs, vec![Value::Null; 2]);
+        // An empty fn_name is none, as in verl.
+        let plain = TestCases::parse(&json!({"fn_name": "", "inputs": [], "outputs": []})).unwrap();
+        assert_eq!(plain.fn_name, None);
+        assert_eq!(
+            TestCases::parse(&json!({"assert_case": [1]})).unwrap_err(),
+            "Unhandled exception: assert_case items must be strings"
+        );
+    }
 }

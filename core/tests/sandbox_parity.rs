@@ -262,7 +262,9 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/run_code", closed.local_addr().unwrap());
     drop(closed);
-    let score = sandbox_at(&url, 2, 1024).score(&[task.clone()]).remove(0);
+    let score = sandbox_at(&url, 2, 1024)
+        .score(std::slice::from_ref(&task))
+        .remove(0);
     assert_eq!(score.score, 0.0);
     for case in &score.cases {
         assert_eq!(
@@ -275,7 +277,7 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     // 504 is retried (3 attempts, 1 s then 2 s apart), other statuses are not.
     let score = server
         .sandbox("/status/504", 2, 1024)
-        .score(&[task.clone()])
+        .score(std::slice::from_ref(&task))
         .remove(0);
     let detail = score.cases[0].detail.as_deref().unwrap();
     assert!(
@@ -284,7 +286,7 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     );
     let score = server
         .sandbox("/status/500", 1, 1024)
-        .score(&[task.clone()])
+        .score(std::slice::from_ref(&task))
         .remove(0);
     let detail = score.cases[1].detail.as_deref().unwrap();
     assert!(
@@ -294,7 +296,7 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     // An answer that is not JSON.
     let score = server
         .sandbox("/malformed", 1, 1024)
-        .score(&[task.clone()])
+        .score(std::slice::from_ref(&task))
         .remove(0);
     let detail = score.cases[0].detail.as_deref().unwrap();
     assert!(

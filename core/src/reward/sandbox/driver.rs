@@ -6,31 +6,11 @@
 //! stderr and the program still exits 0 — verl's wrapper does the same, so such a case counts as
 //! a wrong answer rather than a runtime error, as in verl.
 
-/// Modules whose public names come into scope before the solution, in this order: later ones
-/// win, so `builtins` restores `pow`, `open` and `exit` over those of `math`, `io` and `sys`.
-/// Solutions that use `Counter`, `sqrt` or `List` without importing them work, as under verl.
-const STAR_MODULES: [&str; 18] = [
-    "string",
-    "re",
-    "datetime",
-    "collections",
-    "heapq",
-    "bisect",
-    "copy",
-    "math",
-    "random",
-    "statistics",
-    "itertools",
-    "functools",
-    "operator",
-    "io",
-    "sys",
-    "json",
-    "builtins",
-    "typing",
-];
-
-/// Then bound by their own names (`time` stays `datetime.time`, as under verl).
+/// Modules whose public names come into scope before the solution, in this order, followed by
+/// `builtins` and `typing`: later ones win, so `builtins` restores `pow`, `open` and `exit` over
+/// those of `math`, `io` and `sys`. Solutions that use `Counter`, `sqrt` or `List` without
+/// importing them work, as under verl. Then each is bound by its own name (`time` stays
+/// `datetime.time`, as under verl).
 const MODULES: [&str; 16] = [
     "string",
     "re",
@@ -61,7 +41,7 @@ pub fn call_based(solution: &str, fn_name: &str) -> String {
     format!(
         r#"import traceback
 import importlib as _importlib
-for _module_name in ({star}):
+for _module_name in ({modules}"builtins", "typing"):
     _module = _importlib.import_module(_module_name)
     _public = getattr(_module, "__all__", None)
     if _public is None:
@@ -103,7 +83,6 @@ def _verl_core_call(_name):
 
 _verl_core_call({name})
 "#,
-        star = python_tuple(&STAR_MODULES),
         modules = python_tuple(&MODULES),
     )
 }

@@ -17,7 +17,8 @@ or an unknown language is answered 422 — stricter than SandboxFusion, which ig
 fields, so that a misspelt key fails the tests.
 
 Faults for the error-path tests: `POST /status/<code>` answers HTTP <code>; `POST /malformed`
-answers 200 with a body that is not JSON; `GET /requests` answers `{path: requests received}`.
+answers 200 with a body that is not JSON; `GET /requests` answers `{path: requests received}`;
+`GET /max_in_flight` answers the most `/run_code` requests it was running at once.
 `--port 0` picks a free port; the server prints `listening on http://HOST:PORT` once it accepts
 requests. Never expose it: it executes whatever it is sent.
 """
@@ -130,6 +131,7 @@ def invalid(request):
 
 class Handler(BaseHTTPRequestHandler):
     counts = {}
+    in_flight = [0, 0]  # now, most
     lock = threading.Lock()
 
     def answer(self, status, body: bytes, content_type="application/json"):
@@ -140,9 +142,9 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
-        if self.path == "/requests":
+        if self.path in ("/requests", "/max_in_flight"):
             with self.lock:
-                body = json.dumps(self.counts)
+                body = json.dumps(self.counts if self.path == "/requests" else self.in_flight[1])
             self.answer(200, body.encode())
         else:
             self.answer(404, b'{"detail": "Not Found"}')
@@ -170,7 +172,15 @@ class Handler(BaseHTTPRequestHandler):
         if why:
             self.answer(422, json.dumps({"detail": why}).encode())
             return
-        self.answer(200, json.dumps(run_code(request)).encode())
+        with self.lock:
+            self.in_flight[0] += 1
+            self.in_flight[1] = max(self.in_flight)
+        try:
+            response = run_code(request)
+        finally:
+            with self.lock:
+                self.in_flight[0] -= 1
+        self.answer(200, json.dumps(response).encode())
 
     def log_message(self, *args):
         pass

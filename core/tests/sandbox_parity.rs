@@ -17,6 +17,8 @@ use verl_core::reward::sandbox::api::{
     CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus,
 };
 use verl_core::reward::sandbox::{Check, CodeScore, Sandbox, Task, TestCases, Verdict};
+use verl_core::reward::{RuleReward, ground_truth_value};
+use verl_plugin_api::{ComponentInit, Reward, RewardItem, RewardRequest};
 
 const REFERENCE: &str = include_str!("data/verl_sandbox_reference.json");
 const SCHEMA: &str = include_str!("data/sandbox_fusion_schema.json");
@@ -58,11 +60,11 @@ impl FakeServer {
         )
     }
 
-    /// Requests the server received per path.
-    fn requests(&self) -> Value {
-        let mut response = ureq::get(&format!("{}/requests", self.base))
+    /// `GET path`'s answer: `/requests` (per path), `/max_in_flight`.
+    fn get(&self, path: &str) -> Value {
+        let mut response = ureq::get(&format!("{}{path}", self.base))
             .call()
-            .expect("GET /requests");
+            .expect("a GET");
         serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap()
     }
 }
@@ -305,7 +307,7 @@ fn failures_to_reach_the_sandbox_are_verls_api_errors() {
     );
     assert!(score.cases.iter().all(|c| c.verdict == Verdict::ApiError));
     assert_eq!(
-        server.requests(),
+        server.get("/requests"),
         json!({"/status/504": 6, "/status/500": 2, "/malformed": 2})
     );
 
@@ -388,4 +390,41 @@ fn bad_settings_name_the_key() {
             .unwrap()
             .is_none()
     );
+}
+
+/// The rule reward scores a batch mixing code and math sources in order, the code ones through
+/// the sandbox with at most `max_concurrent` runs at once.
+#[test]
+fn the_rule_reward_scores_code_sources_through_the_sandbox() {
+    let server = FakeServer::start();
+    let mut reward = RuleReward::default();
+    let section = json!({"sandbox_fusion": {"url": format!("{}/run_code", server.base),
+        "max_concurrent": 3, "memory_limit_mb": 1024}});
+    reward
+        .init(&ComponentInit::new(section, Default::default()))
+        .unwrap();
+    // As the trainer hands ground truths over: JSON text of an object becomes the object.
+    let io = ground_truth_value(
+        r#"{"inputs": ["1 2\n", "5 5\n", "0 0\n", "2 2\n"], "outputs": ["3", "10", "0", "4"]}"#,
+    );
+    let call = ground_truth_value(
+        r#"{"fn_name": "add", "inputs": ["1\n2", "3\n4"], "outputs": ["3", "7"]}"#,
+    );
+    let slow_add = "```python\nimport time\ntime.sleep(0.3)\na, b = map(int, input().split())\nprint(a + b)\n```";
+    let items = vec![
+        RewardItem::new("openai/gsm8k", "#### 3", "3"),
+        RewardItem::new("codecontests", slow_add, io.clone()),
+        RewardItem::new("apps", "```python\nprint(0)\n```", io.clone()),
+        RewardItem::new(
+            "taco",
+            "```python\ndef add(a, b):\n    return a + b\n```",
+            call,
+        ),
+        RewardItem::new("codeforces", "no code here", io),
+        RewardItem::new("openai/gsm8k", "#### 4", "3"),
+    ];
+    let output = reward.compute(&RewardRequest::new(items)).unwrap();
+    let scores: Vec<f64> = output.scores.iter().map(|s| s.score).collect();
+    assert_eq!(scores, [1.0, 1.0, 0.25, 1.0, 0.0, 0.0]);
+    assert_eq!(server.get("/max_in_flight"), json!(3));
 }

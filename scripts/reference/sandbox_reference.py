@@ -230,7 +230,7 @@ def call_case(rng):
     code = {"wrong": wrong}.get(variant, right)
     inputs = ["\n".join(json.dumps(x) for x in a) for a in args]
     if variant == "partial":
-        code = right + f"\n_real = {fn}\n_calls = []\n" \
+        code = right + f"\n_real = {fn}\n" \
             f"def {fn}(*a):\n    return _real(*a) if len(str(a)) % 2 == 0 else None"
     elif variant == "missing":
         code = right.replace(f"def {fn}(", f"def {fn}_(", 1)

@@ -184,16 +184,17 @@ pub fn check_sources<'a>(
     config: &Config,
     sources: impl IntoIterator<Item = &'a str>,
 ) -> Result<(), RewardError> {
-    let sandbox = &config.reward_model.sandbox_fusion;
+    let url = config.reward_model.sandbox_fusion.url.as_deref();
+    let has_sandbox = url.is_some_and(|u| !u.is_empty());
     if RewardSource::of(&config.custom_reward_function)? != RewardSource::Rule {
-        if sandbox.url.is_some() {
+        if has_sandbox {
             tracing::warn!(
                 "reward_model.sandbox_fusion has no effect: custom_reward_function.path selects the reward"
             );
         }
         return Ok(());
     }
-    if sandbox.url.as_deref().is_some_and(|u| !u.is_empty()) {
+    if has_sandbox {
         return Ok(());
     }
     match sources

@@ -38,9 +38,10 @@ pub fn no_sandbox_message(data_source: &str) -> String {
          server (https://github.com/bytedance/SandboxFusion): set reward_model.sandbox_fusion.url \
          to its /run_code endpoint (e.g. http://127.0.0.1:8080/run_code). verl would fall back to \
          prime_code, which runs model-written code unsandboxed on the trainer host; verl-core \
-         refuses to. To score with a Python function of your own instead (at your own risk), serve \
-         it with `python3 plugins/reward-http/reward_server.py FILE.py` and set \
-         custom_reward_function.path=http://HOST:PORT"
+         refuses to. To run verl's own function anyway (at your own risk), serve a FILE.py holding \
+         `from verl.utils.reward_score import default_compute_score as compute_score` with \
+         `python3 plugins/reward-http/reward_server.py FILE.py --port 8000` where verl is installed, \
+         and set custom_reward_function.path=http://HOST:8000 (the `http` reward)"
     )
 }
 

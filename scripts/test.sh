@@ -2,7 +2,9 @@
 # The checks and tests, in tiers. `.ci/run` runs this with no argument.
 #
 #   bash scripts/test.sh fast   the crates that link neither libtorch nor Python (plugin-api, host,
-#                               core, testkit, rocm, ascend, reward-http (its reward-server test
+#                               core (its SandboxFusion test runs a fake server on the system
+#                               python3, standard library only, and g++), testkit, rocm, ascend,
+#                               reward-http (its reward-server test
 #                               runs the system python3, standard library only), the trackers'
 #                               unit tests): no
 #                               set-up, no downloads beyond crates

@@ -356,6 +356,7 @@ pub const RULES: &[Rule] = &[
     no_effect("reward_model", "only used with reward_model.enable"),
     acted("reward_model.reward_manager"),
     acted("reward_model.overlong_buffer"),
+    acted("reward_model.sandbox_fusion"),
     no_effect(
         "reward_model.launch_reward_fn_async",
         "rule rewards are computed in line, in milliseconds",

@@ -690,6 +690,30 @@ pub struct RewardModelConfig {
     pub reward_manager: String,
     pub launch_reward_fn_async: bool,
     pub overlong_buffer: OverlongBufferConfig,
+    pub sandbox_fusion: SandboxFusionConfig,
+}
+
+/// The SandboxFusion server that runs the code of the code data sources (`codecontests`,
+/// `apps`, `codeforces`, `taco`) for the rule reward (`reward_model.sandbox_fusion`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxFusionConfig {
+    /// Its `/run_code` endpoint, e.g. `http://127.0.0.1:8080/run_code`.
+    pub url: Option<String>,
+    /// Requests in flight at once.
+    pub max_concurrent: usize,
+    /// Each run's memory limit; -1: none.
+    pub memory_limit_mb: i64,
+}
+
+impl Default for SandboxFusionConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            max_concurrent: 64,
+            memory_limit_mb: 1024,
+        }
+    }
 }
 
 /// DAPO's overlong reward shaping (`reward_model.overlong_buffer`, read by the `dapo` manager).
@@ -717,6 +741,7 @@ impl Default for RewardModelConfig {
             reward_manager: "naive".into(),
             launch_reward_fn_async: false,
             overlong_buffer: OverlongBufferConfig::default(),
+            sandbox_fusion: SandboxFusionConfig::default(),
         }
     }
 }

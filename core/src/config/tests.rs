@@ -1017,6 +1017,12 @@ fn verl_style_overrides_are_acted_on_or_reported() {
         ("reward_model.reward_manager=dapo", Acted),
         ("reward_model.overlong_buffer.enable=True", Acted),
         ("reward_model.overlong_buffer.len=4096", Acted),
+        (
+            "reward_model.sandbox_fusion.url=http://127.0.0.1:8080/run_code",
+            Acted,
+        ),
+        ("reward_model.sandbox_fusion.max_concurrent=32", Acted),
+        ("reward_model.sandbox_fusion.memory_limit_mb=2048", Acted),
         ("custom_reward_function.path=/srv/libmy_reward.so", Acted),
         ("custom_reward_function.name=my_reward", Acted),
         ("+custom_reward_function.reward_kwargs.timeout_s=5", Acted),

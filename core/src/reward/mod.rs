@@ -1,6 +1,7 @@
 //! Rewards. The rule rewards are dispatched on a sample's `data_source` with verl's names and
 //! score semantics (`verl.utils.reward_score.default_compute_score`) and make up the built-in
-//! `rule` reward component; `custom_reward_function.path` selects another reward component (a
+//! `rule` reward component, code data sources scored by running the code in a SandboxFusion
+//! server ([`sandbox`]); `custom_reward_function.path` selects another reward component (a
 //! Rust plugin, or the `http` plugin for a reward server) ([`select`]). The reward manager
 //! ([`manager`]) turns the scores into each response's reward, as verl's `naive` and `dapo`
 //! managers do.
@@ -14,17 +15,21 @@ pub mod math_dapo;
 pub mod prime_math;
 mod prm800k;
 mod py;
+pub mod sandbox;
 pub mod search_r1;
 pub mod select;
 mod symbolic;
 
+use serde::Deserialize;
 use serde_json::Value;
 use verl_plugin_api::{
     ComponentInit, PluginError, Reward, RewardCapabilities, RewardOutput, RewardRequest,
     RewardScore,
 };
 
+use crate::config::{Config, SandboxFusionConfig};
 use crate::data::synthetic;
+use select::RewardSource;
 
 /// The reward of one response could not be computed.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -33,6 +38,8 @@ pub enum RewardError {
     UnknownDataSource(String),
     #[error("data_source `{data_source}`: ground truth: {reason}")]
     GroundTruth { data_source: String, reason: String },
+    #[error("{}", sandbox::no_sandbox_message(.0))]
+    NoSandbox(String),
     #[error("{0}")]
     Config(String),
 }
@@ -67,7 +74,7 @@ const PRIME_MATH_SOURCES: [&str; 6] = [
     "numina_olympiads",
 ];
 
-const KNOWN_SOURCES: [&str; 23] = [
+const KNOWN_SOURCES: [&str; 27] = [
     gsm8k::DATA_SOURCE,
     MATH_SOURCES[0],
     MATH_SOURCES[1],
@@ -91,6 +98,10 @@ const KNOWN_SOURCES: [&str; 23] = [
     SEARCH_R1_SOURCES[5],
     SEARCH_R1_SOURCES[6],
     synthetic::DATA_SOURCE,
+    sandbox::DATA_SOURCES[0],
+    sandbox::DATA_SOURCES[1],
+    sandbox::DATA_SOURCES[2],
+    sandbox::DATA_SOURCES[3],
 ];
 
 /// The ground truth as the text rules compare with.
@@ -102,7 +113,8 @@ fn ground_truth_text(ground_truth: &Value) -> std::borrow::Cow<'_, str> {
 }
 
 /// The rule score of `response` for a sample from `data_source`: verl's float, or its result
-/// dict (`math_dapo`: `score`, `acc`, `pred`).
+/// dict (`math_dapo`: `score`, `acc`, `pred`). The code sources need a sandbox
+/// ([`RuleReward`] has one): here they are [`RewardError::NoSandbox`].
 pub fn rule_score(
     data_source: &str,
     response: &str,
@@ -131,6 +143,8 @@ pub fn rule_score(
                 reason,
             })?;
         RewardScore::new(search_r1::compute_score(response, &targets))
+    } else if sandbox::DATA_SOURCES.contains(&data_source) {
+        return Err(RewardError::NoSandbox(data_source.to_owned()));
     } else if data_source == synthetic::DATA_SOURCE {
         // The synthetic task answers in GSM8K's `#### <number>` format, so it is scored the same way.
         RewardScore::new(gsm8k(&truth))
@@ -163,30 +177,93 @@ pub fn ground_truth_value(text: &str) -> Value {
     }
 }
 
-/// The built-in `rule` reward component: verl's `default_compute_score`.
+/// Fails before a run when the rule reward scores it and a data source the run uses needs a
+/// sandbox that `reward_model.sandbox_fusion.url` does not give; warns that the sandbox settings
+/// do nothing when another reward component scores the run (verl ignores them then too).
+pub fn check_sources<'a>(
+    config: &Config,
+    sources: impl IntoIterator<Item = &'a str>,
+) -> Result<(), RewardError> {
+    let url = config.reward_model.sandbox_fusion.url.as_deref();
+    let has_sandbox = url.is_some_and(|u| !u.is_empty());
+    if RewardSource::of(&config.custom_reward_function)? != RewardSource::Rule {
+        if has_sandbox {
+            tracing::warn!(
+                "reward_model.sandbox_fusion has no effect: custom_reward_function.path selects the reward"
+            );
+        }
+        return Ok(());
+    }
+    if has_sandbox {
+        return Ok(());
+    }
+    match sources
+        .into_iter()
+        .find(|s| sandbox::DATA_SOURCES.contains(s))
+    {
+        Some(source) => Err(RewardError::NoSandbox(source.to_owned())),
+        None => Ok(()),
+    }
+}
+
+/// The built-in `rule` reward component: verl's `default_compute_score`. Its init config is
+/// the `custom_reward_function` section plus `sandbox_fusion` (`reward_model.sandbox_fusion`).
 #[derive(Debug, Default)]
-pub struct RuleReward;
+pub struct RuleReward {
+    sandbox: Option<sandbox::Sandbox>,
+}
 
 /// The name of the built-in rule reward component.
 pub const RULE_REWARD: &str = "rule";
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RuleSection {
+    sandbox_fusion: SandboxFusionConfig,
+}
 
 impl Reward for RuleReward {
     fn capabilities() -> RewardCapabilities {
         RewardCapabilities::default().data_sources(KNOWN_SOURCES)
     }
 
-    fn init(&mut self, _init: &ComponentInit) -> Result<(), PluginError> {
+    fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
+        let section: RuleSection = init.config(RULE_REWARD)?;
+        self.sandbox = sandbox::Sandbox::from_config(&section.sandbox_fusion)
+            .map_err(|e| PluginError::invalid_config(e.to_string()))?;
         Ok(())
     }
 
     fn compute(&mut self, request: &RewardRequest) -> Result<RewardOutput, PluginError> {
+        let is_code = |i: &&verl_plugin_api::RewardItem| {
+            sandbox::DATA_SOURCES.contains(&i.data_source.as_str())
+        };
+        // The code items go to the sandbox together, so that their runs overlap.
+        let code: Vec<sandbox::Task> = request
+            .items
+            .iter()
+            .filter(is_code)
+            .map(|item| sandbox::Task::new(&item.solution_str, &item.ground_truth))
+            .collect();
+        let mut code_scores = match &self.sandbox {
+            Some(sandbox) if !code.is_empty() => sandbox.score(&code),
+            _ => Vec::new(),
+        }
+        .into_iter();
         let scores = request
             .items
             .iter()
             .enumerate()
             .map(|(i, item)| {
-                rule_score(&item.data_source, &item.solution_str, &item.ground_truth)
-                    .map_err(|e| PluginError::other(format!("item {i}: {e}")))
+                let score = if is_code(&item) {
+                    code_scores
+                        .next()
+                        .map(|s| RewardScore::new(s.score))
+                        .ok_or_else(|| RewardError::NoSandbox(item.data_source.clone()))
+                } else {
+                    rule_score(&item.data_source, &item.solution_str, &item.ground_truth)
+                };
+                score.map_err(|e| PluginError::other(format!("item {i}: {e}")))
             })
             .collect::<Result<_, _>>()?;
         Ok(RewardOutput::new(scores))
@@ -255,12 +332,62 @@ mod tests {
     }
 
     #[test]
+    fn code_sources_need_a_sandbox() {
+        let err = compute_score("taco", "```python\nprint(1)\n```", "{}").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("data_source `taco`")
+                && text.contains("reward_model.sandbox_fusion.url")
+                && text.contains("prime_code")
+                && text.contains("reward_server.py"),
+            "{text}"
+        );
+        let request = RewardRequest::new(vec![
+            verl_plugin_api::RewardItem::new("openai/gsm8k", "#### 1", "1"),
+            verl_plugin_api::RewardItem::new("apps", "```python\nprint(1)\n```", "{}"),
+        ]);
+        let err = RuleReward::default().compute(&request).unwrap_err();
+        assert!(
+            err.message().contains("item 1") && err.message().contains("`apps`"),
+            "{err}"
+        );
+        // Checked before a run: only when the rule reward scores it.
+        let mut config = Config::default();
+        let sources = ["openai/gsm8k", "codeforces"];
+        let err = check_sources(&config, sources).unwrap_err().to_string();
+        assert!(err.contains("`codeforces`"), "{err}");
+        assert!(check_sources(&config, ["openai/gsm8k"]).is_ok());
+        config.reward_model.sandbox_fusion.url = Some("http://127.0.0.1:8080/run_code".into());
+        assert!(check_sources(&config, sources).is_ok());
+        config.reward_model.sandbox_fusion.url = None;
+        config.custom_reward_function.path = Some("http://127.0.0.1:8000".into());
+        assert!(check_sources(&config, sources).is_ok());
+    }
+
+    #[test]
+    fn the_rule_component_reads_its_sandbox_settings() {
+        let init = |section: Value| {
+            let mut reward = RuleReward::default();
+            reward
+                .init(&ComponentInit::new(section, Default::default()))
+                .map(|()| reward.sandbox.map(|s| s.url().to_owned()))
+        };
+        assert_eq!(init(serde_json::json!({"path": null})).unwrap(), None);
+        let url = "http://127.0.0.1:8080/run_code";
+        let section = serde_json::json!({"sandbox_fusion": {"url": url, "max_concurrent": 2, "memory_limit_mb": -1}});
+        assert_eq!(init(section).unwrap().as_deref(), Some(url));
+        let err = init(serde_json::json!({"sandbox_fusion": {"url": url, "max_concurent": 2}}))
+            .unwrap_err();
+        assert!(err.message().contains("max_concurent"), "{err}");
+    }
+
+    #[test]
     fn the_component_names_the_failing_item() {
         let request = RewardRequest::new(vec![
             verl_plugin_api::RewardItem::new("openai/gsm8k", "#### 1", "1"),
             verl_plugin_api::RewardItem::new("nope", "x", "y"),
         ]);
-        let err = RuleReward.compute(&request).unwrap_err();
+        let err = RuleReward::default().compute(&request).unwrap_err();
         assert!(
             err.message().contains("item 1") && err.message().contains("nope"),
             "{err}"

@@ -1,5 +1,7 @@
 //! The few Python string semantics verl's rules rely on, where Rust's differ.
 
+use serde_json::Value;
+
 /// Python's `str.isspace` (what `str.split()`, `str.strip()` and `re`'s `\s` use): Unicode White_Space
 /// less U+180E, plus the separators U+001C–U+001F.
 pub fn is_space(c: char) -> bool {
@@ -99,6 +101,116 @@ pub fn int_text(x: f64) -> String {
     }
 }
 
+/// Python's `str()` of a JSON value as `json.loads` gives it: a string as is, anything else as
+/// its `repr` (`True`, `None`, `[1, 'a']`, `{'k': 2.0}`). Objects come out in sorted key order
+/// (serde_json's; Python keeps the document's order) and integers beyond 64 bits as floats.
+pub fn str_of(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => {
+            let mut out = String::new();
+            repr_into(other, &mut out);
+            out
+        }
+    }
+}
+
+fn repr_into(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("None"),
+        Value::Bool(b) => out.push_str(if *b { "True" } else { "False" }),
+        Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+            (Some(i), _, _) => out.push_str(&i.to_string()),
+            (_, Some(u), _) => out.push_str(&u.to_string()),
+            (_, _, Some(f)) => out.push_str(&float_repr(f)),
+            _ => out.push_str(&n.to_string()),
+        },
+        Value::String(s) => string_repr_into(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                repr_into(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            out.push('{');
+            for (i, (key, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                string_repr_into(key, out);
+                out.push_str(": ");
+                repr_into(item, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+/// `repr(str)`: single quotes unless the text holds `'` and no `"`; backslash escapes for the
+/// quote, `\\`, `\t` `\n` `\r`, and `\xNN`/`\uNNNN` for characters Python does not print (C0/C1
+/// controls, DEL, non-ASCII spaces and separators, the soft hyphen and the common format
+/// characters; unassigned code points, which Python also escapes, are kept).
+fn string_repr_into(s: &str, out: &mut String) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\t' => out.push_str("\\t"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if !printable(c) => {
+                let code = u32::from(c);
+                out.push_str(&if code < 0x100 {
+                    format!("\\x{code:02x}")
+                } else if code < 0x10000 {
+                    format!("\\u{code:04x}")
+                } else {
+                    format!("\\U{code:08x}")
+                });
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
+/// `str.isprintable` for one character, short of Unicode's unassigned code points.
+fn printable(c: char) -> bool {
+    !(c.is_control()
+        || (c != ' ' && is_space(c))
+        || matches!(
+            c,
+            '\u{ad}'
+                | '\u{600}'..='\u{605}'
+                | '\u{61c}'
+                | '\u{6dd}'
+                | '\u{70f}'
+                | '\u{180e}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2060}'..='\u{2064}'
+                | '\u{2066}'..='\u{206f}'
+                | '\u{e000}'..='\u{f8ff}'
+                | '\u{feff}'
+                | '\u{fff9}'..='\u{fffb}'
+                | '\u{f0000}'..
+        ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,5 +238,40 @@ mod tests {
         assert_eq!(int_text(-0.5), "0");
         assert_eq!(int_text(1e20), "100000000000000000000");
         assert!(re.is_match("\x1f") && re.is_match("\u{a0}") && !re.is_match("a"));
+    }
+
+    /// Each expected text is what Python 3.11 prints for `str(json.loads(document))`, but for the
+    /// object's key order (Python: `{'b': [1], 'a': 'x'}`).
+    #[test]
+    fn str_of_json_values_as_python() {
+        let cases = [
+            (r#""a\nb""#, "a\nb"),
+            ("null", "None"),
+            ("[true, false, null]", "[True, False, None]"),
+            (
+                "[1, -2.5, 1e-05, 1e16, 3.0]",
+                "[1, -2.5, 1e-05, 1e+16, 3.0]",
+            ),
+            (
+                r#"["it's", "say \"hi\"", "both ' \"", "tab\t\\"]"#,
+                r#"["it's", 'say "hi"', 'both \' "', 'tab\t\\']"#,
+            ),
+            (r#"{"b": [1], "a": "x"}"#, "{'a': 'x', 'b': [1]}"),
+            (
+                r#"["\u0007\u00e9\u00a0\u2028\u200b\u4e2d\ud83d\ude00"]"#,
+                r"['\x07é\xa0\u2028\u200b中😀']",
+            ),
+            ("18446744073709551615", "18446744073709551615"),
+            ("[[], {}]", "[[], {}]"),
+            // Parsed correctly rounded (serde_json's `float_roundtrip`), as by Python.
+            (
+                "[9.055385138137417, 0.36363636363636365]",
+                "[9.055385138137417, 0.36363636363636365]",
+            ),
+        ];
+        for (document, python) in cases {
+            let value: Value = serde_json::from_str(document).unwrap();
+            assert_eq!(str_of(&value), python, "{document}");
+        }
     }
 }

@@ -130,17 +130,19 @@ pub fn resolve(registry: &Registry, config: &Config) -> Result<Component, Reward
     }
 }
 
-/// What the reward component is initialised with: the `custom_reward_function` section.
+/// What the reward component is initialised with: the `custom_reward_function` section, and
+/// for the rule reward `reward_model.sandbox_fusion` as `sandbox_fusion`.
 pub fn init(config: &Config, run: &RunContext) -> ComponentInit {
     let custom = &config.custom_reward_function;
-    let mut init = ComponentInit::new(
-        json!({
-            "path": custom.path,
-            "name": custom.name,
-            "reward_kwargs": custom.reward_kwargs,
-        }),
-        run.clone(),
-    );
+    let mut section = json!({
+        "path": custom.path,
+        "name": custom.name,
+        "reward_kwargs": custom.reward_kwargs,
+    });
+    if RewardSource::of(custom) == Ok(RewardSource::Rule) {
+        section["sandbox_fusion"] = json!(config.reward_model.sandbox_fusion);
+    }
+    let mut init = ComponentInit::new(section, run.clone());
     init.section_path = "custom_reward_function".into();
     init
 }

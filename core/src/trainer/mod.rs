@@ -487,6 +487,11 @@ impl Trainer {
             &data.prompt_key,
             data.val_max_samples,
         )?;
+        let sources = train
+            .iter()
+            .chain(&val)
+            .map(|(s, _)| s.data_source.as_str());
+        reward::check_sources(&config, sources)?;
         if !data.val_files.is_empty() && val.is_empty() {
             return Err(TrainError::Invalid(format!(
                 "data.val_files ({}) hold no prompts (after filtering); give files with prompts or none",

@@ -3151,4 +3151,35 @@ fn gdpo_normalises_the_reward_components_the_keys_name() {
         Faults::default(),
         "2 weights for 1 algorithm.gdpo_reward_keys",
     );
+
+/// A code data source needs `reward_model.sandbox_fusion.url`: the run fails before any
+/// component is created, naming the data source and the key.
+#[test]
+fn a_code_data_source_without_a_sandbox_fails_before_the_run() {
+    let s = setup();
+    let train = s.dir.path().join("code.jsonl");
+    let row = json!({"data_source": "codecontests", "prompt": "1+2=",
+        "reward_model": {"ground_truth": "{\"inputs\": [\"1\\n\"], \"outputs\": [\"1\"]}"}});
+    std::fs::write(&train, format!("{row}\n").repeat(4)).unwrap();
+    let mut config = s.config("code");
+    config.data.train_files = vec![train.to_string_lossy().into_owned()];
+    let log = Log::default();
+    let err = Trainer::new(
+        config.clone(),
+        &registry(&log, Faults::default()),
+        &placement(&[]),
+    )
+    .err()
+    .expect("an error")
+    .to_string();
+    assert!(
+        err.contains("data_source `codecontests`")
+            && err.contains("reward_model.sandbox_fusion.url")
+            && err.contains("unsandboxed"),
+        "{err}"
+    );
+    assert!(log.events().is_empty(), "{:?}", log.events().len());
+    // With a sandbox (none need answer before the first step) the run is set up.
+    config.reward_model.sandbox_fusion.url = Some("http://127.0.0.1:9/run_code".into());
+    assert!(Trainer::new(config, &registry(&log, Faults::default()), &placement(&[])).is_ok());
 }

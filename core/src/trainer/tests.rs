@@ -3151,6 +3151,7 @@ fn gdpo_normalises_the_reward_components_the_keys_name() {
         Faults::default(),
         "2 weights for 1 algorithm.gdpo_reward_keys",
     );
+}
 
 /// A code data source needs `reward_model.sandbox_fusion.url`: the run fails before any
 /// component is created, naming the data source and the key.

@@ -234,7 +234,13 @@ fn gdpo_from_reward_result_dicts_matches_verl() {
 /// in f32, verl-core in f64; its own f32 result is within 2.2e-7 of its f64 one on these inputs).
 fn variance_proxy_case(set: &Value, case: &Value) -> Result<(), String> {
     let params = &case["params"];
-    let [old_log_probs, sum_pi_squared, advantages, response_mask, weights] = [
+    let [
+        old_log_probs,
+        sum_pi_squared,
+        advantages,
+        response_mask,
+        weights,
+    ] = [
         "old_log_probs",
         "sum_pi_squared",
         "advantages",

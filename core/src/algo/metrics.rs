@@ -313,7 +313,10 @@ pub fn variance_proxy_metrics(
             }
             count += m;
             adv += f64::from(input.advantages.data()[t]) * m;
-            let w_t = score_norm(input.old_log_probs.data()[t], input.sum_pi_squared.data()[t]);
+            let w_t = score_norm(
+                input.old_log_probs.data()[t],
+                input.sum_pi_squared.data()[t],
+            );
             match input.rollout_is_weights {
                 Some(weights) => {
                     let rho_t = f64::from(weights.data()[t]);
@@ -604,7 +607,13 @@ mod tests {
                 rollout_is_weights: Some(&rho),
                 ..input
             }),
-            [1.0, 16.0 / 3.0, (16.0 / 3.0 - 1.0) / 2.0, 5.0 / 3.0, 4.0 / 3.0],
+            [
+                1.0,
+                16.0 / 3.0,
+                (16.0 / 3.0 - 1.0) / 2.0,
+                5.0 / 3.0,
+                4.0 / 3.0,
+            ],
         );
 
         // Σπ² below π² (inconsistent, but verl takes it): π = 0.9, Σπ² = 0 gives w = −0.8.

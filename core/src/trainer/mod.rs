@@ -33,8 +33,8 @@ use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, Rewar
 
 use crate::algo::{
     AdvEstimator, AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler,
-    KlController, Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
-    VarianceProxyInput, compute_data_metrics, filter_groups, place_scores, rollout_correction,
+    KlController, Matrix, SamplerProgress, VarianceProxyInput, apply_kl_penalty, balance_batch,
+    compute_advantage, compute_data_metrics, filter_groups, place_scores, rollout_correction,
     timing_metrics, variance_proxy_metrics,
 };
 use crate::batch;

@@ -16,7 +16,7 @@ use verl_plugin_api::{
 use verl_plugin_host::{DeviceReport, Registry};
 
 use super::{NonFinite, RunSummary, TrainError, Trainer};
-use crate::algo::{AdvEstimator, IsLevel};
+use crate::algo::{AdvEstimator, IsLevel, Matrix};
 use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
 use crate::config::{Config, NanPolicy, ResumeMode, RouterReplayMode, RsThreshold, TrainingMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
@@ -160,6 +160,14 @@ fn fake_grad_norm(step: u64) -> f64 {
 /// baseline's weights differ between the responses of a group.
 fn fake_sum_pi_squared(i: i64, t: i64) -> f32 {
     0.1 + 0.2 * ((3 * i + t) % 4) as f32
+}
+
+/// The fake actor's Σπ² of a `(rows, cols)` batch.
+fn fake_sum_pi_squared_matrix((rows, cols): (usize, usize)) -> Matrix {
+    let values = (0..rows as i64)
+        .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
+        .collect();
+    Matrix::new(rows, cols, values).unwrap()
 }
 
 fn filled(batch: &Batch, value: f32) -> Result<Tensor, PluginError> {
@@ -3001,7 +3009,7 @@ fn router_replay_needs_a_recording_rollout() {
 }
 
 /// The F32 tensors of every recorded actor update, as `[B, R]` matrices.
-fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
+fn updates(events: &[Event]) -> Vec<BTreeMap<String, Matrix>> {
     events
         .iter()
         .filter_map(|e| match e {
@@ -3009,12 +3017,8 @@ fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
                 floats
                     .iter()
                     .map(|(k, v)| {
-                        let m = crate::algo::Matrix::new(
-                            shape[0] as usize,
-                            shape[1] as usize,
-                            v.clone(),
-                        )
-                        .unwrap();
+                        let m =
+                            Matrix::new(shape[0] as usize, shape[1] as usize, v.clone()).unwrap();
                         (k.clone(), m)
                     })
                     .collect(),
@@ -3036,7 +3040,7 @@ fn refused(c: Config, faults: Faults, wanted: &str) {
 
 #[test]
 fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
-    use crate::algo::{AdvantageInput, AdvantageParams, Matrix, compute_advantage, place_scores};
+    use crate::algo::{AdvantageInput, AdvantageParams, compute_advantage, place_scores};
     let s = setup();
     let mut c = s.config("otb");
     c.trainer.total_training_steps = Some(2);
@@ -3050,18 +3054,11 @@ fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
     assert_eq!(updates.len(), 2);
     for update in &updates {
         let (mask, returns) = (&update[keys::RESPONSE_MASK], &update[keys::RETURNS]);
-        let (rows, cols) = mask.shape();
+        let rows = mask.rows();
         // The outcome reward is the return at the first token (γ = 1).
         let scores: Vec<f32> = (0..rows).map(|i| returns.row(i)[0]).collect();
         let rewards = place_scores(&scores, mask).unwrap();
-        let spp = Matrix::new(
-            rows,
-            cols,
-            (0..rows as i64)
-                .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
-                .collect(),
-        )
-        .unwrap();
+        let spp = fake_sum_pi_squared_matrix(mask.shape());
         let groups: Vec<u64> = (0..rows as u64).map(|i| i / 2).collect();
         let input = AdvantageInput {
             old_log_probs: Some(&update[keys::OLD_LOG_PROBS]),
@@ -3111,7 +3108,7 @@ fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
 /// bypass mode, which skips the log-prob pass.
 #[test]
 fn variance_proxy_metrics_come_with_sum_pi_squared() {
-    use crate::algo::{Matrix, VarianceProxyInput, variance_proxy_metrics};
+    use crate::algo::{VarianceProxyInput, variance_proxy_metrics};
     let s = setup();
     let run = |name: &str, edit: &dyn Fn(&mut Config)| {
         let mut c = s.config(name);
@@ -3142,15 +3139,7 @@ fn variance_proxy_metrics_come_with_sum_pi_squared() {
         let mut noise = 0.0;
         for ((step, m), update) in logged.iter().zip(&updates) {
             let mask = &update[keys::RESPONSE_MASK];
-            let (rows, cols) = mask.shape();
-            let spp = Matrix::new(
-                rows,
-                cols,
-                (0..rows as i64)
-                    .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
-                    .collect(),
-            )
-            .unwrap();
+            let spp = fake_sum_pi_squared_matrix(mask.shape());
             assert_eq!(update.contains_key(super::ROLLOUT_IS_WEIGHTS), weighted);
             let want = variance_proxy_metrics(&VarianceProxyInput {
                 old_log_probs: &update[keys::OLD_LOG_PROBS],

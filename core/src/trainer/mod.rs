@@ -1507,18 +1507,19 @@ impl Trainer {
                     crate::algo::masked_mean(&entropy, &mask)?,
                 ));
             }
-            // Σπ² per token, for the optimal token baselines (asked for in the meta above).
+            // Σπ² per token, for the optimal token baselines and the variance_proxy/* metrics
+            // (asked for in the meta above).
             let sum_pi_squared = match old.get(keys::SUM_PI_SQUARED) {
                 Some(t) => {
                     let m = batch::matrix(keys::SUM_PI_SQUARED, t)
                         .context(|| "actor output".to_owned())?;
                     Some(self.gather_matrix(keys::SUM_PI_SQUARED, m)?)
                 }
-                None if self.config.algorithm.adv_estimator.needs_sum_pi_squared() => {
+                None if self.config.actor_rollout_ref.actor.calculate_sum_pi_squared => {
                     return Err(TrainError::Invalid(format!(
-                        "algorithm.adv_estimator={}: actor engine `{}` returned no `{}` from compute_log_prob \
-                             (verl's actor.calculate_sum_pi_squared); an engine must compute it when the batch meta has \
-                             \"calculate_sum_pi_squared\": true",
+                        "actor_rollout_ref.actor.calculate_sum_pi_squared=True (algorithm.adv_estimator={}): actor \
+                             engine `{}` returned no `{}` from compute_log_prob; an engine must compute it when the \
+                             batch meta has \"calculate_sum_pi_squared\": true",
                         self.config.algorithm.adv_estimator.name(),
                         self.config.actor_rollout_ref.actor.strategy,
                         keys::SUM_PI_SQUARED

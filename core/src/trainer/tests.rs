@@ -3191,6 +3191,18 @@ fn variance_proxy_metrics_come_with_sum_pi_squared() {
         assert!(logged.iter().all(|(_, m)| proxies(m).is_empty()));
     }
 
+    // Asked for, an engine that does not deliver Σπ² stops the run (no metric silently missing).
+    let mut c = s.config("vproxy-missing");
+    c.actor_rollout_ref.actor.calculate_sum_pi_squared = true;
+    refused(
+        c,
+        Faults {
+            no_sum_pi_squared: true,
+            ..Faults::default()
+        },
+        "algorithm.adv_estimator=grpo): actor engine `fake` returned no `sum_pi_squared`",
+    );
+
     // Step 1 of a critic warm-up updates no actor: no grad norm, so no signal and no noise.
     let warmup = run("vproxy-warmup", &|c| {
         c.algorithm.adv_estimator = AdvEstimator::Gae;

@@ -1,7 +1,8 @@
 //! The advantage estimators, the KL estimators in the reward and the adaptive KL controller
 //! against values computed by verl's own `core_algos.py` on the same inputs
 //! (`data/verl_algos_reference.json`, made by `scripts/reference/algos_reference.py`; the verl
-//! commit is in the file). The losses are checked the same way in the torch-runtime crate.
+//! commit is in the file), and the `variance_proxy/*` metrics against its `metric_utils.py`. The
+//! losses are checked the same way in the torch-runtime crate.
 
 #[path = "support/verl_reference.rs"]
 mod verl_reference;
@@ -11,7 +12,7 @@ use verl_reference::{check_cases, close, compare, floats};
 use serde_json::Value;
 use verl_core::algo::{
     AdvEstimator, AdvantageInput, AdvantageParams, KlController, KlCtrlType, KlPenalty, Matrix,
-    compute_advantage, kl_penalty, place_scores,
+    VarianceProxyInput, compute_advantage, kl_penalty, place_scores, variance_proxy_metrics,
 };
 use verl_core::config::OverlongBufferConfig;
 use verl_core::reward::manager::RewardManager;
@@ -225,5 +226,83 @@ fn gdpo_from_reward_result_dicts_matches_verl() {
             .sum::<usize>()
             >= 12
     );
+    checked.assert_no_failures();
+}
+
+/// verl's `compute_variance_proxy_metrics` on one input set, with or without its IS weights and
+/// with or without a gradient norm: the same five keys, each within 1e-6 relative (verl computes
+/// in f32, verl-core in f64; its own f32 result is within 2.2e-7 of its f64 one on these inputs).
+fn variance_proxy_case(set: &Value, case: &Value, worst: &mut f64) -> Result<(), String> {
+    let params = &case["params"];
+    let [
+        old_log_probs,
+        sum_pi_squared,
+        advantages,
+        response_mask,
+        weights,
+    ] = [
+        "old_log_probs",
+        "sum_pi_squared",
+        "advantages",
+        "response_mask",
+        "rollout_is_weights",
+    ]
+    .map(|key| matrix(&set[key]));
+    let input = VarianceProxyInput {
+        old_log_probs: &old_log_probs,
+        sum_pi_squared: &sum_pi_squared,
+        advantages: &advantages,
+        response_mask: &response_mask,
+        rollout_is_weights: (params["rollout_is_weights"] == true).then_some(&weights),
+        grad_norm: params["grad_norm"].as_f64(),
+    };
+    let got = variance_proxy_metrics(&input).map_err(|e| e.to_string())?;
+    let want = case["metrics"].as_object().expect("metrics");
+    let keys: Vec<&String> = got.keys().collect();
+    if keys != want.keys().collect::<Vec<_>>() {
+        return Err(format!("keys {keys:?}, verl has {:?}", want.keys()));
+    }
+    for (key, value) in want {
+        let want = value.as_f64().expect("a number");
+        let got = got[key];
+        if got != want {
+            *worst = worst.max((got - want).abs() / want.abs());
+        }
+        if (got - want).abs() > 1e-6 * want.abs() {
+            return Err(format!("{key}: {got} vs verl {want}"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn variance_proxy_metrics_match_verl() {
+    let mut kinds = std::collections::BTreeSet::new();
+    let mut worst = 0.0f64;
+    let checked = check_cases(|case, set| match case["kind"].as_str()? {
+        "variance_proxy" => {
+            let p = &case["params"];
+            kinds.insert((p["rollout_is_weights"] == true, p["grad_norm"].is_null()));
+            Some(variance_proxy_case(set, case, &mut worst))
+        }
+        _ => None,
+    });
+    let counts = &checked.counts;
+    let total: usize = counts
+        .iter()
+        .filter(|(k, _)| k.starts_with("variance_proxy/"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(total >= 40, "{total} variance proxy cases");
+    println!("variance proxies: largest relative difference from verl {worst:.2e}");
+    // With and without IS weights, each with and without a grad norm; one response; aborted
+    // responses; W below 0; IS weights under the 1e-10 clamp.
+    assert_eq!(kinds.len(), 4, "{kinds:?}");
+    for layout in ["left", "interior", "empty", "negative", "tiny_weights"] {
+        assert!(
+            counts.contains_key(&format!("variance_proxy/{layout}")),
+            "no {layout} cases"
+        );
+    }
     checked.assert_no_failures();
 }

@@ -8,7 +8,8 @@ the `verl` package). The script imports `verl/trainer/ppo/core_algos.py` from it
 for the heavy imports around it (omegaconf, tensordict, the config dataclasses, the device helpers;
 `verl/utils/torch_functional.py`, `groupwise.py` and `import_utils.py` are verl's own), runs every
 advantage estimator, policy loss, aggregation mode, KL estimator, the KL controllers, the value and
-entropy losses on seeded random inputs and writes the inputs and verl's outputs as JSON
+entropy losses and `compute_variance_proxy_metrics` (from `verl/trainer/ppo/metric_utils.py`, taken
+by its syntax tree) on seeded random inputs and writes the inputs and verl's outputs as JSON
 (default: core/tests/data/verl_algos_reference.json). It needs torch and numpy only. The Rust tests
 (core/tests/algos_parity.rs, plugins/torch-runtime/tests/algos_parity.rs) replay the file without
 Python.
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import verl_source
 
 SEED = 20260822
 VOCAB = 7
@@ -464,6 +467,78 @@ def main():
                     "kind": "gdpo_rewards", "name": "+".join(keys), "results": results, "lengths": lengths,
                     "width": width, "index": index, "keys": keys, "weights": weights,
                     "norm_adv_by_std_in_grpo": norm, "advantages": rows(a),
+                })
+
+    # ---------------------------------------------------------------- variance proxy metrics
+    # verl's compute_variance_proxy_metrics (metric_utils.py, taken by its syntax tree: the module
+    # imports transformers and the DataProto machinery) on a stand-in batch with a `.batch` dict.
+    # The inputs go to verl already rounded as the JSON holds them, so both sides read the same f32
+    # values. A generator of its own keeps the cases above unchanged.
+    proxy = verl_source.load(
+        verl_dir, "verl/trainer/ppo/metric_utils.py", verl_source.functions(["compute_variance_proxy_metrics"]),
+        {"torch": torch, "verl_F": verl_f},
+    )["compute_variance_proxy_metrics"]
+    proxy_gen = torch.Generator().manual_seed(SEED + 2)
+
+    def proxy_rand(*shape):
+        return torch.rand(*shape, generator=proxy_gen)
+
+    def proxy_randn(*shape):
+        return torch.randn(*shape, generator=proxy_gen)
+
+    for batch, length, layout in [(1, 6, "left"), (1, 5, "interior"), (2, 4, "left"), (4, 8, "empty"),
+                                  (5, 7, "interior"), (8, 12, "left"), (8, 10, "empty"), (16, 9, "interior"),
+                                  (6, 6, "negative"), (7, 11, "negative"), (3, 5, "tiny_weights")]:
+        lengths = torch.randint(1, length + 1, (batch,), generator=proxy_gen)
+        mask = (torch.arange(length).expand(batch, length) < lengths[:, None]).float()
+        if layout == "interior":
+            for i in range(batch):
+                if lengths[i] > 2:  # an observation span strictly inside the response
+                    start = int(torch.randint(1, int(lengths[i]) - 1, (1,), generator=proxy_gen))
+                    mask[i, start:int(lengths[i]) - 1] = 0.0
+        if layout == "empty":
+            mask[1] = 0.0  # aborted responses: no tokens
+            mask[-1] = 0.0
+        if layout == "tiny_weights":
+            mask[:2, :3] = 1.0  # room for a tiny weight beside ordinary ones
+        if layout == "negative":
+            # π near 1 and Σπ² below π² (inconsistent, as a bad engine could send): W < 0 on some rows.
+            old_log_probs = -torch.nn.functional.softplus(proxy_randn(batch, length) - 2.5)
+            pi = old_log_probs.exp()
+            sum_pi_squared = pi**2 * proxy_rand(batch, length)
+        else:
+            old_log_probs = -torch.nn.functional.softplus(proxy_randn(batch, length))
+            pi = old_log_probs.exp()
+            sum_pi_squared = pi**2 + (1 - pi) ** 2 * proxy_rand(batch, length)
+        if batch % 2:
+            advantages = proxy_randn(batch, length)  # token-level, junk on masked tokens too
+        else:
+            advantages = proxy_randn(batch, 1).expand(batch, length) * mask  # one per response, as GRPO
+        if batch % 3 == 0:
+            # Sequence-level IS: one weight per response, zero on padding.
+            weights = (0.2 + 1.8 * proxy_rand(batch, 1)).expand(batch, length) * mask
+        else:
+            weights = (0.5 + proxy_rand(batch, length)) * mask
+        if layout == "tiny_weights":
+            # ρ² = 1e-12 and 0, under the 1e-10 clamp, beside ordinary weights (so that the
+            # response's mean weight, which scales its power, stays ordinary).
+            weights[0, 0] = 1e-6
+            weights[1, 1] = 0.0
+        tensors = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "advantages": advantages,
+                   "response_mask": mask, "rollout_is_weights": weights}
+        set_id = inputs.add(tensors, label=f"variance_proxy-{layout}-{batch}x{length}")
+        stored = {k: torch.tensor(inputs.sets[set_id][k]) for k in tensors}
+        for with_weights in [False, True]:
+            class Batch:  # DataProto's `.batch`, with the keys verl reads
+                batch = {k: v for k, v in stored.items() if with_weights or k != "rollout_is_weights"}
+
+            # No actor update (None), a small norm, and one whose square exceeds the total power.
+            for grad_norm in [None, float(f"{0.3 * float(proxy_rand(1)):.8g}"), 25.0]:
+                metrics = proxy(Batch, gradient_norm=None if grad_norm is None else np.float64(grad_norm))
+                cases.append({
+                    "kind": "variance_proxy", "name": layout, "input": set_id,
+                    "params": {"rollout_is_weights": with_weights, "grad_norm": grad_norm},
+                    "metrics": {k: float(v) for k, v in metrics.items()},
                 })
 
     out = {

@@ -268,7 +268,7 @@ pub fn masked_mean(values: &Matrix, mask: &Matrix) -> Result<f64, AlgoError> {
 
 /// `Σ m + 1e-8` as verl's f32 tensors compute it: from one token on the 1e-8 is rounded away, so
 /// the mean of equal values is that value exactly and whitening them gives 0, not 1e-8/√1e-8.
-fn count_plus_eps(count: f64) -> f64 {
+pub(super) fn count_plus_eps(count: f64) -> f64 {
     f64::from(count as f32 + 1e-8f32)
 }
 
@@ -571,8 +571,7 @@ fn path_variance(name: &'static str, input: &AdvantageInput<'_>) -> Result<Vec<f
         let mut cumulative = 0.0f64;
         for t in 0..mask.cols() {
             let at = i * mask.cols() + t;
-            let pi = f64::from(old.data()[at]).exp();
-            let mut w_t = 1.0 - 2.0 * pi + f64::from(sum_pi_squared.data()[at]);
+            let mut w_t = score_norm(old.data()[at], sum_pi_squared.data()[at]);
             if let Some(rho) = input.rollout_is_weights {
                 w_t *= f64::from(rho.data()[at]).powi(2);
             }
@@ -581,6 +580,12 @@ fn path_variance(name: &'static str, input: &AdvantageInput<'_>) -> Result<Vec<f
         }
     }
     Ok(w)
+}
+
+/// verl's score-norm proxy of one token, `w = 1 − 2π + Σπ²` with `π = exp(log_prob)`: the
+/// squared norm of the token's log-prob gradient with respect to the logits.
+pub(super) fn score_norm(log_prob: f32, sum_pi_squared: f32) -> f64 {
+    1.0 - 2.0 * f64::from(log_prob).exp() + f64::from(sum_pi_squared)
 }
 
 /// verl's `handle_zero_tail`: when one response of a group is strictly the longest, its tokens

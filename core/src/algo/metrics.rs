@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use super::advantage::{count_plus_eps, score_norm};
 use super::{AlgoError, Matrix};
 
 /// One training batch after advantages were computed; every matrix is `[batch × response_length]`.
@@ -257,6 +258,105 @@ pub fn rollout_probs_diff(
     Ok(out)
 }
 
+/// The step's batch as verl's `compute_variance_proxy_metrics` reads it, every matrix
+/// `[batch × response_length]`, and the actor's gradient norm.
+#[derive(Debug, Clone, Copy)]
+pub struct VarianceProxyInput<'a> {
+    /// The old policy's log-probs of the response tokens.
+    pub old_log_probs: &'a Matrix,
+    /// Σπ² over the vocabulary per token, from the actor's log-prob pass.
+    pub sum_pi_squared: &'a Matrix,
+    pub advantages: &'a Matrix,
+    /// The mask the update trains on (rollout correction's rejections removed, as verl's batch
+    /// holds it by then).
+    pub response_mask: &'a Matrix,
+    /// Rollout correction's IS weights, when token or sequence IS applies.
+    pub rollout_is_weights: Option<&'a Matrix>,
+    /// The step's `actor/grad_norm`; `None` when the actor was not updated.
+    pub grad_norm: Option<f64>,
+}
+
+/// verl's `compute_variance_proxy_metrics`: with the score-norm proxy `W = Σ_t m_t·w_t`,
+/// `w_t = 1 − 2π_t + Σπ²_t` (times `ρ_t²` with IS weights) and the per-response mean advantage
+/// `Ā`, `variance_proxy/proxy1_signal_strength` = grad_norm² (0 without one),
+/// `proxy2_total_power` = mean of `Ā²·max(W, 0)` (with IS weights: of `ρ̄²·Ā²·max(W₀, 0)`, `ρ̄`
+/// the response's mean weight and `W₀ = Σ m·w_t·ρ_t²/max(ρ_t², 1e-10)`), `proxy3_pure_noise` =
+/// `max(0, (proxy2 − proxy1)/(N − 1))` (0 without a grad norm or with one response),
+/// `expected_a_squared` = mean of `Ā²` and `expected_w` = mean of `W` (IS-scaled, unclamped).
+pub fn variance_proxy_metrics(
+    input: &VarianceProxyInput<'_>,
+) -> Result<BTreeMap<String, f64>, AlgoError> {
+    let mask = input.response_mask;
+    let shape = mask.shape();
+    for (what, m) in [
+        ("old_log_probs", input.old_log_probs),
+        ("sum_pi_squared", input.sum_pi_squared),
+        ("advantages", input.advantages),
+    ]
+    .into_iter()
+    .chain(input.rollout_is_weights.map(|w| ("rollout_is_weights", w)))
+    {
+        m.expect_shape(what, shape)?;
+    }
+    // torch.clamp(min=0), which keeps a NaN (f64::max would not).
+    let clamp = |w: f64| if w < 0.0 { 0.0 } else { w };
+    let (rows, cols) = shape;
+    let (mut a_squared, mut w_total, mut power) = (0.0, 0.0, 0.0);
+    for i in 0..rows {
+        // Masked sums of the advantages, W, W₀ and ρ; the mask's token count.
+        let (mut adv, mut w, mut w_original, mut rho, mut count) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for t in (0..cols).map(|t| i * cols + t) {
+            let m = f64::from(mask.data()[t]);
+            if m == 0.0 {
+                // verl's masked_sum zeroes masked entries before multiplying (NaNs stay out).
+                continue;
+            }
+            count += m;
+            adv += f64::from(input.advantages.data()[t]) * m;
+            let w_t = score_norm(
+                input.old_log_probs.data()[t],
+                input.sum_pi_squared.data()[t],
+            );
+            match input.rollout_is_weights {
+                Some(weights) => {
+                    let rho_t = f64::from(weights.data()[t]);
+                    let scaled = w_t * rho_t * rho_t;
+                    w += scaled * m;
+                    w_original += scaled / (rho_t * rho_t).max(1e-10) * m;
+                    rho += rho_t * m;
+                }
+                None => w += w_t * m,
+            }
+        }
+        let adv = adv / count_plus_eps(count);
+        a_squared += adv * adv;
+        w_total += w;
+        power += match input.rollout_is_weights {
+            Some(_) => (rho / count_plus_eps(count)).powi(2) * adv * adv * clamp(w_original),
+            None => adv * adv * clamp(w),
+        };
+    }
+    let n = rows as f64;
+    let proxy2 = power / n;
+    let proxy1 = input.grad_norm.map(|g| g * g);
+    let proxy3 = match proxy1 {
+        // Python's max(0.0, x): 0 unless x > 0 (a NaN too).
+        Some(p1) if rows > 1 => {
+            let noise = (1.0 / (n - 1.0)) * (proxy2 - p1);
+            if noise > 0.0 { noise } else { 0.0 }
+        }
+        _ => 0.0,
+    };
+    let key = |name: &str| format!("variance_proxy/{name}");
+    Ok(BTreeMap::from([
+        (key("proxy1_signal_strength"), proxy1.unwrap_or(0.0)),
+        (key("proxy2_total_power"), proxy2),
+        (key("proxy3_pure_noise"), proxy3),
+        (key("expected_a_squared"), a_squared / n),
+        (key("expected_w"), w_total / n),
+    ]))
+}
+
 fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len() as f64
 }
@@ -429,6 +529,118 @@ mod tests {
         assert!(none["training/rollout_probs_diff_mean"].is_nan());
 
         assert!(rollout_probs_diff(&Matrix::zeros(1, 2), &actor, &mask).is_err());
+    }
+
+    #[test]
+    fn variance_proxies_follow_verls_formulas() {
+        let m = |rows: &[&[f32]]| Matrix::from_rows(rows).unwrap();
+        // π = ½ and Σπ² = ½ everywhere: w = 1 − 1 + ½ = ½ per token, so W = ½·(tokens).
+        let full = |v: f32| Matrix::new(3, 3, vec![v; 9]).unwrap();
+        let half = full(0.5f32.ln());
+        let spp = full(0.5);
+        // Rows of 2, 1 and 0 tokens (an aborted response); masked entries must not count.
+        let mask = m(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
+        let adv = m(&[&[1.0, 3.0, 99.0], &[-1.0, 99.0, 99.0], &[99.0, 99.0, 99.0]]);
+        let input = VarianceProxyInput {
+            old_log_probs: &half,
+            sum_pi_squared: &spp,
+            advantages: &adv,
+            response_mask: &mask,
+            rollout_is_weights: None,
+            grad_norm: Some(1.0),
+        };
+        let get = |input: &VarianceProxyInput<'_>| {
+            let out = variance_proxy_metrics(input).unwrap();
+            assert_eq!(out.len(), 5);
+            let v = |name: &str| out[&format!("variance_proxy/{name}")];
+            [
+                v("proxy1_signal_strength"),
+                v("proxy2_total_power"),
+                v("proxy3_pure_noise"),
+                v("expected_a_squared"),
+                v("expected_w"),
+            ]
+        };
+        let near = |got: [f64; 5], want: [f64; 5]| {
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-6, "{got:?} vs {want:?}");
+            }
+        };
+        // Ā = 2, −1, 0; W = 1, ½, 0: proxy2 = (4·1 + 1·½)/3 = 1.5, proxy3 = (1.5 − 1)/2.
+        near(get(&input), [1.0, 1.5, 0.25, 5.0 / 3.0, 0.5]);
+        // A signal above the total power: the noise is clamped to 0.
+        near(
+            get(&VarianceProxyInput {
+                grad_norm: Some(2.0),
+                ..input
+            }),
+            [4.0, 1.5, 0.0, 5.0 / 3.0, 0.5],
+        );
+        // Without a grad norm proxy1 and proxy3 are 0; one response has no noise estimate.
+        near(
+            get(&VarianceProxyInput {
+                grad_norm: None,
+                ..input
+            }),
+            [0.0, 1.5, 0.0, 5.0 / 3.0, 0.5],
+        );
+        let one = |rows: &Matrix| Matrix::new(1, 3, rows.row(0).to_vec()).unwrap();
+        let (half1, spp1, mask1, adv1) = (one(&half), one(&spp), one(&mask), one(&adv));
+        near(
+            get(&VarianceProxyInput {
+                old_log_probs: &half1,
+                sum_pi_squared: &spp1,
+                advantages: &adv1,
+                response_mask: &mask1,
+                rollout_is_weights: None,
+                grad_norm: Some(1.0),
+            }),
+            [1.0, 4.0, 0.0, 4.0, 1.0],
+        );
+
+        // IS weights 2 on row 0, 0 on row 1: W·ρ² = 4 and 0 (expected_w = 4/3); the power
+        // takes ρ̄²·Ā²·W₀ with W₀ the unweighted W (row 1's ρ² = 0 is clamped to 1e-10 and
+        // its ρ̄ is 0): 4·4·1/3.
+        let rho = m(&[&[2.0, 2.0, 7.0], &[0.0, 7.0, 7.0], &[7.0, 7.0, 7.0]]);
+        near(
+            get(&VarianceProxyInput {
+                rollout_is_weights: Some(&rho),
+                ..input
+            }),
+            [
+                1.0,
+                16.0 / 3.0,
+                (16.0 / 3.0 - 1.0) / 2.0,
+                5.0 / 3.0,
+                4.0 / 3.0,
+            ],
+        );
+
+        // Σπ² below π² (inconsistent, but verl takes it): π = 0.9, Σπ² = 0 gives w = −0.8.
+        // The power clamps W at 0; expected_w keeps it.
+        let sure = full(0.9f32.ln());
+        let zero = Matrix::zeros(3, 3);
+        near(
+            get(&VarianceProxyInput {
+                old_log_probs: &sure,
+                sum_pi_squared: &zero,
+                ..input
+            }),
+            [1.0, 0.0, 0.0, 5.0 / 3.0, -0.8],
+        );
+
+        let wrong = Matrix::zeros(3, 2);
+        assert_eq!(
+            variance_proxy_metrics(&VarianceProxyInput {
+                sum_pi_squared: &wrong,
+                ..input
+            }),
+            Err(AlgoError::Shape {
+                what: "sum_pi_squared",
+                expected: (3, 3),
+                got: (3, 2)
+            })
+        );
     }
 
     #[test]

@@ -21,7 +21,8 @@ pub use balance::{
 pub use filter::{DynamicSampler, FILTER_STD_TOLERANCE, SamplerProgress, filter_groups};
 pub use kl::{KlController, KlCtrlType, KlPenalty, KlPenaltyOutput, apply_kl_penalty, kl_penalty};
 pub use metrics::{
-    DataMetricsInput, compute_data_metrics, rollout_probs_diff, timing_metrics, validation_metrics,
+    DataMetricsInput, VarianceProxyInput, compute_data_metrics, rollout_probs_diff, timing_metrics,
+    validation_metrics, variance_proxy_metrics,
 };
 pub use rollout_corr::{Correction, IsLevel, RolloutCorrection, rollout_correction};
 pub use tensor::{Matrix, place_scores};

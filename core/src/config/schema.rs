@@ -383,7 +383,8 @@ pub struct ActorConfig {
     /// `seq-mean-token-sum-norm`.
     pub loss_agg_mode: String,
     pub entropy_coeff: f64,
-    /// The log-prob pass also returns Σπ² per token (the optimal token baselines need it).
+    /// The log-prob pass also returns Σπ² per token (the optimal token baselines need it; it
+    /// also gives the `variance_proxy/*` metrics).
     pub calculate_sum_pi_squared: bool,
     /// verl recomputes Σπ² in the backward to save memory; no effect here.
     pub sum_pi_squared_checkpointing: bool,

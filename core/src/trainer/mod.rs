@@ -33,8 +33,9 @@ use verl_plugin_host::{CheckpointHandle, Component, LookupError, Registry, Rewar
 
 use crate::algo::{
     AdvEstimator, AdvantageInput, AdvantageParams, AlgoError, DataMetricsInput, DynamicSampler,
-    KlController, Matrix, SamplerProgress, apply_kl_penalty, balance_batch, compute_advantage,
-    compute_data_metrics, filter_groups, place_scores, rollout_correction, timing_metrics,
+    KlController, Matrix, SamplerProgress, VarianceProxyInput, apply_kl_penalty, balance_batch,
+    compute_advantage, compute_data_metrics, filter_groups, place_scores, rollout_correction,
+    timing_metrics, variance_proxy_metrics,
 };
 use crate::batch;
 use crate::checkpoint::{CheckpointError, CheckpointManager, Integrity, MANIFEST_FILE};
@@ -1511,18 +1512,19 @@ impl Trainer {
                     crate::algo::masked_mean(&entropy, &mask)?,
                 ));
             }
-            // Σπ² per token, for the optimal token baselines (asked for in the meta above).
+            // Σπ² per token, for the optimal token baselines and the variance_proxy/* metrics
+            // (asked for in the meta above).
             let sum_pi_squared = match old.get(keys::SUM_PI_SQUARED) {
                 Some(t) => {
                     let m = batch::matrix(keys::SUM_PI_SQUARED, t)
                         .context(|| "actor output".to_owned())?;
                     Some(self.gather_matrix(keys::SUM_PI_SQUARED, m)?)
                 }
-                None if self.config.algorithm.adv_estimator.needs_sum_pi_squared() => {
+                None if self.config.actor_rollout_ref.actor.calculate_sum_pi_squared => {
                     return Err(TrainError::Invalid(format!(
-                        "algorithm.adv_estimator={}: actor engine `{}` returned no `{}` from compute_log_prob \
-                             (verl's actor.calculate_sum_pi_squared); an engine must compute it when the batch meta has \
-                             \"calculate_sum_pi_squared\": true",
+                        "actor_rollout_ref.actor.calculate_sum_pi_squared=True (algorithm.adv_estimator={}): actor \
+                             engine `{}` returned no `{}` from compute_log_prob; an engine must compute it when the \
+                             batch meta has \"calculate_sum_pi_squared\": true",
                         self.config.algorithm.adv_estimator.name(),
                         self.config.actor_rollout_ref.actor.strategy,
                         keys::SUM_PI_SQUARED
@@ -1699,6 +1701,23 @@ impl Trainer {
                 self.sync_after_update(step)?;
                 timing.push(("update_weights", t.elapsed().as_secs_f64()));
             }
+        }
+        // verl's variance_proxy/* metrics whenever the actor computed Σπ², with this step's
+        // actor/grad_norm (the mean over the update's mini-batches, as verl's reduce_metrics
+        // gives it; none before critic_warmup ends).
+        if let Some(sum_pi_squared) = &sum_pi_squared {
+            let proxies = variance_proxy_metrics(&VarianceProxyInput {
+                old_log_probs: &old_log_probs,
+                sum_pi_squared,
+                advantages: &advantages,
+                response_mask: &train_mask,
+                rollout_is_weights: is_weights.as_ref(),
+                grad_norm: metrics
+                    .iter()
+                    .find(|m| m.key == "actor/grad_norm")
+                    .map(|m| m.value),
+            })?;
+            metrics.extend(proxies.into_iter().map(|(k, v)| Metric::new(k, v)));
         }
         if skipped {
             self.skipped_steps += 1;
@@ -2497,10 +2516,14 @@ impl Components {
                 algorithm.adv_estimator.name()
             )));
         }
-        if wants_sum_pi_squared && !algorithm.adv_estimator.needs_sum_pi_squared() {
+        if wants_sum_pi_squared
+            && fully_async::old_log_probs_from_rollout(config)
+            && !algorithm.adv_estimator.needs_sum_pi_squared()
+        {
             tracing::warn!(
-                "actor_rollout_ref.actor.calculate_sum_pi_squared=True: Σπ² is computed but only the optimal \
-                 token baselines use it here (verl's variance_proxy/* metrics are not computed)"
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=True: the actor's log-prob pass, which computes \
+                 Σπ², is skipped (the rollout's log-probs are the old policy's), so no variance_proxy/* metrics \
+                 are logged"
             );
         }
         if algorithm.adv_estimator.needs_sum_pi_squared()

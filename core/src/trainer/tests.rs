@@ -16,7 +16,7 @@ use verl_plugin_api::{
 use verl_plugin_host::{DeviceReport, Registry};
 
 use super::{NonFinite, RunSummary, TrainError, Trainer};
-use crate::algo::{AdvEstimator, IsLevel};
+use crate::algo::{AdvEstimator, IsLevel, Matrix};
 use crate::checkpoint::{CheckpointError, MANIFEST_FILE};
 use crate::config::{Config, NanPolicy, ResumeMode, RouterReplayMode, RsThreshold, TrainingMode};
 use crate::data::synthetic::{self, ALPHABET, AdditionTask, SPECIAL_TOKENS};
@@ -143,17 +143,31 @@ fn response_shape(batch: &Batch) -> Result<[i64; 2], PluginError> {
 }
 
 /// The update batch's tensors the fake actor records.
-const RECORDED: [&str; 4] = [
+const RECORDED: [&str; 5] = [
     keys::ADVANTAGES,
     keys::RETURNS,
     keys::RESPONSE_MASK,
     keys::OLD_LOG_PROBS,
+    super::ROLLOUT_IS_WEIGHTS,
 ];
+
+/// The gradient norm the fake actor reports for the update of `step`.
+fn fake_grad_norm(step: u64) -> f64 {
+    0.25 * step as f64
+}
 
 /// The fake Σπ² of row `i`, token `t`: varied over rows and tokens, so that the optimal token
 /// baseline's weights differ between the responses of a group.
 fn fake_sum_pi_squared(i: i64, t: i64) -> f32 {
     0.1 + 0.2 * ((3 * i + t) % 4) as f32
+}
+
+/// The fake actor's Σπ² of a `(rows, cols)` batch.
+fn fake_sum_pi_squared_matrix((rows, cols): (usize, usize)) -> Matrix {
+    let values = (0..rows as i64)
+        .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
+        .collect();
+    Matrix::new(rows, cols, values).unwrap()
 }
 
 fn filled(batch: &Batch, value: f32) -> Result<Tensor, PluginError> {
@@ -302,7 +316,10 @@ impl Engine for FakeEngine {
             _ => {}
         }
         self.set_value(self.value() + 1.0);
-        Ok(vec![Metric::new("actor/pg_loss", 0.5)])
+        Ok(vec![
+            Metric::new("actor/pg_loss", 0.5),
+            Metric::new("actor/grad_norm", fake_grad_norm(step)),
+        ])
     }
     fn update_critic(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
         self.log.push(Event::UpdateCritic {
@@ -2992,7 +3009,7 @@ fn router_replay_needs_a_recording_rollout() {
 }
 
 /// The F32 tensors of every recorded actor update, as `[B, R]` matrices.
-fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
+fn updates(events: &[Event]) -> Vec<BTreeMap<String, Matrix>> {
     events
         .iter()
         .filter_map(|e| match e {
@@ -3000,12 +3017,8 @@ fn updates(events: &[Event]) -> Vec<BTreeMap<String, crate::algo::Matrix>> {
                 floats
                     .iter()
                     .map(|(k, v)| {
-                        let m = crate::algo::Matrix::new(
-                            shape[0] as usize,
-                            shape[1] as usize,
-                            v.clone(),
-                        )
-                        .unwrap();
+                        let m =
+                            Matrix::new(shape[0] as usize, shape[1] as usize, v.clone()).unwrap();
                         (k.clone(), m)
                     })
                     .collect(),
@@ -3027,7 +3040,7 @@ fn refused(c: Config, faults: Faults, wanted: &str) {
 
 #[test]
 fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
-    use crate::algo::{AdvantageInput, AdvantageParams, Matrix, compute_advantage, place_scores};
+    use crate::algo::{AdvantageInput, AdvantageParams, compute_advantage, place_scores};
     let s = setup();
     let mut c = s.config("otb");
     c.trainer.total_training_steps = Some(2);
@@ -3041,18 +3054,11 @@ fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
     assert_eq!(updates.len(), 2);
     for update in &updates {
         let (mask, returns) = (&update[keys::RESPONSE_MASK], &update[keys::RETURNS]);
-        let (rows, cols) = mask.shape();
+        let rows = mask.rows();
         // The outcome reward is the return at the first token (γ = 1).
         let scores: Vec<f32> = (0..rows).map(|i| returns.row(i)[0]).collect();
         let rewards = place_scores(&scores, mask).unwrap();
-        let spp = Matrix::new(
-            rows,
-            cols,
-            (0..rows as i64)
-                .flat_map(|i| (0..cols as i64).map(move |t| fake_sum_pi_squared(i, t)))
-                .collect(),
-        )
-        .unwrap();
+        let spp = fake_sum_pi_squared_matrix(mask.shape());
         let groups: Vec<u64> = (0..rows as u64).map(|i| i / 2).collect();
         let input = AdvantageInput {
             old_log_probs: Some(&update[keys::OLD_LOG_PROBS]),
@@ -3093,6 +3099,124 @@ fn optimal_token_baseline_takes_sum_pi_squared_from_the_actor() {
     bypass.actor_rollout_ref.rollout.calculate_log_probs = true;
     bypass.algorithm.rollout_correction.bypass_mode = true;
     refused(bypass, Faults::default(), "bypass_mode=true skips");
+}
+
+/// verl's `variance_proxy/*` metrics: logged every step exactly when the actor is asked for Σπ²
+/// (with an estimator that does not need it too), equal to `variance_proxy_metrics` on the
+/// tensors the update received with the update's grad norm; with rollout correction, over its IS
+/// weights and the mask rejection leaves; before critic_warmup ends, without a signal; not in
+/// bypass mode, which skips the log-prob pass.
+#[test]
+fn variance_proxy_metrics_come_with_sum_pi_squared() {
+    use crate::algo::{VarianceProxyInput, variance_proxy_metrics};
+    let s = setup();
+    let run = |name: &str, edit: &dyn Fn(&mut Config)| {
+        let mut c = s.config(name);
+        c.trainer.total_training_steps = Some(2);
+        // Rows stay in generation order, the order the fake actor gave Σπ² in.
+        c.trainer.balance_batch = false;
+        c.actor_rollout_ref.actor.calculate_sum_pi_squared = true;
+        edit(&mut c);
+        let log = Log::default();
+        fit(c, &log, Faults::default()).unwrap();
+        log.events()
+    };
+    let proxies = |m: &BTreeMap<String, f64>| -> BTreeMap<String, f64> {
+        m.iter()
+            .filter(|(k, _)| k.starts_with("variance_proxy/"))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    };
+    let with_logprobs = |c: &mut Config| {
+        c.actor_rollout_ref.rollout.name = "logprobs".into();
+        c.actor_rollout_ref.rollout.calculate_log_probs = true;
+    };
+    // Each step's logged proxies against the function on what the update received.
+    let check = |events: &[Event], weighted: bool| {
+        let logged = logs(events);
+        let updates = updates(events);
+        assert_eq!((logged.len(), updates.len()), (2, 2));
+        let mut noise = 0.0;
+        for ((step, m), update) in logged.iter().zip(&updates) {
+            let mask = &update[keys::RESPONSE_MASK];
+            let spp = fake_sum_pi_squared_matrix(mask.shape());
+            assert_eq!(update.contains_key(super::ROLLOUT_IS_WEIGHTS), weighted);
+            let want = variance_proxy_metrics(&VarianceProxyInput {
+                old_log_probs: &update[keys::OLD_LOG_PROBS],
+                sum_pi_squared: &spp,
+                advantages: &update[keys::ADVANTAGES],
+                response_mask: mask,
+                rollout_is_weights: update.get(super::ROLLOUT_IS_WEIGHTS),
+                grad_norm: Some(fake_grad_norm(*step)),
+            })
+            .unwrap();
+            assert_eq!(proxies(m), want, "step {step}");
+            assert_eq!(
+                want["variance_proxy/proxy1_signal_strength"],
+                fake_grad_norm(*step).powi(2)
+            );
+            assert!(want["variance_proxy/proxy2_total_power"] > 0.0, "{want:?}");
+            noise += want["variance_proxy/proxy3_pure_noise"];
+        }
+        // The signal stays below the total power on some step: the noise is not clamped to 0.
+        assert!(noise > 0.0);
+    };
+    check(&run("vproxy", &|_| {}), false);
+
+    // Token IS weights, and rejection of the wrong answers' tokens (see
+    // rollout_correction_reaches_the_update): the mask the update trains on has fewer tokens.
+    let corrected = run("vproxy-is", &|c| {
+        with_logprobs(c);
+        let rc = &mut c.algorithm.rollout_correction;
+        rc.rollout_is = Some(IsLevel::Token);
+        rc.rollout_rs = Some("token_k1".into());
+        rc.rollout_rs_threshold = Some(RsThreshold::Number(1.1));
+    });
+    check(&corrected, true);
+    for (_, m) in logs(&corrected) {
+        assert!(m["rollout_corr/rollout_rs_masked_fraction"] > 0.0);
+    }
+
+    // Not asked, or asked in bypass mode: no Σπ², no proxies.
+    let unasked = run("vproxy-unasked", &|c| {
+        c.actor_rollout_ref.actor.calculate_sum_pi_squared = false;
+    });
+    let bypass = run("vproxy-bypass", &|c| {
+        with_logprobs(c);
+        c.algorithm.rollout_correction.bypass_mode = true;
+    });
+    for events in [&unasked, &bypass] {
+        let logged = logs(events);
+        assert_eq!(logged.len(), 2);
+        assert!(logged.iter().all(|(_, m)| proxies(m).is_empty()));
+    }
+
+    // Asked for, an engine that does not deliver Σπ² stops the run (no metric silently missing).
+    let mut c = s.config("vproxy-missing");
+    c.actor_rollout_ref.actor.calculate_sum_pi_squared = true;
+    refused(
+        c,
+        Faults {
+            no_sum_pi_squared: true,
+            ..Faults::default()
+        },
+        "algorithm.adv_estimator=grpo): actor engine `fake` returned no `sum_pi_squared`",
+    );
+
+    // Step 1 of a critic warm-up updates no actor: no grad norm, so no signal and no noise.
+    let warmup = run("vproxy-warmup", &|c| {
+        c.algorithm.adv_estimator = AdvEstimator::Gae;
+        c.trainer.critic_warmup = 1;
+    });
+    let logged = logs(&warmup);
+    let first = proxies(logged[0].1);
+    assert_eq!(first.len(), 5, "{first:?}");
+    assert_eq!(first["variance_proxy/proxy1_signal_strength"], 0.0);
+    assert_eq!(first["variance_proxy/proxy3_pure_noise"], 0.0);
+    assert_eq!(
+        logged[1].1["variance_proxy/proxy1_signal_strength"],
+        fake_grad_norm(2).powi(2)
+    );
 }
 
 #[test]

@@ -41,11 +41,12 @@ use std::time::Instant;
 use common::{Driven, ISSUE14_VOCAB, load_average, median, threads, write_issue14_model};
 use serde_json::{Value, json};
 use verl_plugin_api::{
-    Batch, ComponentInit, Engine, GenerateOutput, GenerateRequest, Rollout, RunContext,
+    Batch, ComponentInit, ComponentKind, GenerateOutput, GenerateRequest, Rollout, RunContext,
     SamplingParams, Tensor, WeightSource, keys,
 };
-use verl_plugin_fsdp::FsdpEngine;
+use verl_plugin_host::EngineHandle;
 use verl_plugin_native::NativeRollout;
+use verl_testkit::{PluginHarness, built_plugin};
 use verl_torch_runtime::{AdamW, AdamWConfig, CausalLM, ModelOptions, Rng};
 
 const PROMPTS: usize = 8;
@@ -162,16 +163,25 @@ struct Verl {
     name: &'static str,
     /// Whether the step runs the old-log-prob pass.
     recompute: bool,
-    engine: FsdpEngine,
+    /// The `fsdp` engine through its library (linking its rlib beside this crate's would export
+    /// two plugin root modules from one binary); the ABI costs 1.0001× (`bench components`).
+    engine: EngineHandle,
     rollout: NativeRollout,
     version: u64,
+    /// Keeps the engine's library loaded; dropped after the engine.
+    _fsdp: PluginHarness,
 }
 
 impl Verl {
     fn new(dir: &Path, name: &'static str, packed: bool, recompute: bool) -> Self {
         let mut run = RunContext::default();
         run.seed = 1;
-        let mut engine = FsdpEngine::default();
+        let fsdp = PluginHarness::load_alone(built_plugin("verl_plugin_fsdp"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut engine = fsdp
+            .component(ComponentKind::ENGINE, "fsdp")
+            .create_engine()
+            .unwrap_or_else(|e| panic!("{e}"));
         let config = json!({
             "role": "actor",
             "model": {"path": dir, "use_remove_padding": packed, "enable_gradient_checkpointing": false},
@@ -196,6 +206,7 @@ impl Verl {
             engine,
             rollout,
             version: 0,
+            _fsdp: fsdp,
         }
     }
 
@@ -314,7 +325,7 @@ fn main() {
     // sync, the rollout's sampling log-probs (the old log-probs under verl's bypass mode) equal
     // the engine's.
     let (_, batch) = variants[0].step(&prompts, 0);
-    let lp = |e: &mut FsdpEngine, b: &Batch| {
+    let lp = |e: &mut EngineHandle, b: &Batch| {
         e.compute_log_prob(b)
             .unwrap()
             .require(keys::LOG_PROBS)

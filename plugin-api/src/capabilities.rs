@@ -57,6 +57,12 @@ pub struct EngineCapabilities {
     /// `npu` is what `strategy=megatron` resolves to on an Ascend platform, as verl's
     /// `EngineRegistry` keys engines by backend and device.
     pub strategies: Vec<String>,
+    /// Whether `update_actor`, when the batch is one mini-batch trained for one epoch, takes the
+    /// old log-probs from its own forward (verl's on-policy shortcut in `dp_actor.update_policy`)
+    /// and so needs no `old_log_probs` in the batch, and then reports `actor/entropy` of that
+    /// forward when the batch meta has `"calculate_entropy": true` (since 2.4.0). The trainer then
+    /// skips the old-log-prob pass when nothing else reads it.
+    pub on_policy_updates: bool,
 }
 
 impl Default for EngineCapabilities {
@@ -69,6 +75,7 @@ impl Default for EngineCapabilities {
             config_keys: ConfigKeys::default(),
             object_exchange: false,
             strategies: Vec::new(),
+            on_policy_updates: false,
         }
     }
 }
@@ -101,6 +108,11 @@ impl EngineCapabilities {
     /// The strategies it serves besides its own name (see [`EngineCapabilities::strategies`]).
     pub fn strategies<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
         self.strategies = names.into_iter().map(Into::into).collect();
+        self
+    }
+    /// See [`EngineCapabilities::on_policy_updates`].
+    pub fn on_policy_updates(mut self, yes: bool) -> Self {
+        self.on_policy_updates = yes;
         self
     }
     pub fn supports_role(&self, role: &str) -> bool {

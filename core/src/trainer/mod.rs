@@ -408,6 +408,9 @@ pub struct Trainer {
     pending: Option<Collected>,
     /// `fully_async`: the rollouter, its queue and schedule.
     fully_async: Option<fully_async::Rollouter>,
+    /// The actor engine takes an on-policy update's old log-probs from its own forward
+    /// (`EngineCapabilities::on_policy_updates`).
+    on_policy_updates: bool,
 }
 
 /// The tokenizer directory: `data.tokenizer`, else `model.tokenizer_path`, else the model.
@@ -693,6 +696,10 @@ impl Trainer {
             rollout_version: 0,
             pending: None,
             fully_async: schedule.map(fully_async::Rollouter::new),
+            on_policy_updates: {
+                let caps: EngineCapabilities = components.actor.capabilities();
+                caps.on_policy_updates
+            },
         })
     }
 
@@ -1065,6 +1072,28 @@ impl Trainer {
     }
 
     /// `algorithm.gdpo_reward_keys` when the estimator is GDPO (verl reads them only there).
+    /// Whether this step's actor update takes its old log-probs from its own forward (verl's
+    /// on-policy shortcut: one mini-batch of all `rows`, one epoch, an engine that declares it)
+    /// while nothing else reads them: `rollout.calculate_log_probs` off (rollout correction and
+    /// verl's rollout-vs-actor metrics, which verl logs only then), no KL in the reward, no Σπ² (optimal token baselines, the
+    /// variance proxies), no R2 recording, an estimator that reads none. Then the old-log-prob
+    /// pass, which verl's trainer always runs, is skipped: the update is the same.
+    fn update_takes_own_old_log_probs(&self, step: u64, rows: usize) -> bool {
+        let c = &self.config;
+        let actor = &c.actor_rollout_ref.actor;
+        let one_mini_batch = actor.ppo_mini_batch_size * c.actor_rollout_ref.rollout.n >= rows;
+        self.on_policy_updates
+            && step > c.trainer.critic_warmup
+            && actor.ppo_epochs == 1
+            && one_mini_batch
+            && !c.actor_rollout_ref.rollout.calculate_log_probs
+            && !fully_async::old_log_probs_from_rollout(c)
+            && !(c.algorithm.use_kl_in_reward && self.reference.is_some())
+            && !actor.calculate_sum_pi_squared
+            && !c.algorithm.adv_estimator.needs_sum_pi_squared()
+            && actor.router_replay.mode != RouterReplayMode::R2
+    }
+
     fn gdpo_keys(&self) -> &[String] {
         match (
             self.config.algorithm.adv_estimator,
@@ -1453,11 +1482,15 @@ impl Trainer {
             );
         }
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
-        batch.meta_json =
-            json!({ "temperature": temperature, "global_steps": step, "calculate_entropy": true,
-                "calculate_sum_pi_squared": self.config.actor_rollout_ref.actor.calculate_sum_pi_squared })
-                .to_string()
-                .into();
+        let calculate_sum_pi_squared = self.config.actor_rollout_ref.actor.calculate_sum_pi_squared;
+        let meta = |calculate_entropy: bool| {
+            json!({ "temperature": temperature, "global_steps": step,
+                "calculate_entropy": calculate_entropy,
+                "calculate_sum_pi_squared": calculate_sum_pi_squared })
+            .to_string()
+            .into()
+        };
+        batch.meta_json = meta(true);
         let mask = batch::matrix(
             keys::RESPONSE_MASK,
             batch
@@ -1469,9 +1502,12 @@ impl Trainer {
 
         let rollout_lp = rollout_log_probs(&rows, mask.cols())?;
         let correction = self.config.algorithm.rollout_correction.clone();
-        let (old_log_probs, sum_pi_squared) = if fully_async::old_log_probs_from_rollout(
-            &self.config,
-        ) {
+        // The update takes the old log-probs from its own forward and nothing else reads them: the
+        // old-log-prob pass is skipped (its `actor/entropy` comes from the update).
+        let own_old = self.update_takes_own_old_log_probs(step, rows.len());
+        let (old_log_probs, sum_pi_squared) = if own_old {
+            (None, None)
+        } else if fully_async::old_log_probs_from_rollout(&self.config) {
             // verl's bypass mode: the rollout's log-probs are the old policy's, and the actor's
             // recomputation is skipped.
             let old = rollout_lp.clone().ok_or_else(|| {
@@ -1480,7 +1516,7 @@ impl Trainer {
                     self.config.actor_rollout_ref.rollout.name
                 ))
             })?;
-            (old, None)
+            (Some(old), None)
         } else {
             let t = Instant::now();
             let local = self.local(&batch, &mine)?;
@@ -1538,9 +1574,20 @@ impl Trainer {
                     crate::algo::rollout_probs_diff(rollout_log_probs, &old_log_probs, &mask)?;
                 metrics.extend(diff.into_iter().map(|(k, v)| Metric::new(k, v)));
             }
-            (old_log_probs, sum_pi_squared)
+            (Some(old_log_probs), sum_pi_squared)
         };
-        batch.insert(keys::OLD_LOG_PROBS, batch::tensor(&old_log_probs));
+        if let Some(old) = &old_log_probs {
+            batch.insert(keys::OLD_LOG_PROBS, batch::tensor(old));
+        }
+        // What reads the old log-probs below runs only where the pass ran (see
+        // `update_takes_own_old_log_probs`).
+        let old_for = |reader: &str| {
+            old_log_probs.as_ref().ok_or_else(|| {
+                TrainError::Invalid(format!(
+                    "{reader} needs the old log-probs, but the old-log-prob pass was skipped"
+                ))
+            })
+        };
 
         let mut ref_log_probs = None;
         if self.reference.is_some() {
@@ -1605,7 +1652,7 @@ impl Trainer {
             (Some(ref_lp), true) => {
                 let out = apply_kl_penalty(
                     &token_level_scores,
-                    &old_log_probs,
+                    old_for("algorithm.use_kl_in_reward")?,
                     ref_lp,
                     &mask,
                     self.config.algorithm.kl_penalty,
@@ -1625,7 +1672,12 @@ impl Trainer {
             && let Some(rollout_lp) = &rollout_lp
         {
             let settings = correction.settings()?;
-            let out = rollout_correction(&old_log_probs, rollout_lp, &mask, &settings)?;
+            let out = rollout_correction(
+                old_for("algorithm.rollout_correction")?,
+                rollout_lp,
+                &mask,
+                &settings,
+            )?;
             metrics.extend(out.metrics.into_iter().map(|(k, v)| Metric::new(k, v)));
             if out.response_mask != mask {
                 batch.insert(keys::RESPONSE_MASK, batch::tensor(&out.response_mask));
@@ -1657,7 +1709,7 @@ impl Trainer {
         let input = AdvantageInput {
             values: values.as_ref(),
             reward_baselines: baselines.as_deref(),
-            old_log_probs: Some(&old_log_probs),
+            old_log_probs: old_log_probs.as_ref(),
             sum_pi_squared: sum_pi_squared.as_ref(),
             rollout_is_weights: is_weights.as_ref(),
             reward_components: reward_components.as_deref(),
@@ -1670,6 +1722,8 @@ impl Trainer {
         timing.push(("adv", t.elapsed().as_secs_f64()));
 
         let mut skipped = false;
+        // The update measures `actor/entropy` only when no old-log-prob pass did.
+        batch.meta_json = meta(own_old);
         let mut update = self.local(&batch, &mine)?;
         for (name, tensor) in teacher_outputs {
             update.to_mut().insert(name, tensor);
@@ -1707,7 +1761,7 @@ impl Trainer {
         // gives it; none before critic_warmup ends).
         if let Some(sum_pi_squared) = &sum_pi_squared {
             let proxies = variance_proxy_metrics(&VarianceProxyInput {
-                old_log_probs: &old_log_probs,
+                old_log_probs: old_for("the variance_proxy metrics")?,
                 sum_pi_squared,
                 advantages: &advantages,
                 response_mask: &train_mask,

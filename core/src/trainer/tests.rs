@@ -199,7 +199,9 @@ const ENGINE_STATE: &str = "fake_engine.json";
 
 /// An engine for every role. Its one weight is a scalar that each actor update raises by one, so
 /// after step k it is k: the rollout reading it checks that the views are the engine's own.
-struct FakeEngine {
+/// `ON_POLICY`: it declares verl's on-policy shortcut, and its update reports `actor/entropy`
+/// (0.75, unlike `compute_log_prob`'s 0.25) when the meta asks.
+struct FakeEngine<const ON_POLICY: bool = false> {
     log: Log,
     faults: Faults,
     role: String,
@@ -209,7 +211,7 @@ struct FakeEngine {
     weight: Vec<u8>,
 }
 
-impl FakeEngine {
+impl<const ON_POLICY: bool> FakeEngine<ON_POLICY> {
     fn new(log: Log, faults: Faults) -> Self {
         Self {
             log,
@@ -228,9 +230,11 @@ impl FakeEngine {
     }
 }
 
-impl Engine for FakeEngine {
+impl<const ON_POLICY: bool> Engine for FakeEngine<ON_POLICY> {
     fn capabilities() -> EngineCapabilities {
-        EngineCapabilities::default().roles(["actor", "ref", "critic"])
+        EngineCapabilities::default()
+            .roles(["actor", "ref", "critic"])
+            .on_policy_updates(ON_POLICY)
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.role = init.config["role"].as_str().unwrap_or("?").to_owned();
@@ -316,10 +320,16 @@ impl Engine for FakeEngine {
             _ => {}
         }
         self.set_value(self.value() + 1.0);
-        Ok(vec![
+        let mut metrics = vec![
             Metric::new("actor/pg_loss", 0.5),
             Metric::new("actor/grad_norm", fake_grad_norm(step)),
-        ])
+        ];
+        let meta: serde_json::Value =
+            serde_json::from_str(batch.meta_json.as_str()).unwrap_or_default();
+        if ON_POLICY && meta["calculate_entropy"] == true {
+            metrics.push(Metric::new("actor/entropy", 0.75));
+        }
+        Ok(metrics)
     }
     fn update_critic(&mut self, batch: &Batch) -> Result<Vec<Metric>, PluginError> {
         self.log.push(Event::UpdateCritic {
@@ -688,8 +698,17 @@ fn registry(log: &Log, faults: Faults) -> Registry {
         PluginBuilder::new("fakes", "0.0.0", "trainer test fakes")
             .engine("fake", 0, "records calls", move || {
                 l1.push(Event::Created("engine"));
-                FakeEngine::new(l1.clone(), faults)
+                FakeEngine::<false>::new(l1.clone(), faults)
             })
+            .engine(
+                "on-policy",
+                0,
+                "records calls; takes on-policy old log-probs itself",
+                {
+                    let log = log.clone();
+                    move || FakeEngine::<true>::new(log.clone(), faults)
+                },
+            )
             .engine("no-critic", 0, "actor and ref only", move || {
                 l2.push(Event::Created("engine"));
                 NoCriticEngine
@@ -3307,4 +3326,69 @@ fn a_code_data_source_without_a_sandbox_fails_before_the_run() {
     // With a sandbox (none need answer before the first step) the run is set up.
     config.reward_model.sandbox_fusion.url = Some("http://127.0.0.1:9/run_code".into());
     assert!(Trainer::new(config, &registry(&log, Faults::default()), &placement(&[])).is_ok());
+}
+
+/// verl's on-policy shortcut, taken by the trainer: with an engine that declares it
+/// (`on_policy_updates`), one mini-batch and one epoch, the actor's old-log-prob pass is skipped
+/// (no actor `compute_log_prob`, no `old_log_probs` in the update), the update is asked for
+/// `actor/entropy`, and that is what the step logs. Whatever reads the old log-probs, or a
+/// second mini-batch or epoch, or an engine without the shortcut, brings the pass back.
+#[test]
+fn an_on_policy_update_skips_the_old_log_prob_pass() {
+    let s = setup();
+    let run = |name: &str, edit: &dyn Fn(&mut Config)| {
+        let mut c = s.config(name);
+        c.actor_rollout_ref.actor.strategy = "on-policy".into();
+        c.trainer.total_training_steps = Some(2);
+        edit(&mut c);
+        let log = Log::default();
+        fit(c, &log, Faults::default()).unwrap();
+        log.events()
+    };
+    let actor_passes = |events: &[Event]| {
+        events
+            .iter()
+            .filter(|e| matches!(e, Event::LogProb { role, .. } if role == "actor"))
+            .count()
+    };
+    let entropy = |events: &[Event]| -> Vec<f64> {
+        logs(events)
+            .iter()
+            .map(|(_, m)| m["actor/entropy"])
+            .collect()
+    };
+
+    let events = run("skip", &|_| {});
+    assert_eq!(actor_passes(&events), 0);
+    for e in &events {
+        if let Event::UpdateActor { keys, .. } = e {
+            assert!(!keys.iter().any(|k| k == keys::OLD_LOG_PROBS), "{keys:?}");
+        }
+    }
+    assert_eq!(entropy(&events), [0.75, 0.75]);
+    assert!(
+        logs(&events)
+            .iter()
+            .all(|(_, m)| !m.contains_key("timing_s/old_log_prob"))
+    );
+
+    let cases: [(&str, &dyn Fn(&mut Config)); 4] = [
+        ("two-mini-batches", &|c| {
+            c.actor_rollout_ref.actor.ppo_mini_batch_size = c.data.train_batch_size / 2;
+        }),
+        ("two-epochs", &|c| c.actor_rollout_ref.actor.ppo_epochs = 2),
+        ("rollout-log-probs", &|c| {
+            c.actor_rollout_ref.rollout.name = "logprobs".into();
+            c.actor_rollout_ref.rollout.calculate_log_probs = true;
+        }),
+        ("no-shortcut", &|c| {
+            c.actor_rollout_ref.actor.strategy = "fake".into()
+        }),
+    ];
+    for (name, edit) in cases {
+        let events = run(name, edit);
+        assert_eq!(actor_passes(&events), 2, "{name}");
+        // The pass measured the entropy; the update was not asked to.
+        assert_eq!(entropy(&events), [0.25, 0.25], "{name}");
+    }
 }

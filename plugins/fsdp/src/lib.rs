@@ -81,6 +81,8 @@ impl Engine for FsdpEngine {
             .roles(["actor", "ref", "critic", "teacher"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
+            // The shared actor worker (verl-torch-runtime) does verl's on-policy shortcut.
+            .on_policy_updates(true)
             // Router replay of a mixture-of-experts actor (verl's R2 / R3): its forwards
             // replay the batch's `routed_experts`.
             .config_keys(config::FsdpConfig::declared_keys().acts_on(["router_replay.mode"]))

@@ -533,6 +533,43 @@ fn on_policy_updates_take_the_old_log_probs_from_their_own_forward() {
         assert_eq!(weights_diff(w, &results[0].0), 0.0);
         assert_eq!(*loss, results[0].1);
     }
+
+    // Asked for `actor/entropy` (the trainer skipped its old-log-prob pass), the update reports
+    // its own forward's, which is what `compute_log_prob` measures, and trains the same.
+    let mut asked = without.clone();
+    let mut meta: serde_json::Value =
+        serde_json::from_str(asked.meta_json.as_str()).unwrap_or_else(|_| json!({}));
+    meta["calculate_entropy"] = json!(true);
+    set_meta(&mut asked, meta);
+    let entropys = common::engine(&config).compute_log_prob(&asked).unwrap();
+    let mask = rows(&asked, keys::RESPONSE_MASK);
+    let (sum, tokens) = rows(&entropys, keys::ENTROPYS)
+        .iter()
+        .zip(&mask)
+        .flat_map(|(e, m)| e.iter().zip(m))
+        .fold((0.0f64, 0.0f64), |(s, n), (&e, &m)| {
+            (s + f64::from(e * m), n + f64::from(m))
+        });
+    let mut engine = common::engine(&config);
+    let metrics = update(&mut engine, &asked);
+    let reported = metric(&metrics, "actor/entropy");
+    assert!(
+        (reported - sum / tokens).abs() < 1e-5,
+        "{reported} vs {}",
+        sum / tokens
+    );
+    assert_eq!(weights_diff(&weights(&mut engine), &results[0].0), 0.0);
+    // Not asked, an update without entropy in its loss reports none.
+    let mut not_asked = without.clone();
+    let mut meta: serde_json::Value =
+        serde_json::from_str(not_asked.meta_json.as_str()).unwrap_or_else(|_| json!({}));
+    meta["calculate_entropy"] = json!(false);
+    set_meta(&mut not_asked, meta);
+    assert!(
+        update(&mut common::engine(&config), &not_asked)
+            .iter()
+            .all(|m| m.key != "actor/entropy")
+    );
 }
 
 #[test]

@@ -195,6 +195,8 @@ impl Engine for MegatronEngine {
             .roles(["actor", "ref", "critic"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
+            // The shared actor worker (verl-torch-runtime) does verl's on-policy shortcut.
+            .on_policy_updates(true)
             // libtorch's own devices (ROCm builds expose AMD GPUs as `cuda`); an Ascend NPU needs
             // MindSpeed, which verl resolves `strategy=megatron` to there (a plugin engine
             // declaring `strategies(["megatron"])` on `npu`).

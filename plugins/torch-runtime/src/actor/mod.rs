@@ -442,7 +442,11 @@ impl<S: Strategy> ActorWorker<S> {
                 micro,
                 scale,
                 meta.temperature,
-                on_policy,
+                OwnOld {
+                    on_policy,
+                    // The trainer skipped its old-log-prob pass: `actor/entropy` comes from here.
+                    entropy: on_policy && meta.calculate_entropy,
+                },
                 metrics,
             )
         })
@@ -686,21 +690,31 @@ impl<S: Strategy> ActorWorker<S> {
 /// they multiply the per-token policy loss.
 const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
 
+/// An update's use of its own forward: `on_policy`, verl's shortcut (the old log-probs are the
+/// forward's own, detached); `entropy`, report `actor/entropy` of it (the trainer ran no
+/// old-log-prob pass to report it from).
+#[derive(Debug, Clone, Copy)]
+struct OwnOld {
+    on_policy: bool,
+    entropy: bool,
+}
+
 fn actor_micro_step<S: Strategy>(
     s: &ActorSettings,
     strategy: &S,
     micro: &Rows,
     scale: &AggScale,
     temperature: f64,
-    on_policy: bool,
+    own: OwnOld,
     metrics: &mut Metrics,
 ) -> Result<Vec<(&'static str, f64)>, ActorError> {
+    let on_policy = own.on_policy;
     let mut losses = Vec::new();
     // As verl: entropy only when it is in the loss (then also reported); otherwise the trainer
     // reports `actor/entropy` from `compute_log_prob`'s `entropys`, and the [batch, response,
     // vocab] entropy tensors are never built here.
     let outputs = ScoreOutputs {
-        entropy: s.entropy_coeff != 0.0,
+        entropy: s.entropy_coeff != 0.0 || own.entropy,
         sum_pi_squared: false,
     };
     // The micro-batch's share of the mini-batch (by response tokens, like token-mean): the
@@ -882,7 +896,10 @@ fn actor_loss(
             &AggScale::default(),
         );
         metrics.push("actor/entropy", scalar(&own));
-        terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
+        // Asked for the metric alone (an on-policy update), it stays out of the graph.
+        if s.entropy_coeff != 0.0 {
+            terms.push(agg_loss(entropy, response_mask, s.loss_agg_mode, scale) * -s.entropy_coeff);
+        }
     }
     if let Some((coef, penalty)) = s.kl_loss {
         let kl = kl_penalty(&scores.log_probs, micro.get(keys::REF_LOG_PROB), penalty);

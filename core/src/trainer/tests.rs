@@ -3328,6 +3328,9 @@ fn a_code_data_source_without_a_sandbox_fails_before_the_run() {
     assert!(Trainer::new(config, &registry(&log, Faults::default()), &placement(&[])).is_ok());
 }
 
+/// A change to a test's config.
+type ConfigEdit<'a> = &'a dyn Fn(&mut Config);
+
 /// verl's on-policy shortcut, taken by the trainer: with an engine that declares it
 /// (`on_policy_updates`), one mini-batch and one epoch, the actor's old-log-prob pass is skipped
 /// (no actor `compute_log_prob`, no `old_log_probs` in the update), the update is asked for
@@ -3372,7 +3375,7 @@ fn an_on_policy_update_skips_the_old_log_prob_pass() {
             .all(|(_, m)| !m.contains_key("timing_s/old_log_prob"))
     );
 
-    let cases: [(&str, &dyn Fn(&mut Config)); 4] = [
+    let cases: [(&str, ConfigEdit); 4] = [
         ("two-mini-batches", &|c| {
             c.actor_rollout_ref.actor.ppo_mini_batch_size = c.data.train_batch_size / 2;
         }),

@@ -816,6 +816,9 @@ fn three_grpo_steps_reload_the_actors_weights_into_vllm_each_step() {
                 // fp32 on both sides (verl's rollout default is bfloat16), so the rollout's
                 // log-probs must equal the actor's up to rounding.
                 "actor_rollout_ref.rollout.dtype=float32",
+                // The rollout's log-probs in the batch, for verl's rollout-vs-actor metrics (as in
+                // verl, only then; and then the old-log-prob pass runs).
+                "actor_rollout_ref.rollout.calculate_log_probs=true",
                 "trainer.total_training_steps=3",
                 "trainer.test_freq=3",
                 "trainer.save_freq=-1",

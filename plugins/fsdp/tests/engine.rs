@@ -229,12 +229,12 @@ fn micro_batching_and_checkpointing_do_not_change_the_update() {
             json!({"ppo_micro_batch_size_per_gpu": 2, "model": {"enable_gradient_checkpointing": true}}),
         );
         assert!(
-            weights_diff(&whole, &micro) < 2e-5,
+            weights_diff(&whole, &micro) < adamw_rounding_tolerance(1e-3),
             "{mode}: {}",
             weights_diff(&whole, &micro)
         );
         assert!(
-            weights_diff(&whole, &ckpt) < 2e-5,
+            weights_diff(&whole, &ckpt) < adamw_rounding_tolerance(1e-3),
             "{mode}: {}",
             weights_diff(&whole, &ckpt)
         );
@@ -705,12 +705,16 @@ fn bfloat16_parameters() {
     );
 }
 
-/// Packed and padded weights after AdamW updates: the gradients agree to fp32 summation order
-/// (≤ 1e-6 relative, verl-torch-runtime's `packing` test: attention sums over a row's keys
-/// only), but AdamW's first updates divide each gradient by its own magnitude, so an element
-/// whose gradient is within rounding of zero moves by a different fraction of the learning rate.
-/// As `micro_batching_and_checkpointing_do_not_change_the_update`, which has the same cause.
-const PACKED_WEIGHTS_TOLERANCE: f64 = 2e-5;
+/// How far the weights of two engines whose gradients agree to fp32 summation order may drift
+/// apart in AdamW updates at learning rate `lr`. AdamW moves an element by lr · g / (|g| + ε): where
+/// |g| is near ε (1e-8) a rounding difference δ in g moves it up to lr · δ / ε differently. With
+/// gradients of the fixtures' scale, δ ~ 1e-10 in fp32 (the CPU's summation order decides: 2.2e-5
+/// at lr 1e-3 measured on an AMD EPYC, 1.9e-5 on an Intel Xeon). A wrong gradient instead moves
+/// elements by a different sign or magnitude, O(lr); the update metrics (loss, grad-norm) are
+/// checked within 1e-5 besides.
+fn adamw_rounding_tolerance(lr: f64) -> f64 {
+    0.05 * lr
+}
 
 /// The largest difference between two engines' log-probs and entropy of `batch`.
 fn scores_diff(
@@ -734,7 +738,7 @@ fn scores_diff(
 
 /// `model.use_remove_padding` (packed batches): log-probs and entropy and every update metric
 /// within 1e-5 of the padded engine's, the weights after each of 3 updates within
-/// [`PACKED_WEIGHTS_TOLERANCE`], on the whole model (with and without activation checkpointing,
+/// [`adamw_rounding_tolerance`], on the whole model (with and without activation checkpointing,
 /// micro-batches of 2 rows) and on the sharded one (offload), for both fixtures (Qwen2: q/k/v
 /// biases, tied head; Llama: grouped-query attention).
 #[test]
@@ -782,7 +786,7 @@ fn packed_batches_equal_padded() {
                 let diff = weights_diff(&weights(&mut packed), &weights(&mut padded));
                 worst[2] = worst[2].max(diff);
                 assert!(
-                    diff <= PACKED_WEIGHTS_TOLERANCE,
+                    diff <= adamw_rounding_tolerance(1e-3),
                     "{model} {extra} weights after update {step}: {diff:e}"
                 );
             }
@@ -831,7 +835,10 @@ fn packed_critic_equals_padded() {
     }
     let diff = weights_diff(&weights(&mut packed), &weights(&mut padded));
     eprintln!("critic weights: largest |packed - padded| {diff:e}");
-    assert!(diff <= PACKED_WEIGHTS_TOLERANCE, "critic weights {diff:e}");
+    assert!(
+        diff <= adamw_rounding_tolerance(1e-3),
+        "critic weights {diff:e}"
+    );
 }
 
 /// verl's `use_dynamic_bsz` (micro-batches by a token budget, regrouping the rows) against fixed
@@ -858,9 +865,8 @@ fn token_budget_micro_batches_equal_fixed_ones() {
             json!({"fsdp_config": {"param_offload": true}}),
         ] {
             let config = |batching: serde_json::Value| {
-                // lr 5e-4 (the fixtures' 1e-3 halved): AdamW divides each gradient element by
-                // its own magnitude, so elements whose gradient is near its epsilon amplify fp32
-                // summation-order differences in proportion to lr (1.2e-5 at 1e-3, measured).
+                // lr 5e-4 (the fixtures' 1e-3 halved): AdamW amplifies fp32 summation-order
+                // differences in proportion to lr (see `adamw_rounding_tolerance`).
                 let mut config = actor_config(
                     model,
                     json!({"use_kl_loss": true, "entropy_coeff": 0.01, "ppo_epochs": 2,
@@ -901,7 +907,7 @@ fn token_budget_micro_batches_equal_fixed_ones() {
                 let diff = weights_diff(&weights(&mut dynamic), &weights(&mut fixed));
                 worst[2] = worst[2].max(diff);
                 assert!(
-                    diff <= TOLERANCE,
+                    diff <= adamw_rounding_tolerance(5e-4),
                     "{model} {extra} weights after update {step}: {diff:e}"
                 );
             }

@@ -289,8 +289,8 @@ enum Attend {
     /// `[B, 1, T, S]`: boolean (true where a query may attend a key) or additive (0 or -inf).
     Mask(Tensor),
     /// A packed batch (`B = 1`): each run of queries attends causally within its sequence's
-    /// keys (see [`packed::Segment`]).
-    Segments(Vec<packed::Segment>),
+    /// keys (see [`packed::Segment`]), laid out in padded grids (see [`packed::attend`]).
+    Segments(packed::Grids),
     /// The deterministic mode: each sequence's queries over its own real keys, in fixed tiles
     /// (see [`invariant::attention`]).
     Spans(Vec<invariant::Span>),
@@ -632,7 +632,7 @@ impl Attention {
                 scale,
                 false,
             ),
-            Attend::Segments(segments) => packed::attend(&q, &k, &v, segments, scale),
+            Attend::Segments(grids) => packed::attend(&q, &k, &v, grids, scale),
             Attend::Spans(_) => unreachable!("handled above"),
         };
         out.transpose(1, 2).reshape([b, t, h * d])
@@ -1386,7 +1386,7 @@ impl CausalLM {
                     .collect(),
             )
         } else {
-            Attend::Segments(segments)
+            Attend::Segments(packed::Grids::new(&segments, device))
         };
         Ok(BlockContext {
             context: Context {

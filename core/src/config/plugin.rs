@@ -395,7 +395,7 @@ mod tests {
         assert_eq!(actor["role"], "actor");
         assert_eq!(
             actor["model"],
-            json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "use_remove_padding": false, "dtype": "float32"})
+            json!({"path": "/m", "random_init": false, "enable_gradient_checkpointing": true, "use_remove_padding": true, "dtype": "float32"})
         );
         assert_eq!(actor["ppo_mini_batch_size"], 32);
         assert_eq!(actor["log_prob_micro_batch_size_per_gpu"], 2);

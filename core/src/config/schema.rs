@@ -245,9 +245,9 @@ impl Default for ModelConfig {
             override_config: empty_object(),
             enable_gradient_checkpointing: true,
             enable_activation_offload: false,
-            // verl's default is true; here packing is opt-in until it is measured faster on CPU
-            // (README, *Packed batches*). The results are the same either way.
-            use_remove_padding: false,
+            // verl's default. The results are the padded ones either way (README, *Packed
+            // batches*), and packed is the faster pass.
+            use_remove_padding: true,
             use_shm: false,
             trust_remote_code: false,
             lora_rank: 0,

@@ -12,8 +12,8 @@
 //! runs `update_actor` (PPO clip loss with entropy, backward, grad clipping, AdamW), then lends
 //! its weights to the rollout (`naive` weight sync, by reference). Each phase is timed. Variants,
 //! each its own engine + rollout pair on the same weights and prompts:
-//! - `padded`: verl's defaults;
-//! - `packed`: `model.use_remove_padding=true` (no compute on padding);
+//! - `padded`: `model.use_remove_padding=false`;
+//! - `packed`: verl's defaults, `model.use_remove_padding=true` (no compute on padding);
 //! - `packed+on-policy`: no old-log-prob pass. With one epoch and one mini-batch the engine takes
 //!   the old log-probs from the update's own forward, detached (verl's on-policy shortcut in
 //!   `dp_actor.update_policy`: `on_policy = len(mini_batches) == 1 and ppo_epochs == 1`; not an

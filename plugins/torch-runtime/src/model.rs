@@ -1598,8 +1598,9 @@ pub(crate) enum Layout {
 }
 
 impl BlockContext {
-    /// Router replay for this pass (padded layout): the tokens use `experts` (`[B, T, sparse
-    /// layers, k]` int64, laid out like the context's ids) instead of the router's top-k.
+    /// Router replay for this pass: the tokens use `experts` (`[B, T, sparse layers, k]` int64,
+    /// laid out like the padded batch's ids; packed, each real token takes its own entry) instead
+    /// of the router's top-k.
     pub fn replay_experts(&mut self, model: &CausalLM, experts: &Tensor) -> Result<()> {
         let Some(moe) = &model.config.moe else {
             return Err(ModelError::invalid_input(
@@ -1607,13 +1608,18 @@ impl BlockContext {
                 "the model has no experts to replay",
             ));
         };
-        if matches!(self.layout, Layout::Packed(_)) {
-            return Err(ModelError::invalid_input(
-                "routed_experts",
-                "router replay needs a padded batch (use_remove_padding=false)",
-            ));
-        }
-        let ids = self.input_ids.size();
+        let ids = match &self.layout {
+            Layout::Padded(_) => self.input_ids.size(),
+            Layout::Packed(packing) => {
+                if self.input_ids.size()[1] != packing.len() {
+                    return Err(ModelError::invalid_input(
+                        "routed_experts",
+                        "router replay of part of a packed stream (context parallelism) is not built",
+                    ));
+                }
+                packing.padded_shape().to_vec()
+            }
+        };
         let want = [
             ids[0],
             ids[1],
@@ -1645,8 +1651,14 @@ impl BlockContext {
                 ));
             }
         }
-        let flat = experts.reshape([ids[0] * ids[1], want[2], want[3]]);
-        self.context.routing = Routing::replaying(&flat.to_device(self.input_ids.device()));
+        let flat = experts
+            .reshape([ids[0] * ids[1], want[2], want[3]])
+            .to_device(self.input_ids.device());
+        let flat = match &self.layout {
+            Layout::Padded(_) => flat,
+            Layout::Packed(packing) => packing.pack_tokens(&flat),
+        };
+        self.context.routing = Routing::replaying(&flat);
         Ok(())
     }
 
@@ -1664,14 +1676,26 @@ impl BlockContext {
     /// The experts each token of the padded batch used in the last pass over this context,
     /// `[B, T, sparse layers, k]` int64 (router replay R2 records them).
     pub fn take_routed_experts(&self) -> Result<Tensor> {
-        if matches!(self.layout, Layout::Packed(_)) {
-            return Err(ModelError::invalid_input(
-                "routed_experts",
-                "router replay needs a padded batch (use_remove_padding=false)",
-            ));
-        }
         let (batch, tokens) = self.input_ids.size2()?;
-        Ok(self.take_routing(batch, tokens).experts)
+        let experts = self.take_routing(batch, tokens).experts;
+        match &self.layout {
+            Layout::Padded(_) => Ok(experts),
+            Layout::Packed(packing) => {
+                let [rows, seq] = packing.padded_shape();
+                let size = experts.size();
+                let stream = experts.reshape([tokens, size[2], size[3]]);
+                match (tokens == packing.len())
+                    .then(|| packing.unpack_tokens(&stream))
+                    .flatten()
+                {
+                    Some(padded) => Ok(padded.view([rows, seq, size[2], size[3]])),
+                    None => Err(ModelError::invalid_input(
+                        "routed_experts",
+                        "recording the routing of an aligned or partial packed stream is not built",
+                    )),
+                }
+            }
+        }
     }
 
     /// Each sparse layer's router logits `[N, experts]` recorded since the last take, in layer

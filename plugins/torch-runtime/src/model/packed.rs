@@ -156,6 +156,8 @@ pub struct Packing {
     /// Row `b` occupies `cu_seqlens[b] .. cu_seqlens[b + 1]` of the stream (real tokens, then the
     /// alignment padding).
     cu_seqlens: Vec<i64>,
+    /// Whether the stream holds alignment slots (then [`Self::source`] repeats tokens).
+    aligned: bool,
     /// `[N]` int64: the index into the flattened `[B·S]` batch of the token each slot holds
     /// (alignment slots repeat a token of their row; their outputs are never read).
     source: Tensor,
@@ -243,6 +245,7 @@ impl Packing {
             predictors: tensor(&predictors),
             labels: tensor(&labels),
             targets: tensor(&targets),
+            aligned: source.len() as i64 != mask.iter().filter(|&&m| m != 0).count() as i64,
             cu_seqlens,
         })
     }
@@ -297,6 +300,27 @@ impl Packing {
             .reshape([-1])
             .index_select(0, &self.source)
             .view([1, -1])
+    }
+
+    /// Per-token values `[B·S, ..]` of the padded batch, laid out as the stream's `[N, ..]`
+    /// (alignment slots repeat a token of their row).
+    pub(crate) fn pack_tokens(&self, values: &Tensor) -> Tensor {
+        values.index_select(0, &self.source.to_device(values.device()))
+    }
+
+    /// The stream's per-slot values `[N, ..]` in the padded batch's layout `[B·S, ..]`, zero at
+    /// padding. `None` when the stream holds alignment slots (their values belong to no token).
+    pub(crate) fn unpack_tokens(&self, values: &Tensor) -> Option<Tensor> {
+        if self.aligned {
+            return None;
+        }
+        let mut shape = vec![self.rows * self.seq];
+        shape.extend_from_slice(&values.size()[1..]);
+        let source = self.source.to_device(values.device());
+        Some(
+            Tensor::zeros(shape.as_slice(), (values.kind(), values.device()))
+                .index_copy(0, &source, values),
+        )
     }
 
     /// Positions `[1, T]` of the stream's `tokens` (`None`: all).

@@ -15,7 +15,8 @@
 #                               tools, the vllm rollout's against a real vLLM server, the sglang
 #                               rollout's against SGLang's protocol classes) and the
 #                               out-of-tree vendor example's own suite, built separately as a vendor would
-#   bash scripts/test.sh        (CI) the set-ups (cargo-semver-checks builds meanwhile), lint,
+#   bash scripts/test.sh        (CI) the set-ups (cargo-semver-checks and, once libtorch is
+#                               there, the integration tests' release build run meanwhile), lint,
 #                               fast, then the rest of full (the fast tier's tests are not run twice)
 #
 # Each stage's wall time is printed at the end, also when a stage fails.
@@ -54,6 +55,7 @@ stage() {
 report() {
   local rc=$?
   [[ -z "${semver_install_pid:-}" ]] || kill "$semver_install_pid" 2>/dev/null || true
+  [[ -z "${release_build_pid:-}" ]] || kill "$release_build_pid" 2>/dev/null || true
   if ((${#timings[@]})); then
     echo
     echo "test.sh $mode: stage timings"
@@ -141,6 +143,34 @@ finish_semver_install() {
   install_semver_checks
 }
 
+# The release binary and plugins the integration tests run (tests/integration/helpers.rs,
+# `release()`, builds the same list when VERL_RELEASE_DIR is unset). CI builds them in the
+# background from the start, in a target directory of their own so that no foreground cargo waits
+# on its lock: the ~9-min build then fills the cores the downloads, the lint and the test runs
+# leave idle instead of running alone before the integration tests.
+release_packages=(verl-core verl-plugin-rocm verl-plugin-ascend verl-plugin-fsdp verl-plugin-megatron
+  verl-plugin-native verl-plugin-trackers verl-plugin-vllm verl-plugin-sglang verl-plugin-reward-http)
+release_target=$repo/target/ci-release
+release_build_pid=
+release_build_log=
+start_release_build() {
+  release_build_log=$(mktemp)
+  # shellcheck disable=SC2046
+  CARGO_TARGET_DIR=$release_target cargo build --release $(packages -p "${release_packages[@]}") \
+    >"$release_build_log" 2>&1 &
+  release_build_pid=$!
+}
+finish_release_build() {
+  local pid=$release_build_pid
+  release_build_pid=
+  if ! wait "$pid"; then
+    cat "$release_build_log" >&2
+    echo "test.sh: the release build failed (its log is above)" >&2
+    return 1
+  fi
+  export VERL_RELEASE_DIR=$release_target/release
+}
+
 semver_checks() {
   # The baseline: the commit that made plugin-api 2.0.0 (a clone has the history). Every later
   # change must be semver-compatible with it for the version Cargo.toml declares now.
@@ -200,10 +230,12 @@ case "$mode" in
     start_semver_install
     # The downloads first, overlapping the tool's build.
     stage "libtorch set-up" setup_libtorch
+    start_release_build
     stage "Python tracking tools set-up" setup_python_tools
     stage "vLLM (and SGLang protocol) set-up" setup_vllm
     lint
     stage "fast tier (no libtorch, no Python)" fast_tier
+    stage "release build for the integration tests (wait)" finish_release_build
     # shellcheck disable=SC2046
     stage "full tier: the rest of the workspace tests" \
       cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate") \

@@ -44,7 +44,8 @@ pub fn dylib_name(lib: &str) -> String {
 }
 
 /// The release `verl-core` binary and the workspace's plugin libraries, built once (a no-op when the
-/// README's build command already built them).
+/// README's build command already built them), or, with `VERL_RELEASE_DIR`, the ones its caller
+/// built there (`scripts/test.sh` builds them in the background while other stages run).
 pub struct Release {
     pub binary: PathBuf,
     pub dir: PathBuf,
@@ -53,6 +54,15 @@ pub struct Release {
 pub fn release() -> &'static Release {
     static RELEASE: OnceLock<Release> = OnceLock::new();
     RELEASE.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("VERL_RELEASE_DIR").map(PathBuf::from) {
+            let binary = dir.join("verl-core");
+            assert!(
+                binary.is_file(),
+                "VERL_RELEASE_DIR={}: no verl-core binary there",
+                dir.display()
+            );
+            return Release { binary, dir };
+        }
         let mut cmd = cargo();
         cmd.current_dir(workspace_root())
             .args(["build", "--release", "-p", "verl-core"]);

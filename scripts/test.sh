@@ -130,15 +130,20 @@ start_semver_install() {
   install_semver_checks >"$semver_install_log" 2>&1 &
   semver_install_pid=$!
 }
+# Waits for background job `pid`; when it failed, shows its `log` and says `what` failed.
+wait_logged() {
+  local pid=$1 log=$2 what=$3
+  if ! wait "$pid"; then
+    cat "$log" >&2
+    echo "test.sh: $what failed (its log is above)" >&2
+    return 1
+  fi
+}
 finish_semver_install() {
   if [[ -n "$semver_install_pid" ]]; then
     local pid=$semver_install_pid
     semver_install_pid=
-    if ! wait "$pid"; then
-      cat "$semver_install_log" >&2
-      echo "test.sh: installing cargo-semver-checks failed (its log is above)" >&2
-      return 1
-    fi
+    wait_logged "$pid" "$semver_install_log" "installing cargo-semver-checks" || return 1
   fi
   install_semver_checks
 }
@@ -163,11 +168,7 @@ start_release_build() {
 finish_release_build() {
   local pid=$release_build_pid
   release_build_pid=
-  if ! wait "$pid"; then
-    cat "$release_build_log" >&2
-    echo "test.sh: the release build failed (its log is above)" >&2
-    return 1
-  fi
+  wait_logged "$pid" "$release_build_log" "the release build" || return 1
   export VERL_RELEASE_DIR=$release_target/release
 }
 

@@ -1684,16 +1684,19 @@ impl BlockContext {
                 let [rows, seq] = packing.padded_shape();
                 let size = experts.size();
                 let stream = experts.reshape([tokens, size[2], size[3]]);
-                match (tokens == packing.len())
-                    .then(|| packing.unpack_tokens(&stream))
-                    .flatten()
-                {
-                    Some(padded) => Ok(padded.view([rows, seq, size[2], size[3]])),
-                    None => Err(ModelError::invalid_input(
-                        "routed_experts",
-                        "recording the routing of an aligned or partial packed stream is not built",
-                    )),
-                }
+                let padded = if tokens == packing.len() {
+                    packing.unpack_tokens(&stream)
+                } else {
+                    None
+                };
+                padded
+                    .map(|p| p.view([rows, seq, size[2], size[3]]))
+                    .ok_or_else(|| {
+                        ModelError::invalid_input(
+                            "routed_experts",
+                            "recording the routing of an aligned or partial packed stream is not built",
+                        )
+                    })
             }
         }
     }

@@ -52,7 +52,8 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
                     );
                 }
             }
-            // verl-torch-runtime called directly on the same tensors gives the same bits.
+            // verl-torch-runtime called directly on the same tensors, as the engine calls it
+            // (padded, the last layer at the predictors only), gives the same bits.
             let direct =
                 CausalLM::from_pretrained(&fixture(model), &ModelOptions::default()).unwrap();
             let t = |key: &str| {
@@ -65,14 +66,13 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
             };
             let r = batch.require(keys::RESPONSES).unwrap().shape[1];
             let scores = tch::no_grad(|| {
+                let mut context = direct
+                    .block_context(&t(keys::INPUT_IDS), &t(keys::ATTENTION_MASK))
+                    .unwrap();
+                assert!(context.score_predictors_only(&direct, r).unwrap());
+                let hidden = direct.hidden_states_in(&context);
                 direct
-                    .response_scores(
-                        &t(keys::INPUT_IDS),
-                        &t(keys::ATTENTION_MASK),
-                        r,
-                        temperature,
-                        ScoreOutputs::ENTROPY,
-                    )
+                    .response_scores_in(&hidden, &context, r, temperature, ScoreOutputs::ENTROPY)
                     .unwrap()
             });
             let direct_lp = verl_torch_runtime::interop::from_tch("lp", &scores.log_probs).unwrap();

@@ -409,29 +409,19 @@ impl CausalLM {
         context: &'a BlockContext,
         response_len: i64,
     ) -> Result<(Tensor, Placement<'a>)> {
-        match &context.layout {
+        let predictors = crate::logprobs::predictors_in(hidden, context, response_len)?;
+        let place = match &context.layout {
             Layout::Padded(mask) => {
-                let seq = hidden.size()[1];
-                if response_len < 1 || response_len >= seq {
-                    return Err(ModelError::invalid_input(
-                        "response_len",
-                        format!("must lie in [1, {seq}), got {response_len}"),
-                    ));
-                }
-                Ok((
-                    hidden.narrow(1, seq - response_len - 1, response_len),
-                    Placement::Padded(
-                        mask.to_device(self.device())
-                            .narrow(1, seq - response_len, response_len)
-                            .to_kind(Kind::Float),
-                    ),
-                ))
+                let seq = mask.size()[1];
+                Placement::Padded(
+                    mask.to_device(self.device())
+                        .narrow(1, seq - response_len, response_len)
+                        .to_kind(Kind::Float),
+                )
             }
-            Layout::Packed(packing) => Ok((
-                crate::logprobs::packed_predictors(hidden, packing, response_len)?,
-                Placement::Packed(packing),
-            )),
-        }
+            Layout::Packed(packing) => Placement::Packed(packing),
+        };
+        Ok((predictors, place))
     }
 }
 

@@ -111,15 +111,30 @@ impl CausalLM {
         check_response_len(seq, response_len)?;
         // Position t predicts token t + 1: the response's predictors end one before the sequence.
         // Only those positions go through the (large) LM head.
+        self.padded_scores(
+            &hidden.narrow(1, seq - response_len - 1, response_len),
+            input_ids,
+            attention_mask,
+            temperature,
+            outputs,
+        )
+    }
+
+    /// The scores of a padded batch's response from its predictors' hidden states `[B, R,
+    /// hidden]`.
+    fn padded_scores(
+        &self,
+        predictors: &Tensor,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        temperature: f64,
+        outputs: ScoreOutputs,
+    ) -> Result<ResponseScores> {
+        let (seq, response_len) = (input_ids.size()[1], predictors.size()[1]);
         let labels = input_ids
             .to_device(self.device())
             .narrow(1, seq - response_len, response_len);
-        let scores = self.scores_of(
-            &hidden.narrow(1, seq - response_len - 1, response_len),
-            &labels,
-            temperature,
-            outputs,
-        )?;
+        let scores = self.scores_of(predictors, &labels, temperature, outputs)?;
         let mask = self.response_mask(attention_mask, response_len);
         Ok(scores.map(|t| t * &mask))
     }
@@ -135,17 +150,12 @@ impl CausalLM {
         temperature: f64,
         outputs: ScoreOutputs,
     ) -> Result<ResponseScores> {
+        let predictors = predictors_in(hidden, context, response_len)?;
         match &context.layout {
-            Layout::Padded(mask) => self.response_scores_from_hidden(
-                hidden,
-                &context.batch_ids,
-                mask,
-                response_len,
-                temperature,
-                outputs,
-            ),
+            Layout::Padded(mask) => {
+                self.padded_scores(&predictors, &context.batch_ids, mask, temperature, outputs)
+            }
             Layout::Packed(packing) => {
-                let predictors = packed_predictors(hidden, packing, response_len)?;
                 let labels = packing.labels(&context.batch_ids);
                 let scores = self.scores_of(&predictors, &labels, temperature, outputs)?;
                 Ok(scores.map(|t| packing.unpack_response(&t)))
@@ -218,13 +228,11 @@ impl CausalLM {
         context: &BlockContext,
         response_len: i64,
     ) -> Result<Tensor> {
-        match &context.layout {
-            Layout::Padded(mask) => self.response_values_from_hidden(hidden, mask, response_len),
-            Layout::Packed(packing) => {
-                let predictors = packed_predictors(hidden, packing, response_len)?;
-                Ok(packing.unpack_response(&self.values_from_hidden(&predictors)?))
-            }
-        }
+        let values = self.values_from_hidden(&predictors_in(hidden, context, response_len)?)?;
+        Ok(match &context.layout {
+            Layout::Padded(mask) => values * self.response_mask(mask, response_len),
+            Layout::Packed(packing) => packing.unpack_response(&values),
+        })
     }
 
     /// The last `response_len` columns of the mask as fp32 on the model's device.
@@ -237,12 +245,60 @@ impl CausalLM {
     }
 }
 
-/// The hidden states `[n, hidden]` of a packed stream's (`[1, N, hidden]`) scored predictors.
-pub(crate) fn packed_predictors(
+/// The final hidden states of the response tokens' predictors among a block context's pass
+/// `hidden`: padded `[B, R, hidden]` (position t predicts token t + 1, so the last `R + 1`
+/// columns but the last), packed `[n, hidden]` (the packing's predictors). After
+/// [`BlockContext::score_predictors_only`] the pass computed those alone, and `hidden` is them.
+pub(crate) fn predictors_in(
     hidden: &Tensor,
-    packing: &Packing,
+    context: &BlockContext,
     response_len: i64,
 ) -> Result<Tensor> {
+    let size = hidden.size();
+    let computed = context.tail.is_some();
+    let wrong = |want: String| {
+        Err(ModelError::invalid_input(
+            "hidden",
+            format!("must be {want}, got {size:?}"),
+        ))
+    };
+    match &context.layout {
+        Layout::Padded(mask) => {
+            let (rows, seq) = (mask.size()[0], mask.size()[1]);
+            check_response_len(seq, response_len)?;
+            let width = if computed { response_len } else { seq };
+            if size.len() != 3 || size[0] != rows || size[1] != width {
+                return wrong(format!("[{rows}, {width}, hidden]"));
+            }
+            Ok(if computed {
+                hidden.shallow_clone()
+            } else {
+                hidden.narrow(1, seq - response_len - 1, response_len)
+            })
+        }
+        Layout::Packed(packing) => {
+            check_packed_response_len(packing, response_len)?;
+            let predictors = packing.predictors();
+            let width = if computed {
+                predictors.size()[0]
+            } else {
+                packing.len()
+            };
+            if size.len() != 3 || size[0] != 1 || size[1] != width {
+                return wrong(format!("the packed stream's [1, {width}, hidden]"));
+            }
+            let stream = hidden.squeeze_dim(0);
+            Ok(if computed {
+                stream
+            } else {
+                stream.index_select(0, predictors)
+            })
+        }
+    }
+}
+
+/// A packing scores the response length it was made for.
+pub(crate) fn check_packed_response_len(packing: &Packing, response_len: i64) -> Result<()> {
     if packing.response_len() != response_len {
         return Err(ModelError::invalid_input(
             "response_len",
@@ -252,21 +308,11 @@ pub(crate) fn packed_predictors(
             ),
         ));
     }
-    let size = hidden.size();
-    if size.len() != 3 || size[0] != 1 || size[1] != packing.len() {
-        return Err(ModelError::invalid_input(
-            "hidden",
-            format!(
-                "must be the packed stream's [1, {}, hidden], got {size:?}",
-                packing.len()
-            ),
-        ));
-    }
-    Ok(hidden.squeeze_dim(0).index_select(0, packing.predictors()))
+    Ok(())
 }
 
 /// A response needs at least one prompt token before it to be predicted from.
-fn check_response_len(seq: i64, response_len: i64) -> Result<()> {
+pub(crate) fn check_response_len(seq: i64, response_len: i64) -> Result<()> {
     if response_len < 1 || response_len >= seq {
         return Err(ModelError::invalid_input(
             "response_len",

@@ -268,6 +268,14 @@ struct Rope {
 }
 
 impl Rope {
+    /// The tables of the `select`ed tokens.
+    fn select(&self, select: &Select) -> Self {
+        Self {
+            cos: select.apply(&self.cos),
+            signed_sin: select.apply(&self.signed_sin),
+        }
+    }
+
     /// `x * cos + rotate_half(x) * sin` with `rotate_half([a, b]) = [-b, a]`, as transformers,
     /// computed as `x * cos + roll(x, half) * [-sin, sin]`: bit-identical (negation is exact), one
     /// kernel instead of three for the rotation. `x`: `[B, T, heads, head_dim]`.
@@ -576,21 +584,8 @@ impl Attention {
                 )
             }
             None => {
-                let inv = context.invariant();
-                let heads = |y: Tensor, n: i64| y.view([b, t, n, d]);
-                let (q, k) = (
-                    heads(self.q_proj.apply(x, inv), h),
-                    heads(self.k_proj.apply(x, inv), kv),
-                );
-                let (q, k) = match &self.qk_norm {
-                    Some((q_norm, k_norm)) => (q_norm.apply(&q, inv), k_norm.apply(&k, inv)),
-                    None => (q, k),
-                };
-                (
-                    rope.apply(&q),
-                    rope.apply(&k),
-                    heads(self.v_proj.apply(x, inv), kv),
-                )
+                let (k, v) = self.keys_values(x, context);
+                (self.queries(x, context), k, v)
             }
         };
         let (k, v) = (k.transpose(1, 2), v.transpose(1, 2));
@@ -599,6 +594,44 @@ impl Attention {
             None => (k, v),
         };
         (q, k, v)
+    }
+
+    /// The rotated queries `[B, T, heads, head_dim]` of `x` `[B, T, hidden]` (normed).
+    fn queries(&self, x: &Tensor, context: &Context) -> Tensor {
+        let inv = context.invariant();
+        let q = self.heads(self.q_proj.apply(x, inv), self.heads);
+        let q = match &self.qk_norm {
+            Some((q_norm, _)) => q_norm.apply(&q, inv),
+            None => q,
+        };
+        context.rope.apply(&q)
+    }
+
+    /// The rotated keys and the values `[B, T, kv_heads, head_dim]` of `x` `[B, T, hidden]`.
+    fn keys_values(&self, x: &Tensor, context: &Context) -> (Tensor, Tensor) {
+        let inv = context.invariant();
+        let k = self.heads(self.k_proj.apply(x, inv), self.kv_heads);
+        let k = match &self.qk_norm {
+            Some((_, k_norm)) => k_norm.apply(&k, inv),
+            None => k,
+        };
+        let v = self.heads(self.v_proj.apply(x, inv), self.kv_heads);
+        (context.rope.apply(&k), v)
+    }
+
+    /// A projection `[B, T, n × head_dim]` as `[B, T, n, head_dim]`.
+    fn heads(&self, y: Tensor, n: i64) -> Tensor {
+        let (b, t, _) = y.size3().expect("projections are [B, T, features]");
+        y.view([b, t, n, self.head_dim])
+    }
+
+    /// [`Self::forward`] for the tail's tokens only (`x`: every token's normed hidden states,
+    /// whose keys and values the tail's queries attend), `[B, T', hidden]`.
+    fn forward_tail(&self, x: &Tensor, context: &Context, tail: &Tail) -> Tensor {
+        let q = self.queries(&tail.select.apply(x), &tail.context);
+        let (k, v) = self.keys_values(x, context);
+        let out = self.attention(&q, k.transpose(1, 2), v.transpose(1, 2), &tail.context);
+        self.o_proj.forward(&out)
     }
 
     /// Scaled dot-product attention of `q` over `k`, `v` under the context's mask, `[B, T,
@@ -770,6 +803,15 @@ impl DecoderLayer {
             Ffn::Dense(mlp) => mlp.forward(&normed, weights),
             Ffn::Sparse(moe) => moe.forward(&normed, &context.routing, inv),
         }
+    }
+
+    /// [`Self::forward`] at the tail's tokens only, `[B, T', hidden]` (a dense layer, outside
+    /// the deterministic mode: see [`BlockContext::score_predictors_only`]).
+    fn forward_tail(&self, x: &Tensor, context: &Context, tail: &Tail) -> Tensor {
+        let mlp = self.dense_mlp().expect("a tail runs on a dense layer");
+        let normed = self.input_layernorm.forward(x);
+        let x = tail.select.apply(x) + self.self_attn.forward_tail(&normed, context, tail);
+        &x + mlp.forward(&self.post_attention_layernorm.forward(&x), None)
     }
 
     /// The dense MLP (`None` for a sparse layer).
@@ -1249,6 +1291,7 @@ impl CausalLM {
             batch_ids: input_ids.shallow_clone(),
             input_ids,
             layout: Layout::Padded(mask),
+            tail: None,
         })
     }
 
@@ -1257,9 +1300,22 @@ impl CausalLM {
         self.embed(&context.input_ids)
     }
 
-    /// Decoder layer `layer` applied to hidden states `x` `[B, T, hidden]`.
+    /// Decoder layer `layer` applied to hidden states `x` `[B, T, hidden]` (the last layer after
+    /// [`BlockContext::score_predictors_only`]: at the predictors only).
     pub fn layer_block(&self, layer: usize, x: &Tensor, context: &BlockContext) -> Result<Tensor> {
-        Ok(self.layer(layer)?.forward(x, &context.context, None, None))
+        self.layer(layer)?;
+        Ok(self.layer_in(layer, x, context))
+    }
+
+    /// [`Self::layer_block`] for a layer that exists.
+    fn layer_in(&self, layer: usize, x: &Tensor, context: &BlockContext) -> Tensor {
+        let block = &self.layers[layer];
+        match &context.tail {
+            Some(tail) if layer + 1 == self.layers.len() => {
+                block.forward_tail(x, &context.context, tail)
+            }
+            _ => block.forward(x, &context.context, None, None),
+        }
     }
 
     fn layer(&self, layer: usize) -> Result<&DecoderLayer> {
@@ -1292,6 +1348,7 @@ impl CausalLM {
             batch_ids: input_ids.shallow_clone(),
             input_ids,
             layout: Layout::Padded(mask),
+            tail: None,
         })
     }
 
@@ -1318,6 +1375,7 @@ impl CausalLM {
             input_ids: input_ids.index_select(1, &tokens),
             batch_ids: input_ids,
             layout: Layout::Padded(mask),
+            tail: None,
         })
     }
 
@@ -1400,12 +1458,21 @@ impl CausalLM {
             },
             batch_ids,
             layout: Layout::Packed(packing),
+            tail: None,
         })
     }
 
-    /// Final hidden states of the context's tokens, `[B, T, hidden]` (packed: `[1, T, hidden]`).
+    /// Final hidden states of the context's tokens, `[B, T, hidden]` (packed: `[1, T, hidden]`);
+    /// of the response predictors only after [`BlockContext::score_predictors_only`].
     pub fn hidden_states_in(&self, context: &BlockContext) -> Tensor {
-        self.run(&context.input_ids, &context.context, None, None)
+        if context.tail.is_none() {
+            return self.run(&context.input_ids, &context.context, None, None);
+        }
+        let mut x = self.embed_block(context);
+        for layer in 0..self.layers.len() {
+            x = self.layer_in(layer, &x, context);
+        }
+        self.norm_block(&x)
     }
 
     /// The attention half of decoder layer `layer` on a tensor-parallel shard of the model:
@@ -1527,12 +1594,11 @@ impl CausalLM {
         let (ids, context) = (&block.input_ids, &block.context);
         let inputs = tch::no_grad(|| {
             let mut inputs = vec![self.embed(ids)];
-            for layer in &self.layers {
-                let next = layer.forward(
+            for layer in 0..self.layers.len() {
+                let next = self.layer_in(
+                    layer,
                     inputs.last().expect("starts with the embedding"),
-                    context,
-                    None,
-                    None,
+                    block,
                 );
                 inputs.push(next);
             }
@@ -1553,12 +1619,12 @@ impl CausalLM {
         loss.f_backward()?;
         let mut grad = last.grad();
         let aux = balance.as_ref().map(|(_, b)| b.value);
-        for (layer, input) in self.layers.iter().zip(&inputs).rev() {
+        for (layer, input) in inputs.iter().enumerate().take(self.layers.len()).rev() {
             if !grad.defined() && balance.is_none() {
                 return Ok((loss.detach(), aux)); // the loss does not depend on earlier layers
             }
             let x = input.detach().set_requires_grad(true);
-            let out = layer.forward(&x, context, None, None);
+            let out = self.layer_in(layer, &x, block);
             let mut objective = if grad.defined() {
                 (out * &grad).sum(Kind::Float)
             } else {
@@ -1587,6 +1653,32 @@ pub struct BlockContext {
     /// The batch's `[B, S]` ids, whose response tokens the head scores.
     pub(crate) batch_ids: Tensor,
     pub(crate) layout: Layout,
+    /// Set by [`Self::score_predictors_only`]: the last layer's tokens.
+    pub(crate) tail: Option<Tail>,
+}
+
+/// Some of a pass's tokens: the columns `start .. start + len` of every row (padded), or slots
+/// `[T']` of the packed stream, increasing.
+pub(crate) enum Select {
+    Columns { start: i64, len: i64 },
+    Slots(Tensor),
+}
+
+impl Select {
+    /// The selected tokens of `x` `[B, T, ..]` (dimension 1).
+    fn apply(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Columns { start, len } => x.narrow(1, *start, *len),
+            Self::Slots(slots) => x.index_select(1, slots),
+        }
+    }
+}
+
+/// The tokens the last decoder layer computes, and their rotary tables and mask over all the
+/// pass's keys (see [`BlockContext::score_predictors_only`]).
+pub(crate) struct Tail {
+    select: Select,
+    context: Context,
 }
 
 /// How a batch's rows are laid out for the blocks.
@@ -1598,6 +1690,63 @@ pub(crate) enum Layout {
 }
 
 impl BlockContext {
+    /// Makes the passes over this context compute the last decoder layer at the response tokens'
+    /// predictors only: their queries, output projection, MLP and final norm. The final hidden
+    /// states are then the predictors' alone — padded `[B, R, hidden]` (the last `R + 1`
+    /// columns but the last), packed `[1, n, hidden]` (the packing's predictors) — and the
+    /// `response_*_in` functions take them as they are. Every token's keys and values are still
+    /// computed, so the predictors attend exactly what they did; the other tokens' last-layer
+    /// outputs fed nothing but the discarded logits. For a prompt of `P` tokens and a response of
+    /// `R`, this saves about `P / (P + R)` of the last layer's work, forward and backward.
+    ///
+    /// Returns whether it applies: not to a context of part of the batch's tokens (context
+    /// parallelism), a sparse last layer (its routing covers every token: router replay, the
+    /// load-balancing loss), or the deterministic mode (whose kernels tile every token).
+    pub fn score_predictors_only(&mut self, model: &CausalLM, response_len: i64) -> Result<bool> {
+        let last_dense = model.layers.last().is_some_and(|l| l.dense_mlp().is_some());
+        if !last_dense || model.batch_invariant() {
+            return Ok(false);
+        }
+        let device = self.input_ids.device();
+        let (select, attend) = match (&self.layout, &self.context.attend) {
+            (Layout::Padded(mask), Attend::Mask(attend)) => {
+                let seq = mask.size()[1];
+                if self.input_ids.size()[1] != seq {
+                    return Ok(false);
+                }
+                crate::logprobs::check_response_len(seq, response_len)?;
+                let (start, len) = (seq - response_len - 1, response_len);
+                (
+                    Select::Columns { start, len },
+                    Attend::Mask(attend.narrow(2, start, len)),
+                )
+            }
+            (Layout::Packed(packing), Attend::Segments(_)) => {
+                crate::logprobs::check_packed_response_len(packing, response_len)?;
+                if self.input_ids.size()[1] != packing.len() || packing.predictors().numel() == 0 {
+                    return Ok(false);
+                }
+                let slots = packing.predictors().to_device(device);
+                let list = Vec::<i64>::try_from(&slots.to_device(Device::Cpu))
+                    .map_err(|e| ModelError::Torch(e.to_string()))?;
+                (
+                    Select::Slots(slots),
+                    Attend::Segments(packed::Grids::new(&packing.segments(Some(&list)), device)),
+                )
+            }
+            _ => return Ok(false),
+        };
+        self.tail = Some(Tail {
+            context: Context {
+                rope: self.context.rope.select(&select),
+                attend,
+                routing: Routing::default(),
+            },
+            select,
+        });
+        Ok(true)
+    }
+
     /// Router replay for this pass: the tokens use `experts` (`[B, T, sparse layers, k]` int64,
     /// laid out like the padded batch's ids; packed, each real token takes its own entry) instead
     /// of the router's top-k.

@@ -2,13 +2,16 @@
 //! same weights: log-probs, entropy, values and parameter gradients within 1e-5 on the Qwen2
 //! fixture (q/k/v biases, tied embeddings) and the Llama one (grouped-query attention), for
 //! verl's layout (left-padded prompts, right-padded responses) with prompt and response lengths
-//! of 1, odd, even, empty responses, and right-padded whole sequences.
+//! of 1, odd, even, empty responses, and right-padded whole sequences. Likewise passes whose last
+//! layer runs at the response predictors only, padded and packed, against full passes.
 
 mod common;
 
 use common::{MODELS, fixture, load};
 use tch::{Kind, Tensor};
-use verl_torch_runtime::{CausalLM, Head, ModelOptions, ResponseScores, Rng, ScoreOutputs};
+use verl_torch_runtime::{
+    BlockContext, CausalLM, Head, ModelOptions, ResponseScores, Rng, ScoreOutputs,
+};
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -214,6 +217,183 @@ fn packed_gradients_equal_padded_with_and_without_checkpointing() {
             let (d1, d2) = (max_diff(a, b) / scale, max_diff(a, c) / scale);
             assert!(d1 <= TOLERANCE && d2 <= TOLERANCE, "{name} {n}: {d1} {d2}");
         }
+    }
+}
+
+/// Every parameter's gradient now (zero where none).
+fn current_gradients(model: &CausalLM) -> Vec<(String, Tensor)> {
+    model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, p)| {
+            let g = p.grad();
+            (
+                n,
+                if g.defined() {
+                    g.copy()
+                } else {
+                    p.zeros_like()
+                },
+            )
+        })
+        .collect()
+}
+
+/// Each parameter's largest gradient difference, relative to its largest gradient (at least 1).
+fn max_gradient_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
+    a.iter()
+        .zip(b)
+        .map(|((n, x), (_, y))| {
+            let scale = x.abs().max().double_value(&[]).max(1.0);
+            (max_diff(x, y) / scale, n.clone())
+        })
+        .fold((0.0, String::new()), |m, d| if d.0 > m.0 { d } else { m })
+}
+
+/// The block context of a batch, padded or packed, with the last layer at the predictors only
+/// when `tail`.
+fn context_of(
+    model: &CausalLM,
+    (ids, mask, r): (&Tensor, &Tensor, i64),
+    packed: bool,
+    tail: bool,
+) -> BlockContext {
+    let mut context = if packed {
+        model.packed_block_context(ids, mask, r).unwrap()
+    } else {
+        model.block_context(ids, mask).unwrap()
+    };
+    if tail {
+        assert!(context.score_predictors_only(model, r).unwrap());
+    }
+    context
+}
+
+#[test]
+fn predictor_only_passes_equal_full_ones() {
+    for name in MODELS {
+        let model = load(name);
+        let hidden_size = model.config().hidden_size;
+        for (i, (ids, mask, r)) in batches(model.config().vocab_size).into_iter().enumerate() {
+            let batch = (&ids, &mask, r);
+            tch::manual_seed(i as i64);
+            let weights = Tensor::randn([ids.size()[0], r], (Kind::Float, tch::Device::Cpu));
+            let loss_of = |s: &ResponseScores| {
+                (&s.log_probs * &weights
+                    + s.entropy.as_ref().unwrap() * 0.1
+                    + s.sum_pi_squared.as_ref().unwrap() * 0.01)
+                    .sum(Kind::Float)
+            };
+            for packed in [false, true] {
+                let full_context = context_of(&model, batch, packed, false);
+                let full = model
+                    .response_scores_in(
+                        &model.hidden_states_in(&full_context),
+                        &full_context,
+                        r,
+                        0.7,
+                        ALL,
+                    )
+                    .unwrap();
+                let full_grads = gradients(&model, loss_of(&full));
+
+                let context = context_of(&model, batch, packed, true);
+                let hidden = model.hidden_states_in(&context);
+                // Only the predictors' states: padded the last R + 1 columns but the last, packed
+                // one per scored response token.
+                let scored = mask.narrow(1, mask.size()[1] - r, r).sum(Kind::Int64);
+                let want = if packed {
+                    vec![1, scored.int64_value(&[]), hidden_size]
+                } else {
+                    vec![ids.size()[0], r, hidden_size]
+                };
+                assert_eq!(hidden.size(), want, "{name} batch {i} packed {packed}");
+                let tail = model
+                    .response_scores_in(&hidden, &context, r, 0.7, ALL)
+                    .unwrap();
+                let diff = max_scores_diff(&tail, &full);
+                assert!(
+                    diff <= TOLERANCE,
+                    "{name} batch {i} packed {packed}: {diff}"
+                );
+                let (d, n) = max_gradient_diff(&full_grads, &gradients(&model, loss_of(&tail)));
+                assert!(d <= TOLERANCE, "{name} batch {i} packed {packed} {n}: {d}");
+
+                // Activation checkpointing recomputes the same predictor-only last layer.
+                for (_, p) in model.named_tensors() {
+                    let mut g = p.grad();
+                    if g.defined() {
+                        let _ = g.zero_();
+                    }
+                }
+                let _ = model
+                    .backward_checkpointed_in(&context, |hidden| {
+                        Ok(loss_of(
+                            &model.response_scores_in(hidden, &context, r, 0.7, ALL)?,
+                        ))
+                    })
+                    .unwrap();
+                let (d, n) = max_gradient_diff(&full_grads, &current_gradients(&model));
+                assert!(
+                    d <= TOLERANCE,
+                    "{name} batch {i} packed {packed} checkpointed {n}: {d}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn predictor_only_values_equal_full_ones() {
+    let options = ModelOptions {
+        head: Head::Value,
+        seed: 7,
+        ..ModelOptions::default()
+    };
+    for name in MODELS {
+        let critic = CausalLM::from_pretrained(&fixture(name), &options).unwrap();
+        for (ids, mask, r) in batches(critic.config().vocab_size) {
+            for packed in [false, true] {
+                tch::no_grad(|| {
+                    let values = |tail: bool| {
+                        let context = context_of(&critic, (&ids, &mask, r), packed, tail);
+                        let hidden = critic.hidden_states_in(&context);
+                        critic.response_values_in(&hidden, &context, r).unwrap()
+                    };
+                    let diff = max_diff(&values(true), &values(false));
+                    assert!(diff <= TOLERANCE, "{name} packed {packed}: {diff}");
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn full_hidden_states_after_a_predictor_only_context_are_refused() {
+    // A predictor-only context reads its hidden states as the predictors': a full pass's are the
+    // wrong shape, and say so instead of scoring the wrong positions.
+    let model = load("tiny-llama");
+    let (ids, mask, r) = verl_batch(&[3, 5], &[4, 2], 320, 8);
+    for packed in [false, true] {
+        let full = context_of(&model, (&ids, &mask, r), packed, false);
+        let hidden = tch::no_grad(|| model.hidden_states_in(&full));
+        let tail = context_of(&model, (&ids, &mask, r), packed, true);
+        let e = model
+            .response_scores_in(&hidden, &tail, r, 1.0, ScoreOutputs::NONE)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hidden"), "{e}");
+    }
+}
+
+#[test]
+fn the_deterministic_mode_keeps_every_token_in_the_last_layer() {
+    let model = load("tiny-qwen2");
+    model.set_batch_invariant(true);
+    let (ids, mask, r) = verl_batch(&[3, 5], &[4, 2], 320, 9);
+    for packed in [false, true] {
+        let mut context = context_of(&model, (&ids, &mask, r), packed, false);
+        assert!(!context.score_predictors_only(&model, r).unwrap());
     }
 }
 

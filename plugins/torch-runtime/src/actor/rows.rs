@@ -147,7 +147,10 @@ impl Rows {
 
     /// The block context of these rows' forward pass on `model`: one packed stream of their
     /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows; replaying
-    /// the rows' `routed_experts` when they were loaded (router replay).
+    /// the rows' `routed_experts` when they were loaded (router replay). Its passes yield the
+    /// response predictors' hidden states, all that the actor and critic read, with the last
+    /// layer computed at those alone where it can be
+    /// ([`BlockContext::score_predictors_only`]).
     pub fn block_context(&self, model: &CausalLM, packed: bool) -> crate::Result<BlockContext> {
         let (ids, mask) = (self.get(keys::INPUT_IDS), self.get(keys::ATTENTION_MASK));
         let mut context = if packed {
@@ -158,6 +161,7 @@ impl Rows {
         if let Some(experts) = self.try_get(keys::ROUTED_EXPERTS) {
             context.replay_experts(model, experts)?;
         }
+        context.score_predictors_only(model, self.response_len)?;
         Ok(context)
     }
 

@@ -1,5 +1,5 @@
-//! AdamW written on tensors (so its moments save and restore bit-exactly), gradient-norm clipping,
-//! verl's learning-rate schedules, and save/load of the full training state.
+//! AdamW with its moments as tensors (so they save and restore bit-exactly), gradient-norm
+//! clipping, verl's learning-rate schedules, and save/load of the full training state.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result, read_json, write_json};
+use crate::interop::{floats, floats_mut};
 use crate::model::CausalLM;
 use crate::rng::Rng;
 use crate::weights::{self, read_safetensors, write_safetensors};
@@ -119,12 +120,13 @@ impl AdamW {
     /// it would leave a parameter or a moment non-finite: then nothing changes and `false` is
     /// returned. Parameters without a gradient are left alone.
     ///
-    /// The update is computed twice: once aside to check it, then in place. Both passes run the
-    /// same kernels on the same values, so what is applied is exactly what was checked (and
-    /// bit-identical to the out-of-place rule this optimizer used before). Neither pass allocates
-    /// per parameter: the check works in six buffers as long as the largest parameter, the
-    /// update's temporaries in three of them, all made once per step (on CPU every fresh tensor
-    /// is a fresh mapping whose pages are faulted in, which cost more than the arithmetic).
+    /// The update is computed twice: once to check it, then in place. Both passes run the same
+    /// arithmetic on the same values, so what is applied is exactly what was checked. Host fp32
+    /// parameters (with their gradients and moments) go through one fused pass over
+    /// their elements; the others (a GPU, other dtypes) through the tensor rule, whose check
+    /// works aside in six buffers as long as the largest parameter, the update's temporaries in
+    /// three of them, all made once per step (on CPU every fresh tensor is a fresh mapping whose
+    /// pages are faulted in, which cost more than the arithmetic).
     #[must_use = "a refused update must be reported"]
     pub fn step(&mut self, lr: f64) -> bool {
         let grads: Vec<Tensor> = self.params.iter().map(|(_, p)| p.grad()).collect();
@@ -146,11 +148,34 @@ impl AdamW {
         assert_eq!(grads.len(), self.params.len(), "one gradient per parameter");
         let rule = self.rule(lr);
         let updated: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].defined()).collect();
-        let scratch = Scratch::for_params(updated.iter().map(|&i| &self.params[i].1));
+        let host = |i: usize| {
+            [
+                &self.params[i].1,
+                &grads[i],
+                &self.exp_avg[i],
+                &self.exp_avg_sq[i],
+            ]
+            .into_iter()
+            .all(crate::interop::is_host_f32)
+        };
+        let (on_host, on_device): (Vec<usize>, Vec<usize>) =
+            updated.iter().partition(|&&i| host(i));
+        let host_rule = HostRule::from(&rule);
+        let scratch = Scratch::for_params(on_device.iter().map(|&i| &self.params[i].1));
         let finite = tch::no_grad(|| {
+            // SAFETY (both host passes): host fp32 tensors (checked above), distinct (a parameter,
+            // its gradient and its moments), and nothing else touches them during the step.
+            let host_finite = on_host.iter().all(|&i| unsafe {
+                host_rule.check(
+                    floats(&self.params[i].1),
+                    floats(&grads[i]),
+                    floats(&self.exp_avg[i]),
+                    floats(&self.exp_avg_sq[i]),
+                )
+            });
             // 0 × x is NaN exactly when x is not finite: one sum per tensor, one read per step.
-            let mut sums = Vec::with_capacity(3 * updated.len());
-            for &i in &updated {
+            let mut sums = Vec::with_capacity(3 * on_device.len());
+            for &i in &on_device {
                 let param = &self.params[i].1;
                 let [mut p, mut m, mut v, sq, denom, scaled] = scratch.views(param);
                 p.copy_(param);
@@ -161,13 +186,30 @@ impl AdamW {
                     sums.push(t.g_mul_scalar_(0.0).sum(Kind::Float));
                 }
             }
-            sums.is_empty() || Tensor::stack(&sums, 0).isnan().any().int64_value(&[]) == 0
+            host_finite
+                && (sums.is_empty() || Tensor::stack(&sums, 0).isnan().any().int64_value(&[]) == 0)
         });
         if !agree(finite)? {
             return Ok(false);
         }
         tch::no_grad(|| {
-            for &i in &updated {
+            for &i in &on_host {
+                let [mut p, mut m, mut v] = [
+                    self.params[i].1.shallow_clone(),
+                    self.exp_avg[i].shallow_clone(),
+                    self.exp_avg_sq[i].shallow_clone(),
+                ];
+                // SAFETY: as for the check.
+                unsafe {
+                    host_rule.apply(
+                        floats_mut(&mut p),
+                        floats(&grads[i]),
+                        floats_mut(&mut m),
+                        floats_mut(&mut v),
+                    );
+                }
+            }
+            for &i in &on_device {
                 let [sq, denom, scaled] = scratch.views(&self.params[i].1);
                 let mut state = [
                     self.params[i].1.shallow_clone(),
@@ -259,6 +301,83 @@ impl AdamWRule {
             .g_add_scalar_(self.eps);
         let _ = exp_avg.mul_scalar_out(&scaled, -self.step_size);
         let _ = param.addcdiv_(&scaled, &denom);
+    }
+}
+
+/// [`AdamWRule`] for host fp32 tensors, as slices: each element's update computed in registers
+/// with the same fp32 operations in the same order (torch's `lerp_` is a fused multiply-add
+/// there too), one pass instead of the tensor rule's nine. The check and the update run the same
+/// arithmetic, so what is applied is what was checked. On issue 14's bench model (3.4 M
+/// parameters, 2 threads) a step takes 3.5 ms this way and took 15 ms through the tensor rule.
+struct HostRule {
+    decay: f32,
+    /// `lerp`'s weight `1 − β1`.
+    weight: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    bias_correction2_sqrt: f32,
+    eps: f32,
+    neg_step_size: f32,
+}
+
+impl From<&AdamWRule> for HostRule {
+    /// The constants as libtorch passes a double scalar to an fp32 kernel: rounded to fp32.
+    fn from(r: &AdamWRule) -> Self {
+        Self {
+            decay: r.decay as f32,
+            weight: (1.0 - r.beta1) as f32,
+            beta2: r.beta2 as f32,
+            one_minus_beta2: (1.0 - r.beta2) as f32,
+            bias_correction2_sqrt: r.bias_correction2_sqrt as f32,
+            eps: r.eps as f32,
+            neg_step_size: -r.step_size as f32,
+        }
+    }
+}
+
+impl HostRule {
+    /// One element's (parameter, first moment, second moment) after the update.
+    #[inline(always)]
+    fn element(&self, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+        let p = p * self.decay;
+        // torch's lerp: `start + w·(end − start)` for w < 0.5, else `end − (1 − w)·(end − start)`,
+        // each one fused multiply-add in its vectorised kernel.
+        let m = if self.weight < 0.5 {
+            self.weight.mul_add(g - m, m)
+        } else {
+            (self.weight - 1.0).mul_add(g - m, g)
+        };
+        let v = v * self.beta2 + (g * g) * self.one_minus_beta2;
+        let denom = v.sqrt() / self.bias_correction2_sqrt + self.eps;
+        (p + (m * self.neg_step_size) / denom, m, v)
+    }
+
+    /// Whether the update of every element is finite.
+    fn check(&self, p: &[f32], g: &[f32], m: &[f32], v: &[f32]) -> bool {
+        host_check(self, p, g, m, v)
+    }
+
+    /// The update, in place.
+    fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        host_apply(self, p, g, m, v);
+    }
+}
+
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+fn host_check(rule: &HostRule, p: &[f32], g: &[f32], m: &[f32], v: &[f32]) -> bool {
+    // An OR of "not finite" flags vectorises; a float sum (fixed order) would not.
+    let mut bad = 0u32;
+    for (((&p, &g), &m), &v) in p.iter().zip(g).zip(m).zip(v) {
+        let (p, m, v) = rule.element(p, g, m, v);
+        bad |= u32::from(!(p.is_finite() && m.is_finite() && v.is_finite()));
+    }
+    bad == 0
+}
+
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+fn host_apply(rule: &HostRule, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        (*p, *m, *v) = rule.element(*p, g, *m, *v);
     }
 }
 
@@ -562,6 +681,47 @@ mod tests {
                 .1
                 .equal(&by_grad.state_tensors()[0].1)
         );
+    }
+
+    #[test]
+    fn the_host_rule_computes_the_tensor_rule() {
+        // Lengths with vector tails; β1 below and above ½ (lerp's two forms); first and tenth
+        // steps (bias corrections); moments of every scale.
+        tch::manual_seed(3);
+        let config = |beta1| AdamWConfig {
+            betas: (beta1, 0.999),
+            ..AdamWConfig::default()
+        };
+        for (len, beta1, steps) in [(1, 0.9, 0), (17, 0.9, 9), (4099, 0.9, 0), (1000, 0.3, 9)] {
+            let mut opt = AdamW::new(Vec::new(), config(beta1));
+            opt.restore_steps(steps);
+            let rule = opt.rule(1e-3);
+            let random = |scale: f64| Tensor::randn([len], (Kind::Float, tch::Device::Cpu)) * scale;
+            let grad = random(1e-3);
+            let start = [random(1.0), random(1e-4), random(1e-5).square()];
+            let [mut p, mut m, mut v] = start.each_ref().map(Tensor::copy);
+            let temps = std::array::from_fn(|_| p.empty_like());
+            rule.apply([&mut p, &mut m, &mut v], &grad, temps);
+            let [mut hp, mut hm, mut hv] = start.each_ref().map(Tensor::copy);
+            let host = HostRule::from(&rule);
+            // SAFETY: distinct contiguous fp32 tensors made here.
+            unsafe {
+                assert!(host.check(floats(&hp), floats(&grad), floats(&hm), floats(&hv)));
+                host.apply(
+                    floats_mut(&mut hp),
+                    floats(&grad),
+                    floats_mut(&mut hm),
+                    floats_mut(&mut hv),
+                );
+            }
+            for (name, tensor, host) in [("p", &p, &hp), ("m", &m, &hm), ("v", &v, &hv)] {
+                // Relative to each element: fp32 rounding of the same operations.
+                let gap = ((tensor - host).abs() / tensor.abs().clamp_min(1e-30))
+                    .max()
+                    .double_value(&[]);
+                assert!(gap <= 1e-6, "len {len} beta1 {beta1} {name}: {gap}");
+            }
+        }
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub(super) struct StepBuffers {
     /// Each row's next position, advanced here (the cache's `next_positions` tensor serves the
     /// tensor-op step and stays at the prefill's values on this path).
     positions: Vec<i64>,
+    /// Each row's first cached position that is not prompt padding: attention starts there,
+    /// as the positions before it (masked, `e^-inf = 0`) add exactly nothing.
+    first_real: Vec<usize>,
     /// Attention scores of one head, `[capacity]`.
     scores: Vec<f32>,
 }
@@ -60,6 +63,7 @@ impl StepBuffers {
             logits: buffer(c.vocab_size),
             positions: Vec::<i64>::try_from(cache.next_positions.reshape([-1]))
                 .expect("int64 positions"),
+            first_real: first_real(cache),
             scores: vec![0.0; cache.keys[0].size()[2] as usize],
         }
     }
@@ -105,7 +109,7 @@ impl CausalLM {
                         floats_mut(&mut cache.keys[i]),
                         floats_mut(&mut cache.values[i]),
                     ),
-                    floats(&cache.mask),
+                    (floats(&cache.mask), &b.first_real),
                     &geometry,
                     &mut b.scores,
                     floats_mut(&mut b.attn),
@@ -132,6 +136,23 @@ impl CausalLM {
         }
         b.logits.shallow_clone()
     }
+}
+
+/// Each row's first position whose mask is not -inf among those cached so far (`len` if none:
+/// the step's own token is then the first).
+fn first_real(cache: &KvCache) -> Vec<usize> {
+    let capacity = cache.mask.size()[3] as usize;
+    let len = cache.len as usize;
+    // SAFETY: the mask is a contiguous fp32 CPU tensor, only read here.
+    let mask = unsafe { floats(&cache.mask) };
+    mask.chunks_exact(capacity)
+        .map(|row| {
+            row[..len]
+                .iter()
+                .position(|&m| m != f32::NEG_INFINITY)
+                .unwrap_or(len)
+        })
+        .collect()
 }
 
 /// Attention shapes and the number of cached positions before this step.
@@ -193,11 +214,11 @@ fn rotate(qkv: &mut [f32], g: &Geometry, positions: &[i64], table: &super::RopeT
 }
 
 /// Appends every row's new key and value to the cache at position `len`, then attends its query
-/// heads over positions `0..=len` (additive mask: -inf at prompt padding).
+/// heads over positions `first_real[row]..=len` (additive mask: -inf at prompt padding).
 fn attend(
     qkv: &[f32],
     (keys, values): (&mut [f32], &mut [f32]),
-    mask: &[f32],
+    (mask, first_real): (&[f32], &[usize]),
     g: &Geometry,
     scores: &mut [f32],
     out: &mut [f32],
@@ -207,8 +228,8 @@ fn attend(
     let groups = g.heads / g.kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let scores = &mut scores[..=len];
-    for (r, row) in qkv.chunks_exact(width).enumerate() {
-        let mask = &mask[r * g.capacity..][..=len];
+    for ((r, row), &first) in qkv.chunks_exact(width).enumerate().zip(first_real) {
+        let mask = &mask[r * g.capacity..][first..=len];
         for kv_head in 0..g.kv_heads {
             // This head's positions of this row: `[capacity, d]`, contiguous.
             let start = (r * g.kv_heads + kv_head) * g.capacity * d;
@@ -217,10 +238,11 @@ fn attend(
             let new = (g.heads + kv_head) * d;
             keys[len * d..].copy_from_slice(&row[new..][..d]);
             values[len * d..].copy_from_slice(&row[new + g.kv_heads * d..][..d]);
+            let attended = (&keys[first * d..], &values[first * d..]);
             for head in kv_head * groups..(kv_head + 1) * groups {
                 let q = &row[head * d..][..d];
                 let head_out = &mut out[(r * g.heads + head) * d..][..d];
-                kernels::attend_head(q, (keys, values), mask, scale, scores, head_out);
+                kernels::attend_head(q, attended, mask, scale, scores, head_out);
             }
         }
     }

@@ -639,37 +639,41 @@ impl Attention {
     fn attention(&self, q: &Tensor, k: Tensor, v: Tensor, context: &Context) -> Tensor {
         let (b, t) = (q.size()[0], q.size()[1]);
         let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let scale = scale_of(d);
         // Grouped-query attention: each key/value head serves `heads / kv_heads` query heads.
         let groups = h / kv;
-        let (k, v) = if groups > 1 {
-            (
-                k.repeat_interleave_self_int(groups, 1, None),
-                v.repeat_interleave_self_int(groups, 1, None),
-            )
-        } else {
-            (k, v)
+        let shared = |t: Tensor| {
+            if groups > 1 {
+                t.repeat_interleave_self_int(groups, 1, None)
+            } else {
+                t
+            }
         };
-        let scale = (d as f64).powf(-0.5);
-        if let Attend::Spans(spans) = &context.attend {
-            return invariant::attention(q, &k, &v, spans, scale).reshape([b, t, h * d]);
-        }
-        let q = q.transpose(1, 2);
         let out = match &context.attend {
             Attend::Mask(mask) => Tensor::scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
+                &q.transpose(1, 2),
+                &shared(k),
+                &shared(v),
                 Some(mask),
                 0.0,
                 false,
                 scale,
                 false,
-            ),
-            Attend::Segments(grids) => packed::attend(&q, &k, &v, grids, scale),
-            Attend::Spans(_) => unreachable!("handled above"),
+            )
+            .transpose(1, 2),
+            // The grids share the key/value heads among their query heads themselves.
+            Attend::Segments(grids) => {
+                packed::attend(&q.transpose(1, 2), &k, &v, grids, scale).transpose(1, 2)
+            }
+            Attend::Spans(spans) => invariant::attention(q, &shared(k), &shared(v), spans, scale),
         };
-        out.transpose(1, 2).reshape([b, t, h * d])
+        out.reshape([b, t, h * d])
     }
+}
+
+/// Scaled dot-product attention's scale for heads of `head_dim`: `1/√d`.
+fn scale_of(head_dim: i64) -> f64 {
+    (head_dim as f64).powf(-0.5)
 }
 
 struct Mlp {

@@ -134,15 +134,20 @@ fn right_padded_sequences_pack_too() {
     });
 }
 
-#[test]
-fn packed_values_equal_padded() {
+/// The fixture `name` with a value head (seeded).
+fn critic(name: &str) -> CausalLM {
     let options = ModelOptions {
         head: Head::Value,
         seed: 7,
         ..ModelOptions::default()
     };
+    CausalLM::from_pretrained(&fixture(name), &options).unwrap()
+}
+
+#[test]
+fn packed_values_equal_padded() {
     for name in MODELS {
-        let critic = CausalLM::from_pretrained(&fixture(name), &options).unwrap();
+        let critic = critic(name);
         for (ids, mask, r) in batches(critic.config().vocab_size) {
             tch::no_grad(|| {
                 let padded = critic.response_values(&ids, &mask, r).unwrap();
@@ -345,13 +350,8 @@ fn predictor_only_passes_equal_full_ones() {
 
 #[test]
 fn predictor_only_values_equal_full_ones() {
-    let options = ModelOptions {
-        head: Head::Value,
-        seed: 7,
-        ..ModelOptions::default()
-    };
     for name in MODELS {
-        let critic = CausalLM::from_pretrained(&fixture(name), &options).unwrap();
+        let critic = critic(name);
         for (ids, mask, r) in batches(critic.config().vocab_size) {
             for packed in [false, true] {
                 tch::no_grad(|| {

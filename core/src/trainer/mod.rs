@@ -2312,18 +2312,20 @@ fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// Writes and removes a probe file in `dir` (created if missing), so an output location that
-/// cannot be written fails before step 1 instead of at the first checkpoint or the final export.
+/// Writes a probe file in `dir` (created if missing), so an output location that cannot be
+/// written fails before step 1 instead of at the first checkpoint or the final export. The probe
+/// has no name (`O_TMPFILE` on Linux; elsewhere it is unlinked as soon as it is created): the same
+/// permission check as a named file, and nothing left behind when the run is killed meanwhile.
 fn probe_writable(dir: &Path, what: &str) -> Result<(), TrainError> {
+    use std::io::Write;
     let unwritable = |error: std::io::Error| TrainError::Output {
         path: dir.to_path_buf(),
         what: what.to_owned(),
         error,
     };
     std::fs::create_dir_all(dir).map_err(unwritable)?;
-    let probe = dir.join(format!(".verl-core-write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"probe")
-        .and_then(|()| std::fs::remove_file(&probe))
+    tempfile::tempfile_in(dir)
+        .and_then(|mut probe| probe.write_all(b"probe"))
         .map_err(unwritable)
 }
 

@@ -1787,7 +1787,7 @@ fn unwritable_outputs_fail_before_step_one() {
     let leftovers: Vec<_> = std::fs::read_dir(&run_dir)
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains("write-probe"))
+        .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }

@@ -1469,9 +1469,6 @@ impl CausalLM {
     /// Final hidden states of the context's tokens, `[B, T, hidden]` (packed: `[1, T, hidden]`);
     /// of the response predictors only after [`BlockContext::score_predictors_only`].
     pub fn hidden_states_in(&self, context: &BlockContext) -> Tensor {
-        if context.tail.is_none() {
-            return self.run(&context.input_ids, &context.context, None, None);
-        }
         let mut x = self.embed_block(context);
         for layer in 0..self.layers.len() {
             x = self.layer_in(layer, &x, context);

@@ -341,7 +341,7 @@ fn main() -> ExitCode {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli))) {
         Ok(Ok(code)) => code,
         Ok(Err(e)) => {
-            eprintln!("error: {}", error_chain(&e));
+            print_error(&error_chain(&e));
             ExitCode::FAILURE
         }
         Err(_) => {
@@ -350,7 +350,9 @@ fn main() -> ExitCode {
                 .ok()
                 .and_then(|mut last| last.take())
                 .unwrap_or_else(|| "unknown panic".to_owned());
-            eprintln!("error: internal error, a bug in verl-core (please report it): {panic}");
+            print_error(&format!(
+                "internal error, a bug in verl-core (please report it): {panic}"
+            ));
             ExitCode::from(PANIC_EXIT)
         }
     }
@@ -397,6 +399,13 @@ fn without_cpp_trace(text: &str) -> &str {
 
 /// The error and its causes joined with ": ", leaving out a cause whose text an outer message
 /// already includes (many errors print their source as part of their own message).
+/// `error: {message}` on stderr in one write: the ranks of a job share the stream, and a line
+/// written in pieces (as `eprintln!` may) can be cut by another rank's.
+fn print_error(message: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("error: {message}\n").as_bytes());
+}
+
 fn error_chain(error: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in error.chain() {
@@ -583,7 +592,7 @@ fn run_launch(plugins: &PluginArgs, args: LaunchArgs) -> anyhow::Result<ExitCode
         Ok(()) => Ok(ExitCode::SUCCESS),
         // The shell's convention for a job ended by a signal.
         Err(e @ LaunchError::Interrupted { signal_number, .. }) => {
-            eprintln!("error: {e}");
+            print_error(&e.to_string());
             Ok(ExitCode::from(
                 u8::try_from(128 + signal_number).unwrap_or(u8::MAX),
             ))

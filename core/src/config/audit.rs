@@ -216,6 +216,13 @@ pub const RULES: &[Rule] = &[
         "actor_rollout_ref.actor.router_replay.replay_file",
         ROUTING_FILES,
     ),
+    Rule {
+        also_fine: &["false"],
+        ..no_effect(
+            "actor_rollout_ref.actor.use_prefix_grouper",
+            "only an engine that shares prompts in its packed passes acts on it and declares so (`fsdp` does; `megatron` packs every sequence whole); it changes speed, not results",
+        )
+    },
     // ref
     acted("actor_rollout_ref.ref.strategy"),
     acted("actor_rollout_ref.ref.log_prob_micro_batch_size"),

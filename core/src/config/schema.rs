@@ -401,6 +401,11 @@ pub struct ActorConfig {
     pub optim: OptimConfig,
     pub profiler: Value,
     pub router_replay: RouterReplayConfig,
+    /// verl's prefix grouper: each distinct prompt of a packed micro-batch is computed once and
+    /// its `rollout.n` samples attend it (the same results, less compute). None: on wherever the
+    /// engine packs (`model.use_remove_padding`); verl's default is off, because its
+    /// implementation patches padded attention and excludes packing.
+    pub use_prefix_grouper: Option<bool>,
     /// The engine's section (`fsdp_config`, `megatron`, …).
     #[serde(flatten)]
     pub sections: Sections,
@@ -438,6 +443,7 @@ impl Default for ActorConfig {
             optim: OptimConfig::default(),
             profiler: empty_object(),
             router_replay: RouterReplayConfig::default(),
+            use_prefix_grouper: None,
             sections: Sections::new(),
         }
     }

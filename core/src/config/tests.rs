@@ -1433,6 +1433,44 @@ fn one_off_commands_report_what_they_do_not_read() {
     }
 }
 
+/// `actor.use_prefix_grouper`: acted on by an engine that declares so (`fsdp`); `true` warns
+/// under one that does not (it changes speed, not results), `false` is fine everywhere.
+#[test]
+fn the_prefix_grouper_needs_an_engine_that_shares_prompts() {
+    let fsdp = AuditContext {
+        components: vec![(
+            "actor_rollout_ref.actor".into(),
+            verl_plugin_api::ConfigKeys::default().acts_on(["use_prefix_grouper"]),
+        )],
+        ..AuditContext::default()
+    };
+    let other = AuditContext::default();
+    for (value, ctx, want) in [
+        ("True", &fsdp, Outcome::Acted),
+        ("False", &fsdp, Outcome::Acted),
+        ("True", &other, Outcome::Warning),
+        ("False", &other, Outcome::Acted),
+    ] {
+        let arg = format!("actor_rollout_ref.actor.use_prefix_grouper={value}");
+        assert_eq!(outcome(&[&arg], ctx), want, "{arg}");
+    }
+    let config = load(
+        None,
+        &[],
+        &["actor_rollout_ref.actor.use_prefix_grouper=True"],
+    )
+    .unwrap();
+    let finding = audit(&config, &other).remove(0);
+    assert!(finding.to_string().contains("`fsdp`"), "{finding}");
+    // The engine gets it in its section; unset, it is null (the engine's default).
+    assert_eq!(
+        config.engine_json(EngineRole::Actor)["use_prefix_grouper"],
+        serde_json::json!(true)
+    );
+    let config = load(None, &[], &[]).unwrap();
+    assert!(config.engine_json(EngineRole::Actor)["use_prefix_grouper"].is_null());
+}
+
 /// verl's router-replay keys: the mode is refused unless the engine declares it acts on it, the
 /// rollout's recording unless the rollout does (the `vllm` and `sglang` adapters do not, and the
 /// message names them); verl's unread `record_file` only warns; a mode verl does not know is a

@@ -12,13 +12,14 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 use verl_plugin_api::{ComponentInit, TensorRef};
 use verl_torch_runtime::actor::{
-    ActorConfig, ActorError, ActorWorker, Reduction, Role, Rows, Strategy,
+    ActorConfig, ActorError, ActorWorker, PassLayout, Reduction, Role, Rows, Strategy,
 };
 use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, ResponseScores, Rng, ScoreOutputs,
-    load_training_state, load_training_state_from, parse_device, save_training_state,
+    AdamW, BlockContext, CausalLM, Head, LrSchedule, ModelSpec, NOT_SHARING_PROMPTS,
+    ResponseScores, Rng, ScoreOutputs, load_training_state, load_training_state_from, parse_device,
+    save_training_state,
 };
 
 use crate::config::FsdpConfig;
@@ -85,6 +86,21 @@ pub fn new_worker(init: &ComponentInit) -> Result<(Worker, Ranks), ActorError> {
     if optimizer.is_none() {
         model.set_trainable(false);
     }
+    let sharing = PassLayout::Packed {
+        share_prompts: true,
+    };
+    if settings.layout == sharing && !model.shares_prompts() {
+        // Left unset, prompt sharing is simply off where it cannot apply; asked for, it is an error.
+        if init.config.get("use_prefix_grouper") == Some(&serde_json::Value::Bool(true)) {
+            return Err(ActorError::Config {
+                key: "use_prefix_grouper".into(),
+                reason: format!("{NOT_SHARING_PROMPTS}; leave it unset or false"),
+            });
+        }
+        settings.layout = PassLayout::Packed {
+            share_prompts: false,
+        };
+    }
     let spec = settings.model.clone();
     let strategy = match sharding {
         Some(options) => {
@@ -108,10 +124,9 @@ impl LocalModel {
             .expect("the worker only trains roles that have an optimizer")
     }
 
-    /// The micro-batch's block context: packed when the model config asks
-    /// (`use_remove_padding`).
+    /// The micro-batch's block context, laid out as the settings ask.
     fn context(&self, rows: &Rows) -> verl_torch_runtime::Result<BlockContext> {
-        rows.block_context(&self.model, self.spec.use_remove_padding)
+        rows.block_context(&self.model)
     }
 
     /// Forward and backward of one micro-batch; `loss_fn` maps final hidden states (of the

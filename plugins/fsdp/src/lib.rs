@@ -85,7 +85,10 @@ impl Engine for FsdpEngine {
             .on_policy_updates(true)
             // Router replay of a mixture-of-experts actor (verl's R2 / R3): its forwards
             // replay the batch's `routed_experts`.
-            .config_keys(config::FsdpConfig::declared_keys().acts_on(["router_replay.mode"]))
+            .config_keys(
+                config::FsdpConfig::declared_keys()
+                    .acts_on(["router_replay.mode", "use_prefix_grouper"]),
+            )
     }
     fn init(&mut self, init: &ComponentInit) -> Result<(), PluginError> {
         self.worker = Some(new_worker(init)?);

@@ -13,13 +13,17 @@
 //! its weights to the rollout (`naive` weight sync, by reference). Each phase is timed. Variants,
 //! each its own engine + rollout pair on the same weights and prompts:
 //! - `padded`: `model.use_remove_padding=false`;
-//! - `packed`: verl's defaults, `model.use_remove_padding=true` (no compute on padding);
-//! - `packed+on-policy`: no old-log-prob pass. With one epoch and one mini-batch the engine takes
-//!   the old log-probs from the update's own forward, detached (verl's on-policy shortcut in
-//!   `dp_actor.update_policy`: `on_policy = len(mini_batches) == 1 and ppo_epochs == 1`; not an
-//!   option, verl applies it whenever it holds), so the batch's `old_log_probs` are never read.
-//!   verl's trainer still runs the pass (for `actor/entropy`); the only verl option that skips it
-//!   is `algorithm.rollout_correction.bypass_mode=true`, under which the update is the same.
+//! - `packed`: `model.use_remove_padding=true` (no compute on padding),
+//!   `actor.use_prefix_grouper=false`;
+//! - `packed+on-policy`: and no old-log-prob pass. With one epoch and one mini-batch the engine
+//!   takes the old log-probs from the update's own forward, detached (verl's on-policy shortcut
+//!   in `dp_actor.update_policy`: `on_policy = len(mini_batches) == 1 and ppo_epochs == 1`; not
+//!   an option, verl applies it whenever it holds), so the batch's `old_log_probs` are never
+//!   read. verl's trainer still runs the pass (for `actor/entropy`); the only verl option that
+//!   skips it is `algorithm.rollout_correction.bypass_mode=true`, under which the update is the
+//!   same;
+//! - `+shared-prompts`: and each prompt computed once for its `n` samples (verl's
+//!   `actor.use_prefix_grouper`, on by default here with packing): verl-core's defaults.
 //!
 //! TRL (when `VERL_TRL_PYTHON`, or `~/.cache/verl-core/trl-venv/venv/bin/python` made by
 //! `scripts/setup-trl.sh`, exists; else "TRL not available"): `GRPOTrainer` on the same weights
@@ -173,7 +177,13 @@ struct Verl {
 }
 
 impl Verl {
-    fn new(dir: &Path, name: &'static str, packed: bool, recompute: bool) -> Self {
+    fn new(
+        dir: &Path,
+        name: &'static str,
+        packed: bool,
+        share_prompts: bool,
+        recompute: bool,
+    ) -> Self {
         let mut run = RunContext::default();
         run.seed = 1;
         let fsdp = PluginHarness::load_alone(built_plugin("verl_plugin_fsdp"))
@@ -185,6 +195,7 @@ impl Verl {
         let config = json!({
             "role": "actor",
             "model": {"path": dir, "use_remove_padding": packed, "enable_gradient_checkpointing": false},
+            "use_prefix_grouper": share_prompts,
             "optim": {"lr": LR},
             "ppo_mini_batch_size": PROMPTS * N as usize,
             "ppo_micro_batch_size_per_gpu": PROMPTS * N as usize,
@@ -316,14 +327,15 @@ fn main() {
     write_issue14_model(dir.path());
     let prompts = prompts();
     let mut variants = [
-        Verl::new(dir.path(), "padded", false, true),
-        Verl::new(dir.path(), "packed", true, true),
-        Verl::new(dir.path(), "packed+on-policy", true, false),
+        Verl::new(dir.path(), "padded", false, false, true),
+        Verl::new(dir.path(), "packed", true, false, true),
+        Verl::new(dir.path(), "packed+on-policy", true, false, false),
+        Verl::new(dir.path(), "+shared-prompts", true, true, false),
     ];
 
-    // The levers keep the numerics: on one batch, packed old log-probs equal padded ones; after a
-    // sync, the rollout's sampling log-probs (the old log-probs under verl's bypass mode) equal
-    // the engine's.
+    // The levers keep the numerics: on one batch, packed old log-probs (each row's prompt its
+    // own, or shared) equal padded ones; after a sync, the rollout's sampling log-probs (the old
+    // log-probs under verl's bypass mode) equal the engine's.
     let (_, batch) = variants[0].step(&prompts, 0);
     let lp = |e: &mut EngineHandle, b: &Batch| {
         e.compute_log_prob(b)
@@ -334,16 +346,18 @@ fn main() {
     };
     // Both at the initial weights (variant 0 has taken a step).
     let padded = lp(
-        &mut Verl::new(dir.path(), "check", false, true).engine,
+        &mut Verl::new(dir.path(), "check", false, false, true).engine,
         &batch,
     );
     let packed = lp(&mut variants[1].engine, &batch);
+    let shared = lp(&mut variants[3].engine, &batch);
     let out = variants[0].generate(&prompts, 1);
     let (synced, rollout_lp) = scored_batch(&prompts, &out);
     let recomputed = lp(&mut variants[0].engine, &synced);
     println!(
-        "numerics: packed vs padded old log-probs max |Δ| {:.1e}; after a sync, the rollout's sampling log-probs vs the engine's max |Δ| {:.1e}",
+        "numerics: old log-probs vs padded max |Δ|: packed {:.1e}, shared prompts {:.1e}; after a sync, the rollout's sampling log-probs vs the engine's max |Δ| {:.1e}",
         max_gap(&padded, &packed),
+        max_gap(&padded, &shared),
         max_gap(&rollout_lp, &recomputed)
     );
 
@@ -414,7 +428,7 @@ fn main() {
             .map(|t| format!(", TRL / verl-core = {:.2}×", t / step))
             .unwrap_or_default();
         println!(
-            "verl-core {:<14} step {step:.3} s ({}){ratio}",
+            "verl-core {:<16} step {step:.3} s ({}){ratio}",
             v.name,
             phases.join(", ")
         );
@@ -422,7 +436,7 @@ fn main() {
     if !trl_times.is_empty() {
         let m = |i: usize| median(trl_times.iter().map(|t| t[i]).collect());
         println!(
-            "TRL GRPOTrainer        step {:.3} s (gen {:.3}, score (reward, advantages; no old log-probs at num_iterations=1) {:.3}, update {:.3}); {trl_tokens} completion tokens per step",
+            "TRL GRPOTrainer          step {:.3} s (gen {:.3}, score (reward, advantages; no old log-probs at num_iterations=1) {:.3}, update {:.3}); {trl_tokens} completion tokens per step",
             m(3),
             m(0),
             m(1),

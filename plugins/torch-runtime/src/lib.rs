@@ -30,8 +30,8 @@ pub use logprobs::{
     sum_pi_squared_from_logits,
 };
 pub use model::{
-    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, Packing, RouterOutput, TensorParallel,
-    load_balancing_loss,
+    BlockContext, CausalLM, Head, LoadBalance, ModelOptions, NOT_SHARING_PROMPTS, Packing,
+    RouterOutput, TensorParallel, load_balancing_loss,
 };
 pub use optim::{
     AdamW, AdamWConfig, LrDecay, LrSchedule, OPTIMIZER_FILE, TRAIN_STATE_FILE, TrainState,

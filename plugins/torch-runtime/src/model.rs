@@ -1242,6 +1242,12 @@ impl CausalLM {
         Ok((logits, block.take_routing(b, t)))
     }
 
+    /// Whether passes over this model can share prompts among rows
+    /// ([`Self::prompt_sharing_block_context`]): a dense model outside the deterministic mode.
+    pub fn shares_prompts(&self) -> bool {
+        self.sparse_layers() == 0 && !self.batch_invariant()
+    }
+
     /// The number of sparse (mixture-of-experts) layers.
     pub fn sparse_layers(&self) -> i64 {
         self.layers
@@ -1395,6 +1401,29 @@ impl CausalLM {
     ) -> Result<BlockContext> {
         self.check_batch(input_ids, attention_mask)?;
         let packing = Packing::new(&attention_mask.to_device(self.device()), response_len, 1)?;
+        self.packed_block_context_for(input_ids, packing, self.config.vocab_size, None)
+    }
+
+    /// [`Self::packed_block_context`] with each prompt packed once, the rows repeating it
+    /// attending its slots (verl's `use_prefix_grouper`, see [`Packing::sharing_prompts`]).
+    /// Not for a model with sparse layers (their routing and load-balancing loss count every
+    /// row's tokens) nor in the deterministic mode (whose kernels tile each row whole): see
+    /// [`Self::shares_prompts`].
+    pub fn prompt_sharing_block_context(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+    ) -> Result<BlockContext> {
+        if !self.shares_prompts() {
+            return Err(ModelError::invalid_input(
+                "use_prefix_grouper",
+                NOT_SHARING_PROMPTS,
+            ));
+        }
+        self.check_batch(input_ids, attention_mask)?;
+        let mask = attention_mask.to_device(self.device());
+        let packing = Packing::sharing_prompts(input_ids, &mask, response_len)?;
         self.packed_block_context_for(input_ids, packing, self.config.vocab_size, None)
     }
 
@@ -1646,6 +1675,9 @@ impl CausalLM {
     }
 }
 
+/// Why a model does not share prompts among rows (see [`CausalLM::shares_prompts`]).
+pub const NOT_SHARING_PROMPTS: &str = "prompts are not shared by a mixture-of-experts model (its routing and load-balancing loss cover every row's tokens) nor in the deterministic mode (trainer.deterministic), whose kernels tile each row whole";
+
 /// What the blocks of one forward pass share: the batch's token ids, rotary tables and attention
 /// mask (see [`CausalLM::block_context`]).
 pub struct BlockContext {
@@ -1727,12 +1759,9 @@ impl BlockContext {
                 if self.input_ids.size()[1] != packing.len() || packing.predictors().numel() == 0 {
                     return Ok(false);
                 }
-                let slots = packing.predictors().to_device(device);
-                let list = Vec::<i64>::try_from(&slots.to_device(Device::Cpu))
-                    .map_err(|e| ModelError::Torch(e.to_string()))?;
                 (
-                    Select::Slots(slots),
-                    Attend::Segments(packed::Grids::new(&packing.segments(Some(&list)), device)),
+                    Select::Slots(packing.predictors().to_device(device)),
+                    Attend::Segments(packed::Grids::new(&packing.predictor_segments(), device)),
                 )
             }
             _ => return Ok(false),

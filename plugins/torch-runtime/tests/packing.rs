@@ -3,7 +3,9 @@
 //! fixture (q/k/v biases, tied embeddings) and the Llama one (grouped-query attention), for
 //! verl's layout (left-padded prompts, right-padded responses) with prompt and response lengths
 //! of 1, odd, even, empty responses, and right-padded whole sequences. Likewise passes whose last
-//! layer runs at the response predictors only, padded and packed, against full passes.
+//! layer runs at the response predictors only, padded and packed, against full passes; and
+//! packed passes sharing each GRPO group's prompt (verl's `use_prefix_grouper`) against padded
+//! ones, whole, predictor-only and checkpointed.
 
 mod common;
 
@@ -274,6 +276,53 @@ fn context_of(
     context
 }
 
+/// A loss over all three scores: the log-probs weighted at random (seeded), entropy and Σπ².
+fn weighted_loss(rows: i64, r: i64, seed: i64) -> impl Fn(&ResponseScores) -> Tensor {
+    tch::manual_seed(seed);
+    let weights = Tensor::randn([rows, r], (Kind::Float, tch::Device::Cpu));
+    move |s: &ResponseScores| {
+        (&s.log_probs * &weights
+            + s.entropy.as_ref().unwrap() * 0.1
+            + s.sum_pi_squared.as_ref().unwrap() * 0.01)
+            .sum(Kind::Float)
+    }
+}
+
+/// A pass over `context` against the reference's scores and `loss_of` gradients (`want`): the
+/// scores, the gradients, and the gradients recomputed under activation checkpointing, each
+/// within [`TOLERANCE`].
+fn assert_pass_matches(
+    model: &CausalLM,
+    context: &BlockContext,
+    loss_of: &dyn Fn(&ResponseScores) -> Tensor,
+    (want, want_grads): (&ResponseScores, &[(String, Tensor)]),
+    label: &str,
+) {
+    let r = want.log_probs.size()[1];
+    let scores = model
+        .response_scores_in(&model.hidden_states_in(context), context, r, 0.7, ALL)
+        .unwrap();
+    let diff = max_scores_diff(&scores, want);
+    assert!(diff <= TOLERANCE, "{label}: {diff}");
+    let (d, n) = max_gradient_diff(want_grads, &gradients(model, loss_of(&scores)));
+    assert!(d <= TOLERANCE, "{label} {n}: {d}");
+    for (_, p) in model.named_tensors() {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+    let _ = model
+        .backward_checkpointed_in(context, |hidden| {
+            Ok(loss_of(
+                &model.response_scores_in(hidden, context, r, 0.7, ALL)?,
+            ))
+        })
+        .unwrap();
+    let (d, n) = max_gradient_diff(want_grads, &current_gradients(model));
+    assert!(d <= TOLERANCE, "{label} checkpointed {n}: {d}");
+}
+
 #[test]
 fn predictor_only_passes_equal_full_ones() {
     for name in MODELS {
@@ -281,14 +330,7 @@ fn predictor_only_passes_equal_full_ones() {
         let hidden_size = model.config().hidden_size;
         for (i, (ids, mask, r)) in batches(model.config().vocab_size).into_iter().enumerate() {
             let batch = (&ids, &mask, r);
-            tch::manual_seed(i as i64);
-            let weights = Tensor::randn([ids.size()[0], r], (Kind::Float, tch::Device::Cpu));
-            let loss_of = |s: &ResponseScores| {
-                (&s.log_probs * &weights
-                    + s.entropy.as_ref().unwrap() * 0.1
-                    + s.sum_pi_squared.as_ref().unwrap() * 0.01)
-                    .sum(Kind::Float)
-            };
+            let loss_of = weighted_loss(ids.size()[0], r, i as i64);
             for packed in [false, true] {
                 let full_context = context_of(&model, batch, packed, false);
                 let full = model
@@ -313,36 +355,8 @@ fn predictor_only_passes_equal_full_ones() {
                     vec![ids.size()[0], r, hidden_size]
                 };
                 assert_eq!(hidden.size(), want, "{name} batch {i} packed {packed}");
-                let tail = model
-                    .response_scores_in(&hidden, &context, r, 0.7, ALL)
-                    .unwrap();
-                let diff = max_scores_diff(&tail, &full);
-                assert!(
-                    diff <= TOLERANCE,
-                    "{name} batch {i} packed {packed}: {diff}"
-                );
-                let (d, n) = max_gradient_diff(&full_grads, &gradients(&model, loss_of(&tail)));
-                assert!(d <= TOLERANCE, "{name} batch {i} packed {packed} {n}: {d}");
-
-                // Activation checkpointing recomputes the same predictor-only last layer.
-                for (_, p) in model.named_tensors() {
-                    let mut g = p.grad();
-                    if g.defined() {
-                        let _ = g.zero_();
-                    }
-                }
-                let _ = model
-                    .backward_checkpointed_in(&context, |hidden| {
-                        Ok(loss_of(
-                            &model.response_scores_in(hidden, &context, r, 0.7, ALL)?,
-                        ))
-                    })
-                    .unwrap();
-                let (d, n) = max_gradient_diff(&full_grads, &current_gradients(&model));
-                assert!(
-                    d <= TOLERANCE,
-                    "{name} batch {i} packed {packed} checkpointed {n}: {d}"
-                );
+                let label = format!("{name} batch {i} packed {packed}");
+                assert_pass_matches(&model, &context, &loss_of, (&full, &full_grads), &label);
             }
         }
     }
@@ -413,4 +427,155 @@ fn a_mismatched_response_length_is_an_error() {
     };
     let e = e.to_string();
     assert!(e.contains("response_len"), "{e}");
+}
+
+/// A GRPO batch: `prompts[g]` tokens for each group `g`, each prompt repeated in `responses[g]`
+/// rows (one per sample, of that many response tokens), the groups' rows interleaved (row `i`
+/// of every group, then row `i + 1`), in verl's layout. Group `g + 1`'s prompt extends group
+/// `g`'s when `nested` (an equal prefix is not an equal prompt).
+fn grouped_batch(
+    prompts: &[i64],
+    responses: &[&[i64]],
+    nested: bool,
+    vocab: i64,
+    seed: u64,
+) -> (Tensor, Tensor, i64) {
+    let mut rng = Rng::new(seed);
+    let mut token = || (rng.next_u64() % vocab as u64) as i64;
+    let mut tokens: Vec<Vec<i64>> = Vec::new();
+    for (g, &len) in prompts.iter().enumerate() {
+        let mut prompt: Vec<i64> = if nested && g > 0 {
+            tokens[g - 1].clone()
+        } else {
+            Vec::new()
+        };
+        prompt.truncate(len as usize);
+        while (prompt.len() as i64) < len {
+            prompt.push(token());
+        }
+        tokens.push(prompt);
+    }
+    let width = *prompts.iter().max().unwrap();
+    let r = responses
+        .iter()
+        .flat_map(|g| g.iter())
+        .copied()
+        .max()
+        .unwrap();
+    let samples = responses.iter().map(|g| g.len()).max().unwrap();
+    let (mut ids, mut mask, mut rows) = (Vec::new(), Vec::new(), 0);
+    for i in 0..samples {
+        for (prompt, lens) in tokens.iter().zip(responses) {
+            let Some(&rl) = lens.get(i) else { continue };
+            let pad = width - prompt.len() as i64;
+            for c in 0..width + r {
+                let (id, real) = if c < pad {
+                    (token(), false)
+                } else if c < width {
+                    (prompt[(c - pad) as usize], true)
+                } else {
+                    (token(), c < width + rl)
+                };
+                ids.push(id);
+                mask.push(i64::from(real));
+            }
+            rows += 1;
+        }
+    }
+    let shape = [rows, width + r];
+    (
+        Tensor::from_slice(&ids).view(shape),
+        Tensor::from_slice(&mask).view(shape),
+        r,
+    )
+}
+
+/// GRPO batches: groups of 4, 3 and 1 sample with response lengths 0, 1, odd and even; nested
+/// prompts; a prompt of one token.
+fn grouped_batches(vocab: i64) -> Vec<((Tensor, Tensor, i64), usize)> {
+    vec![
+        (
+            grouped_batch(
+                &[5, 8, 3],
+                &[&[4, 1, 6, 6], &[2, 0, 7], &[5]],
+                false,
+                vocab,
+                11,
+            ),
+            5,
+        ),
+        (
+            grouped_batch(&[4, 6], &[&[3, 3], &[1, 5]], true, vocab, 12),
+            2,
+        ),
+        (grouped_batch(&[1], &[&[2, 3, 1]], false, vocab, 13), 2),
+    ]
+}
+
+/// A packed context sharing prompts, with the last layer at the predictors only when `tail`.
+fn sharing_context(
+    model: &CausalLM,
+    (ids, mask, r): (&Tensor, &Tensor, i64),
+    tail: bool,
+) -> BlockContext {
+    let mut context = model.prompt_sharing_block_context(ids, mask, r).unwrap();
+    if tail {
+        assert!(context.score_predictors_only(model, r).unwrap());
+    }
+    context
+}
+
+#[test]
+fn shared_prompt_passes_equal_padded_ones() {
+    for name in MODELS {
+        let model = load(name);
+        for (i, ((ids, mask, r), sharing)) in grouped_batches(model.config().vocab_size)
+            .into_iter()
+            .enumerate()
+        {
+            let batch = (&ids, &mask, r);
+            let loss_of = weighted_loss(ids.size()[0], r, i as i64);
+            let padded = model.response_scores(&ids, &mask, r, 0.7, ALL).unwrap();
+            let padded_grads = gradients(&model, loss_of(&padded));
+            for tail in [false, true] {
+                let context = sharing_context(&model, batch, tail);
+                let packing = context.packing().unwrap();
+                assert_eq!(packing.rows_sharing_a_prompt(), sharing, "{name} batch {i}");
+                let unshared = model.packed_block_context(&ids, &mask, r).unwrap();
+                assert!(packing.len() < unshared.packing().unwrap().len());
+                let label = format!("{name} batch {i} tail {tail}");
+                assert_pass_matches(&model, &context, &loss_of, (&padded, &padded_grads), &label);
+            }
+        }
+    }
+}
+
+#[test]
+fn shared_prompt_values_equal_padded_ones() {
+    for name in MODELS {
+        let critic = critic(name);
+        for ((ids, mask, r), _) in grouped_batches(critic.config().vocab_size) {
+            tch::no_grad(|| {
+                let padded = critic.response_values(&ids, &mask, r).unwrap();
+                for tail in [false, true] {
+                    let context = sharing_context(&critic, (&ids, &mask, r), tail);
+                    let hidden = critic.hidden_states_in(&context);
+                    let shared = critic.response_values_in(&hidden, &context, r).unwrap();
+                    let diff = max_diff(&shared, &padded);
+                    assert!(diff <= TOLERANCE, "{name} tail {tail}: {diff}");
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn the_deterministic_mode_does_not_share_prompts() {
+    let model = load("tiny-qwen2");
+    model.set_batch_invariant(true);
+    let ((ids, mask, r), _) = grouped_batches(320).remove(0);
+    let Err(e) = model.prompt_sharing_block_context(&ids, &mask, r) else {
+        panic!("shared prompts in the deterministic mode");
+    };
+    assert!(e.to_string().contains("use_prefix_grouper"), "{e}");
 }

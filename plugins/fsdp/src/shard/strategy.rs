@@ -110,10 +110,9 @@ impl ShardedStrategy {
         f(&mut model, &mut group).map_err(shard_error)
     }
 
-    /// The micro-batch's block context: packed when the model config asks
-    /// (`use_remove_padding`).
+    /// The micro-batch's block context, laid out as the settings ask.
     fn context(&self, model: &ShardedModel, rows: &Rows) -> Result<BlockContext, ShardError> {
-        Ok(rows.block_context(model.model(), self.spec.use_remove_padding)?)
+        Ok(rows.block_context(model.model())?)
     }
 
     /// Forward and backward of `rows` through the policy, with the model's load-balancing term

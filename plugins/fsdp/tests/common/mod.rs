@@ -89,16 +89,21 @@ pub fn merge(base: &mut Value, extra: Value) {
 /// left-padded, responses right-padded (pad id 0). Returns the batch and each row's response length.
 pub fn layout(seqs: &[Vec<i64>]) -> (Batch, Vec<usize>) {
     let splits: Vec<usize> = (0..seqs.len()).map(|i| 3 + i).collect();
+    layout_split(seqs, &splits)
+}
+
+/// [`layout`] with sequence `i` split after `splits[i]` prompt tokens.
+pub fn layout_split(seqs: &[Vec<i64>], splits: &[usize]) -> (Batch, Vec<usize>) {
     let p = splits.iter().copied().max().unwrap();
     let r = seqs
         .iter()
-        .zip(&splits)
+        .zip(splits)
         .map(|(s, &k)| s.len() - k)
         .max()
         .unwrap();
     let b = seqs.len() as i64;
     let (mut ids, mut mask, mut responses, mut rmask) = (vec![], vec![], vec![], vec![]);
-    for (s, &k) in seqs.iter().zip(&splits) {
+    for (s, &k) in seqs.iter().zip(splits) {
         let (prompt, response) = s.split_at(k);
         let pad_p = p - prompt.len();
         let pad_r = r - response.len();
@@ -138,12 +143,38 @@ pub fn layout(seqs: &[Vec<i64>]) -> (Batch, Vec<usize>) {
         keys::RESPONSE_MASK,
         Tensor::from_slice(&[b, r as i64], &rmask).unwrap(),
     );
-    let lens = seqs
-        .iter()
-        .zip(&splits)
-        .map(|(s, &k)| s.len() - k)
-        .collect();
+    let lens = seqs.iter().zip(splits).map(|(s, &k)| s.len() - k).collect();
     (batch, lens)
+}
+
+/// A GRPO batch of the fixture's tokens: two prompts (4 and 7 tokens of two fixture sequences),
+/// three samples each (responses cut from the fixture sequences, 1 to 12 tokens), each group's
+/// rows consecutive (as verl repeats a prompt for its `n` samples).
+pub fn grouped_batch(model: &str) -> Batch {
+    let seqs: Vec<Vec<i64>> = expected(model)
+        .sequences
+        .into_iter()
+        .map(|s| s.ids)
+        .collect();
+    let prompts = [&seqs[0][..4], &seqs[1][..7]];
+    let responses = [
+        (1, 3, 12),
+        (3, 1, 5),
+        (0, 6, 1),
+        (1, 8, 9),
+        (3, 2, 7),
+        (1, 20, 4),
+    ];
+    let (rows, splits): (Vec<Vec<i64>>, Vec<usize>) = responses
+        .iter()
+        .enumerate()
+        .map(|(i, &(s, start, len))| {
+            let prompt = prompts[i / 3];
+            let row = [prompt, &seqs[s][start..start + len]].concat();
+            (row, prompt.len())
+        })
+        .unzip();
+    layout_split(&rows, &splits).0
 }
 
 pub fn fixture_batch(model: &str) -> (Batch, Vec<usize>) {

@@ -262,6 +262,21 @@ pub struct ActorConfig {
     pub distillation_loss: Option<DistillLossConfig>,
     #[serde(default)]
     pub router_replay: RouterReplayConfig,
+    /// verl's `use_prefix_grouper`: packed passes compute each distinct prompt once (see
+    /// [`PassLayout::Packed`]); `true` packs the passes even without `use_remove_padding`.
+    /// None: on when packed.
+    pub use_prefix_grouper: Option<bool>,
+}
+
+/// How an engine lays out a micro-batch's rows for its forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassLayout {
+    /// `[B, S]` rows, padding included.
+    Padded,
+    /// One stream of the rows' real tokens (verl's `use_remove_padding`); with `share_prompts`,
+    /// each distinct prompt once, the rows repeating it attending its slots (verl's
+    /// `use_prefix_grouper`, see [`crate::Packing::sharing_prompts`]).
+    Packed { share_prompts: bool },
 }
 
 /// The validated, resolved settings an engine runs with.
@@ -269,6 +284,7 @@ pub struct ActorConfig {
 pub struct ActorSettings {
     pub role: Role,
     pub model: ModelSpec,
+    pub layout: PassLayout,
     pub optimizer: AdamWConfig,
     pub clip_grad: f64,
     pub schedule: LrSchedule,
@@ -494,8 +510,21 @@ impl ActorConfig {
                 ),
             ));
         }
+        // verl's prefix grouper runs on padded rows only (it is skipped with
+        // `use_remove_padding`); here prompts are shared within a packed stream, so asking for it
+        // packs the passes whatever `use_remove_padding` says (the same results either way).
+        let layout = match (self.model.use_remove_padding, self.use_prefix_grouper) {
+            (false, None | Some(false)) => PassLayout::Padded,
+            (true, Some(false)) => PassLayout::Packed {
+                share_prompts: false,
+            },
+            (_, _) => PassLayout::Packed {
+                share_prompts: true,
+            },
+        };
         Ok(ActorSettings {
             role: self.role,
+            layout,
             router_replay,
             optimizer: AdamWConfig {
                 betas: o.betas,
@@ -658,6 +687,28 @@ mod tests {
                 ..PolicyLossOptions::default()
             }
         );
+    }
+
+    #[test]
+    fn pass_layout_follows_padding_and_the_prefix_grouper() {
+        let layout = |padding: bool, grouper: &str| {
+            let text = format!(
+                r#"{{"role":"actor","model":{{"path":"m","use_remove_padding":{padding}}},"use_prefix_grouper":{grouper}}}"#
+            );
+            serde_json::from_str::<ActorConfig>(&text)
+                .unwrap()
+                .validate()
+                .unwrap()
+                .layout
+        };
+        let packed = |share_prompts| PassLayout::Packed { share_prompts };
+        assert_eq!(layout(false, "null"), PassLayout::Padded);
+        assert_eq!(layout(false, "false"), PassLayout::Padded);
+        // verl's prefix grouper is for padded rows; here it shares prompts in a packed stream.
+        assert_eq!(layout(false, "true"), packed(true));
+        assert_eq!(layout(true, "null"), packed(true));
+        assert_eq!(layout(true, "false"), packed(false));
+        assert_eq!(layout(true, "true"), packed(true));
     }
 
     #[test]

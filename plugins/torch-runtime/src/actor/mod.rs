@@ -44,7 +44,7 @@ use verl_plugin_api::{Batch, Metric, TensorRef, keys};
 use verl_seqlen_balancing::{BalanceError, inverse_permutation, micro_batch_count, micro_batches};
 
 pub use config::{
-    ActorConfig, ActorSettings, MicroBatching, OptimConfig, PolicyLossConfig, Role,
+    ActorConfig, ActorSettings, MicroBatching, OptimConfig, PassLayout, PolicyLossConfig, Role,
     RouterReplayConfig, RouterReplayMode, engine_section_keys,
 };
 pub use error::ActorError;
@@ -304,6 +304,11 @@ impl<S: Strategy> ActorWorker<S> {
         }
     }
 
+    /// `wanted` of `batch` on the strategy's device, laid out as the settings ask.
+    fn rows(&self, batch: &Batch, wanted: &[&'static str]) -> Result<Rows, ActorError> {
+        Rows::load(batch, wanted, self.strategy.device(), self.settings.layout)
+    }
+
     pub fn compute_log_prob(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
         self.require_role("compute_log_prob", &[Role::Actor, Role::Ref, Role::Teacher])?;
         let meta = Meta::of(batch)?;
@@ -313,7 +318,7 @@ impl<S: Strategy> ActorWorker<S> {
         if replay == RouterReplayMode::R3 {
             wanted.push(keys::ROUTED_EXPERTS);
         }
-        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
+        let rows = self.rows(batch, &wanted)?;
         let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
         let outputs = meta.outputs();
         let (mut log_probs, mut entropys, mut sum_pi_squared) =
@@ -377,10 +382,9 @@ impl<S: Strategy> ActorWorker<S> {
 
     pub fn compute_values(&mut self, batch: &Batch) -> Result<Batch, ActorError> {
         self.require_role("compute_values", &[Role::Critic])?;
-        let rows = Rows::load(
+        let rows = self.rows(
             batch,
             &[keys::INPUT_IDS, keys::ATTENTION_MASK, keys::RESPONSES],
-            self.strategy.device(),
         )?;
         let micro = self.micro_batches(&rows, self.settings.forward_micro_batch)?;
         let values = tch::no_grad(|| -> Result<Vec<Tensor>, ActorError> {
@@ -433,7 +437,7 @@ impl<S: Strategy> ActorWorker<S> {
         if self.settings.router_replay != RouterReplayMode::Disabled {
             wanted.push(keys::ROUTED_EXPERTS);
         }
-        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
+        let rows = self.rows(batch, &wanted)?;
         let settings = self.settings.clone();
         self.update("actor", rows, &mut |strategy, micro, scale, metrics| {
             actor_micro_step(
@@ -462,7 +466,7 @@ impl<S: Strategy> ActorWorker<S> {
             keys::VALUES,
             keys::RETURNS,
         ];
-        let rows = Rows::load(batch, &wanted, self.strategy.device())?;
+        let rows = self.rows(batch, &wanted)?;
         let (cliprange, agg_mode) = (self.settings.cliprange_value, self.settings.loss_agg_mode);
         self.update("critic", rows, &mut |strategy, micro, scale, metrics| {
             let response_mask = micro.get(keys::RESPONSE_MASK);

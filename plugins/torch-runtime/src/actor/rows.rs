@@ -5,7 +5,7 @@ use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{Batch, keys};
 
-use super::ActorError;
+use super::{ActorError, PassLayout};
 use crate::distill::{TEACHER_IDS, TEACHER_LOGPROBS};
 use crate::interop::{parse_config, to_tch};
 use crate::{BlockContext, CausalLM, ScoreOutputs};
@@ -75,15 +75,18 @@ pub struct Rows {
     tensors: Vec<(&'static str, Tensor)>,
     /// `R`: the response columns at the end of each sequence.
     pub response_len: i64,
+    /// How their forward passes lay them out.
+    layout: PassLayout,
 }
 
 impl Rows {
     /// Copies `wanted` (which must include `input_ids`, `attention_mask` and `responses`) out of
-    /// `batch`, checking dtypes and shapes.
+    /// `batch`, checking dtypes and shapes, for passes laid out as `layout`.
     pub fn load(
         batch: &Batch,
         wanted: &[&'static str],
         device: Device,
+        layout: PassLayout,
     ) -> Result<Self, ActorError> {
         let mut tensors = Vec::with_capacity(wanted.len());
         for &key in wanted {
@@ -132,6 +135,7 @@ impl Rows {
         Ok(Self {
             tensors,
             response_len,
+            layout,
         })
     }
 
@@ -145,18 +149,25 @@ impl Rows {
         self.tensors.iter().find(|(k, _)| *k == key).map(|(_, t)| t)
     }
 
-    /// The block context of these rows' forward pass on `model`: one packed stream of their
-    /// real tokens when `packed` (verl's `use_remove_padding`), else the padded rows; replaying
-    /// the rows' `routed_experts` when they were loaded (router replay). Its passes yield the
-    /// response predictors' hidden states, all that the actor and critic read, with the last
-    /// layer computed at those alone where it can be
+    /// The block context of these rows' forward pass on `model`, laid out as [`Self::load`] was
+    /// asked; replaying the rows' `routed_experts` when they were loaded (router replay). Its
+    /// passes yield the response predictors' hidden states, all that the actor and critic read,
+    /// with the last layer computed at those alone where it can be
     /// ([`BlockContext::score_predictors_only`]).
-    pub fn block_context(&self, model: &CausalLM, packed: bool) -> crate::Result<BlockContext> {
-        let (ids, mask) = (self.get(keys::INPUT_IDS), self.get(keys::ATTENTION_MASK));
-        let mut context = if packed {
-            model.packed_block_context(ids, mask, self.response_len)?
-        } else {
-            model.block_context(ids, mask)?
+    pub fn block_context(&self, model: &CausalLM) -> crate::Result<BlockContext> {
+        let (ids, mask, r) = (
+            self.get(keys::INPUT_IDS),
+            self.get(keys::ATTENTION_MASK),
+            self.response_len,
+        );
+        let mut context = match self.layout {
+            PassLayout::Padded => model.block_context(ids, mask)?,
+            PassLayout::Packed {
+                share_prompts: false,
+            } => model.packed_block_context(ids, mask, r)?,
+            PassLayout::Packed {
+                share_prompts: true,
+            } => model.prompt_sharing_block_context(ids, mask, r)?,
         };
         if let Some(experts) = self.try_get(keys::ROUTED_EXPERTS) {
             context.replay_experts(model, experts)?;
@@ -183,6 +194,7 @@ impl Rows {
         Self {
             tensors: self.tensors.iter().map(|(k, t)| (*k, f(t))).collect(),
             response_len: self.response_len,
+            layout: self.layout,
         }
     }
 

@@ -108,6 +108,10 @@ impl Span {
     /// The span of a packed stream's segment: its queries are the last `query_len` tokens of
     /// the prefix its keys cover.
     pub(crate) fn of_segment(segment: &Segment, device: tch::Device) -> Self {
+        debug_assert_eq!(
+            segment.prefix_len, 0,
+            "the deterministic mode packs every row's prompt"
+        );
         let first = segment.key_len - segment.query_len;
         let range = |start, len| Tensor::arange_start(start, start + len, (Kind::Int64, device));
         Self {

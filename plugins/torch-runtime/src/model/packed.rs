@@ -6,20 +6,42 @@
 //! nothing reads their outputs. The head scores only the response tokens, and returns them in the
 //! padded `[B, R]` layout the callers expect.
 
+use std::collections::HashMap;
+
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{ModelError, Result};
 
-/// A run of consecutive queries of one packed sequence and the keys they attend: the keys
-/// `key_start .. key_start + key_len` of the packed stream, query `i` of the run attending keys
-/// up to `key_len − query_len + i` (causal, aligned at the end: the run is the last `query_len`
-/// tokens of the sequence's prefix the keys cover).
+/// A run of consecutive queries of one packed sequence and the keys they attend: the slots
+/// `prefix_start .. prefix_start + prefix_len` (a prompt the sequence shares with an earlier
+/// row, see [`Packing::sharing_prompts`]; none when `prefix_len` is 0), then `key_start ..
+/// key_start + key_len` of the packed stream. Query `i` of the run attends keys up to `keys −
+/// query_len + i` of that list (`keys`: both lengths; causal, aligned at the end: the run is the
+/// last `query_len` tokens of the sequence's prefix the keys cover).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Segment {
     pub query_start: i64,
     pub query_len: i64,
+    pub prefix_start: i64,
+    pub prefix_len: i64,
     pub key_start: i64,
     pub key_len: i64,
+}
+
+impl Segment {
+    /// How many keys the run attends, the shared prefix's included.
+    pub fn keys(&self) -> i64 {
+        self.prefix_len + self.key_len
+    }
+
+    /// The stream slot of key `i` of the run's list.
+    pub fn key_slot(&self, i: i64) -> i64 {
+        if i < self.prefix_len {
+            self.prefix_start + i
+        } else {
+            self.key_start + i - self.prefix_len
+        }
+    }
 }
 
 /// Attention of queries `q` `[1, heads, T, d]` over keys and values `[1, kv_heads, N, d]`
@@ -143,16 +165,16 @@ impl Grids {
     pub(crate) fn new(segments: &[Segment], device: Device) -> Self {
         let queries: i64 = segments.iter().map(|s| s.query_len).sum();
         let mut order: Vec<&Segment> = segments.iter().collect();
-        order.sort_by_key(|s| std::cmp::Reverse(s.key_len));
+        order.sort_by_key(|s| std::cmp::Reverse(s.keys()));
         let mut gather = vec![0i64; queries as usize];
         let mut grids = Vec::new();
         let mut base = 0i64;
         let mut rest = order.as_slice();
         while let Some(first) = rest.first() {
-            let len = first.key_len;
+            let len = first.keys();
             let rows = rest
                 .iter()
-                .take_while(|s| 2 * s.key_len * s.key_len >= len * len)
+                .take_while(|s| 2 * s.keys() * s.keys() >= len * len)
                 .count();
             let (members, after) = rest.split_at(rows);
             let cells = rows * len as usize;
@@ -160,10 +182,10 @@ impl Grids {
                 (Vec::with_capacity(cells), Vec::with_capacity(cells));
             for (row, s) in members.iter().enumerate() {
                 // The queries are the last `query_len` of the segment's keys.
-                let first_query = s.key_len - s.query_len;
+                let first_query = s.keys() - s.query_len;
                 for cell in 0..len {
-                    let real_key = cell < s.key_len;
-                    key_cells.push(s.key_start + if real_key { cell } else { 0 });
+                    let real_key = cell < s.keys();
+                    key_cells.push(s.key_slot(if real_key { cell } else { 0 }));
                     let is_query = real_key && cell >= first_query;
                     query_cells.push(s.query_start + if is_query { cell - first_query } else { 0 });
                     if is_query {
@@ -198,11 +220,16 @@ pub struct Packing {
     rows: i64,
     seq: i64,
     response_len: i64,
-    /// Row `b` occupies `cu_seqlens[b] .. cu_seqlens[b + 1]` of the stream (real tokens, then the
-    /// alignment padding).
+    /// Row `b`'s own slots are `cu_seqlens[b] .. cu_seqlens[b + 1]` of the stream (its real
+    /// tokens after any shared prompt, then the alignment padding).
     cu_seqlens: Vec<i64>,
-    /// Whether the stream holds alignment slots (then [`Self::source`] repeats tokens).
-    aligned: bool,
+    /// Per row, the slots `(start, len)` of the prompt it shares with an earlier row (`len` 0:
+    /// none, see [`Self::sharing_prompts`]). The row's keys are those, then its own slots; a
+    /// token's index among them is its position.
+    shared: Vec<(i64, i64)>,
+    /// Whether the stream is the batch's real tokens one slot each: no alignment slots (which
+    /// repeat a token) and no shared prompts (whose other rows' tokens have no slot).
+    one_slot_per_token: bool,
     /// `[N]` int64: the index into the flattened `[B·S]` batch of the token each slot holds
     /// (alignment slots repeat a token of their row; their outputs are never read).
     source: Tensor,
@@ -214,6 +241,8 @@ pub struct Packing {
     predictors: Tensor,
     labels: Tensor,
     targets: Tensor,
+    /// Each predictor's row and position (its index among the row's keys).
+    predictor_keys: Vec<(usize, i64)>,
 }
 
 impl Packing {
@@ -221,6 +250,31 @@ impl Packing {
     /// padded to a multiple of `multiple` (1: no padding), for scoring the last `response_len`
     /// columns.
     pub fn new(attention_mask: &Tensor, response_len: i64, multiple: i64) -> Result<Self> {
+        Self::build(attention_mask, None, response_len, multiple)
+    }
+
+    /// [`Self::new`] (without alignment) sharing prompts: a row whose prompt — the real tokens
+    /// of its first `S − R` columns — equals an earlier row's is packed without it, its tokens
+    /// attending that row's prompt slots instead (the `n` samples of a prompt in GRPO; verl's
+    /// `use_prefix_grouper`). Exact: under causal attention a prompt's keys, values and hidden
+    /// states depend on its own tokens alone, so every row scores what its whole sequence would,
+    /// and the shared prompt's gradient is the sum of its rows' as when each computes it. A
+    /// batch of `n` samples of prompts of `P` tokens and responses of `R` packs `P + n·R`
+    /// tokens per prompt instead of `n·(P + R)`.
+    pub fn sharing_prompts(
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        response_len: i64,
+    ) -> Result<Self> {
+        Self::build(attention_mask, Some(input_ids), response_len, 1)
+    }
+
+    fn build(
+        attention_mask: &Tensor,
+        share_by: Option<&Tensor>,
+        response_len: i64,
+        multiple: i64,
+    ) -> Result<Self> {
         let (rows, seq) = attention_mask.size2().map_err(|_| {
             ModelError::invalid_input(
                 "attention_mask",
@@ -240,46 +294,87 @@ impl Packing {
             ));
         }
         let device = attention_mask.device();
-        let mask = Vec::<i64>::try_from(
-            attention_mask
-                .to_device(Device::Cpu)
-                .to_kind(Kind::Int64)
-                .reshape([-1]),
-        )
-        .map_err(|e| ModelError::Torch(e.to_string()))?;
-        let mut cu_seqlens = vec![0];
+        let flat = |t: &Tensor| {
+            Vec::<i64>::try_from(t.to_device(Device::Cpu).to_kind(Kind::Int64).reshape([-1]))
+                .map_err(|e| ModelError::Torch(e.to_string()))
+        };
+        let mask = flat(attention_mask)?;
+        let ids = match share_by {
+            Some(ids) if ids.size() == attention_mask.size() => Some(flat(ids)?),
+            Some(ids) => {
+                return Err(ModelError::invalid_input(
+                    "input_ids",
+                    format!(
+                        "shape {:?} differs from the attention mask's {:?}",
+                        ids.size(),
+                        attention_mask.size()
+                    ),
+                ));
+            }
+            None => None,
+        };
+        let prompt_columns = (seq - response_len) as usize;
+        // Each distinct prompt's real tokens and the slots of the row that packed them.
+        let mut prompts: HashMap<Vec<i64>, (i64, i64)> = HashMap::new();
+        let (mut cu_seqlens, mut shared) = (vec![0], Vec::with_capacity(rows as usize));
         let (mut source, mut positions) = (Vec::new(), Vec::new());
-        // The slot of each real token of the flattened batch.
+        // The slot and position of each real token of the flattened batch.
         let mut slot_of = vec![-1i64; mask.len()];
-        for b in 0..rows {
-            let row = b * seq;
-            let mut len = 0i64;
-            for s in 0..seq {
-                if mask[(row + s) as usize] != 0 {
-                    slot_of[(row + s) as usize] = source.len() as i64;
-                    source.push(row + s);
-                    positions.push(len);
-                    len += 1;
+        let mut position_of = vec![0i64; mask.len()];
+        for (b, row_mask) in mask.chunks(seq as usize).enumerate() {
+            let row = b * seq as usize;
+            let mut prefix = (0, 0);
+            if let Some(ids) = &ids {
+                let prompt: Vec<i64> = (0..prompt_columns)
+                    .filter(|&s| row_mask[s] != 0)
+                    .map(|s| ids[row + s])
+                    .collect();
+                if !prompt.is_empty() {
+                    let len = prompt.len() as i64;
+                    let first = *prompts.entry(prompt).or_insert((source.len() as i64, len));
+                    if first.0 != source.len() as i64 {
+                        prefix = first;
+                    }
                 }
             }
-            let padded = (len + multiple - 1) / multiple * multiple;
-            for p in len..padded {
-                source.push(row);
+            let mut len = 0i64;
+            for (s, &m) in row_mask.iter().enumerate() {
+                if m == 0 {
+                    continue;
+                }
+                slot_of[row + s] = if len < prefix.1 {
+                    prefix.0 + len
+                } else {
+                    source.push((row + s) as i64);
+                    positions.push(len);
+                    source.len() as i64 - 1
+                };
+                position_of[row + s] = len;
+                len += 1;
+            }
+            let own = source.len() as i64 - cu_seqlens[b];
+            let padded = (own + multiple - 1) / multiple * multiple;
+            for p in len..len + padded - own {
+                source.push(row as i64);
                 positions.push(p);
             }
             cu_seqlens.push(source.len() as i64);
+            shared.push(prefix);
         }
         let (mut predictors, mut labels, mut targets) = (Vec::new(), Vec::new(), Vec::new());
+        let mut predictor_keys = Vec::new();
         for b in 0..rows {
             for r in 0..response_len {
                 let at = (b * seq + seq - response_len + r) as usize;
                 if mask[at] != 0 && slot_of[at - 1] >= 0 {
                     predictors.push(slot_of[at - 1]);
+                    predictor_keys.push((b as usize, position_of[at - 1]));
                     labels.push(at as i64);
                     targets.push(b * response_len + r);
                 }
             }
         }
+        let real = mask.iter().filter(|&&m| m != 0).count();
         let tensor = |v: &[i64]| Tensor::from_slice(v).to_device(device);
         Ok(Self {
             rows,
@@ -290,14 +385,22 @@ impl Packing {
             predictors: tensor(&predictors),
             labels: tensor(&labels),
             targets: tensor(&targets),
-            aligned: source.len() as i64 != mask.iter().filter(|&&m| m != 0).count() as i64,
+            predictor_keys,
+            one_slot_per_token: source.len() == real,
             cu_seqlens,
+            shared,
         })
     }
 
-    /// `B + 1` offsets: row `b` occupies `cu_seqlens[b] .. cu_seqlens[b + 1]` of the stream.
+    /// `B + 1` offsets: row `b`'s own slots are `cu_seqlens[b] .. cu_seqlens[b + 1]` of the
+    /// stream.
     pub fn cu_seqlens(&self) -> &[i64] {
         &self.cu_seqlens
+    }
+
+    /// How many rows share an earlier row's prompt instead of packing their own.
+    pub fn rows_sharing_a_prompt(&self) -> usize {
+        self.shared.iter().filter(|(_, len)| *len > 0).count()
     }
 
     /// `N`, the packed stream's length.
@@ -319,7 +422,8 @@ impl Packing {
         [self.rows, self.seq]
     }
 
-    /// The packed stream's slots `[n]` whose hidden states predict a scored response token.
+    /// The packed stream's slots `[n]` whose hidden states predict a scored response token (a
+    /// shared prompt's last slot predicts the first response token of each row sharing it).
     pub fn predictors(&self) -> &Tensor {
         &self.predictors
     }
@@ -354,9 +458,10 @@ impl Packing {
     }
 
     /// The stream's per-slot values `[N, ..]` in the padded batch's layout `[B·S, ..]`, zero at
-    /// padding. `None` when the stream holds alignment slots (their values belong to no token).
+    /// padding. `None` unless the stream holds each real token in one slot (no alignment slots,
+    /// no shared prompts).
     pub(crate) fn unpack_tokens(&self, values: &Tensor) -> Option<Tensor> {
-        if self.aligned {
+        if !self.one_slot_per_token {
             return None;
         }
         let mut shape = vec![self.rows * self.seq];
@@ -377,11 +482,12 @@ impl Packing {
         .view([1, -1])
     }
 
-    /// The longest row in the stream (alignment included).
+    /// The most keys a row has (its shared prompt and alignment included).
     pub(crate) fn max_len(&self) -> i64 {
         self.cu_seqlens
             .windows(2)
-            .map(|w| w[1] - w[0])
+            .zip(&self.shared)
+            .map(|(w, (_, prefix))| prefix + w[1] - w[0])
             .max()
             .unwrap_or(0)
     }
@@ -394,41 +500,69 @@ impl Packing {
             None => self
                 .cu_seqlens
                 .windows(2)
-                .filter(|w| w[1] > w[0])
-                .map(|w| Segment {
+                .zip(&self.shared)
+                .filter(|(w, _)| w[1] > w[0])
+                .map(|(w, &(prefix_start, prefix_len))| Segment {
                     query_start: w[0],
                     query_len: w[1] - w[0],
+                    prefix_start,
+                    prefix_len,
                     key_start: w[0],
                     key_len: w[1] - w[0],
                 })
                 .collect(),
             Some(tokens) => {
-                let mut segments: Vec<Segment> = Vec::new();
+                let positions = Vec::<i64>::try_from(&self.positions.to_device(Device::Cpu))
+                    .expect("int64 positions");
                 let mut row = 0;
-                for (i, &slot) in tokens.iter().enumerate() {
+                self.runs(tokens.iter().map(|&slot| {
                     while self.cu_seqlens[row + 1] <= slot {
                         row += 1;
                     }
-                    let start = self.cu_seqlens[row];
-                    match segments.last_mut() {
-                        // The next slot of the same row: the run grows by one query and one key.
-                        Some(last)
-                            if last.key_start == start && last.key_start + last.key_len == slot =>
-                        {
-                            last.query_len += 1;
-                            last.key_len += 1;
-                        }
-                        _ => segments.push(Segment {
-                            query_start: i as i64,
-                            query_len: 1,
-                            key_start: start,
-                            key_len: slot - start + 1,
-                        }),
-                    }
-                }
-                segments
+                    (row, positions[slot as usize])
+                }))
             }
         }
+    }
+
+    /// The attention segments of the [`Self::predictors`] as queries: each run of consecutive
+    /// positions of one row attending that row's keys up to its last.
+    pub(crate) fn predictor_segments(&self) -> Vec<Segment> {
+        self.runs(self.predictor_keys.iter().copied())
+    }
+
+    /// Segments of queries given as (row, position) in order, consecutive positions of one row
+    /// forming one run.
+    fn runs(&self, queries: impl Iterator<Item = (usize, i64)>) -> Vec<Segment> {
+        let mut segments: Vec<Segment> = Vec::new();
+        let mut last_row = None;
+        for (i, (row, position)) in queries.enumerate() {
+            let (prefix_start, prefix_len) = self.shared[row];
+            match segments.last_mut() {
+                // The row's next position: the run grows by one query and one key.
+                Some(last) if last_row == Some(row) && last.keys() == position => {
+                    last.query_len += 1;
+                    if position < prefix_len {
+                        last.prefix_len += 1;
+                    } else {
+                        last.key_len += 1;
+                    }
+                }
+                _ => {
+                    let in_prefix = (position + 1).min(prefix_len);
+                    segments.push(Segment {
+                        query_start: i as i64,
+                        query_len: 1,
+                        prefix_start,
+                        prefix_len: in_prefix,
+                        key_start: self.cu_seqlens[row],
+                        key_len: position + 1 - in_prefix,
+                    });
+                }
+            }
+            last_row = Some(row);
+        }
+        segments
     }
 
     /// Per-predictor values `[n]` (or `[n, ..]`) in the padded response layout `[B, R]`, zero
@@ -450,6 +584,19 @@ impl Packing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Queries `query_start .. + query_len` over the keys `key_start .. + key_len`, no shared
+    /// prefix.
+    fn segment(query_start: i64, query_len: i64, key_start: i64, key_len: i64) -> Segment {
+        Segment {
+            query_start,
+            query_len,
+            prefix_start: 0,
+            prefix_len: 0,
+            key_start,
+            key_len,
+        }
+    }
 
     fn mask(rows: &[&[i64]]) -> Tensor {
         let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
@@ -481,18 +628,66 @@ mod tests {
         assert_eq!(p.cu_seqlens(), [0, 4, 8]);
         // Context-parallel rank 0 of 2: chunks 0 and 3 of each row (one slot each).
         let segments = p.segments(Some(&[0, 3, 4, 7]));
-        let s = |query_start, key_start, key_len| Segment {
-            query_start,
-            query_len: 1,
-            key_start,
-            key_len,
-        };
+        let s = |query_start, key_start, key_len| segment(query_start, 1, key_start, key_len);
         assert_eq!(segments, [s(0, 0, 1), s(1, 0, 4), s(2, 4, 1), s(3, 4, 4)]);
         // Consecutive slots of one row form one run.
         let runs = p.segments(Some(&[1, 2, 5, 6]));
         assert_eq!(runs[0].query_len, 2);
         assert_eq!((runs[0].key_start, runs[0].key_len), (0, 3));
         assert_eq!((runs[1].query_start, runs[1].key_len), (2, 3));
+    }
+
+    #[test]
+    fn rows_with_equal_prompts_share_one() {
+        // Prompts of 3 columns, responses of 2. Rows 0, 1 and 3 have the prompt [7, 8], row 2
+        // another; row 1's response is one token, row 3's empty.
+        let ids = Tensor::from_slice(&[
+            0i64, 7, 8, 4, 5, 0, 7, 8, 6, 0, 9, 7, 8, 3, 3, 0, 7, 8, 0, 0,
+        ])
+        .view([4, 5]);
+        let m = mask(&[
+            &[0, 1, 1, 1, 1],
+            &[0, 1, 1, 1, 0],
+            &[1, 1, 1, 1, 1],
+            &[0, 1, 1, 0, 0],
+        ]);
+        let p = Packing::sharing_prompts(&ids, &m, 2).unwrap();
+        assert_eq!(p.cu_seqlens(), [0, 4, 5, 10, 10]);
+        assert_eq!(p.rows_sharing_a_prompt(), 2);
+        assert_eq!(p.shared, [(0, 0), (0, 2), (0, 0), (0, 2)]);
+        let source = Vec::<i64>::try_from(&p.source).unwrap();
+        assert_eq!(source, [1, 2, 3, 4, 8, 10, 11, 12, 13, 14]);
+        let positions = Vec::<i64>::try_from(&p.positions).unwrap();
+        assert_eq!(positions, [0, 1, 2, 3, 2, 0, 1, 2, 3, 4]);
+        // Row 1's response token is predicted by the shared prompt's last slot.
+        assert_eq!(
+            Vec::<i64>::try_from(&p.predictors).unwrap(),
+            [1, 2, 1, 7, 8]
+        );
+        assert_eq!(p.max_len(), 5);
+        assert!(
+            p.unpack_tokens(&Tensor::zeros([10], (Kind::Float, Device::Cpu)))
+                .is_none()
+        );
+        let s = |query_start, query_len, prefix_len, key_start, key_len| Segment {
+            query_start,
+            query_len,
+            prefix_start: 0,
+            prefix_len,
+            key_start,
+            key_len,
+        };
+        let whole = p.segments(None);
+        assert_eq!(whole[1], s(4, 1, 2, 4, 1));
+        assert_eq!(whole.len(), 3);
+        let predictors = p.predictor_segments();
+        assert_eq!(
+            predictors,
+            [s(0, 2, 0, 0, 3), s(2, 1, 2, 4, 0), s(3, 2, 0, 5, 4)]
+        );
+        // Without sharing, every row packs its own prompt.
+        let own = Packing::new(&m, 2, 1).unwrap();
+        assert_eq!(own.cu_seqlens(), [0, 4, 7, 12, 14]);
     }
 
     /// Attention of each segment alone, written out: softmax(q kᵀ · scale + causal mask) v.
@@ -506,13 +701,12 @@ mod tests {
         let mut out = q.zeros_like();
         for s in segments {
             let q = q.narrow(2, s.query_start, s.query_len);
-            let (k, v) = (
-                k.narrow(2, s.key_start, s.key_len),
-                v.narrow(2, s.key_start, s.key_len),
-            );
+            let slots: Vec<i64> = (0..s.keys()).map(|i| s.key_slot(i)).collect();
+            let slots = Tensor::from_slice(&slots);
+            let (k, v) = (k.index_select(2, &slots), v.index_select(2, &slots));
             let query = Tensor::arange(s.query_len, (Kind::Int64, Device::Cpu)).view([-1, 1]);
-            let key = Tensor::arange(s.key_len, (Kind::Int64, Device::Cpu)).view([1, -1]);
-            let hidden = key.gt_tensor(&(query + (s.key_len - s.query_len)));
+            let key = Tensor::arange(s.keys(), (Kind::Int64, Device::Cpu)).view([1, -1]);
+            let hidden = key.gt_tensor(&(query + (s.keys() - s.query_len)));
             let scores = (q.matmul(&k.transpose(-2, -1)) * scale)
                 .masked_fill(&hidden, f64::NEG_INFINITY)
                 .softmax(-1, Kind::Double);
@@ -535,38 +729,35 @@ mod tests {
             let mut start = 0;
             lens.iter()
                 .map(|&len| {
-                    let s = Segment {
-                        query_start: start,
-                        query_len: len,
-                        key_start: start,
-                        key_len: len,
-                    };
+                    let s = segment(start, len, start, len);
                     start += len;
                     s
                 })
                 .collect::<Vec<_>>()
         };
         let runs = vec![
-            Segment {
-                query_start: 0,
-                query_len: 2,
-                key_start: 0,
-                key_len: 5,
-            },
-            Segment {
-                query_start: 2,
-                query_len: 1,
-                key_start: 0,
-                key_len: 9,
-            },
-            Segment {
-                query_start: 3,
-                query_len: 3,
-                key_start: 9,
-                key_len: 3,
-            },
+            segment(0, 2, 0, 5),
+            segment(2, 1, 0, 9),
+            segment(3, 3, 9, 3),
         ];
-        for (segments, keys) in [(whole(&[9, 1, 3, 7, 8, 2, 9]), 39), (runs, 12)] {
+        // Rows sharing a prompt: slots 0..4 a prompt and its row's response 4..7; three runs
+        // whose keys are that prompt (or its first 3 slots) then their own slots, if any.
+        let after_prompt = |query_start, query_len, prefix_len, key_start, key_len| Segment {
+            prefix_start: 0,
+            prefix_len,
+            ..segment(query_start, query_len, key_start, key_len)
+        };
+        let sharing = vec![
+            segment(0, 7, 0, 7),
+            after_prompt(7, 5, 4, 7, 5),
+            after_prompt(12, 2, 3, 0, 0),
+            after_prompt(14, 3, 4, 12, 2),
+        ];
+        for (segments, keys) in [
+            (whole(&[9, 1, 3, 7, 8, 2, 9]), 39),
+            (runs, 12),
+            (sharing, 14),
+        ] {
             let queries: i64 = segments.iter().map(|s| s.query_len).sum();
             let grids = Grids::new(&segments, Device::Cpu);
             assert!(grids.grids.len() >= 2, "{grids:?}");

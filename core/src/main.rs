@@ -397,8 +397,6 @@ fn without_cpp_trace(text: &str) -> &str {
     text[..cut].trim_end()
 }
 
-/// The error and its causes joined with ": ", leaving out a cause whose text an outer message
-/// already includes (many errors print their source as part of their own message).
 /// `error: {message}` on stderr in one write: the ranks of a job share the stream, and a line
 /// written in pieces (as `eprintln!` may) can be cut by another rank's.
 fn print_error(message: &str) {
@@ -406,6 +404,8 @@ fn print_error(message: &str) {
     let _ = std::io::stderr().write_all(format!("error: {message}\n").as_bytes());
 }
 
+/// The error and its causes joined with ": ", leaving out a cause whose text an outer message
+/// already includes (many errors print their source as part of their own message).
 fn error_chain(error: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in error.chain() {

@@ -11,7 +11,7 @@ SandboxFusion's `sandbox_api.run_code` does with `isolation: none`: `python` run
 (TimeLimitExceeded); `memory_limit_MB` > 0 sets RLIMIT_AS, RLIMIT_DATA and RLIMIT_STACK; the
 status is SandboxFusion's `parse_run_status` (an Error outcome is a SandboxError, a time-out or a
 non-zero exit Failed, else Success). Field names and enum values come from
-`core/tests/data/sandbox_fusion_schema.json` (extracted from SandboxFusion's source by
+`core/rewards/tests/data/sandbox_fusion_schema.json` (extracted from SandboxFusion's source by
 `scripts/reference/sandbox_schema.py`); a request with a missing required field, an unknown field
 or an unknown language is answered 422 — stricter than SandboxFusion, which ignores unknown
 fields, so that a misspelt key fails the tests.
@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 SCHEMA = json.loads(
-    (Path(__file__).resolve().parents[1] / "core/tests/data/sandbox_fusion_schema.json").read_text())
+    (Path(__file__).resolve().parents[1] / "core/rewards/tests/data/sandbox_fusion_schema.json").read_text())
 REQUEST_FIELDS = {f["name"]: f for f in SCHEMA["models"]["RunCodeRequest"]}
 RESPONSE_FIELDS = [f["name"] for f in SCHEMA["models"]["RunCodeResponse"]]
 RESULT_FIELDS = [f["name"] for f in SCHEMA["models"]["CommandRunResult"]]

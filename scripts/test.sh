@@ -34,7 +34,8 @@ case "$mode" in
 esac
 
 # The fast tier: crates whose dependency tree (dev-dependencies included) has no torch-sys.
-fast_crates=(verl-plugin-api verl-seqlen-balancing verl-plugin-host verl-core verl-testkit verl-plugin-rocm verl-plugin-ascend
+fast_crates=(verl-plugin-api verl-seqlen-balancing verl-plugin-host verl-algo verl-schema verl-data verl-rewards
+  verl-config verl-trainer verl-core verl-testkit verl-plugin-rocm verl-plugin-ascend
   verl-rollout-http verl-plugin-vllm verl-plugin-sglang verl-plugin-reward-http)
 # The tracker plugin links no libtorch either; its integration tests need the Python tools.
 tools_crate=verl-plugin-trackers

@@ -10,8 +10,8 @@ for the heavy imports around it (omegaconf, tensordict, the config dataclasses, 
 advantage estimator, policy loss, aggregation mode, KL estimator, the KL controllers, the value and
 entropy losses and `compute_variance_proxy_metrics` (from `verl/trainer/ppo/metric_utils.py`, taken
 by its syntax tree) on seeded random inputs and writes the inputs and verl's outputs as JSON
-(default: core/tests/data/verl_algos_reference.json). It needs torch and numpy only. The Rust tests
-(core/tests/algos_parity.rs, plugins/torch-runtime/tests/algos_parity.rs) replay the file without
+(default: core/algo/tests/data/verl_algos_reference.json). It needs torch and numpy only. The Rust tests
+(core/algo/tests/algos_parity.rs, plugins/torch-runtime/tests/algos_parity.rs) replay the file without
 Python.
 """
 

@@ -9,11 +9,11 @@ the `verl` package). The script takes `calculate_workload`, `karmarkar_karp`,
 `verl/utils/seqlen_balancing.py` (by their syntax tree, so that neither torch nor the rest of verl
 is imported), runs them on seeded sequence lengths (ties included: lengths drawn from small ranges
 repeat) and writes the cases and verl's results as JSON (default:
-core/tests/data/verl_balance_reference.json). Each `balance_batch` case also holds the order
+core/algo/tests/data/verl_balance_reference.json). Each `balance_batch` case also holds the order
 `RayPPOTrainer._balance_batch` (verl/trainer/ppo/ray_trainer.py) trains in: its in-partition
 ordering — sort by (workload, index), then even positions followed by the odd ones reversed — is the
 four lines below in `balance_order`, transcribed from that method. Standard library only.
-`core/tests/balance_parity.rs` replays the file without Python.
+`core/algo/tests/balance_parity.rs` replays the file without Python.
 """
 
 import heapq
@@ -51,7 +51,7 @@ def main():
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     verl_dir = Path(sys.argv[1])
-    out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("core/tests/data/verl_balance_reference.json")
+    out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("core/algo/tests/data/verl_balance_reference.json")
     verl = load_functions(verl_dir)
     commit = verl_source.commit(verl_dir)
     rng = random.Random(SEED)

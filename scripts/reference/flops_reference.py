@@ -10,8 +10,8 @@ tree, so that neither torch nor transformers is imported) and runs them on seede
 (Llama / Qwen2 / Qwen3 / Mistral shapes, grouped-query attention, explicit `head_dim` or not, and
 model types verl has no estimate for) with seeded sequence lengths, and on device names. It writes
 the FLOPs of a forward and backward pass (verl's TFLOP/s over one second, × 1e12) and the peak
-FLOP/s per device name as JSON (default: core/tests/data/verl_flops_reference.json);
-`core/tests/flops_parity.rs` replays it without Python. Standard library only.
+FLOP/s per device name as JSON (default: core/trainer/tests/data/verl_flops_reference.json);
+`core/trainer/tests/flops_parity.rs` replays it without Python. Standard library only.
 """
 
 import ast
@@ -49,7 +49,7 @@ def main():
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     verl_dir = Path(sys.argv[1])
-    out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("core/tests/data/verl_flops_reference.json")
+    out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("core/trainer/tests/data/verl_flops_reference.json")
     verl = load(verl_dir)
     commit = verl_source.commit(verl_dir)
     rng = random.Random(SEED)

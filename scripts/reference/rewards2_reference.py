@@ -11,10 +11,10 @@ builds seeded responses and ground truths for the `numina_*` sources (prime_math
 spelling, roots, pi, percentages, units, degrees, intervals, tuples, matrices, polynomials, choices,
 equivalent and wrong answers, broken braces, answers found by `answer:`/`is`/`=`/boxed markers, the
 think/boxed format — scores each with verl's own `default_compute_score` and writes the cases and
-verl's results as JSON (default: core/tests/data/verl_rewards2_reference.json).
+verl's results as JSON (default: core/rewards/tests/data/verl_rewards2_reference.json).
 
 It needs verl's reward dependencies: `pip install sympy pylatexenc mathruler tqdm` (tqdm only because
-mathruler imports it). `core/tests/rewards2_parity.rs` replays the file without Python.
+mathruler imports it). `core/rewards/tests/rewards2_parity.rs` replays the file without Python.
 """
 
 import importlib.util

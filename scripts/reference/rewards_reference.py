@@ -9,8 +9,8 @@ only for `verl.utils.import_utils.deprecated`), builds seeded adversarial respon
 truths for every data source verl-core scores with a built-in rule — boxed answers with nested and
 unbalanced braces, `Answer:` lines, units, fractions, LaTeX, answer tags, whitespace, long
 responses that are clipped, wrong answers — scores each with verl's own `default_compute_score`
-and writes the cases and verl's results as JSON (default: core/tests/data/verl_rewards_reference.json).
-It needs the Python standard library only. `core/tests/rewards_parity.rs` replays the file without
+and writes the cases and verl's results as JSON (default: core/rewards/tests/data/verl_rewards_reference.json).
+It needs the Python standard library only. `core/rewards/tests/rewards_parity.rs` replays the file without
 Python.
 """
 

@@ -9,8 +9,8 @@ names only in annotations), runs `compute_rollout_correction_and_rejection_mask`
 and sequence level with and without batch normalisation, every rejection option alone and chained,
 K1 bounds given as `lower_upper` — on seeded random log-probs, and writes the inputs, the weights,
 the new response mask and every `rollout_corr/` metric as JSON (default:
-core/tests/data/verl_rollout_corr_reference.json). Needs torch, numpy and transformers (which verl's
-torch_functional imports). core/tests/rollout_corr_parity.rs replays the file without Python.
+core/algo/tests/data/verl_rollout_corr_reference.json). Needs torch, numpy and transformers (which verl's
+torch_functional imports). core/algo/tests/rollout_corr_parity.rs replays the file without Python.
 """
 
 import json

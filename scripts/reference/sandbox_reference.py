@@ -17,7 +17,7 @@ with verl's own `sandbox_fusion.compute_score` against URL. C++ cases (compile e
 error in one case's `assert_case` spreading to the later cases) go through verl's
 `check_correctness(language="cpp")`, since `compute_score` always sends Python. It writes the
 cases with verl's score and per-case statuses as JSON (default:
-core/tests/data/verl_sandbox_reference.json). `core/tests/sandbox_parity.rs` starts the same
+core/rewards/tests/data/verl_sandbox_reference.json). `core/rewards/tests/sandbox_parity.rs` starts the same
 fake server and replays the file without verl.
 """
 

@@ -8,10 +8,10 @@ script reads the pydantic models and enums of `sandbox/server/sandbox_api.py` (R
 RunCodeResponse, RunStatus) and `sandbox/runners/types.py` (CommandRunResult, CommandRunStatus,
 Language) by their syntax tree (nothing of SandboxFusion is imported or run) and writes each
 model's fields (name, whether required, the literal default) and each enum's values as JSON
-(default: core/tests/data/sandbox_fusion_schema.json). Standard library only.
+(default: core/rewards/tests/data/sandbox_fusion_schema.json). Standard library only.
 
 The fake server (`scripts/fake_sandbox_fusion.py`) validates requests and shapes answers with
-that file, and `core/tests/sandbox_parity.rs` checks the client's structs against it.
+that file, and `core/rewards/tests/sandbox_parity.rs` checks the client's structs against it.
 """
 
 import ast
@@ -64,7 +64,7 @@ def main():
         sys.exit(__doc__)
     root = Path(sys.argv[1])
     out = Path(sys.argv[2]) if len(sys.argv) == 3 else (
-        Path(__file__).resolve().parents[2] / "core/tests/data/sandbox_fusion_schema.json")
+        Path(__file__).resolve().parents[2] / "core/rewards/tests/data/sandbox_fusion_schema.json")
     schema = {"models": {}, "enums": {}}
     for relpath in sorted(set(MODELS) | set(ENUMS)):
         path = root / relpath

@@ -1,11 +1,11 @@
 //! The loss kernels against values computed by verl's own `core_algos.py` on the same inputs
-//! (`core/tests/data/verl_algos_reference.json`, made by
+//! (`core/algo/tests/data/verl_algos_reference.json`, made by
 //! `scripts/reference/algos_reference.py`): loss aggregation in every mode and with global batch
 //! normalisers, every policy loss (value, gradient with respect to the log-probs, metrics), the
 //! KL estimators (value and gradient), the value loss and the entropy loss; and the policy losses
 //! with rollout-correction IS weights.
 
-#[path = "../../../core/tests/support/verl_reference.rs"]
+#[path = "../../../core/algo/tests/support/verl_reference.rs"]
 mod verl_reference;
 
 use verl_reference::{check_cases, close, compare, floats};
@@ -200,13 +200,13 @@ fn losses_match_verl() {
 }
 
 /// The losses with rollout-correction IS weights, against verl b178a3c's `compute_policy_loss_*`
-/// with `rollout_is_weights` (`core/tests/data/verl_rollout_corr_reference.json`, made by
+/// with `rollout_is_weights` (`core/algo/tests/data/verl_rollout_corr_reference.json`, made by
 /// `scripts/reference/rollout_corr_reference.py`, weights from verl's own
 /// `compute_rollout_correction_weights`, token and sequence level).
 #[test]
 fn losses_with_rollout_is_weights_match_verl() {
     let root: Value = serde_json::from_str(include_str!(
-        "../../../core/tests/data/verl_rollout_corr_reference.json"
+        "../../../core/algo/tests/data/verl_rollout_corr_reference.json"
     ))
     .expect("reference JSON");
     let inputs = root["loss_inputs"].as_array().expect("loss_inputs");

@@ -9,13 +9,15 @@
 #                               unit tests): no
 #                               set-up, no downloads beyond crates
 #   bash scripts/test.sh lint   rustfmt, clippy (-D warnings, all targets), rustdoc (-D warnings),
-#                               cargo-semver-checks on plugin-api against its 2.0.0 release
+#                               cargo-semver-checks on plugin-api against its 2.0.0 release, then
+#                               docs: the relative links of README.md and docs/src
+#                               (scripts/check-docs-links.py) and `mdbook build docs` without warnings
 #   bash scripts/test.sh full   every test: the workspace's (unit, integration, verl-distributed's
 #                               and the megatron engine's ranks as processes, the tracker plugin's against the real tracking
 #                               tools, the vllm rollout's against a real vLLM server, the sglang
 #                               rollout's against SGLang's protocol classes) and the
 #                               out-of-tree vendor example's own suite, built separately as a vendor would
-#   bash scripts/test.sh        (CI) the set-ups (cargo-semver-checks and, once libtorch is
+#   bash scripts/test.sh        (CI) the set-ups (cargo-semver-checks, mdbook and, once libtorch is
 #                               there, the integration tests' release build run meanwhile), lint,
 #                               fast, then the rest of full (the fast tier's tests are not run twice)
 #
@@ -42,6 +44,8 @@ tools_crate=verl-plugin-trackers
 
 # cargo-semver-checks, built once from crates.io into the cache (~/.cache/verl-core/cargo-tools).
 SEMVER_CHECKS_VERSION=0.51.0
+# mdbook for the docs stage, the same way (HTML and search only: no serve/watch).
+MDBOOK_VERSION=0.5.4
 tools_root=${XDG_CACHE_HOME:-$HOME/.cache}/verl-core/cargo-tools
 
 timings=()
@@ -56,6 +60,7 @@ stage() {
 report() {
   local rc=$?
   [[ -z "${semver_install_pid:-}" ]] || kill "$semver_install_pid" 2>/dev/null || true
+  [[ -z "${mdbook_install_pid:-}" ]] || kill "$mdbook_install_pid" 2>/dev/null || true
   [[ -z "${release_build_pid:-}" ]] || kill "$release_build_pid" 2>/dev/null || true
   if ((${#timings[@]})); then
     echo
@@ -188,6 +193,49 @@ semver_checks() {
     --baseline-rev "$baseline"
 }
 
+install_mdbook() {
+  local bin=$tools_root/bin/mdbook
+  if [[ -x "$bin" ]] && "$bin" --version | grep -qxF "mdbook v$MDBOOK_VERSION"; then
+    return 0
+  fi
+  local build
+  build=$(mktemp -d)
+  CARGO_TARGET_DIR=$build cargo install mdbook --version "=$MDBOOK_VERSION" --locked \
+    --no-default-features --features search --root "$tools_root"
+  rm -rf "$build"
+}
+# In CI it builds in the background from the start, as cargo-semver-checks does.
+mdbook_install_pid=
+mdbook_install_log=
+start_mdbook_install() {
+  mdbook_install_log=$(mktemp)
+  install_mdbook >"$mdbook_install_log" 2>&1 &
+  mdbook_install_pid=$!
+}
+mdbook_build() {
+  if [[ -n "$mdbook_install_pid" ]]; then
+    local pid=$mdbook_install_pid
+    mdbook_install_pid=
+    wait_logged "$pid" "$mdbook_install_log" "installing mdbook" || return 1
+  fi
+  install_mdbook
+  # mdbook exits 0 on warnings (an unclosed HTML tag, …): they fail the stage here.
+  local log
+  log=$(mktemp)
+  "$tools_root/bin/mdbook" build docs 2>&1 | tee "$log" >&2
+  if grep -qE '^ *(WARN|ERROR)' "$log"; then
+    rm -f "$log"
+    echo "test.sh: mdbook build docs warned (above)" >&2
+    return 1
+  fi
+  rm -f "$log"
+}
+
+docs() {
+  stage "docs: link check" python3 scripts/check-docs-links.py
+  stage "docs: mdbook build" mdbook_build
+}
+
 lint() {
   stage "rustfmt --check" cargo fmt --all --check
   stage "clippy -D warnings (workspace, all targets)" \
@@ -201,6 +249,7 @@ lint() {
     env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
   stage "cargo-semver-checks: install (cached)" finish_semver_install
   stage "cargo-semver-checks: plugin-api" semver_checks
+  docs
 }
 
 vendor_example() {
@@ -230,6 +279,7 @@ case "$mode" in
     export CARGO_INCREMENTAL=0
     echo "test.sh ci: $(free_disk) free on $(df --output=target . | tail -n 1)" >&2
     start_semver_install
+    start_mdbook_install
     # The downloads first, overlapping the tool's build.
     stage "libtorch set-up" setup_libtorch
     start_release_build

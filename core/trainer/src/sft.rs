@@ -1,12 +1,12 @@
 //! Supervised fine-tuning (`verl-core sft`, and the quickstart's warm-up) through the actor
 //! engine: the data's reference answers as responses, trained with the engine's own update.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde_json::json;
-use verl_plugin_api::keys;
-use verl_plugin_host::Registry;
+use verl_plugin_api::{Metric, keys};
+use verl_plugin_host::{EngineHandle, Registry};
 
 pub use verl_config::SftConfig;
 
@@ -59,6 +59,68 @@ pub fn run_sft(
         )));
     }
     crate::limits::check_sft(config, &base).map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let examples = sft_examples(config, sft, &base)?;
+    let mut engine = sft_engine(config, sft, &base, registry, placement)?;
+    let plugin = |context: &str| {
+        let context = context.to_owned();
+        move |error| TrainError::Plugin { context, error }
+    };
+    let mut loader = DataLoader::new(
+        examples.len(),
+        sft.batch_size,
+        true,
+        config.trainer.seed,
+        true,
+    );
+    let started = Instant::now();
+    eprintln!(
+        "sft: {} steps of {} examples from {}",
+        sft.steps,
+        sft.batch_size,
+        base.display()
+    );
+    for step in 1..=sft.steps {
+        let indices = loop {
+            if let Some(b) = loader.next_batch() {
+                break b;
+            }
+        };
+        let (nll, metrics) = sft_step(&mut engine, &examples, &indices, step)?;
+        apply_policy(config.trainer.nan_policy, step, "actor", &metrics).map_err(|what| {
+            TrainError::NonFinite {
+                step,
+                what,
+                kept: format!("{} is not written", output.display()),
+            }
+        })?;
+        if step == 1 || step % 25 == 0 || step == sft.steps {
+            let grad = metrics
+                .iter()
+                .find(|m| m.key == "actor/grad_norm")
+                .map_or(f64::NAN, |m| m.value);
+            eprintln!(
+                "sft step {step}/{}: nll {nll:.4}, grad_norm {grad:.3}, {:.1} s",
+                sft.steps,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    std::fs::create_dir_all(&output).map_err(|error| TrainError::Io {
+        path: output.clone(),
+        error,
+    })?;
+    engine
+        .export_hf(&output.to_string_lossy())
+        .map_err(plugin(&format!("exporting {}", output.display())))?;
+    eprintln!("sft: model written to {}", output.display());
+    Ok(output)
+}
+
+/// A supervised example: the prompt's tokens and the reference answer's, EOS-terminated.
+type Example = (Vec<u32>, Vec<u32>);
+
+/// The training split as examples, checked to fill a batch.
+fn sft_examples(config: &Config, sft: &SftConfig, base: &Path) -> Result<Vec<Example>, TrainError> {
     let tokenizer_json = base.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_json)
         .map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_json.display())))?;
@@ -67,7 +129,7 @@ pub fn run_sft(
         .find_map(|t| tokenizer.token_to_id(t));
     let data = &config.data;
     let mut processor = PromptProcessor::new(
-        ChatTemplate::from_model_dir(&base)?,
+        ChatTemplate::from_model_dir(base)?,
         &tokenizer_json,
         data.max_prompt_length,
         true,
@@ -76,7 +138,7 @@ pub fn run_sft(
     processor.template_kwargs = config
         .chat_template_kwargs()
         .map_err(|e| TrainError::Invalid(e.to_string()))?;
-    let examples: Vec<(Vec<u32>, Vec<u32>)> = processor
+    let examples: Vec<Example> = processor
         .prepare(verl_data::load_samples(
             &data.train_files,
             &data.prompt_key,
@@ -101,6 +163,18 @@ pub fn run_sft(
         )));
     }
 
+    Ok(examples)
+}
+
+/// The actor engine for supervised updates: the base model, one mini-batch per step, no KL or
+/// entropy term, no warm-up or weight decay.
+fn sft_engine(
+    config: &Config,
+    sft: &SftConfig,
+    base: &Path,
+    registry: &Registry,
+    placement: &Placement,
+) -> Result<EngineHandle, TrainError> {
     let mut section = config.engine_json(EngineRole::Actor);
     section["model"]["path"] = json!(base);
     section["model"]["random_init"] = json!(sft.random_init);
@@ -147,82 +221,44 @@ pub fn run_sft(
             error,
         })?;
 
+    Ok(engine)
+}
+
+/// One supervised update on the examples at `indices`: the NLL before it, and its metrics.
+fn sft_step(
+    engine: &mut EngineHandle,
+    examples: &[Example],
+    indices: &[usize],
+    step: u64,
+) -> Result<(f64, Vec<Metric>), TrainError> {
     let plugin = |context: &str| {
         let context = context.to_owned();
         move |error| TrainError::Plugin { context, error }
     };
-    let mut loader = DataLoader::new(
-        examples.len(),
-        sft.batch_size,
-        true,
-        config.trainer.seed,
-        true,
-    );
-    let started = Instant::now();
-    eprintln!(
-        "sft: {} steps of {} examples from {}",
-        sft.steps,
-        sft.batch_size,
-        base.display()
-    );
-    for step in 1..=sft.steps {
-        let indices = loop {
-            if let Some(b) = loader.next_batch() {
-                break b;
-            }
-        };
-        let prompts: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].0.clone()).collect();
-        let answers: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].1.clone()).collect();
-        let mut input =
-            batch::build(&prompts, &answers, 0).map_err(plugin("building an sft batch"))?;
-        input.meta_json = json!({ "temperature": 1.0, "global_steps": step })
-            .to_string()
-            .into();
-        let out = engine
-            .compute_log_prob(&input)
-            .map_err(plugin("sft log-probs"))?;
-        let log_probs = out
-            .require(keys::LOG_PROBS)
-            .map_err(plugin("sft log-probs"))?
-            .clone();
-        let mask_tensor = input
-            .require(keys::RESPONSE_MASK)
-            .map_err(plugin("sft batch"))?
-            .clone();
-        let mask = batch::matrix(keys::RESPONSE_MASK, &mask_tensor).map_err(plugin("sft batch"))?;
-        let nll = -masked_mean(
-            &batch::matrix(keys::LOG_PROBS, &log_probs).map_err(plugin("sft log-probs"))?,
-            &mask,
-        )?;
-        input.insert(keys::OLD_LOG_PROBS, log_probs);
-        input.insert(keys::ADVANTAGES, mask_tensor);
-        let metrics = engine.update_actor(&input).map_err(plugin("sft update"))?;
-        apply_policy(config.trainer.nan_policy, step, "actor", &metrics).map_err(|what| {
-            TrainError::NonFinite {
-                step,
-                what,
-                kept: format!("{} is not written", output.display()),
-            }
-        })?;
-        if step == 1 || step % 25 == 0 || step == sft.steps {
-            let grad = metrics
-                .iter()
-                .find(|m| m.key == "actor/grad_norm")
-                .map_or(f64::NAN, |m| m.value);
-            eprintln!(
-                "sft step {step}/{}: nll {nll:.4}, grad_norm {grad:.3}, {:.1} s",
-                sft.steps,
-                started.elapsed().as_secs_f64()
-            );
-        }
-    }
-    std::fs::create_dir_all(&output).map_err(|error| TrainError::Io {
-        path: output.clone(),
-        error,
-    })?;
-    engine
-        .export_hf(&output.to_string_lossy())
-        .map_err(plugin(&format!("exporting {}", output.display())))?;
-    eprintln!("sft: model written to {}", output.display());
-    Ok(output)
+    let prompts: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].0.clone()).collect();
+    let answers: Vec<Vec<u32>> = indices.iter().map(|&i| examples[i].1.clone()).collect();
+    let mut input = batch::build(&prompts, &answers, 0).map_err(plugin("building an sft batch"))?;
+    input.meta_json = json!({ "temperature": 1.0, "global_steps": step })
+        .to_string()
+        .into();
+    let out = engine
+        .compute_log_prob(&input)
+        .map_err(plugin("sft log-probs"))?;
+    let log_probs = out
+        .require(keys::LOG_PROBS)
+        .map_err(plugin("sft log-probs"))?
+        .clone();
+    let mask_tensor = input
+        .require(keys::RESPONSE_MASK)
+        .map_err(plugin("sft batch"))?
+        .clone();
+    let mask = batch::matrix(keys::RESPONSE_MASK, &mask_tensor).map_err(plugin("sft batch"))?;
+    let nll = -masked_mean(
+        &batch::matrix(keys::LOG_PROBS, &log_probs).map_err(plugin("sft log-probs"))?,
+        &mask,
+    )?;
+    input.insert(keys::OLD_LOG_PROBS, log_probs);
+    input.insert(keys::ADVANTAGES, mask_tensor);
+    let metrics = engine.update_actor(&input).map_err(plugin("sft update"))?;
+    Ok((nll, metrics))
 }

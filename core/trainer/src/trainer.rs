@@ -2668,6 +2668,13 @@ impl Components {
     /// Checks the run against what each component declares it can do, before any is created:
     /// a mismatch names the component, the capability and the config key that asks for it.
     fn check(&self, config: &Config, run: &RunContext) -> Result<(), TrainError> {
+        self.check_engines(config, run)?;
+        self.check_rollout(config, run)?;
+        check_algorithm(config, run)
+    }
+
+    /// Each engine can hold its role on this run's ranks and device.
+    fn check_engines(&self, config: &Config, run: &RunContext) -> Result<(), TrainError> {
         let roles = [
             (EngineRole::Actor, Some(&self.actor)),
             (EngineRole::Ref, self.reference.as_ref()),
@@ -2707,6 +2714,11 @@ impl Components {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// The rollout takes the weight sync's handover and returns what the config asks of it.
+    fn check_rollout(&self, config: &Config, run: &RunContext) -> Result<(), TrainError> {
         let rollout_caps: RolloutCapabilities = self.rollout.capabilities();
         let handover = self
             .weight_sync
@@ -2754,105 +2766,6 @@ impl Components {
                 self.rollout.name
             )));
         }
-        let mode = config.trainer.training_mode;
-        if mode != TrainingMode::Sync {
-            // The next batch is generated on a thread of its own, by this process's rollout in
-            // one request: the rank exchange, DAPO's extra rounds and ReMax's greedy rollouts
-            // (which need the rollout during the update) are not done there.
-            let refused = if run.world_size > 1 {
-                Some(format!("{} ranks (one rank only)", run.world_size))
-            } else if config.algorithm.filter_groups.enable {
-                Some("algorithm.filter_groups.enable=true".to_owned())
-            } else if config.algorithm.adv_estimator.needs_greedy_baseline() {
-                Some("algorithm.adv_estimator=remax (its greedy baseline needs the rollout during the update)".to_owned())
-            } else {
-                None
-            };
-            if let Some(what) = refused {
-                return Err(TrainError::Invalid(format!(
-                    "trainer.training_mode={} does not support {what}",
-                    mode.as_str()
-                )));
-            }
-        }
-        let algorithm = &config.algorithm;
-        match (algorithm.adv_estimator, &algorithm.gdpo_reward_keys) {
-            (AdvEstimator::Gdpo, None) => {
-                return Err(TrainError::Invalid(
-                    "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward's \
-                     result dict to normalise one by one (as verl asserts)"
-                        .to_owned(),
-                ));
-            }
-            (AdvEstimator::Gdpo, Some(keys)) => {
-                if keys.is_empty() {
-                    return Err(TrainError::Invalid(
-                        "algorithm.gdpo_reward_keys is empty: name at least one key of the reward's result dict"
-                            .to_owned(),
-                    ));
-                }
-                if let Some(weights) = &algorithm.gdpo_reward_weights
-                    && weights.len() != keys.len()
-                {
-                    return Err(TrainError::Invalid(format!(
-                        "algorithm.gdpo_reward_weights has {} weights for {} algorithm.gdpo_reward_keys",
-                        weights.len(),
-                        keys.len()
-                    )));
-                }
-            }
-            (_, Some(_)) => tracing::warn!(
-                "algorithm.gdpo_reward_keys: only algorithm.adv_estimator=gdpo reads them (it is {})",
-                algorithm.adv_estimator.name()
-            ),
-            (_, None) => {}
-        }
-        let wants_sum_pi_squared = config.actor_rollout_ref.actor.calculate_sum_pi_squared;
-        if algorithm.adv_estimator.needs_sum_pi_squared() && !wants_sum_pi_squared {
-            return Err(TrainError::Invalid(format!(
-                "algorithm.adv_estimator={} needs Σπ² per token from the actor: set \
-                 actor_rollout_ref.actor.calculate_sum_pi_squared=True (as verl asks)",
-                algorithm.adv_estimator.name()
-            )));
-        }
-        if wants_sum_pi_squared
-            && fully_async::old_log_probs_from_rollout(config)
-            && !algorithm.adv_estimator.needs_sum_pi_squared()
-        {
-            tracing::warn!(
-                "actor_rollout_ref.actor.calculate_sum_pi_squared=True: the actor's log-prob pass, which computes \
-                 Σπ², is skipped (the rollout's log-probs are the old policy's), so no variance_proxy/* metrics \
-                 are logged"
-            );
-        }
-        if algorithm.adv_estimator.needs_sum_pi_squared()
-            && algorithm.rollout_correction.bypass_mode
-        {
-            // Bypass mode skips the actor's log-prob pass, which is what computes Σπ².
-            return Err(TrainError::Invalid(format!(
-                "algorithm.adv_estimator={} needs Σπ² from the actor's log-prob pass, which \
-                 algorithm.rollout_correction.bypass_mode=true skips",
-                algorithm.adv_estimator.name()
-            )));
-        }
-        let correction = &config.algorithm.rollout_correction;
-        let checked = correction.settings()?;
-        if (checked.corrects() || correction.bypass_mode) && !settings.calculate_log_probs {
-            return Err(TrainError::Invalid(
-                "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode) needs the rollout's \
-                 log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
-                    .to_owned(),
-            ));
-        }
-        if correction.bypass_mode && checked.corrects() {
-            // verl's bypass loss recomputes the weights and the rejection mask from the current
-            // policy inside the loss, which the engines here do not do.
-            return Err(TrainError::Invalid(
-                "algorithm.rollout_correction.bypass_mode=true with rollout_is or rollout_rs is not \
-                 supported: use bypass_mode=false (decoupled mode) for importance weights and rejection"
-                    .to_owned(),
-            ));
-        }
         if settings.free_cache_engine && !rollout_caps.sleep_wake {
             tracing::info!(
                 "actor_rollout_ref.rollout.free_cache_engine: rollout `{}` has no sleep/wake-up; it keeps no cache between generate calls",
@@ -2861,6 +2774,109 @@ impl Components {
         }
         Ok(())
     }
+}
+
+/// The training mode and the algorithm's settings go together, as verl asserts.
+fn check_algorithm(config: &Config, run: &RunContext) -> Result<(), TrainError> {
+    let settings = &config.actor_rollout_ref.rollout;
+    let mode = config.trainer.training_mode;
+    if mode != TrainingMode::Sync {
+        // The next batch is generated on a thread of its own, by this process's rollout in
+        // one request: the rank exchange, DAPO's extra rounds and ReMax's greedy rollouts
+        // (which need the rollout during the update) are not done there.
+        let refused = if run.world_size > 1 {
+            Some(format!("{} ranks (one rank only)", run.world_size))
+        } else if config.algorithm.filter_groups.enable {
+            Some("algorithm.filter_groups.enable=true".to_owned())
+        } else if config.algorithm.adv_estimator.needs_greedy_baseline() {
+            Some("algorithm.adv_estimator=remax (its greedy baseline needs the rollout during the update)".to_owned())
+        } else {
+            None
+        };
+        if let Some(what) = refused {
+            return Err(TrainError::Invalid(format!(
+                "trainer.training_mode={} does not support {what}",
+                mode.as_str()
+            )));
+        }
+    }
+    let algorithm = &config.algorithm;
+    match (algorithm.adv_estimator, &algorithm.gdpo_reward_keys) {
+        (AdvEstimator::Gdpo, None) => {
+            return Err(TrainError::Invalid(
+                "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward's \
+                 result dict to normalise one by one (as verl asserts)"
+                    .to_owned(),
+            ));
+        }
+        (AdvEstimator::Gdpo, Some(keys)) => {
+            if keys.is_empty() {
+                return Err(TrainError::Invalid(
+                    "algorithm.gdpo_reward_keys is empty: name at least one key of the reward's result dict"
+                        .to_owned(),
+                ));
+            }
+            if let Some(weights) = &algorithm.gdpo_reward_weights
+                && weights.len() != keys.len()
+            {
+                return Err(TrainError::Invalid(format!(
+                    "algorithm.gdpo_reward_weights has {} weights for {} algorithm.gdpo_reward_keys",
+                    weights.len(),
+                    keys.len()
+                )));
+            }
+        }
+        (_, Some(_)) => tracing::warn!(
+            "algorithm.gdpo_reward_keys: only algorithm.adv_estimator=gdpo reads them (it is {})",
+            algorithm.adv_estimator.name()
+        ),
+        (_, None) => {}
+    }
+    let wants_sum_pi_squared = config.actor_rollout_ref.actor.calculate_sum_pi_squared;
+    if algorithm.adv_estimator.needs_sum_pi_squared() && !wants_sum_pi_squared {
+        return Err(TrainError::Invalid(format!(
+            "algorithm.adv_estimator={} needs Σπ² per token from the actor: set \
+             actor_rollout_ref.actor.calculate_sum_pi_squared=True (as verl asks)",
+            algorithm.adv_estimator.name()
+        )));
+    }
+    if wants_sum_pi_squared
+        && fully_async::old_log_probs_from_rollout(config)
+        && !algorithm.adv_estimator.needs_sum_pi_squared()
+    {
+        tracing::warn!(
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=True: the actor's log-prob pass, which computes \
+             Σπ², is skipped (the rollout's log-probs are the old policy's), so no variance_proxy/* metrics \
+             are logged"
+        );
+    }
+    if algorithm.adv_estimator.needs_sum_pi_squared() && algorithm.rollout_correction.bypass_mode {
+        // Bypass mode skips the actor's log-prob pass, which is what computes Σπ².
+        return Err(TrainError::Invalid(format!(
+            "algorithm.adv_estimator={} needs Σπ² from the actor's log-prob pass, which \
+             algorithm.rollout_correction.bypass_mode=true skips",
+            algorithm.adv_estimator.name()
+        )));
+    }
+    let correction = &config.algorithm.rollout_correction;
+    let checked = correction.settings()?;
+    if (checked.corrects() || correction.bypass_mode) && !settings.calculate_log_probs {
+        return Err(TrainError::Invalid(
+            "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode) needs the rollout's \
+             log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
+                .to_owned(),
+        ));
+    }
+    if correction.bypass_mode && checked.corrects() {
+        // verl's bypass loss recomputes the weights and the rejection mask from the current
+        // policy inside the loss, which the engines here do not do.
+        return Err(TrainError::Invalid(
+            "algorithm.rollout_correction.bypass_mode=true with rollout_is or rollout_rs is not \
+             supported: use bypass_mode=false (decoupled mode) for importance weights and rejection"
+                .to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 /// The `items` whose `keep` is set, in order.

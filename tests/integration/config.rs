@@ -162,6 +162,41 @@ fn run_stops_on_an_unsupported_key_before_anything_is_made() {
     assert_eq!(tree(home.path()), Vec::<String>::new());
 }
 
+/// A value `run` refuses (here a zero batch, and prompts that do not split over the ranks) stops
+/// it before the quickstart makes its data, model or warm-up; `config check` reports the same
+/// error without running anything.
+#[test]
+fn run_stops_on_a_bad_value_before_anything_is_made() {
+    for bad in ["data.train_batch_size=0", "algorithm.adv_estimator=gdpo"] {
+        let cwd = tempfile::tempdir().unwrap();
+        let home = tempfile::tempdir().unwrap();
+        let home_dir = home.path().to_str().unwrap();
+        let out = verl_core_in(cwd.path(), &["run", bad], &[("HOME", home_dir)]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{bad}: {stderr}");
+        let key = bad.split('=').next().unwrap();
+        assert!(
+            stderr.contains(key),
+            "{bad}: the error names no key:\n{stderr}"
+        );
+        assert!(!stderr.contains("sft"), "{bad}: the warm-up ran:\n{stderr}");
+        assert_eq!(tree(cwd.path()), Vec::<String>::new(), "{bad}");
+        assert_eq!(tree(home.path()), Vec::<String>::new(), "{bad}");
+
+        let check = verl_core_in(
+            cwd.path(),
+            &["config", "check", "--json", bad],
+            &[("HOME", home_dir)],
+        );
+        assert_eq!(check.status.code(), Some(1), "{bad}");
+        let report = stdout_json(&check);
+        let invalid = report["invalid"].as_str().unwrap_or_default();
+        assert!(invalid.contains(key), "{bad}: {report}");
+        assert!(report["errors"].as_u64() >= Some(1), "{report}");
+        assert_eq!(tree(cwd.path()), Vec::<String>::new(), "{bad}");
+    }
+}
+
 /// verl's GSM8K quickstart overrides on `verl-core run` (the embedded quickstart): the data and
 /// model they name are not the quickstart's to make, so the run stops, naming the key, and nothing
 /// is written — not in $HOME, not in the working directory. Existing files there stay as they were.

@@ -250,6 +250,9 @@ pub enum PluginsCommand {
     List {
         #[arg(long)]
         json: bool,
+        /// Each component's config section and declared capabilities, one `key=value` a line.
+        #[arg(long, short)]
+        verbose: bool,
     },
     /// Load one plugin file and show what it registers; exits non-zero when it is rejected.
     Check {
@@ -257,6 +260,9 @@ pub enum PluginsCommand {
         file: PathBuf,
         #[arg(long)]
         json: bool,
+        /// Each component's config section and declared capabilities.
+        #[arg(long, short)]
+        verbose: bool,
     },
     /// Run the conformance suite of every component a plugin file registers (or, with
     /// `--builtin`, of the components built into verl-core) and print a pass/fail table per

@@ -164,31 +164,48 @@ pub fn conflicts_json(registry: &Registry) -> Vec<ConflictJson> {
         .collect()
 }
 
-/// `  [key=value ...]` for a capabilities object, empty when there is nothing to say.
-fn capabilities_text(capabilities: &serde_json::Value) -> String {
-    let Some(map) = capabilities.as_object().filter(|m| !m.is_empty()) else {
-        return String::new();
-    };
-    let pairs: Vec<String> = map
-        .iter()
-        .filter(|(_, v)| v.as_array().is_none_or(|items| !items.is_empty()))
-        .map(|(k, v)| match v {
-            serde_json::Value::Array(items) => format!(
-                "{k}={}",
-                items
-                    .iter()
-                    .map(|i| i.as_str().map_or(i.to_string(), str::to_owned))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
-            serde_json::Value::String(text) => format!("{k}={text}"),
-            other => format!("{k}={other}"),
-        })
-        .collect();
-    format!("  [{}]", pairs.join(" "))
+/// A capabilities object as `key=value` pairs, nested records flattened to dotted keys (empty
+/// lists and records left out), for `--verbose`.
+fn capability_pairs(prefix: &str, value: &serde_json::Value, out: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                capability_pairs(&key, v, out);
+            }
+        }
+        serde_json::Value::Array(items) if items.is_empty() => {}
+        serde_json::Value::Array(items) => {
+            let items: Vec<String> = items
+                .iter()
+                .map(|i| i.as_str().map_or(i.to_string(), str::to_owned))
+                .collect();
+            out.push(format!("{prefix}={}", items.join(",")));
+        }
+        serde_json::Value::String(text) => out.push(format!("{prefix}={text}")),
+        serde_json::Value::Null => {}
+        other => out.push(format!("{prefix}={other}")),
+    }
 }
 
-pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> String {
+/// The first line of `text`, cut to `max` characters.
+fn one_line(text: &str, max: usize) -> String {
+    let line = text.lines().next().unwrap_or_default().trim();
+    if line.chars().count() <= max {
+        return line.to_owned();
+    }
+    let cut: String = line.chars().take(max.saturating_sub(1)).collect();
+    format!("{cut}…")
+}
+
+/// The plugins table: one line per plugin and one per component (kind, name, priority, status,
+/// description); `verbose` adds each component's config section and declared capabilities as
+/// `key=value` lines (the JSON view has them as records).
+pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson], verbose: bool) -> String {
     let mut out = String::new();
     let loaded = plugins.iter().filter(|p| p.status == "loaded").count();
     let _ = writeln!(
@@ -204,16 +221,26 @@ pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> Strin
                     let note = if c.status == "active" {
                         String::new()
                     } else {
-                        format!("  ({})", c.status)
+                        format!(" ({})", c.status)
                     };
                     let _ = writeln!(
                         out,
-                        "      {:<10} {:<14} priority {:>4}{note}{}",
+                        "      {:<10} {:<14} priority {:>4}{note}  {}",
                         c.kind,
                         c.name,
                         c.priority,
-                        capabilities_text(&c.capabilities)
+                        one_line(&c.description, 72)
                     );
+                    if verbose {
+                        if let Some(section) = &c.config_section {
+                            let _ = writeln!(out, "          config section: {section}");
+                        }
+                        let mut pairs = Vec::new();
+                        capability_pairs("", &c.capabilities, &mut pairs);
+                        for pair in pairs {
+                            let _ = writeln!(out, "          {pair}");
+                        }
+                    }
                 }
             }
             Some(error) => {
@@ -226,6 +253,12 @@ pub fn plugins_text(plugins: &[PluginJson], conflicts: &[ConflictJson]) -> Strin
     }
     for c in conflicts {
         let _ = writeln!(out, "  conflict: {}", c.error);
+    }
+    if !verbose && plugins.iter().any(|p| !p.components.is_empty()) {
+        let _ = writeln!(
+            out,
+            "  (--verbose: each component's capabilities; --json: everything as JSON)"
+        );
     }
     out
 }
@@ -277,4 +310,69 @@ pub fn platform_text(report: &PlatformReport) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn plugin(capabilities: serde_json::Value) -> PluginJson {
+        PluginJson {
+            name: "p".into(),
+            version: "1.0.0".into(),
+            path: "/x/libp.so".into(),
+            status: "loaded",
+            error: None,
+            description: "a plugin".into(),
+            components: vec![ComponentJson {
+                kind: "engine".into(),
+                name: "fsdp".into(),
+                priority: 100,
+                status: "active",
+                description: "verl's FSDP engine\nsecond line".into(),
+                capabilities,
+                config_section: Some("fsdp_config".into()),
+            }],
+        }
+    }
+
+    /// One readable line per component; no JSON in the text view, the capabilities only under
+    /// --verbose, nested records as dotted keys.
+    #[test]
+    fn the_text_view_has_one_line_per_component() {
+        let caps = json!({"roles": ["actor", "ref"], "max_world_size": 64,
+            "limits": {"tokens": 8, "sizes": []}, "devices": []});
+        let plugins = [plugin(caps)];
+        let short = plugins_text(&plugins, &[], false);
+        let line = short.lines().find(|l| l.contains("fsdp")).unwrap();
+        assert!(
+            line.contains("priority  100") && line.ends_with("verl's FSDP engine"),
+            "{short}"
+        );
+        assert!(!short.contains('{') && !short.contains("roles"), "{short}");
+        assert!(!short.contains("second line"), "{short}");
+        let long = plugins_text(&plugins, &[], true);
+        for wanted in [
+            "config section: fsdp_config",
+            "roles=actor,ref",
+            "max_world_size=64",
+            "limits.tokens=8",
+        ] {
+            assert!(long.contains(wanted), "`{wanted}` missing:\n{long}");
+        }
+        assert!(
+            !long.contains("devices=") && !long.contains("sizes"),
+            "{long}"
+        );
+        assert!(!long.contains('{'), "{long}");
+    }
+
+    #[test]
+    fn long_descriptions_are_cut() {
+        assert_eq!(one_line("abc", 3), "abc");
+        assert_eq!(one_line("abcd", 3), "ab…");
+        assert_eq!(one_line("", 3), "");
+    }
 }

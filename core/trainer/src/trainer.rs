@@ -2426,6 +2426,27 @@ fn clean_export_leftovers(run_dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
     Ok(removed)
 }
 
+/// The config's values, checked as a run checks them but before anything is made (the
+/// quickstart's data and warm-up, the run directory): the batch sizes, the fully-async schedule,
+/// the split over `world_size` data-parallel ranks, distillation and the algorithm's settings.
+/// `verl-core run` stops on them first, and `verl-core config check` reports them.
+pub fn check_values(config: &Config, world_size: u32) -> Result<(), TrainError> {
+    let mut config = config.clone();
+    if config.trainer.training_mode == TrainingMode::FullyAsync {
+        fully_async::prepare(&mut config)?;
+    }
+    check_batch_sizes(&config)?;
+    check_data_parallel(
+        &config,
+        Ranks {
+            rank: 0,
+            world_size,
+        },
+    )?;
+    distill::check(&config)?;
+    check_algorithm(&config, world_size)
+}
+
 /// verl's batch-size checks, before anything is loaded: sizes that would otherwise be replaced
 /// silently (a zero batch trained as one) or fail deep inside an engine.
 fn check_batch_sizes(config: &Config) -> Result<(), TrainError> {
@@ -2670,7 +2691,7 @@ impl Components {
     fn check(&self, config: &Config, run: &RunContext) -> Result<(), TrainError> {
         self.check_engines(config, run)?;
         self.check_rollout(config, run)?;
-        check_algorithm(config, run)
+        check_algorithm(config, run.world_size)
     }
 
     /// Each engine can hold its role on this run's ranks and device.
@@ -2777,15 +2798,15 @@ impl Components {
 }
 
 /// The training mode and the algorithm's settings go together, as verl asserts.
-fn check_algorithm(config: &Config, run: &RunContext) -> Result<(), TrainError> {
+fn check_algorithm(config: &Config, world_size: u32) -> Result<(), TrainError> {
     let settings = &config.actor_rollout_ref.rollout;
     let mode = config.trainer.training_mode;
     if mode != TrainingMode::Sync {
         // The next batch is generated on a thread of its own, by this process's rollout in
         // one request: the rank exchange, DAPO's extra rounds and ReMax's greedy rollouts
         // (which need the rollout during the update) are not done there.
-        let refused = if run.world_size > 1 {
-            Some(format!("{} ranks (one rank only)", run.world_size))
+        let refused = if world_size > 1 {
+            Some(format!("{world_size} ranks (one rank only)"))
         } else if config.algorithm.filter_groups.enable {
             Some("algorithm.filter_groups.enable=true".to_owned())
         } else if config.algorithm.adv_estimator.needs_greedy_baseline() {

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use crate::args::{ConfigCommand, PluginArgs, RunArgs};
 use crate::common::{load_config, load_registry, placement, print_json};
+use verl_trainer::trainer;
+
 use crate::config_audit;
 
 pub fn run(
@@ -46,21 +48,30 @@ fn check(
         Some(placement.run().world_size),
     );
     let findings = verl_config::audit(&config, &context);
+    // A value `run` would refuse (a batch size, a schedule, a split over the ranks).
+    let invalid = trainer::check_values(&config, placement.run().world_size)
+        .err()
+        .map(|e| e.to_string());
     let errors = findings
         .iter()
         .filter(|f| f.severity == verl_config::Severity::Error)
-        .count();
+        .count()
+        + usize::from(invalid.is_some());
     if json {
         print_json(&serde_json::json!({
             "findings": findings,
+            "invalid": invalid,
             "errors": errors,
-            "warnings": findings.len() - errors,
+            "warnings": findings.len() + usize::from(invalid.is_some()) - errors,
         }))?;
-    } else if findings.is_empty() {
+    } else if findings.is_empty() && invalid.is_none() {
         println!("every key set is acted on");
     } else {
         for finding in &findings {
             println!("{}: {finding}", finding.severity.as_str());
+        }
+        if let Some(message) = &invalid {
+            println!("error: {message}");
         }
     }
     Ok(if errors == 0 {

@@ -17,8 +17,12 @@ pub fn run(
     command: PluginsCommand,
 ) -> anyhow::Result<ExitCode> {
     match command {
-        PluginsCommand::List { json } => list(plugins, timeout, json),
-        PluginsCommand::Check { file, json } => check(plugins, &file, json),
+        PluginsCommand::List { json, verbose } => list(plugins, timeout, json, verbose),
+        PluginsCommand::Check {
+            file,
+            json,
+            verbose,
+        } => check(plugins, &file, json, verbose),
         PluginsCommand::Certify {
             file,
             builtin,
@@ -29,7 +33,12 @@ pub fn run(
     }
 }
 
-fn list(plugins: &PluginArgs, timeout: Duration, json: bool) -> anyhow::Result<ExitCode> {
+fn list(
+    plugins: &PluginArgs,
+    timeout: Duration,
+    json: bool,
+    verbose: bool,
+) -> anyhow::Result<ExitCode> {
     let registry = load_registry(plugins)?;
     let (platform, _) = detect_platform(&registry, &process_probe(), timeout);
     let plugins = report::plugins_json(&registry);
@@ -45,7 +54,7 @@ fn list(plugins: &PluginArgs, timeout: Duration, json: bool) -> anyhow::Result<E
     } else {
         print!(
             "{}\n{}\n{}",
-            report::plugins_text(&plugins, &conflicts),
+            report::plugins_text(&plugins, &conflicts, verbose),
             report::platform_text(&platform),
             report::engines_text(&engines)
         );
@@ -53,7 +62,12 @@ fn list(plugins: &PluginArgs, timeout: Duration, json: bool) -> anyhow::Result<E
     Ok(ExitCode::SUCCESS)
 }
 
-fn check(plugins: &PluginArgs, file: &std::path::Path, json: bool) -> anyhow::Result<ExitCode> {
+fn check(
+    plugins: &PluginArgs,
+    file: &std::path::Path,
+    json: bool,
+    verbose: bool,
+) -> anyhow::Result<ExitCode> {
     let allow_list = allow_list(plugins)?;
     let mut registry = Registry::with_builtins();
     let loaded = registry.load_file(file, allow_list.as_ref()).status.is_ok();
@@ -71,7 +85,7 @@ fn check(plugins: &PluginArgs, file: &std::path::Path, json: bool) -> anyhow::Re
             engines: Vec::new(),
         })?;
     } else {
-        print!("{}", report::plugins_text(&plugins, &conflicts));
+        print!("{}", report::plugins_text(&plugins, &conflicts, verbose));
     }
     Ok(if ok {
         ExitCode::SUCCESS

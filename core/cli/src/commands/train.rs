@@ -22,6 +22,7 @@ pub fn run(plugins: &PluginArgs, timeout: Duration, args: RunArgs) -> anyhow::Re
     let placement = training_placement(&config, &registry, timeout)?;
     check_training_ranks(&placement, &config)?;
     audit_training(&config, &registry, &placement)?;
+    trainer::check_values(&config, placement.run().world_size)?;
     quickstart::prepare(&config, &registry, &placement)?;
     trainer::install_interrupt_handler().context("installing the Ctrl-C handler")?;
     let summary = trainer::run(config, &registry, &placement)?;

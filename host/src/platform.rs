@@ -72,6 +72,11 @@ pub struct PlatformReport {
     #[serde(rename = "override", skip_serializing_if = "Option::is_none")]
     pub override_value: Option<String>,
     pub devices: Vec<DeviceReport>,
+    /// Device families whose detection did not finish in time: their threads may still run
+    /// plugin code (and read the environment), so the process environment must not change
+    /// while they live.
+    #[serde(skip)]
+    pub unfinished: Vec<String>,
 }
 
 impl PlatformReport {
@@ -100,6 +105,7 @@ pub fn detect_platform(
 ) -> (PlatformReport, Result<String, PlatformError>) {
     let devices = registry.devices();
     let (tx, rx) = mpsc::channel::<(usize, Probed)>();
+    let mut threads = Vec::new();
     for (index, (_, resolved)) in devices.iter().enumerate() {
         if let Ok(component) = resolved {
             let name = component.name.clone();
@@ -108,8 +114,9 @@ pub fn detect_platform(
             let spawned = std::thread::Builder::new()
                 .name(format!("detect-{name}"))
                 .spawn(move || drop(tx.send((index, probe_one(&component, &probe)))));
-            if let Err(e) = spawned {
-                tracing::warn!("cannot start detection of {name}: {e}");
+            match spawned {
+                Ok(handle) => threads.push((index, handle)),
+                Err(e) => tracing::warn!("cannot start detection of {name}: {e}"),
             }
         }
     }
@@ -120,6 +127,16 @@ pub fn detect_platform(
         rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
     {
         results[index] = Some(probed);
+    }
+    // A detection that reported is done but for its thread's exit: joined, so that only the
+    // unfinished ones outlive this call.
+    let mut unfinished = Vec::new();
+    for (index, handle) in threads {
+        if results[index].is_some() {
+            let _ = handle.join();
+        } else {
+            unfinished.push(devices[index].0.clone());
+        }
     }
 
     let reports: Vec<DeviceReport> = devices
@@ -159,6 +176,7 @@ pub fn detect_platform(
         error: selection.as_ref().err().map(ToString::to_string),
         override_value,
         devices: reports,
+        unfinished,
     };
     (report, selection)
 }

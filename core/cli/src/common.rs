@@ -6,8 +6,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use verl_config::{Config, ConfigSource, FileFormat, PluginSections, SectionKind};
 use verl_plugin_api::ComponentKind;
-use verl_plugin_host::{PluginSearch, Registry, detect_platform, process_probe};
-use verl_trainer::placement::{self, Placement};
+use verl_plugin_host::{
+    DeviceReport, PlatformReport, PluginSearch, Registry, detect_platform, process_probe,
+};
+use verl_trainer::placement::{self, EnvUpdates, Placement};
 
 use crate::args::{PluginArgs, RunArgs};
 use crate::{config_audit, quickstart};
@@ -110,7 +112,7 @@ pub fn training_placement(
         device.name,
         device.reason
     );
-    placement::apply_env_updates(device);
+    apply_env_updates(&report, device)?;
     Ok(Placement::on_platform(device, config.trainer.seed)?)
 }
 
@@ -127,7 +129,7 @@ pub fn placement(registry: &Registry, timeout: Duration, seed: u64) -> anyhow::R
     let device = report
         .selected_device()
         .expect("a selected platform has a report");
-    placement::apply_env_updates(device);
+    apply_env_updates(&report, device)?;
     Ok(Placement::on_platform(device, seed)?)
 }
 
@@ -146,4 +148,44 @@ pub fn audit_training(
 pub fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
+}
+
+/// Applies the selected platform's environment updates before any component exists: set here,
+/// or, while a detection that did not finish may still read the environment, by restarting this
+/// process with them (exec keeps its pid, arguments and open files; only returns on failure).
+fn apply_env_updates(report: &PlatformReport, device: &DeviceReport) -> anyhow::Result<()> {
+    match placement::env_updates(report, device, |key| std::env::var(key).ok()) {
+        EnvUpdates::Unchanged => Ok(()),
+        EnvUpdates::Set(updates) => {
+            for (key, value) in updates {
+                tracing::info!("platform `{}` sets {key}={value}", device.name);
+                // SAFETY: no other thread of this process runs yet: every detection that
+                // reported was joined, none is left (`EnvUpdates::Set`), and no component exists.
+                unsafe { std::env::set_var(key, value) };
+            }
+            Ok(())
+        }
+        EnvUpdates::Restart(updates) => {
+            use std::os::unix::process::CommandExt as _;
+            tracing::info!(
+                "platform `{}` sets {}; restarting with them, since the detection of {} did not finish",
+                device.name,
+                updates
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                report.unfinished.join(", ")
+            );
+            let exe = std::env::current_exe().context("locating the verl-core binary")?;
+            let error = std::process::Command::new(exe)
+                .args(std::env::args_os().skip(1))
+                .envs(updates)
+                .exec();
+            Err(anyhow::Error::new(error).context(format!(
+                "restarting with platform `{}`'s environment",
+                device.name
+            )))
+        }
+    }
 }

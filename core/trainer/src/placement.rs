@@ -7,7 +7,7 @@
 //! of them agree on it.
 
 use verl_plugin_api::RunContext;
-use verl_plugin_host::DeviceReport;
+use verl_plugin_host::{DeviceReport, PlatformReport};
 
 /// torchrun's default rendezvous port, used for Slurm steps that set no `MASTER_PORT`.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -336,14 +336,38 @@ impl Placement {
     }
 }
 
-/// Sets the variables the selected platform asks for (e.g. `CUDA_VISIBLE_DEVICES` translated from
-/// `HIP_VISIBLE_DEVICES`) before any component initialises, so the libraries they load see them.
-pub fn apply_env_updates(device: &DeviceReport) {
-    for (key, value) in &device.env_updates {
-        tracing::info!("platform `{}` sets {key}={value}", device.name);
-        // SAFETY: called on the main thread before any component (and its threads) exists;
-        // detection threads read the probe's snapshot of the environment, never the process's.
-        unsafe { std::env::set_var(key, value) };
+/// How the variables the selected platform asks for (e.g. `CUDA_VISIBLE_DEVICES` translated from
+/// `HIP_VISIBLE_DEVICES`) reach the process before any component initialises, so that the
+/// libraries they load see them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvUpdates {
+    /// Every variable already has its value.
+    Unchanged,
+    /// Set them here: no detection thread is left that could read the environment meanwhile.
+    Set(Vec<(String, String)>),
+    /// A detection that did not finish still runs plugin code, which may read the environment
+    /// while it changes (undefined behaviour with glibc): the process restarts (exec) with them.
+    Restart(Vec<(String, String)>),
+}
+
+/// What applying `device`'s environment updates takes; `current` reads a variable's value.
+pub fn env_updates(
+    report: &PlatformReport,
+    device: &DeviceReport,
+    current: impl Fn(&str) -> Option<String>,
+) -> EnvUpdates {
+    let changed: Vec<(String, String)> = device
+        .env_updates
+        .iter()
+        .filter(|(key, value)| current(key).as_deref() != Some(value.as_str()))
+        .map(|(key, value)| (key.clone(), value.clone()))
+        .collect();
+    if changed.is_empty() {
+        EnvUpdates::Unchanged
+    } else if report.unfinished.is_empty() {
+        EnvUpdates::Set(changed)
+    } else {
+        EnvUpdates::Restart(changed)
     }
 }
 
@@ -368,6 +392,40 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| map.get(k).cloned()
+    }
+
+    /// Variables already at their value are left alone; the others are set here unless a
+    /// detection still runs, and then the process restarts with them.
+    #[test]
+    fn env_updates_wait_for_no_running_detection() {
+        let mut rocm = device("cuda");
+        rocm.env_updates = vec![
+            ("CUDA_VISIBLE_DEVICES".into(), "0,1".into()),
+            ("HIP_VISIBLE_DEVICES".into(), "0,1".into()),
+        ];
+        let mut report = PlatformReport {
+            selected: Some("cuda".into()),
+            error: None,
+            override_value: None,
+            devices: vec![rocm.clone()],
+            unfinished: Vec::new(),
+        };
+        let current = env(&[("HIP_VISIBLE_DEVICES", "0,1")]);
+        let wanted = vec![("CUDA_VISIBLE_DEVICES".to_owned(), "0,1".to_owned())];
+        assert_eq!(
+            env_updates(&report, &rocm, &current),
+            EnvUpdates::Set(wanted.clone())
+        );
+        report.unfinished = vec!["ascend".into()];
+        assert_eq!(
+            env_updates(&report, &rocm, &current),
+            EnvUpdates::Restart(wanted)
+        );
+        let done = env(&[
+            ("HIP_VISIBLE_DEVICES", "0,1"),
+            ("CUDA_VISIBLE_DEVICES", "0,1"),
+        ]);
+        assert_eq!(env_updates(&report, &rocm, done), EnvUpdates::Unchanged);
     }
 
     #[test]

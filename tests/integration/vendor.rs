@@ -9,13 +9,12 @@ use crate::helpers::*;
 fn vendor_plugin_built_separately_loads_into_the_release_binary() {
     let manifest = workspace_root().join("examples/vendor-plugin/Cargo.toml");
     let target = target_dir().join("vendor-plugin");
-    let status =
-        std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-            .args(["build", "--release", "--quiet", "--manifest-path"])
-            .arg(&manifest)
-            .env("CARGO_TARGET_DIR", &target)
-            .status()
-            .unwrap();
+    let status = cargo()
+        .args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .unwrap();
     assert!(status.success(), "building the vendor example");
     let lib = target.join("release").join(dylib_name("verl_plugin_xpu"));
     let dir = plugin_dir(&[("libverl_plugin_xpu.so", &lib)]);

@@ -8,7 +8,9 @@ For every relative link (inline `[text](target)`, images, and reference definiti
     with the ids mdBook and GitHub give headings: lowercase, punctuation dropped except `-` and
     `_`, each whitespace character a `-`, repeated ids suffixed `-1`, `-2`, ...
 And for the book: every chapter in docs/src is listed in SUMMARY.md, and every SUMMARY entry
-exists.
+exists. A repository path cited in a code span (`core/algo/src/kl.rs`, `plugins/vllm/`: a span
+starting with one of the repository's top-level directories) must exist too, so that moved files
+leave no stale citation behind.
 
 Prints `file:line: link -> reason` for each problem and exits 1; exits 0 when all is well.
 Standard library only.  Usage: python3 scripts/check-docs-links.py [REPO_ROOT]
@@ -178,6 +180,34 @@ def check_summary(src):
     return problems
 
 
+def cited_paths(path, root):
+    """The repository paths cited in `path`'s code spans (outside fenced blocks), as (line, path)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    fence = None
+    for i, line in enumerate(lines):
+        m = FENCE.match(line)
+        if fence:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
+                fence = None
+            lines[i] = ""
+        elif m:
+            fence = m.group(1)
+            lines[i] = ""
+    text = "\n".join(lines)
+    tops = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    tops -= {"target"}
+    found = []
+    for m in CODE_SPAN.finditer(text):
+        span = m.group(2).strip()
+        if re.search(r"[\s*<>{}$|]", span) or "/" not in span:
+            continue
+        span = re.sub(r":\d+(-\d+)?$", "", span)  # file:line
+        if span.split("/", 1)[0] in tops:
+            found.append((text.count("\n", 0, m.start()) + 1, span))
+    return found
+
+
 def main():
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent)
     src = root / "docs" / "src"
@@ -191,11 +221,14 @@ def main():
             reason = check_link(path, target)
             if reason:
                 problems.append((path, line, target, reason))
+        for line, cited in cited_paths(path, root):
+            if not (root / cited).exists():
+                problems.append((path, line, cited, "cites a repository path that does not exist"))
     problems += check_summary(src)
     for path, line, target, reason in problems:
         print(f"{shown(path)}:{line}: {target} -> {reason}")
     if problems:
-        print(f"check-docs-links: {len(problems)} broken link(s)", file=sys.stderr)
+        print(f"check-docs-links: {len(problems)} problem(s)", file=sys.stderr)
         return 1
     count = sum(len(links(p)) for p in files if p.exists())
     print(f"check-docs-links: {count} links in {len(files)} files, all resolve", file=sys.stderr)

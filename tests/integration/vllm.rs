@@ -220,7 +220,8 @@ pub(crate) fn assert_same(vllm: &Value, native: &Value, what: &str) {
     }
 }
 
-/// The conformance suite, on a server the plugin starts (its weight updates reload in place).
+/// The conformance suite on its default fixture, on a server the plugin starts (its weight
+/// updates reload in place).
 #[test]
 fn the_rollout_certifies_against_a_real_server() {
     let _alone = alone();
@@ -234,18 +235,16 @@ fn the_rollout_certifies_against_a_real_server() {
             .join("libverl_plugin_vllm.so")
             .display()
             .to_string();
-        let fixture = fixture().display().to_string();
         let (home, tmp) = (home(), tempfile::tempdir().unwrap());
         let tmpdir = tmp.path().display().to_string();
         let begin = Instant::now();
+        // No --fixture: the rollout suite's default is this plugin's fixture (head size 32).
         let out = verl_core(
             &[
                 "plugins",
                 "certify",
                 &lib,
                 "--json",
-                "--fixture",
-                &fixture,
                 "--check-timeout-s",
                 "600",
             ],

@@ -95,18 +95,6 @@ impl Registry {
     }
 }
 
-/// The hint of a [`LookupError::NoEngineForDevice`] error: what would serve the strategy there.
-pub(crate) fn missing_engine_hint(strategy: &str, device_type: &str) -> String {
-    let verl = if (strategy, device_type) == ("megatron", "npu") {
-        " (verl runs MindSpeed there: an engine named `mindspeed` that serves `megatron` on `npu`)"
-    } else {
-        ""
-    };
-    format!(
-        "load a plugin whose engine declares strategies [{strategy}] and devices [{device_type}]{verl}, or select another platform (VERL_PLATFORM, trainer.device)"
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use verl_plugin_api::{ComponentInit, Engine, EngineCapabilities, PluginBuilder, PluginError};

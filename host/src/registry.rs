@@ -127,7 +127,7 @@ pub enum LookupError {
     },
     #[error("{}", .0.message())]
     Conflict(Conflict),
-    #[error("strategy `{strategy}` has no engine for `{device_type}` devices: engine `{strategy}` runs on [{}]; {}", devices.join(", "), crate::engines::missing_engine_hint(strategy, device_type))]
+    #[error("strategy `{strategy}` has no engine for `{device_type}` devices: engine `{strategy}` runs on [{}]; {}", devices.join(", "), missing_engine_hint(strategy, device_type))]
     NoEngineForDevice {
         strategy: String,
         device_type: String,
@@ -161,6 +161,18 @@ fn refused_note(refused: &[LoadError]) -> String {
         };
         format!("{note}{lead}\n  {error}")
     })
+}
+
+/// The hint of a [`LookupError::NoEngineForDevice`] error: what would serve the strategy there.
+fn missing_engine_hint(strategy: &str, device_type: &str) -> String {
+    let verl = if (strategy, device_type) == ("megatron", "npu") {
+        " (verl runs MindSpeed there: an engine named `mindspeed` that serves `megatron` on `npu`)"
+    } else {
+        ""
+    };
+    format!(
+        "load a plugin whose engine declares strategies [{strategy}] and devices [{device_type}]{verl}, or select another platform (VERL_PLATFORM, trainer.device)"
+    )
 }
 
 #[derive(Default)]

@@ -12,10 +12,11 @@ fn fixture_arg() -> String {
         .into_owned()
 }
 
-/// Runs `plugins certify --json` on `args`; returns the exit status and the report.
+/// Runs `plugins certify --json` on `args` with the default fixtures (the checkout's, found from
+/// the test's directory: tiny-llama for engines, the head-size-32 Qwen2 every bundled rollout
+/// serves for rollouts); returns the exit status and the report.
 fn certify(args: &[&str], env: &[(&str, &str)]) -> (bool, Value) {
-    let fixture = fixture_arg();
-    let mut all = vec!["plugins", "certify", "--json", "--fixture", &fixture];
+    let mut all = vec!["plugins", "certify", "--json"];
     all.extend_from_slice(args);
     let out = verl_core(&all, env);
     let report = stdout_json(&out);
@@ -79,7 +80,7 @@ fn device_plugins_certify() {
 }
 
 #[test]
-fn engine_and_rollout_plugins_certify_against_the_fixture() {
+fn engine_and_rollout_plugins_certify_against_the_default_fixtures() {
     let fsdp = assert_certifies("verl_plugin_fsdp", &[], &[]);
     assert_eq!(fsdp.len(), 6, "{fsdp:#?}");
     // Plugin API 2.1: the trainer's object exchange between ranks.

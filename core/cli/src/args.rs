@@ -278,8 +278,9 @@ pub enum PluginsCommand {
         #[arg(long)]
         builtin: bool,
         /// Model fixture for the engine and rollout suites (a Hugging Face directory with
-        /// transformers' expected.json); default: plugins/torch-runtime/fixtures/tiny-llama of a verl-core
-        /// checkout above the current directory or the binary.
+        /// transformers' expected.json); default: plugins/torch-runtime/fixtures/tiny-llama
+        /// (engines) and plugins/vllm/fixtures/tiny-qwen2-hd32 (rollouts) of a verl-core checkout
+        /// above the current directory or the binary.
         #[arg(long, value_name = "DIR")]
         fixture: Option<PathBuf>,
         /// Limit of one check, in seconds.
@@ -308,6 +309,7 @@ pub enum BenchCommand {
         engine: String,
         #[arg(long, default_value = "native")]
         rollout: String,
+        /// Width of the random model: a multiple of 32 (head size 64, else 32).
         #[arg(long, default_value_t = 512)]
         hidden_size: usize,
         #[arg(long, default_value_t = 8)]

@@ -7,10 +7,12 @@
 //!   spawn with `python`/`command`, `extra_args`, `env`, `port`, timeouts, requests in flight).
 //! - [`ServerProcess`]: a server this plugin started, in its own process group with a
 //!   parent-death signal, its output in a log file; stopped (the whole group) on drop; its death
-//!   is noticed before and during every request, and reported with the log's last lines.
+//!   is noticed before and during every request, and reported with the log's last lines and the
+//!   line of it that looks like the error ([`ServerProcess::error_line`]).
 //! - [`Pool`]: the replicas, waited for (`/health`, with a progress line), the least busy one
 //!   picked per request, a bound on requests in flight, retries with exponential backoff on
-//!   connection failures and 503, the server's own message carried into an HTTP error.
+//!   connection failures and 503, the server's own message carried into an HTTP error (with a
+//!   started server's error line on a 5xx).
 //! - [`Pool::generate`] with a backend's [`Protocol`]: one request per prompt, all concurrent,
 //!   every answer checked and put in its prompt's slot (no prompt lost or duplicated); a started
 //!   server that dies is started again (`max_restarts`), given the rollout's weights back by the
@@ -22,6 +24,7 @@
 mod collective;
 mod error;
 mod generate;
+mod log;
 #[cfg(any(test, feature = "mock"))]
 pub mod mock;
 mod pool;
@@ -35,10 +38,11 @@ pub use collective::{
     Collective, CollectiveGroup, CollectiveSettings, GroupPlan, NoCollective, TensorList,
     WeightSender, WeightSync, lost_server,
 };
-pub use error::HttpError;
+pub use error::{HttpError, LogExcerpt, ServerLog};
 pub use generate::{Protocol, Sample, prompt_seed};
+pub use log::{LOG_TAIL_LINES, log_tail};
 pub use pool::{Method, Pool, Restore, Server};
-pub use process::{LOG_TAIL_LINES, Launch, ServerProcess, free_port, log_tail};
+pub use process::{Launch, ServerProcess, free_port};
 pub use settings::ServerSettings;
 pub use support::{check_weights_dir, excerpt, is_weights_file, link_weights, server_section};
 

@@ -13,8 +13,10 @@ use tokio::sync::Semaphore;
 
 use verl_plugin_api::{ErrorKind, PluginError};
 
+use crate::error::logged;
 use crate::process::{Launch, ServerProcess};
-use crate::{HttpError, ServerSettings, link_weights};
+use crate::support::cut;
+use crate::{HttpError, ServerLog, ServerSettings, link_weights};
 
 /// One server: its base URL and, when this plugin started it, its process and how it was
 /// started (to start it again when it dies).
@@ -45,6 +47,17 @@ impl Server {
             restarts: 0,
             inflight: AtomicUsize::new(0),
         }
+    }
+
+    /// Where the cause of a failure on its side is to be read.
+    fn log(&self) -> ServerLog {
+        self.process
+            .as_ref()
+            .map_or(ServerLog::Attached, |p| ServerLog::Started {
+                server: p.name().to_owned(),
+                log: p.log().to_path_buf(),
+                error_line: p.error_line(),
+            })
     }
 
     /// What messages call it: its process, else its URL.
@@ -240,8 +253,7 @@ impl Pool {
                         server: name,
                         url,
                         waited: timeout,
-                        log: p.log().to_path_buf(),
-                        tail: p.log_tail(),
+                        log: Box::new(p.log_excerpt()),
                     },
                     None => HttpError::Unreachable {
                         url,
@@ -360,10 +372,11 @@ impl Pool {
         let mut again = launch.clone();
         again.log = restart_log(&launch.log, k);
         eprintln!(
-            "warning: {} exited ({}) {when}; its log: {}. Starting it again (restart {k} of \
+            "warning: {} exited ({}) {when}{}; its log: {}. Starting it again (restart {k} of \
              max_restarts {}), log: {}",
             process.name(),
             process.exit_status().unwrap_or_default(),
+            logged(process.error_line().as_deref()),
             process.log().display(),
             self.max_restarts,
             again.log.display()
@@ -458,6 +471,7 @@ impl Pool {
                             url,
                             status: status.as_u16(),
                             message: error_message(&text),
+                            server_log: status.is_server_error().then(|| Box::new(server.log())),
                         });
                     }
                     return Ok(parse_body(text));
@@ -577,10 +591,7 @@ pub(crate) fn error_message(text: &str) -> String {
     if message.is_empty() {
         return "(no message)".to_owned();
     }
-    match message.char_indices().nth(MAX_MESSAGE) {
-        Some((cut, _)) => format!("{}…", &message[..cut]),
-        None => message.to_owned(),
-    }
+    cut(message, MAX_MESSAGE)
 }
 
 #[cfg(test)]

@@ -3,14 +3,14 @@
 //! does not outlive the trainer when the trainer is killed without running destructors.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::HttpError;
+use crate::log::{LOG_TAIL_LINES, log_error_line, log_tail};
+use crate::{HttpError, LogExcerpt};
 
 /// How to start a server.
 #[derive(Debug, Clone)]
@@ -27,8 +27,6 @@ pub struct Launch {
 
 /// How long a server gets to stop after SIGTERM before its process group is killed.
 const STOP_GRACE: Duration = Duration::from_secs(10);
-/// Lines of the log quoted in errors.
-pub const LOG_TAIL_LINES: usize = 25;
 
 #[derive(Debug)]
 pub struct ServerProcess {
@@ -121,14 +119,30 @@ impl ServerProcess {
             server: self.name.clone(),
             status,
             when,
-            log: self.log.clone(),
-            tail: self.log_tail(),
+            log: Box::new(self.log_excerpt()),
         })
+    }
+
+    /// What the server's log shows now: its path, last lines and error line.
+    pub fn log_excerpt(&self) -> LogExcerpt {
+        LogExcerpt {
+            path: self.log.clone(),
+            tail: self.log_tail(),
+            error_line: self.error_line(),
+        }
     }
 
     /// The last lines of the server's log.
     pub fn log_tail(&self) -> String {
         log_tail(&self.log, LOG_TAIL_LINES)
+    }
+
+    /// The line of the server's log that looks like the error, cut at 300 characters: the first
+    /// Python exception line (`RuntimeError: …`) of the log's end, with its logger's prefix
+    /// removed, else its first line saying `Error`, `error:`, `Exception` or `Unsupported`; lines
+    /// logged at DEBUG, INFO or WARNING are left out. `None` when no line looks like one.
+    pub fn error_line(&self) -> Option<String> {
+        log_error_line(&self.log)
     }
 
     /// SIGTERM to the process group, SIGKILL to what is left after a grace period; waits for the
@@ -164,33 +178,6 @@ pub(crate) fn is_zombie(pid: u32) -> bool {
             .next()
             .is_some_and(|s| s.trim_start().starts_with('Z'))
     })
-}
-
-/// The last `lines` lines of `path` (at most its last 64 KiB), or why it cannot be read.
-pub fn log_tail(path: &Path, lines: usize) -> String {
-    let read = || -> std::io::Result<String> {
-        let mut file = File::open(path)?;
-        let len = file.metadata()?.len();
-        file.seek(SeekFrom::Start(len.saturating_sub(64 * 1024)))?;
-        let mut bytes = Vec::new();
-        file.read_to_end(&mut bytes)?;
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
-    };
-    match read() {
-        Ok(text) => {
-            let all: Vec<&str> = text.lines().collect();
-            let tail = &all[all.len().saturating_sub(lines)..];
-            if tail.is_empty() {
-                "  (empty)".to_owned()
-            } else {
-                tail.iter()
-                    .map(|l| format!("  | {l}"))
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            }
-        }
-        Err(e) => format!("  (unreadable: {e})"),
-    }
 }
 
 /// A TCP port on `host` that nothing listens on now (the OS's choice).
@@ -275,16 +262,5 @@ mod tests {
             err.contains("no-such-python") && err.contains("test server"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn log_tail_keeps_the_last_lines() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("log");
-        let text: String = (0..100).map(|i| format!("line {i}\n")).collect();
-        std::fs::write(&path, text).unwrap();
-        let tail = log_tail(&path, 3);
-        assert_eq!(tail, "  | line 97\n  | line 98\n  | line 99");
-        assert!(log_tail(&dir.path().join("none"), 3).contains("unreadable"));
     }
 }

@@ -45,10 +45,14 @@ pub fn server_section<T: DeserializeOwned + Serialize>(
 
 /// An answer as quoted in an error: at most 300 characters of its JSON.
 pub fn excerpt(v: &Value) -> String {
-    let text = v.to_string();
-    match text.char_indices().nth(300) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text,
+    cut(&v.to_string(), 300)
+}
+
+/// `text`, or its first `max` characters and an ellipsis.
+pub(crate) fn cut(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
     }
 }
 

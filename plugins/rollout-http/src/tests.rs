@@ -227,9 +227,8 @@ fn a_client_error_carries_the_servers_message_and_is_not_retried() {
         .unwrap_err();
     let text = err.to_string();
     assert!(
-        text.contains("HTTP 400")
-            && text.contains("max_tokens=1000 cannot be greater than max_model_len=256"),
-        "{text}"
+        text.ends_with("HTTP 400: max_tokens=1000 cannot be greater than max_model_len=256"),
+        "the client's error, nothing about the server's log: {text}"
     );
     assert_eq!(mock.requests_to("/gen").len(), 1);
 }
@@ -300,35 +299,52 @@ fn sh(dir: &std::path::Path, script: &str) -> Launch {
     }
 }
 
+/// A shell command printing `name` of `src/testdata` (a real server's log, or one in its format).
+fn replay(name: &str) -> String {
+    format!("cat '{}/src/testdata/{name}'", env!("CARGO_MANIFEST_DIR"))
+}
+
 #[test]
-fn a_started_server_that_exits_while_starting_reports_its_log() {
+fn a_started_server_that_exits_while_starting_reports_its_error_line_and_log() {
     let dir = tempfile::tempdir().unwrap();
-    let err = Pool::spawn(
-        "test",
-        &settings(&[]),
-        &sh(
-            dir.path(),
-            "echo 'RuntimeError: Unsupported CPU attention'; exit 1",
+    for (log, error_line) in [
+        (
+            "vllm-startup-max-model-len.log",
+            ": pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig \
+             Value error, User-specified max_model_len (512) is greater than the derived",
         ),
-        "http://127.0.0.1:9",
-    )
-    .unwrap_err();
-    let text = err.to_string();
-    assert!(
-        matches!(
-            err,
-            HttpError::Died {
-                when: "while starting",
-                ..
-            }
+        (
+            "sglang-startup-unsupported.log",
+            ": ValueError: Unsupported architectures: ['TinyNetForCausalLM']. Supported: \
+             LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; its log",
         ),
-        "{text}"
-    );
-    assert!(
-        text.contains("exit status: 1")
-            && text.contains("| RuntimeError: Unsupported CPU attention"),
-        "{text}"
-    );
+    ] {
+        let err = Pool::spawn(
+            "test",
+            &settings(&[]),
+            &sh(dir.path(), &format!("{}; exit 1", replay(log))),
+            "http://127.0.0.1:9",
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                HttpError::Died {
+                    when: "while starting",
+                    ..
+                }
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "exited (exit status: 1) while starting{error_line}"
+            )),
+            "{text}"
+        );
+        assert!(text.contains("| ") && text.contains("server.log"), "{text}");
+    }
 }
 
 #[test]
@@ -345,6 +361,74 @@ fn a_started_server_that_never_gets_ready_times_out() {
     let text = err.to_string();
     assert!(matches!(err, HttpError::StartTimeout { .. }), "{text}");
     assert!(text.contains("| loading") && text.contains(&url), "{text}");
+    assert!(text.contains("/health); its log"), "no error line: {text}");
+
+    // SGLang's scheduler died, its launcher still up: the scheduler's error is the cause.
+    let script = format!("{}; sleep 100", replay("sglang-scheduler-oom.log"));
+    let err = Pool::spawn("test", &s, &sh(dir.path(), &script), &url).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "/health): torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB."
+        ),
+        "{text}"
+    );
+}
+
+/// vLLM's answer to every request once its engine has died.
+fn engine_dead() -> Reply {
+    Reply::Json(
+        500,
+        json!({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+            "type": "InternalServerError", "param": null, "code": 500}}),
+    )
+}
+
+#[test]
+fn a_started_servers_5xx_carries_the_line_of_its_log_that_looks_like_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    // The mock answers for the server's HTTP side; the process prints a real vLLM log of an
+    // engine killed by its first request.
+    let mock = MockServer::start(|r| health_or(r, |_| engine_dead()));
+    let script = format!("{}; exec sleep 100", replay("vllm-cpu-head-dim-16.log"));
+    let mut pool =
+        Pool::spawn("test", &settings(&[]), &sh(dir.path(), &script), mock.url()).unwrap();
+    let log = dir.path().join("server.log");
+    await_log(&log, "Finished server process");
+    let err = pool
+        .generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
+        .unwrap_err();
+    let text = err.to_string();
+    let pid = pool.servers()[0].process().unwrap().pid();
+    assert_eq!(
+        text,
+        format!(
+            "{}/gen: HTTP 500: EngineCore encountered an issue. See stack trace (above) for the \
+             root cause.; test server (pid {pid}) logged: RuntimeError: Unsupported CPU attention \
+             configuration: head_dim=16 isa=2 kv_cache_idx=0 (log: {})",
+            mock.url(),
+            log.display()
+        )
+    );
+    assert_eq!(mock.requests_to("/gen").len(), 1, "a 500 is not retried");
+}
+
+#[test]
+fn an_attached_servers_5xx_points_at_its_own_log() {
+    let mock = MockServer::start(|r| health_or(r, |_| engine_dead()));
+    let mut pool = Pool::attach("test", &settings(&[&mock])).unwrap();
+    let err = pool
+        .generate(&Echo, &request(vec![vec![1]], 1), None, &no_restore)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.ends_with(
+            "HTTP 500: EngineCore encountered an issue. See stack trace (above) for the root \
+             cause.; the cause is in the server's own log (it was attached to, not started by the \
+             plugin)"
+        ),
+        "{err}"
+    );
 }
 
 /// Waits until `log` holds `text` (the shell may not have run yet on a loaded machine).

@@ -983,21 +983,17 @@ fn weight_versions(pool: &Pool) -> Result<Vec<String>, HttpError> {
 }
 
 /// A 404 from a dev-mode endpoint means the server was started without it.
-fn dev_mode_hint(e: HttpError) -> HttpError {
-    match e {
-        HttpError::Status {
-            url,
-            status: 404,
-            message,
-        } => HttpError::Status {
-            url,
-            status: 404,
-            message: format!(
-                "{message} (the weight endpoints need a server started with VLLM_SERVER_DEV_MODE=1)"
-            ),
-        },
-        other => other,
+fn dev_mode_hint(mut e: HttpError) -> HttpError {
+    if let HttpError::Status {
+        status: 404,
+        message,
+        ..
+    } = &mut e
+    {
+        message
+            .push_str(" (the weight endpoints need a server started with VLLM_SERVER_DEV_MODE=1)");
     }
+    e
 }
 
 /// The first model an attached server lists; all replicas must serve it.

@@ -89,7 +89,12 @@ fn rstr(p: &Path) -> &str {
 
 pub fn run(suite: &mut Suite) {
     let caps: EngineCapabilities = suite.component.capabilities();
-    let Some((fixture, expected)) = fixture::load(suite, CHECKS) else {
+    let Some((fixture, expected)) = fixture::load(
+        suite,
+        suite.options.fixture.clone(),
+        fixture::ENGINE_FIXTURE[0],
+        CHECKS,
+    ) else {
         return;
     };
     if !caps.supports_role("actor") {

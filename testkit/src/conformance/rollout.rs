@@ -64,7 +64,12 @@ fn ids(out: &GenerateOutput) -> Vec<Vec<u32>> {
 
 pub fn run(suite: &mut Suite) {
     let caps: RolloutCapabilities = suite.component.capabilities();
-    let Some((fixture, expected)) = fixture::load(suite, CHECKS) else {
+    let Some((fixture, expected)) = fixture::load(
+        suite,
+        suite.options.rollout_fixture.clone(),
+        fixture::ROLLOUT_FIXTURE[0],
+        CHECKS,
+    ) else {
         return;
     };
     let mut config = json!({"name": suite.component.name, "model": {"path": fixture}});

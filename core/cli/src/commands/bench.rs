@@ -29,14 +29,22 @@ pub fn run(
             layers,
             runs,
         } => {
+            // Head size 64, else 32: the sizes every bundled rollout serves (vLLM's CPU
+            // attention refuses 16).
+            anyhow::ensure!(
+                hidden_size >= 32 && hidden_size % 32 == 0,
+                "--hidden-size {hidden_size}: give a multiple of 32 (head size 32 or 64, which \
+                 vLLM's CPU attention takes)"
+            );
+            let heads = hidden_size / if hidden_size % 64 == 0 { 64 } else { 32 };
             let registry = load_registry(plugins)?;
             let placement = placement(&registry, timeout, 0)?;
             let tiny = TinyModel {
                 hidden_size,
                 intermediate_size: hidden_size * 4,
                 num_hidden_layers: layers,
-                num_attention_heads: (hidden_size / 64).max(1),
-                num_key_value_heads: (hidden_size / 64).max(1),
+                num_attention_heads: heads,
+                num_key_value_heads: heads,
                 ..TinyModel::default()
             };
             let bench = bench::ComponentBench {

@@ -109,7 +109,7 @@ fn certify(
             "--fixture {}: no expected.json there",
             dir.display()
         );
-        options.fixture = Some(dir);
+        options = options.fixture(Some(dir));
     }
     options.check_timeout = Duration::from_secs(check_timeout_s);
     let report = match (file, builtin) {

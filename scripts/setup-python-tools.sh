@@ -2,16 +2,16 @@
 # Create (idempotently) the Python venv holding the real tracking tools the tracker plugin's tests
 # run against: mlflow (server), tensorboard (EventAccumulator), trackio (server) and wandb (offline
 # run reader). Prints the venv's python on stdout (last line); the tests read it from
-# VERL_TOOLS_PYTHON, defaulting to <repo>/.venv-tools/bin/python.
+# VERL_TOOLS_PYTHON, defaulting to ~/.cache/verl-core/tools-venv/bin/python.
 #
-#   VERL_TOOLS_VENV   destination (default: <repo>/.venv-tools)
+#   VERL_TOOLS_VENV   destination (default: ~/.cache/verl-core/tools-venv, outside the checkout so that a
+#                     fresh clone (CI) reuses it)
 #   PYTHON            interpreter that creates the venv (default: python3, needs >= 3.10)
 #
 # About 1.1 GB and ~100 s on a fresh machine (measured; only PyPI is needed); instant when up to date.
 set -euo pipefail
 
-repo=$(cd "$(dirname "$0")/.." && pwd)
-venv=${VERL_TOOLS_VENV:-$repo/.venv-tools}
+venv=${VERL_TOOLS_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/verl-core/tools-venv}
 # Versions the plugin's formats and endpoints were verified against (../shared/DESIGN.md §6).
 pins=(mlflow==3.17.2 tensorboard==2.21.0 trackio==0.43.0 wandb==0.31.0)
 stamp="$venv/.verl-tools-pins"

@@ -11,10 +11,15 @@ use serde_json::Value;
 use verl_plugin_api::{ComponentInit, Metric, RunContext, Tracker};
 
 /// The venv's Python with mlflow, tensorboard, trackio and wandb: `VERL_TOOLS_PYTHON`, else
-/// `<repo>/.venv-tools/bin/python`. A missing one fails the test: these tests exist to prove
+/// where scripts/setup-python-tools.sh puts it (`$XDG_CACHE_HOME` or `~/.cache`, then
+/// `verl-core/tools-venv/bin/python`). A missing one fails the test: these tests exist to prove
 /// the formats with the real tools.
 pub fn python() -> PathBuf {
-    let default = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv-tools/bin/python");
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache")))
+        .unwrap_or_default();
+    let default = cache.join("verl-core/tools-venv/bin/python");
     let python = std::env::var_os("VERL_TOOLS_PYTHON")
         .map(PathBuf::from)
         .unwrap_or(default);

@@ -19,6 +19,10 @@ pub enum Architecture {
 }
 
 impl Architecture {
+    /// Every architecture that loads: the one list that parsing, the unsupported-architecture
+    /// error and the tests read.
+    pub const ALL: [Self; 4] = [Self::Llama, Self::Qwen2, Self::Qwen2Moe, Self::Qwen3Moe];
+
     /// The `architectures[0]` value of a Hugging Face config.
     pub fn hf_class(self) -> &'static str {
         match self {
@@ -37,6 +41,25 @@ impl Architecture {
             Self::Qwen2Moe => "qwen2_moe",
             Self::Qwen3Moe => "qwen3_moe",
         }
+    }
+
+    /// The class of the same decoder under a value head (transformers'
+    /// `*ForTokenClassification` with one label: a saved critic).
+    pub fn value_head_class(self) -> String {
+        self.hf_class()
+            .replace("ForCausalLM", "ForTokenClassification")
+    }
+
+    /// The architecture a Hugging Face `architectures[0]` names, with an LM or a value head.
+    fn of_hf_class(class: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.hf_class() == class || a.value_head_class() == class)
+    }
+
+    /// The architecture a Hugging Face `model_type` names.
+    fn of_model_type(model_type: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.model_type() == model_type)
     }
 }
 
@@ -167,7 +190,7 @@ impl TokenIds {
 }
 
 impl ModelConfig {
-    /// Reads `config.json` of a `LlamaForCausalLM` or `Qwen2ForCausalLM` checkpoint.
+    /// Reads `config.json` of a checkpoint of one of [`Architecture::ALL`].
     pub fn from_file(path: &Path) -> Result<Self> {
         let hf: HfConfig = read_json(path)?;
         Self::from_hf(hf, path)
@@ -183,32 +206,21 @@ impl ModelConfig {
             path: path.to_owned(),
             reason,
         };
+        let unsupported = |architecture: &str, supported: fn(Architecture) -> &'static str| {
+            ModelError::UnsupportedArchitecture {
+                path: path.to_owned(),
+                architecture: architecture.to_owned(),
+                supported: Architecture::ALL.map(supported).join(", "),
+            }
+        };
         let architecture = match hf.architectures.as_deref().and_then(|a| a.first()) {
-            Some(name) => match name.as_str() {
-                // Token classification = the same decoder under a value head (a saved critic).
-                "LlamaForCausalLM" | "LlamaForTokenClassification" => Architecture::Llama,
-                "Qwen2ForCausalLM" | "Qwen2ForTokenClassification" => Architecture::Qwen2,
-                "Qwen2MoeForCausalLM" | "Qwen2MoeForTokenClassification" => Architecture::Qwen2Moe,
-                "Qwen3MoeForCausalLM" | "Qwen3MoeForTokenClassification" => Architecture::Qwen3Moe,
-                other => {
-                    return Err(ModelError::UnsupportedArchitecture {
-                        path: path.to_owned(),
-                        architecture: other.to_owned(),
-                    });
-                }
-            },
-            None => match hf.model_type.as_deref() {
-                Some("llama") => Architecture::Llama,
-                Some("qwen2") => Architecture::Qwen2,
-                Some("qwen2_moe") => Architecture::Qwen2Moe,
-                Some("qwen3_moe") => Architecture::Qwen3Moe,
-                other => {
-                    return Err(ModelError::UnsupportedArchitecture {
-                        path: path.to_owned(),
-                        architecture: other.unwrap_or("<none>").to_owned(),
-                    });
-                }
-            },
+            Some(class) => Architecture::of_hf_class(class)
+                .ok_or_else(|| unsupported(class, Architecture::hf_class))?,
+            None => {
+                let model_type = hf.model_type.as_deref().unwrap_or("<none>");
+                Architecture::of_model_type(model_type)
+                    .ok_or_else(|| unsupported(model_type, Architecture::model_type))?
+            }
         };
         let required = |value: Option<i64>, field: &str| match value {
             Some(v) if v > 0 => Ok(v),
@@ -656,6 +668,41 @@ mod tests {
             err.contains("`shared_expert_intermediate_size` is missing"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn unsupported_architectures_list_every_supported_one() {
+        let err = parse(r#"{"architectures":["MistralForCausalLM"]}"#)
+            .unwrap_err()
+            .to_string();
+        for architecture in Architecture::ALL {
+            assert!(err.contains(architecture.hf_class()), "{err}");
+        }
+        let err = parse(r#"{"model_type":"mistral"}"#)
+            .unwrap_err()
+            .to_string();
+        for architecture in Architecture::ALL {
+            assert!(err.contains(architecture.model_type()), "{err}");
+        }
+    }
+
+    #[test]
+    fn every_architecture_loads_under_both_heads() {
+        let sizes = r#""vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+            "num_attention_heads":2,"num_experts":2,"num_experts_per_tok":1,
+            "moe_intermediate_size":4,"shared_expert_intermediate_size":4"#;
+        for architecture in Architecture::ALL {
+            for class in [
+                architecture.hf_class().to_owned(),
+                architecture.value_head_class(),
+            ] {
+                let c = parse(&format!(r#"{{"architectures":["{class}"],{sizes}}}"#)).unwrap();
+                assert_eq!(c.architecture, architecture, "{class}");
+            }
+            let model_type = architecture.model_type();
+            let c = parse(&format!(r#"{{"model_type":"{model_type}",{sizes}}}"#)).unwrap();
+            assert_eq!(c.architecture, architecture, "{model_type}");
+        }
     }
 
     #[test]

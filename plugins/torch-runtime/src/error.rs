@@ -17,11 +17,13 @@ pub enum ModelError {
         source: serde_json::Error,
     },
 
-    #[error(
-        "{}: unsupported architecture {architecture:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM)",
-        path.display()
-    )]
-    UnsupportedArchitecture { path: PathBuf, architecture: String },
+    /// `supported`: the names that would have loaded, from `Architecture::ALL`.
+    #[error("{}: unsupported architecture {architecture:?} (supported: {supported})", path.display())]
+    UnsupportedArchitecture {
+        path: PathBuf,
+        architecture: String,
+        supported: String,
+    },
 
     #[error("{}: invalid config: {reason}", path.display())]
     InvalidConfig { path: PathBuf, reason: String },

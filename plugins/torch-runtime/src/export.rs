@@ -27,12 +27,8 @@ impl CausalLM {
         let mut config = self.config().to_hf_json();
         config["torch_dtype"] = serde_json::json!(dtype_name(self.kind()));
         if self.head() == Head::Value {
-            let class = self
-                .config()
-                .architecture
-                .hf_class()
-                .replace("ForCausalLM", "ForTokenClassification");
-            config["architectures"] = serde_json::json!([class]);
+            config["architectures"] =
+                serde_json::json!([self.config().architecture.value_head_class()]);
             config["num_labels"] = serde_json::json!(1);
         }
         write_json(&dir.join("config.json"), &config)?;

@@ -33,6 +33,7 @@ pub mod shard;
 
 mod dist;
 mod engine;
+mod local;
 mod placement;
 
 use std::path::Path;

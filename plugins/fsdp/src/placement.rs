@@ -10,7 +10,7 @@ use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
 use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
-use crate::engine::LocalModel;
+use crate::local::LocalModel;
 use crate::shard::strategy::ShardedStrategy;
 
 /// The engine's strategy: one of the two, each method passed on.

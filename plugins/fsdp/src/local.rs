@@ -7,11 +7,11 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
 use verl_torch_runtime::interop::LentTensors;
 use verl_torch_runtime::{
-    AdamW, AdamWConfig, BlockContext, CausalLM, LrSchedule, ModelSpec, ResponseScores, Rng,
-    ScoreOutputs, load_training_state, load_training_state_from, save_training_state,
+    AdamW, AdamWConfig, BlockContext, CausalLM, DistillScores, LrSchedule, ModelSpec,
+    ResponseScores, Rng, ScoreOutputs, TopkLogProbs, load_training_state, load_training_state_from,
+    save_training_state,
 };
 
 use crate::dist::{Ranks, model_error};

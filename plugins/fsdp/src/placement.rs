@@ -7,8 +7,9 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_plugin_api::TensorRef;
 use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
-use verl_torch_runtime::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
+use verl_torch_runtime::{
+    DistillScores, LrSchedule, ResponseScores, Rng, ScoreOutputs, TopkLogProbs,
+};
 
 use crate::local::LocalModel;
 use crate::shard::strategy::ShardedStrategy;

@@ -27,7 +27,6 @@ use verl_plugin_api::{
     PluginBuilder, PluginError, Rollout, RolloutCapabilities, RoutedExperts, SamplingParams,
     WeightSource, WeightSourceKind,
 };
-use verl_torch_runtime::interop::load_views;
 use verl_torch_runtime::{CausalLM, Head, ModelError, ModelSpec, Rng, parse_device};
 
 /// The keys of the rollout section this component acts on.
@@ -175,7 +174,7 @@ impl Generator {
         let handover = source.handover()?;
         match handover.kind {
             WeightSourceKind::Memory => {
-                load_views(&self.model, &source.tensors)?;
+                self.model.load_views(&source.tensors)?;
             }
             WeightSourceKind::File => self.model.load_weights_dir(Path::new(&handover.path))?,
             other => {

@@ -12,17 +12,14 @@
 //! swapped.
 //!
 //! The student's log-probs come from ONE log-softmax over the vocabulary, from which the sampled
-//! token and the k teacher tokens are gathered in one gather ([`fused_scores`]): the policy loss
-//! and the distillation loss share it, where computing them separately holds two `[N, V]`
+//! token and the k teacher tokens are gathered in one gather ([`crate::fused_scores`]): the policy
+//! loss and the distillation loss share it, where computing them separately holds two `[N, V]`
 //! log-softmax tensors for the backward pass.
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::error::{ModelError, Result};
-use crate::logprobs::{ResponseScores, ScoreOutputs};
 use crate::losses::{ClipConfig, KlPenalty};
-use crate::model::{BlockContext, CausalLM, Layout};
 
 /// verl's batch key of the teacher's top-k token ids, `[B, R, k]` int64.
 pub const TEACHER_IDS: &str = "teacher_ids";
@@ -202,69 +199,6 @@ pub struct TopkKlConfig {
     pub tail_mass_eps: f64,
 }
 
-/// The teacher's `k` most likely tokens at each position: ids `[.., k]` int64 and their
-/// log-probs `[.., k]` fp32, most likely first.
-#[derive(Debug)]
-pub struct TopkLogProbs {
-    pub ids: Tensor,
-    pub log_probs: Tensor,
-}
-
-/// The top-`k` log-probs of `softmax(logits)` (`logits [.., V]`): top-k of the logits minus their
-/// log-normaliser (log-softmax is monotone), so no `[.., V]` log-softmax is built.
-pub fn topk_log_probs(logits: &Tensor, k: i64) -> Result<TopkLogProbs> {
-    let vocab = logits.size().last().copied().unwrap_or(0);
-    if k < 1 || k > vocab {
-        return Err(ModelError::invalid_input(
-            "topk",
-            format!("must lie in [1, {vocab}] (the vocabulary), got {k}"),
-        ));
-    }
-    let logits = logits.to_kind(Kind::Float);
-    let (values, ids) = logits.topk(k, -1, true, true);
-    Ok(TopkLogProbs {
-        log_probs: values - logits.logsumexp(-1, true),
-        ids,
-    })
-}
-
-/// The student's scores from one log-softmax: log-probs of `labels [..]`, of `ids [.., k]`, and
-/// the entropy and Σπ² when asked, all fp32 and differentiable.
-#[derive(Debug)]
-pub struct FusedScores {
-    pub log_probs: Tensor,
-    pub topk_log_probs: Tensor,
-    pub entropy: Option<Tensor>,
-    pub sum_pi_squared: Option<Tensor>,
-}
-
-/// One `log_softmax(logits [.., V])`, one gather of the `1 + k` columns (`labels [..]`, then
-/// `ids [.., k]`), and from the same log-softmax the entropy `−Σ exp(ls)·ls` and Σπ² `Σ exp(2·ls)`
-/// when asked.
-pub fn fused_scores(
-    logits: &Tensor,
-    labels: &Tensor,
-    ids: &Tensor,
-    outputs: ScoreOutputs,
-) -> FusedScores {
-    let log_softmax = logits.log_softmax(-1, Kind::Float);
-    let columns = Tensor::cat(&[labels.unsqueeze(-1), ids.shallow_clone()], -1);
-    let gathered = log_softmax.gather(-1, &columns, false);
-    let k = ids.size().last().copied().unwrap_or(0);
-    FusedScores {
-        log_probs: gathered.narrow(-1, 0, 1).squeeze_dim(-1),
-        topk_log_probs: gathered.narrow(-1, 1, k),
-        entropy: outputs
-            .entropy
-            .then(|| -(log_softmax.exp() * &log_softmax).sum_dim_intlist(-1, false, Kind::Float)),
-        sum_pi_squared: outputs.sum_pi_squared.then(|| {
-            (&log_softmax * 2.0)
-                .exp()
-                .sum_dim_intlist(-1, false, Kind::Float)
-        }),
-    }
-}
-
 /// The per-token top-k KL and the top-k masses `Σ exp(lp)` of student and teacher (before any
 /// clamp), each `[..]`.
 #[derive(Debug)]
@@ -314,162 +248,6 @@ pub fn topk_kl(student: &Tensor, teacher: &Tensor, config: &TopkKlConfig) -> Top
         loss,
         student_mass,
         teacher_mass,
-    }
-}
-
-/// Response scores with the student's log-probs of the teacher's top-k tokens, `[B, R, k]`
-/// (zero on padding).
-#[derive(Debug)]
-pub struct DistillScores {
-    pub scores: ResponseScores,
-    pub topk_log_probs: Tensor,
-}
-
-impl CausalLM {
-    /// The teacher's top-`k` log-probs at each response position of a block context's batch
-    /// (padded or packed), at `temperature`: `[B, R, k]`, ids 0 and log-probs 0 on padding.
-    pub fn response_topk_in(
-        &self,
-        hidden: &Tensor,
-        context: &BlockContext,
-        response_len: i64,
-        temperature: f64,
-        k: i64,
-    ) -> Result<TopkLogProbs> {
-        let (predictors, place) = self.response_predictors(hidden, context, response_len)?;
-        let top = topk_log_probs(&self.tempered_logits(&predictors, temperature)?, k)?;
-        let mask = place.mask().unsqueeze(-1);
-        Ok(TopkLogProbs {
-            ids: place.spread(&top.ids) * mask.to_kind(Kind::Int64),
-            log_probs: place.spread(&top.log_probs) * mask,
-        })
-    }
-
-    /// [`CausalLM::response_scores_in`] plus the log-probs of `ids` (`[B, R, k]`, the teacher's
-    /// top-k tokens), all from one log-softmax ([`fused_scores`]).
-    pub fn response_distill_scores_in(
-        &self,
-        hidden: &Tensor,
-        context: &BlockContext,
-        response_len: i64,
-        temperature: f64,
-        outputs: ScoreOutputs,
-        ids: &Tensor,
-    ) -> Result<DistillScores> {
-        let (predictors, place) = self.response_predictors(hidden, context, response_len)?;
-        let size = ids.size();
-        let rows = context.batch_ids.size()[0];
-        if size.len() != 3 || size[0] != rows || size[1] != response_len {
-            return Err(ModelError::invalid_input(
-                "teacher_ids",
-                format!("must be [{rows}, {response_len}, k], got {size:?}"),
-            ));
-        }
-        let labels = place.gather(&context.batch_ids.narrow(
-            1,
-            context.batch_ids.size()[1] - response_len,
-            response_len,
-        ));
-        let ids = place.gather(&ids.to_device(self.device()));
-        let logits = self.tempered_logits(&predictors, temperature)?;
-        let fused = fused_scores(&logits, &labels, &ids, outputs);
-        let mask = place.mask();
-        let masked = |t: Tensor| place.spread(&t) * &mask;
-        Ok(DistillScores {
-            topk_log_probs: place.spread(&fused.topk_log_probs) * mask.unsqueeze(-1),
-            scores: ResponseScores {
-                log_probs: masked(fused.log_probs),
-                entropy: fused.entropy.map(masked),
-                sum_pi_squared: fused.sum_pi_squared.map(masked),
-            },
-        })
-    }
-
-    /// `logits / temperature`, fp32. Dividing by 1 is exact: skipped, saving a pass (and its
-    /// backward) over the largest activation.
-    pub(crate) fn tempered_logits(&self, hidden: &Tensor, temperature: f64) -> Result<Tensor> {
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return Err(ModelError::invalid_input(
-                "temperature",
-                format!("must be positive, got {temperature}"),
-            ));
-        }
-        let logits = self.logits(hidden)?;
-        Ok(if temperature == 1.0 {
-            logits
-        } else {
-            logits / temperature
-        })
-    }
-
-    /// The hidden states of the response tokens' predictors and where their outputs go.
-    fn response_predictors<'a>(
-        &self,
-        hidden: &Tensor,
-        context: &'a BlockContext,
-        response_len: i64,
-    ) -> Result<(Tensor, Placement<'a>)> {
-        let predictors = crate::logprobs::predictors_in(hidden, context, response_len)?;
-        let place = match &context.layout {
-            Layout::Padded(mask) => {
-                let seq = mask.size()[1];
-                Placement::Padded(
-                    mask.to_device(self.device())
-                        .narrow(1, seq - response_len, response_len)
-                        .to_kind(Kind::Float),
-                )
-            }
-            Layout::Packed(packing) => Placement::Packed(packing),
-        };
-        Ok((predictors, place))
-    }
-}
-
-/// Where per-predictor outputs belong in the `[B, R, ..]` response layout.
-enum Placement<'a> {
-    /// Predictors are already `[B, R]`; the response mask.
-    Padded(Tensor),
-    /// Predictors are the packing's `[n]` scored tokens.
-    Packed(&'a crate::model::Packing),
-}
-
-impl Placement<'_> {
-    /// Per-predictor values `[.., ..]` in the `[B, R, ..]` layout (zero where nothing is scored).
-    fn spread(&self, values: &Tensor) -> Tensor {
-        match self {
-            Self::Padded(_) => values.shallow_clone(),
-            Self::Packed(packing) => packing.unpack_response(values),
-        }
-    }
-
-    /// A `[B, R, ..]` tensor in the predictors' layout.
-    fn gather(&self, values: &Tensor) -> Tensor {
-        match self {
-            Self::Padded(_) => values.shallow_clone(),
-            Self::Packed(packing) => {
-                let size = values.size();
-                let mut flat = vec![size[0] * size[1]];
-                flat.extend_from_slice(&size[2..]);
-                values
-                    .to_device(packing.targets().device())
-                    .reshape(flat.as_slice())
-                    .index_select(0, packing.targets())
-            }
-        }
-    }
-
-    /// 1 where a response token is scored, `[B, R]` fp32.
-    fn mask(&self) -> Tensor {
-        match self {
-            Self::Padded(mask) => mask.shallow_clone(),
-            Self::Packed(packing) => {
-                let n = packing.targets().size()[0];
-                packing.unpack_response(&Tensor::ones(
-                    [n],
-                    (Kind::Float, packing.targets().device()),
-                ))
-            }
-        }
     }
 }
 
@@ -528,16 +306,5 @@ mod tests {
         assert!((reverse.loss.double_value(&[]) - kl(&q, &p)).abs() < 1e-5);
         assert!((forward.teacher_mass.double_value(&[]) - 0.8).abs() < 1e-6);
         assert!((forward.student_mass.double_value(&[]) - 0.4).abs() < 1e-6);
-    }
-
-    #[test]
-    fn teacher_top_k_are_the_largest_log_probs() {
-        let logits = Tensor::from_slice(&[0.0f32, 2.0, 1.0, -1.0]).view([1, 4]);
-        let top = topk_log_probs(&logits, 2).unwrap();
-        assert_eq!(Vec::<i64>::try_from(top.ids.view([-1])).unwrap(), [1, 2]);
-        let full = logits.log_softmax(-1, Kind::Float);
-        let expect = full.index_select(1, &Tensor::from_slice(&[1i64, 2]));
-        assert!(bool::try_from((top.log_probs - expect).abs().max().lt(1e-6)).unwrap());
-        assert!(topk_log_probs(&logits, 5).is_err());
     }
 }

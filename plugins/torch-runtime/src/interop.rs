@@ -6,7 +6,6 @@ use serde::de::DeserializeOwned;
 use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{DType, ErrorKind, PluginError, TensorRef};
 
-use crate::CausalLM;
 use crate::error::{ModelError, Result};
 
 /// Whether `t` is a contiguous fp32 CPU tensor: one that [`floats`] reads in place.
@@ -36,7 +35,8 @@ pub(crate) unsafe fn floats_mut(t: &mut Tensor) -> &mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), t.numel()) }
 }
 
-fn kind_of(dtype: DType) -> Option<Kind> {
+/// The tch dtype of an ABI dtype; `None` for one tch does not have.
+pub(crate) fn kind_of(dtype: DType) -> Option<Kind> {
     Some(match dtype {
         DType::F32 => Kind::Float,
         DType::F64 => Kind::Double,
@@ -161,50 +161,6 @@ impl LentTensors {
     }
 }
 
-/// Copies borrowed weights into `model`'s same-named parameters: one copy per tensor, straight
-/// from the lender's memory (the views are wrapped, not copied, on the way). Returns the bytes
-/// copied.
-pub fn load_views(model: &CausalLM, views: &[TensorRef<'_>]) -> Result<usize> {
-    let wrapped = views
-        .iter()
-        .map(|view| {
-            let name = view.name.as_str();
-            let kind = kind_of(view.dtype).ok_or_else(|| ModelError::Tensor {
-                tensor: name.to_owned(),
-                reason: format!("unknown dtype code {}", view.dtype.0),
-            })?;
-            // `TensorRef::new` checked the length; a peer could still hand a bad one.
-            let numel: i64 = view.shape.iter().product();
-            if view.shape.iter().any(|&d| d < 0)
-                || numel as usize * kind.elt_size_in_bytes() != view.data.len()
-            {
-                return Err(ModelError::Tensor {
-                    tensor: name.to_owned(),
-                    reason: format!(
-                        "shape {:?} does not match {} bytes",
-                        view.shape.as_slice(),
-                        view.data.len()
-                    ),
-                });
-            }
-            // SAFETY: the blob aliases `view.data`, which outlives this function; the tensor is
-            // only read (copied from) and dropped before returning.
-            let tensor = unsafe {
-                Tensor::f_from_blob(
-                    view.data.as_ptr(),
-                    view.shape.as_slice(),
-                    &[],
-                    kind,
-                    Device::Cpu,
-                )
-            }?;
-            Ok((name.to_owned(), tensor))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    model.load_named_tensors(&wrapped)?;
-    Ok(views.iter().map(|v| v.data.len()).sum())
-}
-
 impl From<ModelError> for PluginError {
     fn from(e: ModelError) -> Self {
         let kind = match e {
@@ -235,6 +191,7 @@ pub fn parse_config<T: DeserializeOwned>(json: &str, component: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CausalLM;
 
     #[test]
     fn tensors_round_trip_bit_exactly() {
@@ -277,7 +234,7 @@ mod tests {
         };
         let target = CausalLM::random(source.config().clone(), &options).unwrap();
         assert!(!target.named_tensors()[0].1.equal(&params[0].1));
-        let copied = load_views(&target, &views).unwrap();
+        let copied = target.load_views(&views).unwrap();
         assert_eq!(copied, views.iter().map(|v| v.data.len()).sum::<usize>());
         for ((name, a), (_, b)) in target.named_tensors().iter().zip(&params) {
             assert!(a.equal(b), "{name}");

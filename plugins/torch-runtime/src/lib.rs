@@ -8,7 +8,6 @@ pub mod actor;
 mod config;
 pub mod distill;
 mod error;
-mod export;
 mod generate;
 pub mod interop;
 mod kernels;
@@ -26,8 +25,8 @@ pub use config::{Architecture, GenerationConfig, ModelConfig, MoeConfig, RopeSca
 pub use error::{ModelError, Result};
 pub use generate::{Completion, FinishReason, SamplingParams};
 pub use logprobs::{
-    ResponseScores, ScoreOutputs, entropy_from_logits, log_probs_from_logits,
-    sum_pi_squared_from_logits,
+    DistillScores, FusedScores, ResponseScores, ScoreOutputs, TopkLogProbs, entropy_from_logits,
+    fused_scores, log_probs_from_logits, sum_pi_squared_from_logits, topk_log_probs,
 };
 pub use model::{
     BlockContext, CausalLM, Head, LoadBalance, ModelOptions, NOT_SHARING_PROMPTS, Packing,

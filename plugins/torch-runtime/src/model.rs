@@ -1,6 +1,11 @@
 //! The Llama/Qwen2 decoder on a `tch::nn::VarStore` whose variable names are the Hugging Face
 //! parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, …), so that
 //! loading and saving safetensors is a name lookup.
+//!
+//! [`CausalLM`]'s methods, by what they do: building, loading and saving here; forward passes
+//! (whole, by blocks, tensor-parallel halves, checkpointed backward) in [`forward`]; the scores of
+//! a batch's responses (log-probs, entropy, values, top-k) in [`scoring`]; generation in
+//! [`crate::generate`].
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,17 +13,23 @@ use std::sync::{Mutex, PoisonError};
 
 use tch::{Device, Kind, Tensor, nn};
 
+use verl_plugin_api::TensorRef;
+
 use crate::config::{ModelConfig, RopeScaling};
-use crate::error::{ModelError, Result};
+use crate::error::{ModelError, Result, write_json};
+use crate::interop;
 use crate::rng::Rng;
-use crate::weights;
+use crate::weights::{self, SINGLE_FILE, write_safetensors};
 
 mod cpu_step;
+mod forward;
 mod invariant;
 mod moe;
 mod packed;
+mod scoring;
 
 use cpu_step::StepBuffers;
+pub use forward::{BlockContext, NOT_SHARING_PROMPTS, TensorParallel};
 pub use moe::{LoadBalance, RouterOutput, load_balancing_loss};
 use moe::{Routing, SparseMoe};
 pub use packed::Packing;
@@ -170,6 +181,49 @@ struct DecodeWeights {
 }
 
 impl DecodeWeights {
+    /// `model`'s decode weights for a `generate` call (CPU only), rebuilt if a parameter they copy has
+    /// been written since they were made.
+    fn of(model: &CausalLM) -> Option<Self> {
+        // Sparse layers and query/key norms have no fused decode form: such models decode with
+        // the tensor ops of the training forward, and so does the deterministic mode.
+        if model.device() != Device::Cpu
+            || model.config.moe.is_some()
+            || model.config.qk_norm
+            || model.batch_invariant()
+        {
+            return None;
+        }
+        let projections = model
+            .layers
+            .iter()
+            .map(DecoderLayer::projections)
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .flatten();
+        let sources: Vec<(usize, i64)> = projections
+            .flat_map(Linear::parameters)
+            .chain(model.lm_head().ok())
+            .map(|t| (t.data_ptr() as usize, t.internal_version()))
+            .collect();
+        let mut cached = model
+            .decode_weights
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if cached.as_ref().is_none_or(|w| w.sources != sources) {
+            *cached = None; // free the stale copy before making the new one
+            *cached = Some(tch::no_grad(|| Self {
+                sources,
+                layers: model
+                    .layers
+                    .iter()
+                    .filter_map(DecoderLayer::decode_weights)
+                    .collect(),
+                lm_head: model.lm_head().ok().map(DecodeLinear::from_embedding),
+            }));
+        }
+        cached.as_ref().map(Self::shallow_clone)
+    }
+
     fn shallow_clone(&self) -> Self {
         Self {
             sources: self.sources.clone(),
@@ -405,6 +459,18 @@ pub(crate) struct Decoder<'m> {
 }
 
 impl<'m> Decoder<'m> {
+    /// [`CausalLM::logits`] inside a `generate` call, through the decode weights on CPU.
+    fn logits(
+        model: &CausalLM,
+        hidden: &Tensor,
+        weights: Option<&DecodeWeights>,
+    ) -> Result<Tensor> {
+        match weights.and_then(|w| w.lm_head.as_ref()) {
+            Some(head) => Ok(head.forward(hidden).to_kind(Kind::Float)),
+            None => model.logits(hidden),
+        }
+    }
+
     /// Runs left-padded prompts `input_ids` `[B, W]` (`attention_mask` 0 at padding) into a cache
     /// with room for `capacity` positions; returns the decoder and the next-token logits `[B,
     /// vocab]` in fp32.
@@ -417,7 +483,7 @@ impl<'m> Decoder<'m> {
     ) -> Result<(Self, Tensor)> {
         let (batch, width) = input_ids.size2().expect("prompts are [B, W]");
         let weights = match path {
-            DecodePath::Kernels | DecodePath::Fused => model.decode_weights(),
+            DecodePath::Kernels | DecodePath::Fused => DecodeWeights::of(model),
             DecodePath::Tensors => None,
         };
         let mut cache = KvCache::new(model, batch, capacity);
@@ -429,7 +495,7 @@ impl<'m> Decoder<'m> {
             .narrow(3, 0, width)
             .masked_fill_(&padding, f64::NEG_INFINITY);
         cache.next_positions = attention_mask.sum_dim_intlist(-1, true, Kind::Int64);
-        let logits = model.decode_logits(&hidden.select(1, width - 1), weights.as_ref())?;
+        let logits = Self::logits(model, &hidden.select(1, width - 1), weights.as_ref())?;
         let routing = model.routed_experts(&context, batch, width);
         let decoder = Self {
             model,
@@ -466,7 +532,7 @@ impl<'m> Decoder<'m> {
             let buffers = self
                 .buffers
                 .get_or_insert_with(|| StepBuffers::new(model, cache));
-            return Ok(model.cpu_decode_step(tokens, cache, weights, buffers));
+            return Ok(buffers.step(model, tokens, cache, weights));
         }
         let tokens = Tensor::from_slice(tokens).to_device(model.device());
         // Every generated token is real: its rotary row is the row's next position and its mask
@@ -497,7 +563,7 @@ impl<'m> Decoder<'m> {
         );
         cache.next_positions += 1;
         self.routing = model.routed_experts(&context, rows, 1);
-        model.decode_logits(&hidden.squeeze_dim(1), self.weights.as_ref())
+        Self::logits(model, &hidden.squeeze_dim(1), self.weights.as_ref())
     }
 }
 
@@ -722,35 +788,6 @@ impl Mlp {
     /// `silu(gate(x)) * up(x)`: the down projection's input.
     fn inner(&self, x: &Tensor) -> Tensor {
         self.gate_proj.forward(x).silu() * self.up_proj.forward(x)
-    }
-}
-
-/// A row-parallel projection: `tp.exit` of `x·Wᵀ` (partial sums over the shards of the input
-/// features), then the bias, which only the whole sum gets.
-fn row_parallel(linear: &Linear, x: &Tensor, tp: &dyn TensorParallel) -> Result<Tensor> {
-    let y = tp.exit(&x.linear(&linear.weight, None::<&Tensor>))?;
-    Ok(match &linear.bias {
-        Some(bias) => y + bias,
-        None => y,
-    })
-}
-
-/// How a tensor-parallel engine joins a model holding its shard of every projection — q/k/v and
-/// gate/up split by output features (column-parallel), o and down by input features
-/// (row-parallel) — to the others: Megatron-LM's conjugate operators around each sub-layer.
-/// [`CausalLM::attention_block`] and [`CausalLM::mlp_block`] call them.
-pub trait TensorParallel {
-    /// The normed input of a column-parallel group (Megatron's `f`: identity forward, gradient
-    /// all-reduced; with sequence parallelism the all-gather along the sequence).
-    fn enter(&self, x: &Tensor) -> Result<Tensor>;
-    /// The partial output of a row-parallel projection, before its bias (Megatron's `g`:
-    /// all-reduce; with sequence parallelism the reduce-scatter along the sequence).
-    fn exit(&self, y: &Tensor) -> Result<Tensor>;
-    /// The rotated keys and values `[B, kv_heads, T, head_dim]` of this rank's tokens → those
-    /// its queries attend (context parallelism: every rank's, in sequence order). By default
-    /// the same.
-    fn keys_values(&self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((k, v))
     }
 }
 
@@ -988,6 +1025,104 @@ impl CausalLM {
         Ok(())
     }
 
+    /// Overwrites every parameter from a directory of safetensors files (`model.safetensors`, or
+    /// the shards of `model.safetensors.index.json`): a weight update handed over on disk.
+    pub fn load_weights_dir(&self, dir: &Path) -> Result<()> {
+        weights::load_into(dir, &self.named_tensors(), |_| false).map(drop)
+    }
+
+    /// Overwrites parameters from named tensors (weight sync from a trainer). Names must exist in
+    /// this model with the same shapes; a subset is fine.
+    pub fn load_named_tensors(&self, tensors: &[(String, Tensor)]) -> Result<()> {
+        weights::copy_named(&self.vs.variables(), tensors)
+    }
+
+    /// Copies borrowed weights into the same-named parameters: one copy per tensor, straight
+    /// from the lender's memory (the views are wrapped, not copied, on the way). Returns the bytes
+    /// copied.
+    pub fn load_views(&self, views: &[TensorRef<'_>]) -> Result<usize> {
+        let wrapped = views
+            .iter()
+            .map(|view| {
+                let name = view.name.as_str();
+                let kind = interop::kind_of(view.dtype).ok_or_else(|| ModelError::Tensor {
+                    tensor: name.to_owned(),
+                    reason: format!("unknown dtype code {}", view.dtype.0),
+                })?;
+                // `TensorRef::new` checked the length; a peer could still hand a bad one.
+                let numel: i64 = view.shape.iter().product();
+                if view.shape.iter().any(|&d| d < 0)
+                    || numel as usize * kind.elt_size_in_bytes() != view.data.len()
+                {
+                    return Err(ModelError::Tensor {
+                        tensor: name.to_owned(),
+                        reason: format!(
+                            "shape {:?} does not match {} bytes",
+                            view.shape.as_slice(),
+                            view.data.len()
+                        ),
+                    });
+                }
+                // SAFETY: the blob aliases `view.data`, which outlives this function; the tensor is
+                // only read (copied from) and dropped before returning.
+                let tensor = unsafe {
+                    Tensor::f_from_blob(
+                        view.data.as_ptr(),
+                        view.shape.as_slice(),
+                        &[],
+                        kind,
+                        Device::Cpu,
+                    )
+                }?;
+                Ok((name.to_owned(), tensor))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.load_named_tensors(&wrapped)?;
+        Ok(views.iter().map(|v| v.data.len()).sum())
+    }
+
+    /// Writes `config.json` and `model.safetensors` (fp32 or the model's dtype, HF names) into
+    /// `dir`, creating it, and copies the tokenizer and generation files from `companions_from`.
+    /// A value-head model is written as `*ForTokenClassification` with one label, as verl's critic.
+    pub fn save_pretrained(&self, dir: &Path, companions_from: Option<&Path>) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+        let mut config = self.config().to_hf_json();
+        config["torch_dtype"] = serde_json::json!(dtype_name(self.kind()));
+        if self.head() == Head::Value {
+            config["architectures"] =
+                serde_json::json!([self.config().architecture.value_head_class()]);
+            config["num_labels"] = serde_json::json!(1);
+        }
+        write_json(&dir.join("config.json"), &config)?;
+        write_safetensors(&dir.join(SINGLE_FILE), &self.named_tensors())?;
+        if let Some(source) = companions_from {
+            for name in COMPANION_FILES {
+                let from = source.join(name);
+                if from.exists() {
+                    std::fs::copy(&from, dir.join(name)).map_err(|e| ModelError::io(&from, e))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter under its Hugging Face name, sorted by name. The tensors share storage with
+    /// the model. A tied model has no `lm_head.weight`, exactly like its HF checkpoint.
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    }
+
+    /// Sets `requires_grad` on every parameter (off for a reference model that never trains).
+    pub fn set_trainable(&mut self, trainable: bool) {
+        if trainable {
+            self.vs.unfreeze()
+        } else {
+            self.vs.freeze()
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -1022,226 +1157,6 @@ impl CausalLM {
         }
     }
 
-    /// Sets `requires_grad` on every parameter (off for a reference model that never trains).
-    pub fn set_trainable(&mut self, trainable: bool) {
-        if trainable {
-            self.vs.unfreeze()
-        } else {
-            self.vs.freeze()
-        }
-    }
-
-    /// Every parameter under its Hugging Face name, sorted by name. The tensors share storage with
-    /// the model. A tied model has no `lm_head.weight`, exactly like its HF checkpoint.
-    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut named: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
-    }
-
-    /// Overwrites every parameter from a directory of safetensors files (`model.safetensors`, or
-    /// the shards of `model.safetensors.index.json`): a weight update handed over on disk.
-    pub fn load_weights_dir(&self, dir: &Path) -> Result<()> {
-        weights::load_into(dir, &self.named_tensors(), |_| false).map(drop)
-    }
-
-    /// Overwrites parameters from named tensors (weight sync from a trainer). Names must exist in
-    /// this model with the same shapes; a subset is fine.
-    pub fn load_named_tensors(&self, tensors: &[(String, Tensor)]) -> Result<()> {
-        weights::copy_named(&self.vs.variables(), tensors)
-    }
-
-    /// Final hidden states `[B, T, hidden]` of a batch. `attention_mask` (`[B, T]`, 1 = token,
-    /// 0 = padding) may pad on either side: positions count only real tokens, so a sequence gets
-    /// the same values wherever its padding is.
-    pub fn hidden_states(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        self.check_batch(input_ids, attention_mask)?;
-        let mask = attention_mask.to_device(self.device());
-        let context = self.context(&mask, mask.size()[1]);
-        Ok(self.run(&input_ids.to_device(self.device()), &context, None, None))
-    }
-
-    /// Next-token logits `[B, T, vocab]` in fp32.
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        self.logits(&self.hidden_states(input_ids, attention_mask)?)
-    }
-
-    /// Per-token values `[B, T]` in fp32 from a value-head model.
-    pub fn values(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
-        self.values_from_hidden(&self.hidden_states(input_ids, attention_mask)?)
-    }
-
-    /// Value-head outputs in fp32 for hidden states `[.., hidden]` → `[..]`.
-    pub(crate) fn values_from_hidden(&self, hidden: &Tensor) -> Result<Tensor> {
-        match &self.head {
-            OutputHead::Value(score) => Ok(score
-                .apply(hidden, self.batch_invariant())
-                .squeeze_dim(-1)
-                .to_kind(Kind::Float)),
-            OutputHead::Lm(_) => Err(ModelError::invalid_input(
-                "head",
-                "values need a model built with Head::Value",
-            )),
-        }
-    }
-
-    /// The LM head's weight (the input embedding when tied).
-    pub(crate) fn lm_head(&self) -> Result<&Tensor> {
-        match &self.head {
-            OutputHead::Lm(Some(weight)) => Ok(weight),
-            OutputHead::Lm(None) => Ok(&self.embed_tokens),
-            OutputHead::Value(_) => Err(ModelError::invalid_input(
-                "head",
-                "logits need a model built with Head::Lm",
-            )),
-        }
-    }
-
-    /// [`Self::logits`] inside a `generate` call, through the decode weights on CPU.
-    fn decode_logits(&self, hidden: &Tensor, weights: Option<&DecodeWeights>) -> Result<Tensor> {
-        match weights.and_then(|w| w.lm_head.as_ref()) {
-            Some(head) => Ok(head.forward(hidden).to_kind(Kind::Float)),
-            None => self.logits(hidden),
-        }
-    }
-
-    /// The decode weights for a `generate` call (CPU only), rebuilt if a parameter they copy has
-    /// been written since they were made.
-    fn decode_weights(&self) -> Option<DecodeWeights> {
-        // Sparse layers and query/key norms have no fused decode form: such models decode with
-        // the tensor ops of the training forward, and so does the deterministic mode.
-        if self.device() != Device::Cpu
-            || self.config.moe.is_some()
-            || self.config.qk_norm
-            || self.batch_invariant()
-        {
-            return None;
-        }
-        let projections = self
-            .layers
-            .iter()
-            .map(DecoderLayer::projections)
-            .collect::<Option<Vec<_>>>()?
-            .into_iter()
-            .flatten();
-        let sources: Vec<(usize, i64)> = projections
-            .flat_map(Linear::parameters)
-            .chain(self.lm_head().ok())
-            .map(|t| (t.data_ptr() as usize, t.internal_version()))
-            .collect();
-        let mut cached = self
-            .decode_weights
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if cached.as_ref().is_none_or(|w| w.sources != sources) {
-            *cached = None; // free the stale copy before making the new one
-            *cached = Some(tch::no_grad(|| DecodeWeights {
-                sources,
-                layers: self
-                    .layers
-                    .iter()
-                    .filter_map(DecoderLayer::decode_weights)
-                    .collect(),
-                lm_head: self.lm_head().ok().map(DecodeLinear::from_embedding),
-            }));
-        }
-        cached.as_ref().map(DecodeWeights::shallow_clone)
-    }
-
-    /// LM-head logits in fp32 for hidden states of any leading shape.
-    pub(crate) fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let head = self.lm_head()?;
-        let logits = if self.batch_invariant() {
-            invariant::rows(hidden, |t| t.linear(head, None::<&Tensor>))
-        } else {
-            hidden.linear(head, None::<&Tensor>)
-        };
-        Ok(logits.to_kind(Kind::Float))
-    }
-
-    /// `f` applied to the rows of `x`, over fixed row tiles in the deterministic mode.
-    pub(crate) fn row_wise(&self, x: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
-        if self.batch_invariant() {
-            invariant::rows(x, f)
-        } else {
-            f(x)
-        }
-    }
-
-    /// Validates `[B, T]` int64 token ids within the vocabulary and a matching mask.
-    pub(crate) fn check_batch(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<()> {
-        check_batch(input_ids, attention_mask, self.config.vocab_size)
-    }
-
-    /// Rotary tables and the attention mask for the last `t` tokens of the sequences that
-    /// `attention_mask` (`[B, S]`) describes.
-    fn context(&self, attention_mask: &Tensor, t: i64) -> Context {
-        let s = attention_mask.size()[1];
-        let queries = Tensor::arange_start(s - t, s, (Kind::Int64, self.device()));
-        self.context_at(attention_mask, &queries)
-    }
-
-    /// Rotary tables and the attention mask for the tokens at `queries` (`[T]` indices) of the
-    /// sequences `attention_mask` (`[B, S]`) describes, attending all `S` positions.
-    fn context_at(&self, attention_mask: &Tensor, queries: &Tensor) -> Context {
-        let (b, s) = attention_mask.size2().expect("checked [B, S]");
-        let device = self.device();
-        let t = queries.size()[0];
-        let valid = attention_mask.to_kind(Kind::Bool);
-        // Real-token positions: padding on either side does not shift them.
-        let positions = (valid.cumsum(-1, Kind::Int64) - 1)
-            .clamp_min(0)
-            .index_select(1, queries);
-        let rope =
-            RopeTable::new(&self.inv_freq, s, self.kind(), self.batch_invariant()).at(&positions);
-        // Causal and padding mask, [B, 1, T, S]. The diagonal stays open so that a padding query
-        // (whose output is never used) has one key and its softmax stays finite.
-        let query = queries.view([t, 1]);
-        let key = Tensor::arange(s, (Kind::Int64, device)).view([1, s]);
-        let attend = if self.batch_invariant() {
-            Attend::Spans(invariant::Span::per_row(&valid, queries, &positions))
-        } else {
-            let mask = key
-                .le_tensor(&query)
-                .logical_and(&valid.view([b, 1, 1, s]))
-                .logical_or(&key.eq_tensor(&query));
-            Attend::Mask(mask)
-        };
-        Context {
-            rope,
-            attend,
-            routing: Routing::default(),
-        }
-    }
-
-    /// The experts a pass over `[batch, tokens]` used, `[batch, tokens, sparse layers, k]` int64
-    /// on CPU; `None` for a dense model.
-    fn routed_experts(&self, context: &Context, batch: i64, tokens: i64) -> Option<Tensor> {
-        self.config.moe.as_ref()?;
-        let routing = RouterOutput::from_layers(context.routing.take(), batch, tokens);
-        Some(routing.experts.to_device(Device::Cpu))
-    }
-
-    /// Next-token logits `[B, T, vocab]` in fp32 and the routing of every token: each sparse
-    /// layer's router logits and the experts used. With `replay` (`[B, T, sparse layers, k]`
-    /// int64, e.g. a rollout's [`crate::Completion::routed_experts`] laid out like `input_ids`),
-    /// the tokens use those experts instead of the router's top-k, weighted by this pass's router
-    /// probabilities at them (router replay).
-    pub fn forward_routed(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        replay: Option<&Tensor>,
-    ) -> Result<(Tensor, RouterOutput)> {
-        let mut block = self.block_context(input_ids, attention_mask)?;
-        if let Some(experts) = replay {
-            block.replay_experts(self, experts)?;
-        }
-        let logits = self.logits(&self.hidden_states_in(&block))?;
-        let (b, t) = input_ids.size2().expect("checked [B, T]");
-        Ok((logits, block.take_routing(b, t)))
-    }
-
     /// Whether passes over this model can share prompts among rows
     /// ([`Self::prompt_sharing_block_context`]): a dense model outside the deterministic mode.
     pub fn shares_prompts(&self) -> bool {
@@ -1256,443 +1171,36 @@ impl CausalLM {
             .count() as i64
     }
 
-    fn embed(&self, input_ids: &Tensor) -> Tensor {
-        Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false)
-    }
-
-    /// Runs the decoder on `input_ids` `[B, T]` and returns the final hidden states. With a
-    /// cache, the tokens follow the cached prefix and their keys/values are appended.
-    fn run(
-        &self,
-        input_ids: &Tensor,
-        context: &Context,
-        mut cache: Option<&mut KvCache>,
-        weights: Option<&DecodeWeights>,
-    ) -> Tensor {
-        let mut x = self.embed(input_ids);
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(
-                &x,
-                context,
-                cache.as_deref_mut().map(|c| (c, i)),
-                weights.map(|w| &w.layers[i]),
-            );
-        }
-        if let Some(cache) = cache {
-            cache.len += input_ids.size()[1];
-        }
-        self.norm.apply(&x, context.invariant())
-    }
-
-    /// Checks a batch and prepares what every block of one forward pass shares, for running the
-    /// model a block at a time: [`Self::embed_block`], [`Self::layer_block`] for each layer,
-    /// [`Self::norm_block`] — together exactly [`Self::hidden_states`]. A sharded engine gathers
-    /// each block's parameters just before it runs and frees them after.
-    pub fn block_context(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-    ) -> Result<BlockContext> {
-        self.check_batch(input_ids, attention_mask)?;
-        let mask = attention_mask.to_device(self.device());
-        let input_ids = input_ids.to_device(self.device());
-        Ok(BlockContext {
-            context: self.context(&mask, mask.size()[1]),
-            batch_ids: input_ids.shallow_clone(),
-            input_ids,
-            layout: Layout::Padded(mask),
-            tail: None,
-        })
-    }
-
-    /// The token embeddings `[B, T, hidden]` of the context's batch.
-    pub fn embed_block(&self, context: &BlockContext) -> Tensor {
-        self.embed(&context.input_ids)
-    }
-
-    /// Decoder layer `layer` applied to hidden states `x` `[B, T, hidden]` (the last layer after
-    /// [`BlockContext::score_predictors_only`]: at the predictors only).
-    pub fn layer_block(&self, layer: usize, x: &Tensor, context: &BlockContext) -> Result<Tensor> {
-        self.layer(layer)?;
-        Ok(self.layer_in(layer, x, context))
-    }
-
-    /// [`Self::layer_block`] for a layer that exists.
-    fn layer_in(&self, layer: usize, x: &Tensor, context: &BlockContext) -> Tensor {
-        let block = &self.layers[layer];
-        match &context.tail {
-            Some(tail) if layer + 1 == self.layers.len() => {
-                block.forward_tail(x, &context.context, tail)
-            }
-            _ => block.forward(x, &context.context, None, None),
-        }
-    }
-
-    fn layer(&self, layer: usize) -> Result<&DecoderLayer> {
-        self.layers.get(layer).ok_or_else(|| {
-            ModelError::invalid_input(
-                "layer",
-                format!(
-                    "the model has {} layers, not {}",
-                    self.layers.len(),
-                    layer + 1
-                ),
-            )
-        })
-    }
-
-    /// [`Self::block_context`] for a model holding a shard of the vocabulary (tensor
-    /// parallelism, whose engine embeds the tokens itself): the ids are checked against
-    /// `vocab_size`, the whole vocabulary's.
-    pub fn block_context_for_vocab(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        vocab_size: i64,
-    ) -> Result<BlockContext> {
-        check_batch(input_ids, attention_mask, vocab_size)?;
-        let mask = attention_mask.to_device(self.device());
-        let input_ids = input_ids.to_device(self.device());
-        Ok(BlockContext {
-            context: self.context(&mask, mask.size()[1]),
-            batch_ids: input_ids.shallow_clone(),
-            input_ids,
-            layout: Layout::Padded(mask),
-            tail: None,
-        })
-    }
-
-    /// [`Self::block_context_for_vocab`] for the tokens at `tokens` (`[T]` int64, increasing
-    /// indices into the sequence) of the batch: rotary tables at their positions and the mask
-    /// of what each may attend among all the sequence's tokens (context parallelism: a rank's
-    /// queries attend every rank's keys, see [`TensorParallel::keys_values`]).
-    pub fn block_context_for_tokens(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        vocab_size: i64,
-        tokens: &Tensor,
-    ) -> Result<BlockContext> {
-        check_batch(input_ids, attention_mask, vocab_size)?;
-        let device = self.device();
-        let tokens = tokens.to_device(device);
-        let (input_ids, mask) = (
-            input_ids.to_device(device),
-            attention_mask.to_device(device),
-        );
-        Ok(BlockContext {
-            context: self.context_at(&mask, &tokens),
-            input_ids: input_ids.index_select(1, &tokens),
-            batch_ids: input_ids,
-            layout: Layout::Padded(mask),
-            tail: None,
-        })
-    }
-
-    /// [`Self::block_context`] for a packed batch (verl's `use_remove_padding`): the real tokens
-    /// of every row of `input_ids` (`[B, S]`, `attention_mask` 1 at real tokens) as one sequence
-    /// `[1, N]`, positions restarting at each row, attention confined to each row. The blocks
-    /// then run on `[1, N, hidden]`; [`Self::response_scores_in`] returns the `[B, R]` layout.
-    pub fn packed_block_context(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        response_len: i64,
-    ) -> Result<BlockContext> {
-        self.check_batch(input_ids, attention_mask)?;
-        let packing = Packing::new(&attention_mask.to_device(self.device()), response_len, 1)?;
-        self.packed_block_context_for(input_ids, packing, self.config.vocab_size, None)
-    }
-
-    /// [`Self::packed_block_context`] with each prompt packed once, the rows repeating it
-    /// attending its slots (verl's `use_prefix_grouper`, see [`Packing::sharing_prompts`]).
-    /// Not for a model with sparse layers (their routing and load-balancing loss count every
-    /// row's tokens) nor in the deterministic mode (whose kernels tile each row whole): see
-    /// [`Self::shares_prompts`].
-    pub fn prompt_sharing_block_context(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        response_len: i64,
-    ) -> Result<BlockContext> {
-        if !self.shares_prompts() {
-            return Err(ModelError::invalid_input(
-                "use_prefix_grouper",
-                NOT_SHARING_PROMPTS,
-            ));
-        }
-        self.check_batch(input_ids, attention_mask)?;
-        let mask = attention_mask.to_device(self.device());
-        let packing = Packing::sharing_prompts(input_ids, &mask, response_len)?;
-        self.packed_block_context_for(input_ids, packing, self.config.vocab_size, None)
-    }
-
-    /// [`Self::packed_block_context`] with the packing given (rows aligned as a parallel engine
-    /// needs), for ids within `vocab_size` (the whole vocabulary's, for a shard of it), for the
-    /// stream's `tokens` only (`[T]` int64, increasing slots; `None`: all): rotary tables at
-    /// their positions, and each run of consecutive slots of a row attending that row's keys
-    /// among the whole stream's (context parallelism: see [`TensorParallel::keys_values`]).
-    pub fn packed_block_context_for(
-        &self,
-        input_ids: &Tensor,
-        packing: Packing,
-        vocab_size: i64,
-        tokens: Option<&Tensor>,
-    ) -> Result<BlockContext> {
-        let shape = packing.padded_shape();
-        check_batch(input_ids, &input_ids.zeros_like(), vocab_size)?;
-        if input_ids.size() != shape {
-            return Err(ModelError::invalid_input(
-                "input_ids",
-                format!(
-                    "shape {:?} differs from the packing's batch {shape:?}",
-                    input_ids.size()
-                ),
-            ));
-        }
-        let device = self.device();
-        let tokens = tokens.map(|t| t.to_device(device));
-        let slots = match &tokens {
-            Some(t) => Some(
-                Vec::<i64>::try_from(&t.to_device(Device::Cpu))
-                    .map_err(|e| ModelError::Torch(e.to_string()))?,
-            ),
-            None => None,
-        };
-        let batch_ids = input_ids.to_device(device);
-        let packed = packing.pack_ids(&batch_ids);
-        let rope = RopeTable::new(
-            &self.inv_freq,
-            packing.max_len().max(1),
-            self.kind(),
-            self.batch_invariant(),
-        )
-        .at(&packing.positions(tokens.as_ref()));
-        let segments = packing.segments(slots.as_deref());
-        let attend = if self.batch_invariant() {
-            Attend::Spans(
-                segments
-                    .iter()
-                    .map(|segment| invariant::Span::of_segment(segment, device))
-                    .collect(),
-            )
-        } else {
-            Attend::Segments(packed::Grids::new(&segments, device))
-        };
-        Ok(BlockContext {
-            context: Context {
-                rope,
-                attend,
-                routing: Routing::default(),
-            },
-            input_ids: match &tokens {
-                Some(t) => packed.index_select(1, t),
-                None => packed,
-            },
-            batch_ids,
-            layout: Layout::Packed(packing),
-            tail: None,
-        })
-    }
-
-    /// Final hidden states of the context's tokens, `[B, T, hidden]` (packed: `[1, T, hidden]`);
-    /// of the response predictors only after [`BlockContext::score_predictors_only`].
-    pub fn hidden_states_in(&self, context: &BlockContext) -> Tensor {
-        let mut x = self.embed_block(context);
-        for layer in 0..self.layers.len() {
-            x = self.layer_in(layer, &x, context);
-        }
-        self.norm_block(&x)
-    }
-
-    /// The attention half of decoder layer `layer` on a tensor-parallel shard of the model:
-    /// `x + tp.exit(o(attention(tp.enter(norm(x))))) + o.bias`, with this shard's heads.
-    /// `x` may be a slice of the sequence (sequence parallelism) as long as `tp.enter` returns
-    /// the context's whole sequence.
-    pub fn attention_block(
-        &self,
-        layer: usize,
-        x: &Tensor,
-        context: &BlockContext,
-        tp: &dyn TensorParallel,
-    ) -> Result<Tensor> {
-        let block = self.layer(layer)?;
-        let attn = &block.self_attn;
-        let input = tp.enter(&block.input_layernorm.forward(x))?;
-        let (q, k, v) = attn.project(&input, &context.context, None, None);
-        let (k, v) = tp.keys_values(k, v)?;
-        let out = attn.attention(&q, k, v, &context.context);
-        Ok(x + row_parallel(&attn.o_proj, &out, tp)?)
-    }
-
-    /// The MLP half of decoder layer `layer` on a tensor-parallel shard of the model (see
-    /// [`Self::attention_block`]): `x + tp.exit(down(silu(gate(h)) · up(h))) + down.bias` with
-    /// `h = tp.enter(norm(x))`. Together the two halves are [`Self::layer_block`] when `tp` is
-    /// the identity.
-    pub fn mlp_block(&self, layer: usize, x: &Tensor, tp: &dyn TensorParallel) -> Result<Tensor> {
-        let block = self.layer(layer)?;
-        let mlp = block.dense_mlp().ok_or_else(|| {
-            ModelError::invalid_input(
-                "layer",
-                format!(
-                    "layer {layer} is a mixture of experts, which tensor parallelism does not shard"
-                ),
-            )
-        })?;
-        let input = tp.enter(&block.post_attention_layernorm.forward(x))?;
-        Ok(x + row_parallel(&mlp.down_proj, &mlp.inner(&input), tp)?)
-    }
-
-    /// The final norm: its output is the model's final hidden states.
-    pub fn norm_block(&self, x: &Tensor) -> Tensor {
-        self.norm.apply(x, self.batch_invariant())
-    }
-
-    /// Forward and backward with activation checkpointing: the forward pass keeps only each
-    /// layer's input, and the backward pass recomputes one layer at a time, so activation memory
-    /// is one layer's instead of all layers'. `loss_fn` maps the final hidden states `[B, T,
-    /// hidden]` to a scalar loss (see [`Self::response_scores_from_hidden`]). Gradients accumulate
-    /// into the parameters as `loss.backward()` would after [`Self::hidden_states`]; the cost is
-    /// one extra forward pass. Returns the loss, detached.
-    pub fn backward_checkpointed(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        self.backward_checkpointed_in(&self.block_context(input_ids, attention_mask)?, loss_fn)
-    }
-
-    /// [`Self::backward_checkpointed`] on a prepared context (padded or packed).
-    pub fn backward_checkpointed_in(
-        &self,
-        block: &BlockContext,
-        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        self.backward_checkpointed_aux_in(block, None, loss_fn)
-            .map(|(loss, _)| loss)
-    }
-
     /// `router_aux_loss_coef` when the config puts the load-balancing loss into the training
     /// loss (`output_router_logits`, as transformers' mixture-of-experts models add it).
     pub fn router_aux_loss_coef(&self) -> Option<f64> {
         let moe = self.config.moe.as_ref()?;
         moe.output_router_logits.then_some(moe.router_aux_loss_coef)
     }
-
-    /// The load-balancing loss of the pass just run over `block` (its recorded router logits,
-    /// in the pass's graph), over its real tokens.
-    pub fn load_balancing_loss_in(&self, block: &BlockContext) -> Result<Tensor> {
-        let (e, k) = self.experts()?;
-        load_balancing_loss(
-            &block.take_router_logits(),
-            e,
-            k,
-            block.token_mask().as_ref(),
-        )
-    }
-
-    /// [`Self::load_balancing_loss_in`] split by layer, for a backward pass that recomputes one
-    /// layer at a time.
-    pub fn load_balance_in(&self, block: &BlockContext) -> Result<LoadBalance> {
-        let (e, k) = self.experts()?;
-        LoadBalance::new(
-            &block.take_router_logits(),
-            e,
-            k,
-            block.token_mask().as_ref(),
-        )
-    }
-
-    /// Experts per sparse layer and per token.
-    fn experts(&self) -> Result<(i64, i64)> {
-        let moe = self.config.moe.as_ref().ok_or_else(|| {
-            ModelError::invalid_input("router logits", "the model has no sparse layer")
-        })?;
-        Ok((moe.num_experts, moe.num_experts_per_tok))
-    }
-
-    /// [`Self::backward_checkpointed_in`], adding `aux_weight` × [`Self::router_aux_loss_coef`] ×
-    /// the pass's load-balancing loss to the loss when the config asks for it; returns the loss
-    /// and the load-balancing loss added (each layer's share joins that layer's recomputation).
-    pub fn backward_checkpointed_aux_in(
-        &self,
-        block: &BlockContext,
-        aux_weight: Option<f64>,
-        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<(Tensor, Option<f64>)> {
-        let (ids, context) = (&block.input_ids, &block.context);
-        let inputs = tch::no_grad(|| {
-            let mut inputs = vec![self.embed(ids)];
-            for layer in 0..self.layers.len() {
-                let next = self.layer_in(
-                    layer,
-                    inputs.last().expect("starts with the embedding"),
-                    block,
-                );
-                inputs.push(next);
-            }
-            inputs
-        });
-        let balance = match aux_weight.zip(self.router_aux_loss_coef()) {
-            Some((weight, coef)) => Some((weight * coef, self.load_balance_in(block)?)),
-            None => None,
-        };
-        // Backward through the head, then through each layer from its saved input: the gradient of
-        // sum(output · g) with respect to the layer's input and parameters is the chain rule's step.
-        let last = inputs
-            .last()
-            .expect("starts with the embedding")
-            .detach()
-            .set_requires_grad(true);
-        let loss = loss_fn(&self.norm.apply(&last, context.invariant()))?;
-        loss.f_backward()?;
-        let mut grad = last.grad();
-        let aux = balance.as_ref().map(|(_, b)| b.value);
-        for (layer, input) in inputs.iter().enumerate().take(self.layers.len()).rev() {
-            if !grad.defined() && balance.is_none() {
-                return Ok((loss.detach(), aux)); // the loss does not depend on earlier layers
-            }
-            let x = input.detach().set_requires_grad(true);
-            let out = self.layer_in(layer, &x, block);
-            let mut objective = if grad.defined() {
-                (out * &grad).sum(Kind::Float)
-            } else {
-                out.sum(Kind::Float) * 0.0
-            };
-            if let Some((weight, balance)) = &balance {
-                for logits in block.take_router_logits() {
-                    objective += balance.layer_term(&logits) * *weight;
-                }
-            }
-            objective.f_backward()?;
-            grad = x.grad();
-        }
-        if grad.defined() {
-            (self.embed(ids) * grad).sum(Kind::Float).f_backward()?;
-        }
-        Ok((loss.detach(), aux))
-    }
 }
 
-/// Why a model does not share prompts among rows (see [`CausalLM::shares_prompts`]).
-pub const NOT_SHARING_PROMPTS: &str = "prompts are not shared by a mixture-of-experts model (its routing and load-balancing loss cover every row's tokens) nor in the deterministic mode (trainer.deterministic), whose kernels tile each row whole";
+/// Files besides the weights and config that make a model directory usable, copied when present.
+const COMPANION_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+];
 
-/// What the blocks of one forward pass share: the batch's token ids, rotary tables and attention
-/// mask (see [`CausalLM::block_context`]).
-pub struct BlockContext {
-    context: Context,
-    input_ids: Tensor,
-    /// The batch's `[B, S]` ids, whose response tokens the head scores.
-    pub(crate) batch_ids: Tensor,
-    pub(crate) layout: Layout,
-    /// Set by [`Self::score_predictors_only`]: the last layer's tokens.
-    pub(crate) tail: Option<Tail>,
+fn dtype_name(kind: tch::Kind) -> &'static str {
+    match kind {
+        tch::Kind::BFloat16 => "bfloat16",
+        tch::Kind::Half => "float16",
+        _ => "float32",
+    }
 }
 
 /// Some of a pass's tokens: the columns `start .. start + len` of every row (padded), or slots
 /// `[T']` of the packed stream, increasing.
-pub(crate) enum Select {
+enum Select {
     Columns { start: i64, len: i64 },
     Slots(Tensor),
 }
@@ -1709,204 +1217,9 @@ impl Select {
 
 /// The tokens the last decoder layer computes, and their rotary tables and mask over all the
 /// pass's keys (see [`BlockContext::score_predictors_only`]).
-pub(crate) struct Tail {
+struct Tail {
     select: Select,
     context: Context,
-}
-
-/// How a batch's rows are laid out for the blocks.
-pub(crate) enum Layout {
-    /// `[B, S]` rows, with the attention mask.
-    Padded(Tensor),
-    /// One packed stream.
-    Packed(Packing),
-}
-
-impl BlockContext {
-    /// Makes the passes over this context compute the last decoder layer at the response tokens'
-    /// predictors only: their queries, output projection, MLP and final norm. The final hidden
-    /// states are then the predictors' alone — padded `[B, R, hidden]` (the last `R + 1`
-    /// columns but the last), packed `[1, n, hidden]` (the packing's predictors) — and the
-    /// `response_*_in` functions take them as they are. Every token's keys and values are still
-    /// computed, so the predictors attend exactly what they did; the other tokens' last-layer
-    /// outputs fed nothing but the discarded logits. For a prompt of `P` tokens and a response of
-    /// `R`, this saves about `P / (P + R)` of the last layer's work, forward and backward.
-    ///
-    /// Returns whether it applies: not to a context of part of the batch's tokens (context
-    /// parallelism), a sparse last layer (its routing covers every token: router replay, the
-    /// load-balancing loss), or the deterministic mode (whose kernels tile every token).
-    pub fn score_predictors_only(&mut self, model: &CausalLM, response_len: i64) -> Result<bool> {
-        let last_dense = model.layers.last().is_some_and(|l| l.dense_mlp().is_some());
-        if !last_dense || model.batch_invariant() {
-            return Ok(false);
-        }
-        let device = self.input_ids.device();
-        let (select, attend) = match (&self.layout, &self.context.attend) {
-            (Layout::Padded(mask), Attend::Mask(attend)) => {
-                let seq = mask.size()[1];
-                if self.input_ids.size()[1] != seq {
-                    return Ok(false);
-                }
-                crate::logprobs::check_response_len(seq, response_len)?;
-                let (start, len) = (seq - response_len - 1, response_len);
-                (
-                    Select::Columns { start, len },
-                    Attend::Mask(attend.narrow(2, start, len)),
-                )
-            }
-            (Layout::Packed(packing), Attend::Segments(_)) => {
-                crate::logprobs::check_packed_response_len(packing, response_len)?;
-                if self.input_ids.size()[1] != packing.len() || packing.predictors().numel() == 0 {
-                    return Ok(false);
-                }
-                (
-                    Select::Slots(packing.predictors().to_device(device)),
-                    Attend::Segments(packed::Grids::new(&packing.predictor_segments(), device)),
-                )
-            }
-            _ => return Ok(false),
-        };
-        self.tail = Some(Tail {
-            context: Context {
-                rope: self.context.rope.select(&select),
-                attend,
-                routing: Routing::default(),
-            },
-            select,
-        });
-        Ok(true)
-    }
-
-    /// Router replay for this pass: the tokens use `experts` (`[B, T, sparse layers, k]` int64,
-    /// laid out like the padded batch's ids; packed, each real token takes its own entry) instead
-    /// of the router's top-k.
-    pub fn replay_experts(&mut self, model: &CausalLM, experts: &Tensor) -> Result<()> {
-        let Some(moe) = &model.config.moe else {
-            return Err(ModelError::invalid_input(
-                "routed_experts",
-                "the model has no experts to replay",
-            ));
-        };
-        let ids = match &self.layout {
-            Layout::Padded(_) => self.input_ids.size(),
-            Layout::Packed(packing) => {
-                if self.input_ids.size()[1] != packing.len() {
-                    return Err(ModelError::invalid_input(
-                        "routed_experts",
-                        "router replay of part of a packed stream (context parallelism) is not built",
-                    ));
-                }
-                packing.padded_shape().to_vec()
-            }
-        };
-        let want = [
-            ids[0],
-            ids[1],
-            model.sparse_layers(),
-            moe.num_experts_per_tok,
-        ];
-        if experts.size() != want || experts.kind() != Kind::Int64 {
-            return Err(ModelError::invalid_input(
-                "routed_experts",
-                format!(
-                    "must be int64 {want:?} (batch, tokens, sparse layers, top-k), got {:?} {:?}",
-                    experts.kind(),
-                    experts.size()
-                ),
-            ));
-        }
-        if experts.numel() > 0 {
-            let (lo, hi) = (
-                experts.min().int64_value(&[]),
-                experts.max().int64_value(&[]),
-            );
-            if lo < 0 || hi >= moe.num_experts {
-                return Err(ModelError::invalid_input(
-                    "routed_experts",
-                    format!(
-                        "experts must lie in [0, {}), found {lo}..={hi}",
-                        moe.num_experts
-                    ),
-                ));
-            }
-        }
-        let flat = experts
-            .reshape([ids[0] * ids[1], want[2], want[3]])
-            .to_device(self.input_ids.device());
-        let flat = match &self.layout {
-            Layout::Padded(_) => flat,
-            Layout::Packed(packing) => packing.pack_tokens(&flat),
-        };
-        self.context.routing = Routing::replaying(&flat);
-        Ok(())
-    }
-
-    /// The routing recorded by the last pass over this context (`[batch, tokens]` of its ids).
-    pub fn take_routing(&self, batch: i64, tokens: i64) -> RouterOutput {
-        RouterOutput::from_layers(self.context.routing.take(), batch, tokens)
-    }
-
-    /// The token ids of the context's tokens `[B, T]` (for an engine that embeds them itself;
-    /// packed: `[1, T]`).
-    pub fn input_ids(&self) -> &Tensor {
-        &self.input_ids
-    }
-
-    /// The experts each token of the padded batch used in the last pass over this context,
-    /// `[B, T, sparse layers, k]` int64 (router replay R2 records them).
-    pub fn take_routed_experts(&self) -> Result<Tensor> {
-        let (batch, tokens) = self.input_ids.size2()?;
-        let experts = self.take_routing(batch, tokens).experts;
-        match &self.layout {
-            Layout::Padded(_) => Ok(experts),
-            Layout::Packed(packing) => {
-                let [rows, seq] = packing.padded_shape();
-                let size = experts.size();
-                let stream = experts.reshape([tokens, size[2], size[3]]);
-                let padded = if tokens == packing.len() {
-                    packing.unpack_tokens(&stream)
-                } else {
-                    None
-                };
-                padded
-                    .map(|p| p.view([rows, seq, size[2], size[3]]))
-                    .ok_or_else(|| {
-                        ModelError::invalid_input(
-                            "routed_experts",
-                            "recording the routing of an aligned or partial packed stream is not built",
-                        )
-                    })
-            }
-        }
-    }
-
-    /// Each sparse layer's router logits `[N, experts]` recorded since the last take, in layer
-    /// order (`N`: the context's tokens, flattened).
-    pub fn take_router_logits(&self) -> Vec<Tensor> {
-        self.context
-            .routing
-            .take()
-            .into_iter()
-            .map(|l| l.logits)
-            .collect()
-    }
-
-    /// Which of the context's `N` tokens are real, flattened like the router logits; `None` when
-    /// all are (a packed stream).
-    pub fn token_mask(&self) -> Option<Tensor> {
-        match &self.layout {
-            Layout::Padded(mask) => Some(mask.reshape([-1])),
-            Layout::Packed(_) => None,
-        }
-    }
-
-    /// The packing of a packed batch's context.
-    pub fn packing(&self) -> Option<&Packing> {
-        match &self.layout {
-            Layout::Packed(packing) => Some(packing),
-            Layout::Padded(_) => None,
-        }
-    }
 }
 
 /// RoPE frequencies `[head_dim / 2]` in fp32, computed as transformers computes them.
@@ -1943,40 +1256,4 @@ fn inv_freq(c: &ModelConfig, device: Device) -> Tensor {
 fn is_value_head(name: &str) -> bool {
     name.strip_prefix(VALUE_HEAD)
         .is_some_and(|rest| rest.starts_with('.'))
-}
-
-/// `[B, T]` int64 token ids within `[0, vocab_size)` and a matching mask.
-fn check_batch(input_ids: &Tensor, attention_mask: &Tensor, vocab_size: i64) -> Result<()> {
-    let size = input_ids.size();
-    if size.len() != 2 || input_ids.kind() != Kind::Int64 {
-        return Err(ModelError::invalid_input(
-            "input_ids",
-            format!(
-                "must be an int64 [batch, seq] tensor, got {:?} {size:?}",
-                input_ids.kind()
-            ),
-        ));
-    }
-    if attention_mask.size() != size {
-        return Err(ModelError::invalid_input(
-            "attention_mask",
-            format!(
-                "shape {:?} differs from input_ids {size:?}",
-                attention_mask.size()
-            ),
-        ));
-    }
-    if input_ids.numel() > 0 {
-        let (lo, hi) = (
-            input_ids.min().int64_value(&[]),
-            input_ids.max().int64_value(&[]),
-        );
-        if lo < 0 || hi >= vocab_size {
-            return Err(ModelError::invalid_input(
-                "input_ids",
-                format!("ids must lie in [0, {vocab_size}), found {lo}..={hi}"),
-            ));
-        }
-    }
-    Ok(())
 }

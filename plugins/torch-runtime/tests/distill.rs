@@ -5,10 +5,8 @@
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
-use verl_torch_runtime::ScoreOutputs;
-use verl_torch_runtime::distill::{
-    DistillLossMode, TopkKlConfig, fused_scores, topk_kl, topk_log_probs,
-};
+use verl_torch_runtime::distill::{DistillLossMode, TopkKlConfig, topk_kl};
+use verl_torch_runtime::{ScoreOutputs, fused_scores, topk_log_probs};
 
 #[derive(Deserialize)]
 struct Case {

@@ -4,8 +4,7 @@
 //! test allocates meanwhile.
 
 use tch::{Device, Kind, Tensor};
-use verl_torch_runtime::distill::fused_scores;
-use verl_torch_runtime::{ScoreOutputs, log_probs_from_logits};
+use verl_torch_runtime::{ScoreOutputs, fused_scores, log_probs_from_logits};
 
 /// Bytes malloc holds now, over every arena plus mmapped chunks.
 fn held_bytes() -> f64 {

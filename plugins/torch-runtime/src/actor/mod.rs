@@ -50,15 +50,12 @@ pub use config::{
 pub use error::ActorError;
 pub use rows::{Meta, Rows};
 
-use crate::distill::{
-    DistillObjective, DistillScores, DistillSettings, TEACHER_IDS, TEACHER_LOGPROBS, TopkLogProbs,
-    topk_kl,
-};
+use crate::distill::{DistillObjective, DistillSettings, TEACHER_IDS, TEACHER_LOGPROBS, topk_kl};
 use crate::interop::from_tch;
 use crate::losses::{
     AggScale, PolicyBatch, agg_loss, kl_penalty, masked_mean, policy_loss, value_loss,
 };
-use crate::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
+use crate::{DistillScores, LrSchedule, ResponseScores, Rng, ScoreOutputs, TopkLogProbs};
 
 /// What an engine strategy supplies: how its (possibly sharded) model computes and learns.
 /// Everything else — verl's losses, loss scaling, mini/micro-batching, metrics, the schedule,

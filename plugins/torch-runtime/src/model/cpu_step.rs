@@ -67,26 +67,23 @@ impl StepBuffers {
             scores: vec![0.0; cache.keys[0].size()[2] as usize],
         }
     }
-}
 
-impl CausalLM {
-    /// One decode step for `tokens` (one per row); returns the logits `[rows, vocab]`, a view of
-    /// a buffer that the next step overwrites.
-    pub(super) fn cpu_decode_step(
-        &self,
+    /// One decode step of `model` for `tokens` (one per row); returns the logits `[rows,
+    /// vocab]`, a view of a buffer that the next step overwrites.
+    pub(super) fn step(
+        &mut self,
+        model: &CausalLM,
         tokens: &[i64],
         cache: &mut KvCache,
         weights: &DecodeWeights,
-        buffers: &mut StepBuffers,
     ) -> Tensor {
-        let c = &self.config;
+        let c = &model.config;
         let (hidden, head_dim) = (c.hidden_size as usize, c.head_dim as usize);
-        let b = &mut *buffers;
         // SAFETY (every `floats` below): the buffers, cache and weights are distinct contiguous
         // fp32 CPU tensors, and each slice ends before libtorch touches its tensor again.
         unsafe {
-            let embed = floats(&self.embed_tokens);
-            for (row, &token) in floats_mut(&mut b.x).chunks_exact_mut(hidden).zip(tokens) {
+            let embed = floats(&model.embed_tokens);
+            for (row, &token) in floats_mut(&mut self.x).chunks_exact_mut(hidden).zip(tokens) {
                 row.copy_from_slice(&embed[token as usize * hidden..][..hidden]);
             }
         }
@@ -97,44 +94,50 @@ impl CausalLM {
             capacity: cache.keys[0].size()[2] as usize,
             len: cache.len as usize,
         };
-        for ((layer, w), i) in self.layers.iter().zip(&weights.layers).zip(0..) {
-            normalize(&layer.input_layernorm, &b.x, &mut b.normed);
-            project(&w.qkv, &b.normed, &mut b.qkv);
+        for ((layer, w), i) in model.layers.iter().zip(&weights.layers).zip(0..) {
+            normalize(&layer.input_layernorm, &self.x, &mut self.normed);
+            project(&w.qkv, &self.normed, &mut self.qkv);
             unsafe {
-                let qkv = floats_mut(&mut b.qkv);
-                rotate(qkv, &geometry, &b.positions, &cache.rope);
+                let qkv = floats_mut(&mut self.qkv);
+                rotate(qkv, &geometry, &self.positions, &cache.rope);
                 attend(
                     qkv,
                     (
                         floats_mut(&mut cache.keys[i]),
                         floats_mut(&mut cache.values[i]),
                     ),
-                    (floats(&cache.mask), &b.first_real),
+                    (floats(&cache.mask), &self.first_real),
                     &geometry,
-                    &mut b.scores,
-                    floats_mut(&mut b.attn),
+                    &mut self.scores,
+                    floats_mut(&mut self.attn),
                 );
             }
-            project(&w.o, &b.attn, &mut b.proj);
-            unsafe { add(floats_mut(&mut b.x), floats(&b.proj)) };
-            normalize(&layer.post_attention_layernorm, &b.x, &mut b.normed);
-            project(&w.gate_up, &b.normed, &mut b.gate_up);
+            project(&w.o, &self.attn, &mut self.proj);
+            unsafe { add(floats_mut(&mut self.x), floats(&self.proj)) };
+            normalize(&layer.post_attention_layernorm, &self.x, &mut self.normed);
+            project(&w.gate_up, &self.normed, &mut self.gate_up);
             let intermediate = c.intermediate_size as usize;
-            unsafe { kernels::silu_mul(floats(&b.gate_up), intermediate, floats_mut(&mut b.act)) };
-            project(&w.down, &b.act, &mut b.proj);
-            unsafe { add(floats_mut(&mut b.x), floats(&b.proj)) };
+            unsafe {
+                kernels::silu_mul(
+                    floats(&self.gate_up),
+                    intermediate,
+                    floats_mut(&mut self.act),
+                )
+            };
+            project(&w.down, &self.act, &mut self.proj);
+            unsafe { add(floats_mut(&mut self.x), floats(&self.proj)) };
         }
-        normalize(&self.norm, &b.x, &mut b.normed);
+        normalize(&model.norm, &self.x, &mut self.normed);
         let head = weights
             .lm_head
             .as_ref()
             .expect("generate checks for an LM head");
-        project(head, &b.normed, &mut b.logits);
+        project(head, &self.normed, &mut self.logits);
         cache.len += 1;
-        for p in &mut b.positions {
+        for p in &mut self.positions {
             *p += 1;
         }
-        b.logits.shallow_clone()
+        self.logits.shallow_clone()
     }
 }
 

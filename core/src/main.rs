@@ -284,7 +284,7 @@ enum PluginsCommand {
         #[arg(long)]
         builtin: bool,
         /// Model fixture for the engine and rollout suites (a Hugging Face directory with
-        /// transformers' expected.json); default: plugins/torch-runtime/fixtures/tiny-llama of a verl-core
+        /// transformers' expected.json); default: runtime/model/fixtures/tiny-llama of a verl-core
         /// checkout above the current directory or the binary.
         #[arg(long, value_name = "DIR")]
         fixture: Option<PathBuf>,

@@ -1,14 +1,14 @@
 //! The `fsdp` engine's worker: verl's actor/critic semantics (the shared
-//! [`verl_torch_runtime::actor::ActorWorker`], which normalises each rank's loss by the global
+//! [`verl_actor::ActorWorker`], which normalises each rank's loss by the global
 //! batch's counts) on the model where `fsdp_config` places it ([`Placement`]): sharded over the
 //! ranks (ZeRO-3, [`crate::shard`]) on more than one rank or when offloading, else whole in this
 //! process ([`LocalModel`]).
 
 use std::time::Duration;
 
+use verl_actor::{ActorConfig, ActorError, ActorWorker, PassLayout, Role};
+use verl_model::{Head, NOT_SHARING_PROMPTS, parse_device};
 use verl_plugin_api::ComponentInit;
-use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, PassLayout, Role};
-use verl_torch_runtime::{Head, NOT_SHARING_PROMPTS, parse_device};
 
 use crate::config::FsdpConfig;
 use crate::dist::Ranks;

@@ -5,14 +5,17 @@
 use std::path::Path;
 
 use tch::{Device, Tensor};
-use verl_plugin_api::TensorRef;
-use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::interop::LentTensors;
-use verl_torch_runtime::{
-    AdamW, AdamWConfig, BlockContext, CausalLM, DistillScores, LrSchedule, ModelSpec,
-    ResponseScores, Rng, ScoreOutputs, TopkLogProbs, load_training_state, load_training_state_from,
+use verl_actor::{
+    AdamW, AdamWConfig, LrSchedule, load_training_state, load_training_state_from,
     save_training_state,
 };
+use verl_actor::{Reduction, Rows, Strategy};
+use verl_model::interop::LentTensors;
+use verl_model::{
+    BlockContext, CausalLM, DistillScores, ModelSpec, ResponseScores, Rng, ScoreOutputs,
+    TopkLogProbs,
+};
+use verl_plugin_api::TensorRef;
 
 use crate::dist::{Ranks, model_error};
 use crate::shard::strategy::shard_error;
@@ -51,7 +54,7 @@ impl LocalModel {
     }
 
     /// The micro-batch's block context, laid out as the settings ask.
-    fn context(&self, rows: &Rows) -> verl_torch_runtime::Result<BlockContext> {
+    fn context(&self, rows: &Rows) -> verl_model::Result<BlockContext> {
         rows.block_context(&self.model)
     }
 
@@ -63,8 +66,8 @@ impl LocalModel {
         &self,
         rows: &Rows,
         aux_weight: Option<f64>,
-        loss_fn: impl FnOnce(&Tensor, &BlockContext) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss_fn: impl FnOnce(&Tensor, &BlockContext) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         let context = self.context(rows)?;
         if self.spec.enable_gradient_checkpointing {
             // The returned (detached) loss is not needed: `loss_fn` records its values.
@@ -95,7 +98,7 @@ impl LocalModel {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+    ) -> verl_model::Result<(ResponseScores, BlockContext)> {
         let context = self.context(rows)?;
         let hidden = self.model.hidden_states_in(&context);
         let scores = self.model.response_scores_in(
@@ -114,8 +117,8 @@ impl LocalModel {
         temperature: f64,
         outputs: ScoreOutputs,
         aux_weight: Option<f64>,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         self.backward(rows, aux_weight, |hidden, context| {
             loss(&self.model.response_scores_in(
                 hidden,
@@ -138,7 +141,7 @@ impl Strategy for LocalModel {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<ResponseScores> {
+    ) -> verl_model::Result<ResponseScores> {
         self.scored(rows, temperature, outputs)
             .map(|(scores, _)| scores)
     }
@@ -148,12 +151,12 @@ impl Strategy for LocalModel {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+    ) -> verl_model::Result<(ResponseScores, Tensor)> {
         let (scores, context) = self.scored(rows, temperature, outputs)?;
         Ok((scores, context.take_routed_experts()?))
     }
 
-    fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
+    fn values(&self, rows: &Rows) -> verl_model::Result<Tensor> {
         let context = self.context(rows)?;
         let hidden = self.model.hidden_states_in(&context);
         self.model
@@ -165,8 +168,8 @@ impl Strategy for LocalModel {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         self.backward_scores_with(rows, temperature, outputs, None, loss)
             .map(drop)
     }
@@ -177,17 +180,12 @@ impl Strategy for LocalModel {
         temperature: f64,
         outputs: ScoreOutputs,
         aux_weight: f64,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         self.backward_scores_with(rows, temperature, outputs, Some(aux_weight), loss)
     }
 
-    fn topk(
-        &self,
-        rows: &Rows,
-        temperature: f64,
-        k: i64,
-    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+    fn topk(&self, rows: &Rows, temperature: f64, k: i64) -> verl_model::Result<TopkLogProbs> {
         let context = self.context(rows)?;
         let hidden = self.model.hidden_states_in(&context);
         self.model
@@ -201,8 +199,8 @@ impl Strategy for LocalModel {
         outputs: ScoreOutputs,
         aux_weight: f64,
         ids: &Tensor,
-        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&DistillScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         self.backward(rows, Some(aux_weight), |hidden, context| {
             loss(&self.model.response_distill_scores_in(
                 hidden,
@@ -218,8 +216,8 @@ impl Strategy for LocalModel {
     fn backward_values(
         &self,
         rows: &Rows,
-        loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&Tensor) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         self.backward(rows, None, |hidden, context| {
             loss(
                 &self
@@ -242,8 +240,8 @@ impl Strategy for LocalModel {
         self.optimizer().step(lr)
     }
 
-    /// verl-torch-runtime's training state: weights, optimizer moments, schedule and generator.
-    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
+    /// verl-actor's training state: weights, optimizer moments, schedule and generator.
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_model::Result<()> {
         let optimizer = self
             .optimizer
             .as_ref()
@@ -251,7 +249,7 @@ impl Strategy for LocalModel {
         save_training_state(dir, &self.model, optimizer, schedule, rng)
     }
 
-    fn load(&mut self, dir: &Path) -> verl_torch_runtime::Result<(LrSchedule, Rng)> {
+    fn load(&mut self, dir: &Path) -> verl_model::Result<(LrSchedule, Rng)> {
         let optimizer = self
             .optimizer
             .as_mut()
@@ -267,22 +265,22 @@ impl Strategy for LocalModel {
     }
 
     /// The parameters as views, in place for contiguous host tensors.
-    fn weights(&mut self) -> verl_torch_runtime::Result<Vec<TensorRef<'_>>> {
+    fn weights(&mut self) -> verl_model::Result<Vec<TensorRef<'_>>> {
         self.lent.lend(self.model.named_tensors())?;
         self.lent.views()
     }
 
-    fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
+    fn export_hf(&self, dir: &Path) -> verl_model::Result<()> {
         self.model.save_pretrained(dir, Some(&self.spec.path))
     }
 
-    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_model::Result<()> {
         self.ranks.all_reduce(values, op).map_err(model_error)
     }
 
     /// Every replica's accumulated gradients, summed (each rank's loss is already its share of
     /// the global loss).
-    fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
+    fn reduce_gradients(&mut self) -> verl_model::Result<()> {
         let mut grads: Vec<Tensor> = self
             .model
             .named_tensors()

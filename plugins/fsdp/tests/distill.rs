@@ -7,9 +7,9 @@ mod common;
 use common::*;
 use serde_json::json;
 use tch::Kind;
+use verl_model::interop::to_tch;
+use verl_model::{CausalLM, ModelOptions};
 use verl_plugin_api::{Batch, keys};
-use verl_torch_runtime::interop::to_tch;
-use verl_torch_runtime::{CausalLM, ModelOptions};
 
 const K: i64 = 5;
 

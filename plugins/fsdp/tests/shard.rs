@@ -16,15 +16,16 @@ use std::time::Duration;
 
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
+use verl_actor::{ActorConfig, ActorWorker};
+use verl_actor::{AdamW, AdamWConfig};
 use verl_distributed::{Backend, Options, ProcessGroup, ReduceOp, Rendezvous};
+use verl_model::{
+    Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng, ScoreOutputs, read_safetensors,
+    write_safetensors,
+};
 use verl_plugin_api::keys;
 use verl_plugin_fsdp::shard::strategy::ShardedStrategy;
 use verl_plugin_fsdp::shard::{ShardOptions, ShardedModel};
-use verl_torch_runtime::actor::{ActorConfig, ActorWorker};
-use verl_torch_runtime::{
-    AdamW, AdamWConfig, Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng, ScoreOutputs,
-    read_safetensors, write_safetensors,
-};
 
 const CASE: &str = "VERL_SHARD_TEST_CASE";
 const VARIANT: &str = "VERL_SHARD_TEST_VARIANT";
@@ -189,7 +190,7 @@ impl TrainBatch {
 
     /// A policy-gradient-like loss with an entropy bonus (LM head), or a squared error (value
     /// head), summed over response tokens and divided by the global token count.
-    fn loss(&self, model: &CausalLM, hidden: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    fn loss(&self, model: &CausalLM, hidden: &Tensor) -> verl_model::Result<Tensor> {
         let response_mask = self
             .mask
             .narrow(1, SEQ - RESPONSE, RESPONSE)
@@ -213,7 +214,7 @@ impl TrainBatch {
     }
 
     /// What `compute_log_prob` / `compute_values` return for these rows.
-    fn scores(&self, model: &CausalLM, hidden: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    fn scores(&self, model: &CausalLM, hidden: &Tensor) -> verl_model::Result<Tensor> {
         if model.head() == Head::Value {
             model.response_values_from_hidden(hidden, &self.mask, RESPONSE)
         } else {
@@ -454,7 +455,7 @@ fn play_load(group: &mut ProcessGroup, variant: Variant, dir: &Path) {
 
 /// The fixture's log-probs (`[B, R]`) of an ABI batch.
 fn log_probs_of(batch: &verl_plugin_api::Batch) -> Tensor {
-    verl_torch_runtime::interop::to_tch(
+    verl_model::interop::to_tch(
         keys::LOG_PROBS,
         batch.require(keys::LOG_PROBS).unwrap(),
         Device::Cpu,
@@ -549,7 +550,7 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
             CausalLM::from_pretrained(&dir.join("hf"), &ModelOptions::default()).unwrap();
         for ((name, t), w) in exported.named_tensors().iter().zip(&uninterrupted) {
             assert_eq!(*name, w.name);
-            let mine = verl_torch_runtime::interop::to_tch(name, &w.tensor, Device::Cpu).unwrap();
+            let mine = verl_model::interop::to_tch(name, &w.tensor, Device::Cpu).unwrap();
             assert!(t.equal(&mine), "exported {name}");
         }
         assert!(
@@ -569,8 +570,8 @@ fn select_rows(batch: &verl_plugin_api::Batch, rows: &[usize]) -> verl_plugin_ap
     };
     for named in &batch.tensors {
         let name = named.name.as_str();
-        let t = verl_torch_runtime::interop::to_tch(name, &named.tensor, Device::Cpu).unwrap();
-        let picked = verl_torch_runtime::interop::from_tch(name, &t.index_select(0, &index));
+        let t = verl_model::interop::to_tch(name, &named.tensor, Device::Cpu).unwrap();
+        let picked = verl_model::interop::from_tch(name, &t.index_select(0, &index));
         out.insert(name, picked.unwrap());
     }
     out

@@ -16,13 +16,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::{Value, json};
+use verl_model::interop::{from_tch, to_tch};
+use verl_model::{
+    Architecture, CausalLM, ModelConfig, ModelOptions, Rng, read_safetensors, write_safetensors,
+};
 use verl_plugin_api::{Batch, ComponentInit, ComponentKind, NamedTensor, RunContext, Tensor, keys};
 use verl_plugin_host::EngineHandle;
 use verl_testkit::{PluginHarness, built_plugin};
-use verl_torch_runtime::interop::{from_tch, to_tch};
-use verl_torch_runtime::{
-    Architecture, CausalLM, ModelConfig, ModelOptions, Rng, read_safetensors, write_safetensors,
-};
 
 const CASE: &str = "VERL_MEGATRON_TEST_CASE";
 const MODEL: &str = "VERL_MEGATRON_TEST_MODEL";

@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use verl_plugin_api::{Batch, DType, NamedTensor, Tensor, keys};
 
-/// The fixture the suites use by default: `plugins/torch-runtime/fixtures/tiny-llama` of a verl-core checkout,
+/// The fixture the suites use by default: `runtime/model/fixtures/tiny-llama` of a verl-core checkout,
 /// looked for above the current directory and above the running executable.
 pub fn locate_fixture() -> Option<PathBuf> {
-    // Where the fixtures live in a checkout (and lived before the torch runtime moved).
-    const FIXTURE_PATHS: [&str; 2] = [
+    // Where the fixtures live in a checkout, then where they lived before (older checkouts).
+    const FIXTURE_PATHS: [&str; 3] = [
+        "runtime/model/fixtures/tiny-llama",
         "plugins/torch-runtime/fixtures/tiny-llama",
         "model/fixtures/tiny-llama",
     ];
@@ -61,7 +62,7 @@ pub fn load(suite: &mut super::Suite, checks: &[&'static str]) -> Option<(PathBu
         for &check in checks {
             suite.skip(
                 check,
-                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. plugins/torch-runtime/fixtures/tiny-llama)",
+                "no model fixture: pass --fixture DIR (a model directory with transformers' expected.json, e.g. runtime/model/fixtures/tiny-llama)",
             );
         }
         return None;

@@ -26,7 +26,7 @@
 //! visible-devices variable set to `"1,3"` (and `"0"`) on four devices must leave 2 (and 1).
 //!
 //! **Reference fixtures.** Engine and rollout suites need a model directory with an
-//! `expected.json` computed by transformers (`plugins/torch-runtime/fixtures/tiny-llama` of the verl-core repo,
+//! `expected.json` computed by transformers (`runtime/model/fixtures/tiny-llama` of the verl-core repo,
 //! made by `make_fixtures.py`): [`Options::fixture`], or [`locate_fixture`]. Without one, their
 //! numeric checks are skipped with that reason. Engines are initialised with verl's actor
 //! section (`role`, `model.path`, `optim.lr`, `ppo_mini_batch_size`), rollouts with verl's rollout

@@ -1,7 +1,5 @@
-//! Driving the built `fsdp` plugin through the host and the stable ABI, on verl-torch-runtime's committed
-//! tiny fixtures (`plugins/torch-runtime/fixtures`, made by `make_fixtures.py` with transformers).
-
-use std::path::{Path, PathBuf};
+//! Driving the built `fsdp` plugin through the host and the stable ABI, on verl-model's committed
+//! tiny fixtures (`runtime/model/fixtures`, made by `make_fixtures.py` with transformers).
 
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -11,11 +9,7 @@ use verl_plugin_api::{
 use verl_plugin_host::EngineHandle;
 use verl_testkit::{PluginHarness, built_plugin};
 
-pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../torch-runtime/fixtures")
-        .join(name)
-}
+pub use verl_model::testing::fixture;
 
 #[derive(Deserialize)]
 pub struct Expected {

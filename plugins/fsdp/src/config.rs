@@ -3,8 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use verl_actor::AdamWConfig;
-use verl_actor::{Role, engine_section_keys};
+use verl_actor::{AdamWConfig, Role, engine_section_keys};
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
 
 use crate::shard::ShardOptions;

@@ -6,10 +6,9 @@ use std::path::Path;
 
 use tch::{Device, Tensor};
 use verl_actor::{
-    AdamW, AdamWConfig, LrSchedule, load_training_state, load_training_state_from,
-    save_training_state,
+    AdamW, AdamWConfig, LrSchedule, Reduction, Rows, Strategy, load_training_state,
+    load_training_state_from, save_training_state,
 };
-use verl_actor::{Reduction, Rows, Strategy};
 use verl_model::interop::LentTensors;
 use verl_model::{
     BlockContext, CausalLM, DistillScores, ModelSpec, ResponseScores, Rng, ScoreOutputs,

@@ -5,8 +5,7 @@
 use std::path::Path;
 
 use tch::{Device, Tensor};
-use verl_actor::LrSchedule;
-use verl_actor::{Reduction, Rows, Strategy};
+use verl_actor::{LrSchedule, Reduction, Rows, Strategy};
 use verl_model::{DistillScores, ResponseScores, Rng, ScoreOutputs, TopkLogProbs};
 use verl_plugin_api::TensorRef;
 

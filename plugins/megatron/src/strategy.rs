@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
-use verl_actor::{ActorWorker, Reduction, Rows, Strategy};
 use verl_actor::{
-    AdamW, AdamWConfig, LrSchedule, TRAIN_STATE_FILE, TrainState, load_training_state_from,
+    ActorWorker, AdamW, AdamWConfig, LrSchedule, Reduction, Rows, Strategy, TRAIN_STATE_FILE,
+    TrainState, load_training_state_from,
 };
 use verl_distributed::ReduceOp;
 use verl_model::interop::LentTensors;

@@ -14,8 +14,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Tensor};
-use verl_actor::{LrSchedule, TrainState};
-use verl_actor::{Reduction, Rows, Strategy};
+use verl_actor::{LrSchedule, Reduction, Rows, Strategy, TrainState};
 use verl_distributed::{Backend, Options, ProcessGroup, Rendezvous};
 use verl_model::interop::LentTensors;
 use verl_model::{

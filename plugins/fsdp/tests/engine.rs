@@ -4,6 +4,11 @@ mod common;
 
 use common::*;
 use serde_json::json;
+use verl_actor::testing::{
+    GROUPING_FREE_METRICS, log_probs, max_abs_diff, merge, metric, metrics_diff, seqlens, set_meta,
+    update, values, weights, weights_diff, with_ppo_fields,
+};
+use verl_model::testing::{expected, fixture};
 use verl_model::{CausalLM, ModelOptions, ScoreOutputs};
 use verl_plugin_api::{ErrorKind, NamedTensor, Tensor, keys};
 
@@ -783,7 +788,7 @@ fn packed_batches_equal_padded() {
                 worst[0] = worst[0].max(diff);
                 assert!(diff <= TOLERANCE, "{model} {extra} {rows}: scores {diff:e}");
                 set_meta(&mut batch, json!({}));
-                let batch = with_ppo_fields(&mut padded, batch);
+                let batch = with_ppo_fields(&mut padded, batch, 0);
                 for step in 0..3 {
                     let (want, got) = (update(&mut padded, &batch), update(&mut packed, &batch));
                     for m in &want {
@@ -903,7 +908,7 @@ fn token_budget_micro_batches_equal_fixed_ones() {
             let diff = scores_diff(&mut fixed, &mut dynamic, &batch);
             worst[0] = worst[0].max(diff);
             assert!(diff <= TOLERANCE, "{model} {extra}: scores {diff:e}");
-            let batch = with_ppo_fields(&mut fixed, batch);
+            let batch = with_ppo_fields(&mut fixed, batch, 0);
             let before = weights(&mut fixed);
             for step in 0..3 {
                 let (want, got) = (update(&mut fixed, &batch), update(&mut dynamic, &batch));

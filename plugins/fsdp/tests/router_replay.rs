@@ -12,6 +12,8 @@ mod common;
 use common::*;
 use serde_json::json;
 use tch::Tensor as TchTensor;
+use verl_actor::testing::{max_abs_diff, metric, set_meta, update, weights};
+use verl_model::testing::fixture;
 use verl_model::{CausalLM, Completion, ModelOptions, SamplingParams, write_safetensors};
 use verl_plugin_api::{Batch, Tensor, keys};
 

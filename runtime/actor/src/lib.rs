@@ -3,7 +3,8 @@
 //! parallel shards): verl's actor and critic semantics over what the strategy supplies
 //! ([`ActorWorker`] over a [`Strategy`]; config [`ActorConfig`], batch layout [`Rows`]), verl's
 //! PPO losses ([`losses`]), the on-policy distillation loss ([`distill`]), and an AdamW optimiser
-//! whose state saves and restores exactly ([`AdamW`], [`save_training_state`]).
+//! whose state saves and restores exactly ([`AdamW`], [`save_training_state`]). With the
+//! `testing` feature, `testing` is the conformance suite that every engine's tests run.
 
 mod config;
 pub mod distill;
@@ -11,6 +12,8 @@ mod error;
 pub mod losses;
 mod optim;
 mod rows;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod worker;
 
 pub use config::{

@@ -81,15 +81,16 @@ pub fn load(suite: &mut super::Suite, checks: &[&'static str]) -> Option<(PathBu
 /// response length.
 pub fn layout(seqs: &[Vec<i64>]) -> (Batch, Vec<usize>) {
     let splits: Vec<usize> = (0..seqs.len()).map(|i| 3 + i).collect();
+    layout_split(seqs, &splits)
+}
+
+/// [`layout`] with sequence `i` split after `splits[i]` prompt tokens.
+pub fn layout_split(seqs: &[Vec<i64>], splits: &[usize]) -> (Batch, Vec<usize>) {
     let p = splits.iter().copied().max().unwrap_or(0);
-    let lens: Vec<usize> = seqs
-        .iter()
-        .zip(&splits)
-        .map(|(s, &k)| s.len() - k)
-        .collect();
+    let lens: Vec<usize> = seqs.iter().zip(splits).map(|(s, &k)| s.len() - k).collect();
     let r = lens.iter().copied().max().unwrap_or(0);
     let (mut ids, mut mask, mut responses, mut rmask) = (vec![], vec![], vec![], vec![]);
-    for (s, &k) in seqs.iter().zip(&splits) {
+    for (s, &k) in seqs.iter().zip(splits) {
         let (prompt, response) = s.split_at(k);
         let (pad_p, pad_r) = (p - prompt.len(), r - response.len());
         ids.extend(

@@ -53,7 +53,7 @@ use verl_plugin_host::{Component, LoadError, Registry, vet::AllowList};
 
 use crate::FakeRoot;
 
-pub use fixture::locate_fixture;
+pub use fixture::{layout, layout_split, locate_fixture};
 
 /// A fake machine with `n` devices of one family.
 pub type DeviceLayout = fn(u32) -> FakeRoot;

@@ -1,5 +1,5 @@
 """The AdamW lever of issue 14 measured on PyTorch's kernels (those libtorch runs for
-verl-torch-runtime's optimizer): the optimizer's update as it was (checked out of place, then
+verl-actor's optimizer): the optimizer's update as it was (checked out of place, then
 recomputed out of place and copied in: a dozen fresh tensors per parameter and pass) against as it
 is (checked in reused buffers, then applied in place: no fresh tensor per parameter), with torch.optim.AdamW (what TRL runs) for reference, on the parameters of the bench's
 Qwen2 (hidden 256, 4 layers, vocab 512). Repetitions alternate; medians. Both verl-core variants
@@ -67,7 +67,7 @@ largest = max(p.numel() for p in params)
 
 
 def after(state, step):
-    # Six buffers per step, as long as the largest parameter (as verl-torch-runtime's `Scratch`).
+    # Six buffers per step, as long as the largest parameter (as verl-actor's `Scratch`).
     scratch = [torch.empty(largest) for _ in range(6)]
     sums = []
     for s, g in zip(state, grads):

@@ -11,7 +11,7 @@ advantage estimator, policy loss, aggregation mode, KL estimator, the KL control
 entropy losses and `compute_variance_proxy_metrics` (from `verl/trainer/ppo/metric_utils.py`, taken
 by its syntax tree) on seeded random inputs and writes the inputs and verl's outputs as JSON
 (default: core/algo/tests/data/verl_algos_reference.json). It needs torch and numpy only. The Rust tests
-(core/algo/tests/algos_parity.rs, plugins/torch-runtime/tests/algos_parity.rs) replay the file without
+(core/algo/tests/algos_parity.rs, runtime/actor/tests/algos_parity.rs) replay the file without
 Python.
 """
 

@@ -10,7 +10,7 @@ plus the reverse-KL modes verl-core adds (`reverse_kl_topk`: both sides renormal
 (a full `log_softmax` of the student, then a gather). For seeded random student and teacher logits
 it writes the teacher's top-k ids and log-probs, the per-token loss and masses, and the gradient of
 `Σ w·loss` with respect to the student logits for a random weight `w` (default:
-plugins/torch-runtime/tests/data/distill_reference.json). plugins/torch-runtime/tests/distill.rs
+runtime/actor/tests/data/distill_reference.json). runtime/actor/tests/distill.rs
 replays the file without Python. Needs torch only.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 SEED = 20261202
-OUT = Path(__file__).resolve().parents[2] / "plugins/torch-runtime/tests/data/distill_reference.json"
+OUT = Path(__file__).resolve().parents[2] / "runtime/actor/tests/data/distill_reference.json"
 
 
 def kl(log_a, log_b):

@@ -4,11 +4,11 @@
     python scripts/reference/sum_pi_squared_reference.py VERL_CHECKOUT [OUT_JSON]
 
 VERL_CHECKOUT is a local checkout of https://github.com/verl-project/verl. For each committed tiny
-checkpoint (plugins/torch-runtime/fixtures/tiny-llama, tiny-qwen2) and each sequence of its
+checkpoint (runtime/model/fixtures/tiny-llama, tiny-qwen2) and each sequence of its
 `expected.json`, transformers computes the logits of tokens 1.. and verl's
 `calculate_sum_pi_squared_from_logits` (verl/utils/torch_functional.py, loaded as
 algos_reference.py loads it) turns them into Σ_v π(v)² at several temperatures. Writes
-plugins/torch-runtime/fixtures/sum_pi_squared.json by default. Needs torch and transformers.
+runtime/model/fixtures/sum_pi_squared.json by default. Needs torch and transformers.
 """
 
 import json
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algos_reference import load_core_algos  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[2] / "plugins" / "torch-runtime" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "runtime" / "model" / "fixtures"
 MODELS = ["tiny-llama", "tiny-qwen2"]
 # 0.3 sharpens the tiny models' flat distributions, so Σπ² spans more than its 1/V floor.
 TEMPERATURES = [1.0, 0.7, 0.3]

@@ -141,7 +141,7 @@ impl Shared {
     }
 
     fn fixtures() -> PathBuf {
-        workspace_root().join("plugins/torch-runtime/fixtures")
+        workspace_root().join("runtime/model/fixtures")
     }
 
     /// `text` with the placeholders filled in for the case in `dir`.

@@ -581,7 +581,7 @@ fn a_run_that_needs_a_refused_plugin_says_why_it_was_refused() {
     let dir = bundled_plugins(&["verl_plugin_native", "verl_plugin_fsdp"]);
     let native = dir.path().join("libverl_plugin_native.so");
     set_mode(&native, 0o664);
-    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let model = workspace_root().join("runtime/model/fixtures/tiny-llama");
     let out = verl_core(
         &[
             "generate",

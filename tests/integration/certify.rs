@@ -7,7 +7,7 @@ use crate::helpers::*;
 
 fn fixture_arg() -> String {
     workspace_root()
-        .join("plugins/torch-runtime/fixtures/tiny-llama")
+        .join("runtime/model/fixtures/tiny-llama")
         .to_string_lossy()
         .into_owned()
 }

@@ -1,5 +1,5 @@
 //! `verl-core generate` and `score` through the loaded native rollout and fsdp engine plugins,
-//! checked against HF transformers' outputs recorded in plugins/torch-runtime/fixtures (see make_fixtures.py).
+//! checked against HF transformers' outputs recorded in runtime/model/fixtures (see make_fixtures.py).
 
 use serde_json::Value;
 
@@ -11,7 +11,7 @@ fn compute_plugins() -> tempfile::TempDir {
 
 fn expected(model: &str) -> Value {
     let path = workspace_root()
-        .join("plugins/torch-runtime/fixtures")
+        .join("runtime/model/fixtures")
         .join(model)
         .join("expected.json");
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
@@ -40,9 +40,7 @@ fn greedy_generation_matches_transformers() {
     let plugins = compute_plugins();
     for model in ["tiny-llama", "tiny-qwen2"] {
         let reference = expected(model);
-        let model_dir = workspace_root()
-            .join("plugins/torch-runtime/fixtures")
-            .join(model);
+        let model_dir = workspace_root().join("runtime/model/fixtures").join(model);
         for case in reference["greedy"].as_array().unwrap() {
             let prompt: Vec<String> = ids(&case["prompt_ids"])
                 .iter()
@@ -102,7 +100,7 @@ fn scoring_matches_transformers_log_probs() {
         })
         .collect();
     std::fs::write(input.path(), lines.join("\n")).unwrap();
-    let model_dir = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let model_dir = workspace_root().join("runtime/model/fixtures/tiny-llama");
     let out = verl_core(
         &[
             "score",

@@ -85,7 +85,7 @@ fn plugins_list_shows_what_megatron_resolves_to() {
 /// names the key, the device type and what would serve it.
 #[test]
 fn score_with_strategy_megatron_runs_mindspeed_on_ascend() {
-    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let model = workspace_root().join("runtime/model/fixtures/tiny-llama");
     let input = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(
         input.path(),

@@ -253,7 +253,7 @@ fn sigint_to_launch_is_forwarded_to_the_ranks() {
 fn score_on_two_ranks_with_verl_overrides_matches_one_rank() {
     let plugins = bundled_plugins(&["verl_plugin_fsdp", "verl_plugin_megatron"]);
     let plugins = plugins.path().to_str().unwrap();
-    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-qwen2");
+    let model = workspace_root().join("runtime/model/fixtures/tiny-qwen2");
     let model = model.to_str().unwrap();
     let input = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(
@@ -326,7 +326,7 @@ fn score_on_two_ranks_with_verl_overrides_matches_one_rank() {
 #[test]
 fn score_reports_unsupported_overrides() {
     let plugins = bundled_plugins(&["verl_plugin_megatron"]);
-    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-qwen2");
+    let model = workspace_root().join("runtime/model/fixtures/tiny-qwen2");
     let input = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(
         input.path(),

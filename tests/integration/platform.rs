@@ -224,7 +224,7 @@ fn verl_platform_errors_name_the_valid_choices() {
 fn platform_env_updates_are_applied_before_components_start() {
     let root = machine().rocm_gpus(4).env("HIP_VISIBLE_DEVICES", "1,3");
     let dir = bundled_plugins(&["verl_plugin_rocm", "verl_plugin_native"]);
-    let model = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let model = workspace_root().join("runtime/model/fixtures/tiny-llama");
     let out = verl_core_on(
         &root,
         &[

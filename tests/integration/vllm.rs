@@ -263,14 +263,14 @@ fn the_rollout_certifies_against_a_real_server() {
     }
 }
 
-/// vLLM's CPU attention refuses head size 16 (torch-runtime's tiny-llama) only when a request
+/// vLLM's CPU attention refuses head size 16 (verl-model's tiny-llama) only when a request
 /// runs: the server starts, then answers the first request "EngineCore encountered an issue" and
 /// exits. The error carries the cause its worker logged.
 #[test]
 fn a_request_that_kills_the_engine_is_an_error_quoting_vllms_own_cause() {
     let _alone = alone();
     let logs = tempfile::tempdir().unwrap();
-    let tiny_llama = workspace_root().join("plugins/torch-runtime/fixtures/tiny-llama");
+    let tiny_llama = workspace_root().join("runtime/model/fixtures/tiny-llama");
     let mut rollout = rollout_on("vllm", &tiny_llama, json!({"log_dir": logs.path()}));
     let err = rollout
         .generate(&greedy_request_of(vec![vec![5, 6, 7]], 4))

@@ -2,7 +2,7 @@
 //! against values computed by verl's own `core_algos.py` on the same inputs
 //! (`data/verl_algos_reference.json`, made by `scripts/reference/algos_reference.py`; the verl
 //! commit is in the file), and the `variance_proxy/*` metrics against its `metric_utils.py`. The
-//! losses are checked the same way in the torch-runtime crate.
+//! losses are checked the same way in verl-actor.
 
 #[path = "support/verl_reference.rs"]
 mod verl_reference;

@@ -278,7 +278,7 @@ pub enum PluginsCommand {
         #[arg(long)]
         builtin: bool,
         /// Model fixture for the engine and rollout suites (a Hugging Face directory with
-        /// transformers' expected.json); default: plugins/torch-runtime/fixtures/tiny-llama
+        /// transformers' expected.json); default: runtime/model/fixtures/tiny-llama
         /// (engines) and plugins/vllm/fixtures/tiny-qwen2-hd32 (rollouts) of a verl-core checkout
         /// above the current directory or the binary.
         #[arg(long, value_name = "DIR")]

@@ -2,9 +2,9 @@
 //!
 //! One tiny, fixed config on 2 threads (`VERL_BENCH_THREADS` changes it): Llama, hidden 256,
 //! intermediate 768, 4 layers, 4 heads, vocab 8192, fp32, batch 8, random weights (seed 0).
-//! - generation: 8 prompts of 64 tokens, 64 new tokens each, greedy, no EOS stop — verl-torch-runtime's
+//! - generation: 8 prompts of 64 tokens, 64 new tokens each, greedy, no EOS stop — verl-model's
 //!   batched KV-cache decoder, which is what the `native` rollout runs;
-//! - training: forward + backward of the mean token NLL over 8 × 128 tokens — verl-torch-runtime's
+//! - training: forward + backward of the mean token NLL over 8 × 128 tokens — verl-model's
 //!   forward and log-probs, which is what the `fsdp` engine runs; and the engine's whole
 //!   `update_actor` (PPO loss, backward, clipping, AdamW) on the same tokens.
 //!
@@ -25,11 +25,10 @@ use std::time::Instant;
 use common::{Driven, load_average, median, threads};
 use serde_json::json;
 use tch::{Kind, Tensor};
+use verl_actor::{AdamW, AdamWConfig};
+use verl_model::{CausalLM, ModelConfig, ModelOptions, Rng, SamplingParams, ScoreOutputs};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
 use verl_plugin_fsdp::FsdpEngine;
-use verl_torch_runtime::{
-    AdamW, AdamWConfig, CausalLM, ModelConfig, ModelOptions, Rng, SamplingParams, ScoreOutputs,
-};
 
 const BATCH: i64 = 8;
 const SEQ: i64 = 128;
@@ -75,7 +74,7 @@ fn engine_with_batch(dir: &Path, input: &Tensor) -> (FsdpEngine, Batch) {
     // One process on the CPU.
     let run = RunContext::default();
     engine.init(&ComponentInit::new(config, run)).unwrap();
-    let tensor = |t: &Tensor| verl_torch_runtime::interop::from_tch("t", t).unwrap();
+    let tensor = |t: &Tensor| verl_model::interop::from_tch("t", t).unwrap();
     let response_len = SEQ - 1;
     let ones = Tensor::ones([BATCH, response_len], (Kind::Float, tch::Device::Cpu));
     let mut batch = Batch::default();

@@ -19,10 +19,10 @@ use std::time::Instant;
 use common::{ISSUE14_VOCAB as VOCAB, load_average, median, threads, write_issue14_model};
 use serde_json::json;
 use tch::{Kind, Tensor};
+use verl_model::Rng;
+use verl_model::interop::{from_tch, to_tch};
 use verl_plugin_api::{Batch, ComponentInit, Engine, RunContext, keys};
 use verl_plugin_fsdp::FsdpEngine;
-use verl_torch_runtime::Rng;
-use verl_torch_runtime::interop::{from_tch, to_tch};
 
 const ROWS: i64 = 32;
 const PROMPT: i64 = 64;

@@ -18,11 +18,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
+use verl_actor::{AdamW, AdamWConfig};
 use verl_distributed::{Backend, DistError, Options, ProcessGroup, ReduceOp, Rendezvous};
+use verl_model::{Architecture, CausalLM, ModelConfig, ModelOptions, Rng, ScoreOutputs};
 use verl_plugin_fsdp::shard::{ShardMemory, ShardOptions, ShardedModel};
-use verl_torch_runtime::{
-    AdamW, AdamWConfig, Architecture, CausalLM, ModelConfig, ModelOptions, Rng, ScoreOutputs,
-};
 
 const RANK_ENV: &str = "VERL_SHARD_BENCH_RANK";
 const ROWS: i64 = 8;

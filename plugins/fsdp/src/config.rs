@@ -1,11 +1,10 @@
 //! The `fsdp` engine's own section, `fsdp_config` (verl's `FSDPEngineConfig`), parsed strictly;
-//! verl's actor keys around it are the shared [`verl_torch_runtime::actor::ActorConfig`].
+//! verl's actor keys around it are the shared [`verl_actor::ActorConfig`].
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use verl_actor::{AdamWConfig, Role, engine_section_keys};
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
-use verl_torch_runtime::AdamWConfig;
-use verl_torch_runtime::actor::{Role, engine_section_keys};
 
 use crate::shard::ShardOptions;
 

@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
+use verl_actor::Reduction;
 use verl_distributed::{DistError, Options, ProcessGroup, ReduceOp};
+use verl_model::ModelError;
 use verl_plugin_api::{PluginError, RunContext};
-use verl_torch_runtime::ModelError;
-use verl_torch_runtime::actor::Reduction;
 
 /// The process's group while any engine holds it.
 static GROUP: Mutex<Weak<Mutex<ProcessGroup>>> = Mutex::new(Weak::new());

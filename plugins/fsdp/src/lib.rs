@@ -14,7 +14,7 @@
 //! trainer's object exchange (`all_gather_object`).
 //!
 //! Config (`ComponentInit::config`): verl's `actor_rollout_ref.actor` (or `critic`) section
-//! with verl's keys and defaults (the shared [`verl_torch_runtime::actor::ActorConfig`]; its own
+//! with verl's keys and defaults (the shared [`verl_actor::ActorConfig`]; its own
 //! `fsdp_config` is [`config::FsdpConfig`], parsed strictly), plus `"role": "actor" | "ref" |
 //! "critic"` and `"model": {"path", "random_init", "enable_gradient_checkpointing", "dtype"}`.
 //! Mini-batch sizes count sequences (the trainer has multiplied them by `rollout.n`).
@@ -33,6 +33,7 @@ pub mod shard;
 
 mod dist;
 mod engine;
+mod local;
 mod placement;
 
 use std::path::Path;
@@ -43,7 +44,7 @@ use verl_plugin_api::{
 
 use dist::Ranks;
 use engine::{Worker, new_worker};
-use verl_torch_runtime::actor::ActorError;
+use verl_actor::ActorError;
 
 /// The `fsdp` engine as the ABI sees it: the model, optimizer and settings once `init` has run,
 /// and its place among the data-parallel ranks.
@@ -81,7 +82,7 @@ impl Engine for FsdpEngine {
             .roles(["actor", "ref", "critic", "teacher"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
-            // The shared actor worker (verl-torch-runtime) does verl's on-policy shortcut.
+            // The shared actor worker (verl-actor) does verl's on-policy shortcut.
             .on_policy_updates(true)
             // Router replay of a mixture-of-experts actor (verl's R2 / R3): its forwards
             // replay the batch's `routed_experts`.

@@ -5,12 +5,11 @@
 use std::path::Path;
 
 use tch::{Device, Tensor};
+use verl_actor::{LrSchedule, Reduction, Rows, Strategy};
+use verl_model::{DistillScores, ResponseScores, Rng, ScoreOutputs, TopkLogProbs};
 use verl_plugin_api::TensorRef;
-use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::distill::{DistillScores, TopkLogProbs};
-use verl_torch_runtime::{LrSchedule, ResponseScores, Rng, ScoreOutputs};
 
-use crate::engine::LocalModel;
+use crate::local::LocalModel;
 use crate::shard::strategy::ShardedStrategy;
 
 /// The engine's strategy: one of the two, each method passed on.
@@ -39,7 +38,7 @@ impl Strategy for Placement {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<ResponseScores> {
+    ) -> verl_model::Result<ResponseScores> {
         each!(self, s => s.scores(rows, temperature, outputs))
     }
 
@@ -48,11 +47,11 @@ impl Strategy for Placement {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+    ) -> verl_model::Result<(ResponseScores, Tensor)> {
         each!(self, s => s.scores_routed(rows, temperature, outputs))
     }
 
-    fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
+    fn values(&self, rows: &Rows) -> verl_model::Result<Tensor> {
         each!(self, s => s.values(rows))
     }
 
@@ -61,17 +60,12 @@ impl Strategy for Placement {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         each!(self, s => s.backward_scores(rows, temperature, outputs, loss))
     }
 
-    fn topk(
-        &self,
-        rows: &Rows,
-        temperature: f64,
-        k: i64,
-    ) -> verl_torch_runtime::Result<TopkLogProbs> {
+    fn topk(&self, rows: &Rows, temperature: f64, k: i64) -> verl_model::Result<TopkLogProbs> {
         each!(self, s => s.topk(rows, temperature, k))
     }
 
@@ -82,8 +76,8 @@ impl Strategy for Placement {
         outputs: ScoreOutputs,
         aux_weight: f64,
         ids: &Tensor,
-        loss: &mut dyn FnMut(&DistillScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&DistillScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         each!(self, s => s.backward_distill_scores(rows, temperature, outputs, aux_weight, ids, loss))
     }
 
@@ -93,16 +87,16 @@ impl Strategy for Placement {
         temperature: f64,
         outputs: ScoreOutputs,
         aux_weight: f64,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         each!(self, s => s.backward_scores_aux(rows, temperature, outputs, aux_weight, loss))
     }
 
     fn backward_values(
         &self,
         rows: &Rows,
-        loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&Tensor) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         each!(self, s => s.backward_values(rows, loss))
     }
 
@@ -118,27 +112,27 @@ impl Strategy for Placement {
         each!(self, s => s.step(lr))
     }
 
-    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_model::Result<()> {
         each!(self, s => s.save(dir, schedule, rng))
     }
 
-    fn load(&mut self, dir: &Path) -> verl_torch_runtime::Result<(LrSchedule, Rng)> {
+    fn load(&mut self, dir: &Path) -> verl_model::Result<(LrSchedule, Rng)> {
         each!(self, s => s.load(dir))
     }
 
-    fn weights(&mut self) -> verl_torch_runtime::Result<Vec<TensorRef<'_>>> {
+    fn weights(&mut self) -> verl_model::Result<Vec<TensorRef<'_>>> {
         each!(self, s => s.weights())
     }
 
-    fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
+    fn export_hf(&self, dir: &Path) -> verl_model::Result<()> {
         each!(self, s => s.export_hf(dir))
     }
 
-    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_model::Result<()> {
         each!(self, s => s.all_reduce(values, op))
     }
 
-    fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
+    fn reduce_gradients(&mut self) -> verl_model::Result<()> {
         each!(self, s => s.reduce_gradients())
     }
 }

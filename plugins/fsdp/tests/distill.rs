@@ -7,9 +7,11 @@ mod common;
 use common::*;
 use serde_json::json;
 use tch::Kind;
+use verl_actor::testing::{metric, set_meta, update, with_ppo_fields};
+use verl_model::interop::to_tch;
+use verl_model::testing::fixture;
+use verl_model::{CausalLM, ModelOptions};
 use verl_plugin_api::{Batch, keys};
-use verl_torch_runtime::interop::to_tch;
-use verl_torch_runtime::{CausalLM, ModelOptions};
 
 const K: i64 = 5;
 
@@ -89,7 +91,7 @@ fn the_top_k_kl_to_the_teacher_falls() {
                                          "use_policy_gradient": false}}),
         );
         let mut actor = engine(&config);
-        let mut batch = with_ppo_fields(&mut actor, batch_t.clone());
+        let mut batch = with_ppo_fields(&mut actor, batch_t.clone(), 0);
         set_meta(&mut batch, json!({"temperature": 0.7}));
         let mut kl = Vec::new();
         for _ in 0..6 {
@@ -128,7 +130,7 @@ fn combined_policy_gradient_and_estimator_modes_run() {
     ] {
         let config = actor_config("tiny-llama", json!({"distillation_loss": loss.clone()}));
         let mut actor = engine(&config);
-        let mut b = with_ppo_fields(&mut actor, batch.clone());
+        let mut b = with_ppo_fields(&mut actor, batch.clone(), 0);
         for name in &tensors {
             b.insert(*name, out.require(name).unwrap().clone());
         }

@@ -4,8 +4,13 @@ mod common;
 
 use common::*;
 use serde_json::json;
+use verl_actor::testing::{
+    GROUPING_FREE_METRICS, log_probs, max_abs_diff, merge, metric, metrics_diff, seqlens, set_meta,
+    update, values, weights, weights_diff, with_ppo_fields,
+};
+use verl_model::testing::{expected, fixture};
+use verl_model::{CausalLM, ModelOptions, ScoreOutputs};
 use verl_plugin_api::{ErrorKind, NamedTensor, Tensor, keys};
-use verl_torch_runtime::{CausalLM, ModelOptions, ScoreOutputs};
 
 fn rstr(path: &std::path::Path) -> &str {
     path.to_str().unwrap()
@@ -13,9 +18,9 @@ fn rstr(path: &std::path::Path) -> &str {
 
 /// The engine's log-probs and entropy of the fixture sequences (left-padded prompts of different
 /// lengths, right-padded responses) equal transformers' (unpadded, fp32) within 1e-5, at
-/// temperature 1 and at the fixture's temperature, and verl-torch-runtime's direct result exactly.
+/// temperature 1 and at the fixture's temperature, and verl-model's direct result exactly.
 #[test]
-fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
+fn compute_log_prob_matches_transformers_and_verl_model() {
     for model in ["tiny-llama", "tiny-qwen2"] {
         let want = expected(model);
         let (mut batch, lens) = fixture_batch(model);
@@ -52,17 +57,13 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
                     );
                 }
             }
-            // verl-torch-runtime called directly on the same tensors, as the engine calls it
+            // verl-model called directly on the same tensors, as the engine calls it
             // (padded, the last layer at the predictors only), gives the same bits.
             let direct =
                 CausalLM::from_pretrained(&fixture(model), &ModelOptions::default()).unwrap();
             let t = |key: &str| {
-                verl_torch_runtime::interop::to_tch(
-                    key,
-                    batch.require(key).unwrap(),
-                    tch::Device::Cpu,
-                )
-                .unwrap()
+                verl_model::interop::to_tch(key, batch.require(key).unwrap(), tch::Device::Cpu)
+                    .unwrap()
             };
             let r = batch.require(keys::RESPONSES).unwrap().shape[1];
             let scores = tch::no_grad(|| {
@@ -75,7 +76,7 @@ fn compute_log_prob_matches_transformers_and_verl_torch_runtime() {
                     .response_scores_in(&hidden, &context, r, temperature, ScoreOutputs::ENTROPY)
                     .unwrap()
             });
-            let direct_lp = verl_torch_runtime::interop::from_tch("lp", &scores.log_probs).unwrap();
+            let direct_lp = verl_model::interop::from_tch("lp", &scores.log_probs).unwrap();
             assert_eq!(&direct_lp, out.require(keys::LOG_PROBS).unwrap(), "{model}");
         }
     }
@@ -298,7 +299,7 @@ fn save_load_resume_is_bit_identical() {
     );
 }
 
-/// The exported Hugging Face directory loads back (through verl-torch-runtime and through a new engine)
+/// The exported Hugging Face directory loads back (through verl-model and through a new engine)
 /// to the trained weights and identical log-probs; it carries the tokenizer.
 #[test]
 fn export_hf_round_trips() {
@@ -321,7 +322,7 @@ fn export_hf_round_trips() {
             .map(|(name, t)| {
                 NamedTensor::new(
                     name.clone(),
-                    verl_torch_runtime::interop::from_tch(name, t).unwrap(),
+                    verl_model::interop::from_tch(name, t).unwrap(),
                 )
             })
             .collect();
@@ -787,7 +788,7 @@ fn packed_batches_equal_padded() {
                 worst[0] = worst[0].max(diff);
                 assert!(diff <= TOLERANCE, "{model} {extra} {rows}: scores {diff:e}");
                 set_meta(&mut batch, json!({}));
-                let batch = with_ppo_fields(&mut padded, batch);
+                let batch = with_ppo_fields(&mut padded, batch, 0);
                 for step in 0..3 {
                     let (want, got) = (update(&mut padded, &batch), update(&mut packed, &batch));
                     for m in &want {
@@ -907,7 +908,7 @@ fn token_budget_micro_batches_equal_fixed_ones() {
             let diff = scores_diff(&mut fixed, &mut dynamic, &batch);
             worst[0] = worst[0].max(diff);
             assert!(diff <= TOLERANCE, "{model} {extra}: scores {diff:e}");
-            let batch = with_ppo_fields(&mut fixed, batch);
+            let batch = with_ppo_fields(&mut fixed, batch, 0);
             let before = weights(&mut fixed);
             for step in 0..3 {
                 let (want, got) = (update(&mut fixed, &batch), update(&mut dynamic, &batch));

@@ -1,5 +1,5 @@
 //! Router replay (verl's `router_replay.mode`) through the `fsdp` engine's ABI, on the tiny
-//! Qwen3-MoE fixture with a near-tied router: the rollout (verl-torch-runtime's KV-cache decoder,
+//! Qwen3-MoE fixture with a near-tied router: the rollout (verl-model's KV-cache decoder,
 //! which the `native` rollout runs) records each token's experts; with R3 the engine's training
 //! forward uses exactly those experts and reproduces the rollout's log-probs up to fp32 rounding,
 //! without replay a flipped expert moves them by far more; R2 replays what `compute_log_prob`
@@ -12,8 +12,10 @@ mod common;
 use common::*;
 use serde_json::json;
 use tch::Tensor as TchTensor;
+use verl_actor::testing::{max_abs_diff, metric, set_meta, update, weights};
+use verl_model::testing::fixture;
+use verl_model::{CausalLM, Completion, ModelOptions, SamplingParams, write_safetensors};
 use verl_plugin_api::{Batch, Tensor, keys};
-use verl_torch_runtime::{CausalLM, Completion, ModelOptions, SamplingParams, write_safetensors};
 
 /// fp32 rounding between the rollout's decode kernels and the training forward's: both compute
 /// the same function over different shapes (`[rows, 1]` queries over a KV cache vs the whole
@@ -216,7 +218,7 @@ fn vs_rollout(out: &Batch, rolled: &Rolled) -> f64 {
 }
 
 fn tch_of(tensor: &Tensor) -> TchTensor {
-    verl_torch_runtime::interop::to_tch("t", tensor, tch::Device::Cpu).unwrap()
+    verl_model::interop::to_tch("t", tensor, tch::Device::Cpu).unwrap()
 }
 
 /// Whether some fed token's expert set (order within the top-k changes nothing) differs.
@@ -484,7 +486,7 @@ fn the_aux_loss_joins_the_actor_loss_when_the_config_asks() {
         tch_of(rolled.batch.require(keys::ATTENTION_MASK).unwrap()),
     );
     let (_, router) = tch::no_grad(|| model.forward_routed(&ids, &mask, None)).unwrap();
-    let want = verl_torch_runtime::load_balancing_loss(&router.logits, 4, 2, Some(&mask))
+    let want = verl_model::load_balancing_loss(&router.logits, 4, 2, Some(&mask))
         .unwrap()
         .double_value(&[]);
     let got = metric(&with_aux, "actor/moe_aux_loss");

@@ -16,15 +16,20 @@ use std::time::Duration;
 
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
+use verl_actor::testing::{
+    Engine, Share, check_outputs, check_update, check_weights, merge, seqlens, weights,
+    weights_diff, with_ppo_fields,
+};
+use verl_actor::{ActorConfig, ActorWorker, AdamW, AdamWConfig, Role};
 use verl_distributed::{Backend, Options, ProcessGroup, ReduceOp, Rendezvous};
+use verl_model::testing::fixture;
+use verl_model::{
+    Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng, ScoreOutputs, read_safetensors,
+    write_safetensors,
+};
 use verl_plugin_api::keys;
 use verl_plugin_fsdp::shard::strategy::ShardedStrategy;
 use verl_plugin_fsdp::shard::{ShardOptions, ShardedModel};
-use verl_torch_runtime::actor::{ActorConfig, ActorWorker};
-use verl_torch_runtime::{
-    AdamW, AdamWConfig, Architecture, CausalLM, Head, ModelConfig, ModelOptions, Rng, ScoreOutputs,
-    read_safetensors, write_safetensors,
-};
 
 const CASE: &str = "VERL_SHARD_TEST_CASE";
 const VARIANT: &str = "VERL_SHARD_TEST_VARIANT";
@@ -189,7 +194,7 @@ impl TrainBatch {
 
     /// A policy-gradient-like loss with an entropy bonus (LM head), or a squared error (value
     /// head), summed over response tokens and divided by the global token count.
-    fn loss(&self, model: &CausalLM, hidden: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    fn loss(&self, model: &CausalLM, hidden: &Tensor) -> verl_model::Result<Tensor> {
         let response_mask = self
             .mask
             .narrow(1, SEQ - RESPONSE, RESPONSE)
@@ -213,7 +218,7 @@ impl TrainBatch {
     }
 
     /// What `compute_log_prob` / `compute_values` return for these rows.
-    fn scores(&self, model: &CausalLM, hidden: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    fn scores(&self, model: &CausalLM, hidden: &Tensor) -> verl_model::Result<Tensor> {
         if model.head() == Head::Value {
             model.response_values_from_hidden(hidden, &self.mask, RESPONSE)
         } else {
@@ -452,18 +457,26 @@ fn play_load(group: &mut ProcessGroup, variant: Variant, dir: &Path) {
     assert_weights(&mut sm, group, &expected);
 }
 
-/// The fixture's log-probs (`[B, R]`) of an ABI batch.
-fn log_probs_of(batch: &verl_plugin_api::Batch) -> Tensor {
-    verl_torch_runtime::interop::to_tch(
-        keys::LOG_PROBS,
-        batch.require(keys::LOG_PROBS).unwrap(),
-        Device::Cpu,
-    )
-    .unwrap()
+/// The log-probs of `engine`'s share of a batch against `reference`'s, labelled `what`.
+fn check_log_probs(
+    engine: &mut impl Engine,
+    reference: &mut impl Engine,
+    share: &Share<'_>,
+    what: &str,
+) {
+    check_outputs(
+        engine,
+        reference,
+        Role::Actor,
+        share,
+        &[keys::LOG_PROBS],
+        &mut |_, diff| assert_close_value(what, diff),
+    );
 }
 
-fn named(views: Vec<verl_plugin_api::TensorRef<'_>>) -> Vec<verl_plugin_api::NamedTensor> {
-    views.iter().map(|view| view.to_named()).collect()
+/// The weights' check after an update (the weights' difference within the tolerance).
+fn after_an_update(what: &str, diff: f64) {
+    assert_close_value(&format!("{what} after an update"), diff);
 }
 
 /// verl's actor semantics (`ActorWorker`) for the section `config` on the model sharded over
@@ -504,42 +517,37 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
     );
     let mut engine = common::engine(&config);
     let batch = common::ppo_batch(&mut engine, "tiny-llama");
+    let whole = Share::whole(&batch);
     let new_worker = || sharded_worker(&config, &group);
     let mut worker = new_worker();
-    assert_close(
-        "log-probs",
-        &log_probs_of(&worker.compute_log_prob(&batch).unwrap()),
-        &log_probs_of(&engine.compute_log_prob(&batch).unwrap()),
-    );
-    let metrics = worker.update_actor(&batch).unwrap();
-    assert!(metrics.iter().all(|m| m.value.is_finite()), "{metrics:?}");
+    check_log_probs(&mut worker, &mut engine, &whole, "log-probs");
     if world > 1 {
         // Every rank had the whole batch: the sum over ranks is not the one-rank update (the
         // trainer's global normalisation does that), but the ranks stay in step.
+        let metrics = worker.update_actor(&batch).unwrap();
+        assert!(metrics.iter().all(|m| m.value.is_finite()), "{metrics:?}");
         return;
     }
-    let want = common::update(&mut engine, &batch);
-    for m in &want {
-        let mine = common::metric(&metrics, &m.key);
-        assert_close_value(
-            &format!("{}: {mine} vs {}", m.key, m.value),
-            (mine - m.value).abs() / m.value.abs().max(1.0),
-        );
-    }
-    let trained = named(worker.weights().unwrap());
-    assert_close_value(
-        "weights after an update",
-        common::weights_diff(&trained, &common::weights(&mut engine)),
+    let (metrics, _) = check_update(
+        &mut worker,
+        &mut engine,
+        Role::Actor,
+        &whole,
+        None,
+        &mut assert_close_value,
     );
+    assert!(metrics.iter().all(|m| m.value.is_finite()), "{metrics:?}");
+    let trained = weights(&mut worker);
+    check_weights(&trained, &weights(&mut engine), &mut after_an_update);
     // A checkpoint, one more update; a fresh worker resumed from it makes the same update.
     worker.save_checkpoint(&dir.join("ckpt"), 1).unwrap();
     worker.update_actor(&batch).unwrap();
-    let uninterrupted = named(worker.weights().unwrap());
+    let uninterrupted = weights(&mut worker);
     let mut resumed = new_worker();
     assert_eq!(resumed.load_checkpoint(&dir.join("ckpt")).unwrap(), 1);
     resumed.update_actor(&batch).unwrap();
     assert_eq!(
-        common::weights_diff(&uninterrupted, &named(resumed.weights().unwrap())),
+        weights_diff(&uninterrupted, &weights(&mut resumed)),
         0.0,
         "resumed = uninterrupted, exactly"
     );
@@ -549,7 +557,7 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
             CausalLM::from_pretrained(&dir.join("hf"), &ModelOptions::default()).unwrap();
         for ((name, t), w) in exported.named_tensors().iter().zip(&uninterrupted) {
             assert_eq!(*name, w.name);
-            let mine = verl_torch_runtime::interop::to_tch(name, &w.tensor, Device::Cpu).unwrap();
+            let mine = verl_model::interop::to_tch(name, &w.tensor, Device::Cpu).unwrap();
             assert!(t.equal(&mine), "exported {name}");
         }
         assert!(
@@ -557,23 +565,6 @@ fn play_worker(group: ProcessGroup, dir: &Path) {
             "tokenizer files come along"
         );
     }
-}
-
-/// The rows `rows` of every tensor of `batch`.
-fn select_rows(batch: &verl_plugin_api::Batch, rows: &[usize]) -> verl_plugin_api::Batch {
-    let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-    let index = Tensor::from_slice(&index);
-    let mut out = verl_plugin_api::Batch {
-        meta_json: batch.meta_json.clone(),
-        ..Default::default()
-    };
-    for named in &batch.tensors {
-        let name = named.name.as_str();
-        let t = verl_torch_runtime::interop::to_tch(name, &named.tensor, Device::Cpu).unwrap();
-        let picked = verl_torch_runtime::interop::from_tch(name, &t.index_select(0, &index));
-        out.insert(name, picked.unwrap());
-    }
-    out
 }
 
 /// verl's `use_dynamic_bsz` on the sharded model over 2 ranks whose rows need different numbers
@@ -586,7 +577,7 @@ fn play_dynamic(group: ProcessGroup) {
     assert_eq!(group.world_size(), 2);
     let group = Arc::new(Mutex::new(group));
     let (batch, width) = common::varied_batch("tiny-llama");
-    let lens = common::seqlens(&batch);
+    let lens = seqlens(&batch);
     let mut by_length: Vec<usize> = (0..lens.len()).collect();
     by_length.sort_by_key(|&i| (lens[i], i));
     let half = lens.len() / 2;
@@ -610,40 +601,32 @@ fn play_dynamic(group: ProcessGroup) {
                "use_kl_loss": true, "entropy_coeff": 0.01}),
     );
     let mut whole = common::engine(&whole_config);
-    let batch = common::with_ppo_fields(&mut whole, batch);
+    let batch = with_ppo_fields(&mut whole, batch, 0);
     let mut config = whole_config.clone();
-    common::merge(
+    merge(
         &mut config,
         json!({"ppo_mini_batch_size": half, "ppo_micro_batch_size_per_gpu": null,
                "use_dynamic_bsz": true, "ppo_max_token_len_per_gpu": width}),
     );
     let mut worker = sharded_worker(&config, &group);
-    let local = select_rows(&batch, &mine);
-    let index = Tensor::from_slice(&mine.iter().map(|&r| r as i64).collect::<Vec<_>>());
-    assert_close(
-        "log-probs",
-        &log_probs_of(&worker.compute_log_prob(&local).unwrap()),
-        &log_probs_of(&whole.compute_log_prob(&batch).unwrap()).index_select(0, &index),
-    );
-    let got = worker.update_actor(&local).unwrap();
-    let want = common::update(&mut whole, &batch);
-    for key in [
+    let share = Share::rows(&batch, mine);
+    check_log_probs(&mut worker, &mut whole, &share, "log-probs");
+    let keys = [
         "actor/pg_loss",
         "actor/kl_loss",
         "actor/loss",
         "actor/grad_norm",
-    ] {
-        let (mine, theirs) = (common::metric(&got, key), common::metric(&want, key));
-        assert_close_value(
-            &format!("{key}: {mine} vs {theirs}"),
-            (mine - theirs).abs() / theirs.abs().max(1.0),
-        );
-    }
-    let trained = named(worker.weights().unwrap());
-    assert_close_value(
-        "weights after an update",
-        common::weights_diff(&trained, &common::weights(&mut whole)),
+    ];
+    check_update(
+        &mut worker,
+        &mut whole,
+        Role::Actor,
+        &share,
+        Some(&keys),
+        &mut assert_close_value,
     );
+    let trained = weights(&mut worker);
+    check_weights(&trained, &weights(&mut whole), &mut after_an_update);
 }
 
 /// Rank 0 reports the largest difference its checks saw.
@@ -735,30 +718,30 @@ fn engine_offload() {
                    "use_kl_loss": true, "entropy_coeff": 0.01}),
         );
         let mut offloaded_config = whole_config.clone();
-        common::merge(&mut offloaded_config, offload.clone());
+        merge(&mut offloaded_config, offload.clone());
         let mut whole = common::engine(&whole_config);
         let mut offloaded = common::engine(&offloaded_config);
         let batch = common::ppo_batch(&mut whole, model);
-        assert_close(
+        let share = Share::whole(&batch);
+        let mut check = |what: &str, diff| assert_close_value(&format!("{model} {what}"), diff);
+        check_log_probs(
+            &mut offloaded,
+            &mut whole,
+            &share,
             &format!("{model} log-probs"),
-            &log_probs_of(&offloaded.compute_log_prob(&batch).unwrap()),
-            &log_probs_of(&whole.compute_log_prob(&batch).unwrap()),
         );
-        let want = common::update(&mut whole, &batch);
-        let got = common::update(&mut offloaded, &batch);
-        for m in &want {
-            let mine = common::metric(&got, &m.key);
-            assert_close_value(
-                &format!("{model} {}: {mine} vs {}", m.key, m.value),
-                (mine - m.value).abs() / m.value.abs().max(1.0),
-            );
-        }
-        assert_close_value(
-            &format!("{model} weights after an update"),
-            common::weights_diff(
-                &common::weights(&mut offloaded),
-                &common::weights(&mut whole),
-            ),
+        check_update(
+            &mut offloaded,
+            &mut whole,
+            Role::Actor,
+            &share,
+            None,
+            &mut check,
+        );
+        check_weights(
+            &weights(&mut offloaded),
+            &weights(&mut whole),
+            &mut |what, diff| check(&format!("{what} after an update"), diff),
         );
         // The offloaded engine's checkpoint is the sharded model's.
         let dir = tempfile::tempdir().unwrap();
@@ -768,15 +751,15 @@ fn engine_offload() {
         for file in ["fsdp_layout.json", "fsdp_shard_00000_of_00001.safetensors"] {
             assert!(dir.path().join(file).exists(), "{model}: {file}");
         }
-        let mut reference_config =
-            json!({"role": "ref", "model": {"path": common::fixture(model)}});
+        let mut reference_config = json!({"role": "ref", "model": {"path": fixture(model)}});
         let mut reference = common::engine(&reference_config);
-        common::merge(&mut reference_config, offload.clone());
+        merge(&mut reference_config, offload.clone());
         let mut offloaded_reference = common::engine(&reference_config);
-        assert_close(
+        check_log_probs(
+            &mut offloaded_reference,
+            &mut reference,
+            &share,
             &format!("{model} reference log-probs"),
-            &log_probs_of(&offloaded_reference.compute_log_prob(&batch).unwrap()),
-            &log_probs_of(&reference.compute_log_prob(&batch).unwrap()),
         );
     }
     eprintln!("  {WORST_LINE} {:e}", WORST.with(std::cell::Cell::get));

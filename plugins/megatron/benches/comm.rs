@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use verl_model::{Architecture, CausalLM, ModelConfig, ModelOptions, Rng};
 use verl_plugin_api::{Batch, ComponentInit, ComponentKind, RunContext, Tensor, keys};
 use verl_plugin_megatron::{Comm, group_rows, new_worker};
 use verl_testkit::{PluginHarness, built_plugin};
-use verl_torch_runtime::{Architecture, CausalLM, ModelConfig, ModelOptions, Rng};
 
 const CASE_ENV: &str = "VERL_MEGATRON_BENCH_CASE";
 const MODEL_ENV: &str = "VERL_MEGATRON_BENCH_MODEL";

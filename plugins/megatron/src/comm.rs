@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
 use verl_distributed::{DistError, Options, ProcessGroup, ReduceOp, SubGroup};
+use verl_model::ModelError;
 use verl_plugin_api::{PluginError, RunContext};
-use verl_torch_runtime::ModelError;
 
 /// The groups a collective can run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -253,7 +253,7 @@ impl Comm {
         whole: usize,
         passes: u64,
         op: impl FnOnce(&mut ProcessGroup, Option<SubGroup>) -> Result<T, DistError>,
-    ) -> verl_torch_runtime::Result<Option<T>> {
+    ) -> verl_model::Result<Option<T>> {
         let size = self.size(scope);
         let Some(shared) = self.shared.as_ref().filter(|_| size > 1) else {
             return Ok(None);
@@ -284,7 +284,7 @@ impl Comm {
         scope: Scope,
         tensor: &mut Tensor,
         op: ReduceOp,
-    ) -> verl_torch_runtime::Result<()> {
+    ) -> verl_model::Result<()> {
         let whole = bytes(tensor);
         self.with(scope, whole, 2, |g, sub| match sub {
             Some(sub) => g.all_reduce_in(sub, tensor, op),
@@ -295,7 +295,7 @@ impl Comm {
 
     /// Every rank's `tensor` of `scope`'s group (all of one shape), stacked `[n, ..]` in the
     /// group's rank order.
-    pub fn all_gather(&self, scope: Scope, tensor: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    pub fn all_gather(&self, scope: Scope, tensor: &Tensor) -> verl_model::Result<Tensor> {
         // c10d's flat all-gather: 1-D input, 1-D output of n × its elements.
         let input = tensor.reshape([-1]).contiguous();
         let n = i64::from(self.size(scope));
@@ -314,11 +314,7 @@ impl Comm {
     }
 
     /// Sums `input` `[n, ..]` over `scope`'s group and returns this rank's slice.
-    pub fn reduce_scatter(
-        &self,
-        scope: Scope,
-        input: &Tensor,
-    ) -> verl_torch_runtime::Result<Tensor> {
+    pub fn reduce_scatter(&self, scope: Scope, input: &Tensor) -> verl_model::Result<Tensor> {
         // c10d's flat reduce-scatter: 1-D input of n × the output's elements.
         let flat = input.reshape([-1]).contiguous();
         let n = i64::from(self.size(scope));
@@ -334,11 +330,7 @@ impl Comm {
     }
 
     /// Reduces `values` over the data-parallel ranks, in place (f64 end to end).
-    pub fn all_reduce_dp(
-        &self,
-        values: &mut [f64],
-        op: ReduceOp,
-    ) -> verl_torch_runtime::Result<()> {
+    pub fn all_reduce_dp(&self, values: &mut [f64], op: ReduceOp) -> verl_model::Result<()> {
         if values.is_empty() || self.dp_size() == 1 {
             return Ok(());
         }
@@ -355,7 +347,7 @@ impl Comm {
         &self,
         scope: Scope,
         tensors: &mut [Tensor],
-    ) -> verl_torch_runtime::Result<()> {
+    ) -> verl_model::Result<()> {
         if tensors.is_empty() || self.size(scope) == 1 {
             return Ok(());
         }
@@ -374,14 +366,14 @@ impl Comm {
     }
 
     /// Whether every rank of the job says yes.
-    pub fn all_agree(&self, yes: bool) -> verl_torch_runtime::Result<bool> {
+    pub fn all_agree(&self, yes: bool) -> verl_model::Result<bool> {
         let mut flag = Tensor::from_slice(&[i64::from(yes)]);
         self.all_reduce(Scope::World, &mut flag, ReduceOp::Min)?;
         Ok(flag.int64_value(&[0]) == 1)
     }
 
     /// Every rank's `bytes`, in rank order (the trainer's object exchange).
-    pub fn all_gather_bytes(&self, bytes: &[u8]) -> verl_torch_runtime::Result<Vec<Vec<u8>>> {
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> verl_model::Result<Vec<Vec<u8>>> {
         let lens = self.all_gather(Scope::World, &Tensor::from_slice(&[bytes.len() as i64]))?;
         let lens: Vec<i64> = (0..lens.size()[0])
             .map(|r| lens.int64_value(&[r, 0]))

@@ -1,11 +1,11 @@
 //! The `megatron` engine's own section (verl's `McoreEngineConfig`, under
 //! `actor_rollout_ref.actor.megatron`, `…ref.megatron`, `critic.megatron`), parsed strictly. verl's
-//! actor keys around it are the shared [`verl_torch_runtime::actor::ActorConfig`].
+//! actor keys around it are the shared [`verl_actor::ActorConfig`].
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use verl_actor::{Role, engine_section_keys};
 use verl_plugin_api::{ComponentInit, ConfigKeys, PluginError};
-use verl_torch_runtime::actor::{Role, engine_section_keys};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]

@@ -2,7 +2,7 @@
 //!
 //! The `megatron` engine component (verl's `actor_rollout_ref.actor.strategy=megatron`): a
 //! libtorch (tch) policy, reference or critic model trained with verl's losses (the shared
-//! [`verl_torch_runtime::actor::ActorWorker`]) and split over the job's ranks as Megatron-LM
+//! [`verl_actor::ActorWorker`]) and split over the job's ranks as Megatron-LM
 //! splits it: `tensor_model_parallel_size` ranks hold one copy of the model between them
 //! (column- and row-parallel projections, vocab-parallel embedding and LM head; [`model`]), with
 //! `sequence_parallel` the norm and residual regions split along the sequence, and the
@@ -33,12 +33,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use tch::{Device, Tensor};
+use verl_actor::{ActorConfig, ActorError, ActorWorker, Role};
+use verl_model::interop::{from_tch, to_tch};
+use verl_model::{Head, parse_device};
 use verl_plugin_api::{
     Batch, ComponentInit, Engine, EngineCapabilities, Metric, PluginBuilder, PluginError, TensorRef,
 };
-use verl_torch_runtime::actor::{ActorConfig, ActorError, ActorWorker, Role};
-use verl_torch_runtime::interop::{from_tch, to_tch};
-use verl_torch_runtime::{Head, parse_device};
 
 pub use comm::{Comm, Scope, Traffic};
 use config::MegatronConfig;
@@ -195,7 +195,7 @@ impl Engine for MegatronEngine {
             .roles(["actor", "ref", "critic"])
             .max_world_size(u32::MAX)
             .object_exchange(true)
-            // The shared actor worker (verl-torch-runtime) does verl's on-policy shortcut.
+            // The shared actor worker (verl-actor) does verl's on-policy shortcut.
             .on_policy_updates(true)
             // libtorch's own devices (ROCm builds expose AMD GPUs as `cuda`); an Ascend NPU needs
             // MindSpeed, which verl resolves `strategy=megatron` to there (a plugin engine

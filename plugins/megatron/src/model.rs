@@ -16,7 +16,7 @@ use std::rc::Rc;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 use verl_distributed::ReduceOp;
-use verl_torch_runtime::{
+use verl_model::{
     BlockContext, CausalLM, Head, ModelConfig, ModelError, ModelOptions, Packing, ResponseScores,
     Result, ScoreOutputs, TensorParallel,
 };

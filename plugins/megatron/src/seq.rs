@@ -17,7 +17,7 @@ pub fn slice(comm: &Comm, full: &Tensor) -> Tensor {
 }
 
 /// The whole sequence from every rank's slice.
-pub fn all_gather(comm: &Comm, mine: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+pub fn all_gather(comm: &Comm, mine: &Tensor) -> verl_model::Result<Tensor> {
     let (b, t, h) = mine.size3()?;
     let stacked = comm.all_gather(Scope::Tensor, mine)?; // [tp, B, t, H]
     Ok(stacked
@@ -26,7 +26,7 @@ pub fn all_gather(comm: &Comm, mine: &Tensor) -> verl_torch_runtime::Result<Tens
 }
 
 /// This rank's slice of the sum over ranks of `full`.
-pub fn reduce_scatter(comm: &Comm, full: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+pub fn reduce_scatter(comm: &Comm, full: &Tensor) -> verl_model::Result<Tensor> {
     let (b, s, h) = full.size3()?;
     let tp = i64::from(comm.tp_size());
     let chunks = full.reshape([b, tp, s / tp, h]).permute([1, 0, 2, 3]);
@@ -54,7 +54,7 @@ fn gathered_chunk(cp: i64, g: i64) -> i64 {
 
 /// Every context-parallel rank's keys or values `[B, kv, 2c, d]`, in sequence order
 /// `[B, kv, 2·cp·c, d]`.
-pub fn gather_context(comm: &Comm, mine: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+pub fn gather_context(comm: &Comm, mine: &Tensor) -> verl_model::Result<Tensor> {
     let cp = i64::from(comm.cp_size());
     let size = mine.size();
     let (b, kv, t, d) = (size[0], size[1], size[2], size[3]);
@@ -74,7 +74,7 @@ pub fn gather_context(comm: &Comm, mine: &Tensor) -> verl_torch_runtime::Result<
 
 /// This rank's chunks of the sum over context-parallel ranks of `full` `[B, kv, S, d]` in
 /// sequence order (the conjugate of [`gather_context`]).
-pub fn reduce_scatter_context(comm: &Comm, full: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+pub fn reduce_scatter_context(comm: &Comm, full: &Tensor) -> verl_model::Result<Tensor> {
     let cp = i64::from(comm.cp_size());
     let size = full.size();
     let (b, kv, s, d) = (size[0], size[1], size[2], size[3]);
@@ -127,7 +127,7 @@ impl PackedContext {
 
     /// Every context-parallel rank's keys or values `[1, kv, n, d]` (each rank's slots) in
     /// stream order, `[1, kv, cp·n, d]`.
-    pub fn gather(&self, comm: &Comm, mine: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    pub fn gather(&self, comm: &Comm, mine: &Tensor) -> verl_model::Result<Tensor> {
         let size = mine.size();
         let (kv, n, d) = (size[1], size[2], size[3]);
         let cp = i64::from(comm.cp_size());
@@ -140,7 +140,7 @@ impl PackedContext {
 
     /// This rank's slots of the sum over context-parallel ranks of `full` `[1, kv, N, d]` in
     /// stream order (the conjugate of [`Self::gather`]).
-    pub fn reduce_scatter(&self, comm: &Comm, full: &Tensor) -> verl_torch_runtime::Result<Tensor> {
+    pub fn reduce_scatter(&self, comm: &Comm, full: &Tensor) -> verl_model::Result<Tensor> {
         let size = full.size();
         let (kv, d) = (size[1], size[3]);
         let cp = i64::from(comm.cp_size());

@@ -12,15 +12,17 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
-use verl_distributed::ReduceOp;
-use verl_plugin_api::{TensorRef, keys};
-use verl_torch_runtime::actor::{ActorWorker, Reduction, Rows, Strategy};
-use verl_torch_runtime::interop::LentTensors;
-use verl_torch_runtime::{
-    AdamW, AdamWConfig, CausalLM, LrSchedule, ModelError, ModelOptions, ModelSpec, ResponseScores,
-    Rng, ScoreOutputs, TRAIN_STATE_FILE, TrainState, load_training_state_from, read_safetensors,
-    write_safetensors,
+use verl_actor::{
+    ActorWorker, AdamW, AdamWConfig, LrSchedule, Reduction, Rows, Strategy, TRAIN_STATE_FILE,
+    TrainState, load_training_state_from,
 };
+use verl_distributed::ReduceOp;
+use verl_model::interop::LentTensors;
+use verl_model::{
+    CausalLM, ModelError, ModelOptions, ModelSpec, ResponseScores, Rng, ScoreOutputs,
+    read_safetensors, write_safetensors,
+};
+use verl_plugin_api::{TensorRef, keys};
 
 use crate::comm::Scope;
 use crate::model::{Split, TpModel};
@@ -81,7 +83,7 @@ impl TpStrategy {
             .expect("the worker only trains roles that have an optimizer")
     }
 
-    fn check(&self) -> verl_torch_runtime::Result<()> {
+    fn check(&self) -> verl_model::Result<()> {
         match &self.failed {
             Some(first) => Err(ModelError::Torch(first.clone())),
             None => Ok(()),
@@ -89,11 +91,7 @@ impl TpStrategy {
     }
 
     /// `f`'s value, or `fallback` with the failure kept for the next call.
-    fn or_keep<T>(
-        &mut self,
-        fallback: T,
-        f: impl FnOnce(&mut Self) -> verl_torch_runtime::Result<T>,
-    ) -> T {
+    fn or_keep<T>(&mut self, fallback: T, f: impl FnOnce(&mut Self) -> verl_model::Result<T>) -> T {
         if self.failed.is_some() {
             return fallback;
         }
@@ -111,16 +109,13 @@ impl TpStrategy {
     }
 
     /// The whole model's parameters (every tensor-parallel rank calls it).
-    fn full_weights(&self) -> verl_torch_runtime::Result<Vec<(String, Tensor)>> {
+    fn full_weights(&self) -> verl_model::Result<Vec<(String, Tensor)>> {
         self.model.gather_full(&self.model.local().named_tensors())
     }
 
     /// Reads a checkpoint saved at any tensor-parallel size: this rank's shard of every
     /// parameter and moment, by name.
-    fn read_shards(
-        &self,
-        dir: &Path,
-    ) -> verl_torch_runtime::Result<(PathBuf, HashMap<String, Tensor>)> {
+    fn read_shards(&self, dir: &Path) -> verl_model::Result<(PathBuf, HashMap<String, Tensor>)> {
         let path = dir.join(LAYOUT_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| checkpoint_error(&path, e))?;
         let layout: Layout = serde_json::from_str(&text).map_err(|e| checkpoint_error(&path, e))?;
@@ -161,7 +156,7 @@ impl TpStrategy {
                     .into_iter()
                     .collect())
             })
-            .collect::<verl_torch_runtime::Result<_>>()?;
+            .collect::<verl_model::Result<_>>()?;
         let split_of = |name: &str, tp: u32| {
             layout
                 .params
@@ -198,14 +193,14 @@ impl Strategy for TpStrategy {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<ResponseScores> {
+    ) -> verl_model::Result<ResponseScores> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
         self.model
             .response_scores(ids, mask, rows.response_len, temperature, outputs, None)
     }
 
-    fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
+    fn values(&self, rows: &Rows) -> verl_model::Result<Tensor> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
         self.model
@@ -217,8 +212,8 @@ impl Strategy for TpStrategy {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
         let tape = Tape::default();
@@ -236,8 +231,8 @@ impl Strategy for TpStrategy {
     fn backward_values(
         &self,
         rows: &Rows,
-        loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&Tensor) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         self.check()?;
         let (ids, mask) = Self::rows(rows);
         let tape = Tape::default();
@@ -290,7 +285,7 @@ impl Strategy for TpStrategy {
 
     /// This rank's shard of the parameters and moments; the tensor-parallel rank 0 adds the
     /// layout and the training state.
-    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_model::Result<()> {
         self.check()?;
         std::fs::create_dir_all(dir).map_err(|e| checkpoint_error(dir, e))?;
         let comm = self.model.comm();
@@ -332,7 +327,7 @@ impl Strategy for TpStrategy {
         Ok(())
     }
 
-    fn load(&mut self, dir: &Path) -> verl_torch_runtime::Result<(LrSchedule, Rng)> {
+    fn load(&mut self, dir: &Path) -> verl_model::Result<(LrSchedule, Rng)> {
         self.check()?;
         let (source, tensors) = self.read_shards(dir)?;
         let optimizer = self
@@ -345,7 +340,7 @@ impl Strategy for TpStrategy {
     }
 
     /// The whole model's weights (every rank takes part in the gather).
-    fn weights(&mut self) -> verl_torch_runtime::Result<Vec<TensorRef<'_>>> {
+    fn weights(&mut self) -> verl_model::Result<Vec<TensorRef<'_>>> {
         self.check()?;
         let full = self.full_weights()?;
         self.lent.lend(full)?;
@@ -354,7 +349,7 @@ impl Strategy for TpStrategy {
 
     /// The whole model in Hugging Face's layout, written by rank 0 as the `fsdp` engine writes
     /// it (every rank takes part in the gather).
-    fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
+    fn export_hf(&self, dir: &Path) -> verl_model::Result<()> {
         self.check()?;
         let full = self.full_weights()?;
         if self.model.comm().rank() != 0 {
@@ -372,7 +367,7 @@ impl Strategy for TpStrategy {
         whole.save_pretrained(dir, Some(&self.spec.path))
     }
 
-    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_model::Result<()> {
         self.check()?;
         let op = match op {
             Reduction::Sum => ReduceOp::Sum,
@@ -389,7 +384,7 @@ impl Strategy for TpStrategy {
 
     /// Shards held by several tensor-parallel ranks made whole, then every gradient summed over
     /// the data-parallel and context-parallel ranks (each saw its rows, its chunks).
-    fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
+    fn reduce_gradients(&mut self) -> verl_model::Result<()> {
         self.check()?;
         self.model.reduce_shared_gradients()?;
         let mut grads: Vec<Tensor> = self

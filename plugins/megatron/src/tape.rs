@@ -79,7 +79,7 @@ impl Tape {
 
     /// Backpropagates `loss` (a scalar, the same on every tensor-parallel rank) through the
     /// recorded cuts into the parameters' gradients.
-    pub fn backward(self, loss: &Tensor, comm: &Comm) -> verl_torch_runtime::Result<()> {
+    pub fn backward(self, loss: &Tensor, comm: &Comm) -> verl_model::Result<()> {
         loss.f_backward()?;
         for cut in self.cuts.into_inner().into_iter().rev() {
             let grad = cut.leaf.grad();
@@ -111,7 +111,7 @@ pub fn all_reduce_identity_backward(
     comm: &Comm,
     scope: Scope,
     x: &Tensor,
-) -> verl_torch_runtime::Result<Tensor> {
+) -> verl_model::Result<Tensor> {
     let mut sum = x.detach().contiguous();
     comm.all_reduce(scope, &mut sum, verl_distributed::ReduceOp::Sum)?;
     if !x.requires_grad() {

@@ -3,26 +3,28 @@
 //! (the case in VERL_MEGATRON_TEST_CASE, torchrun's variables on a free port); every rank gets
 //! its contiguous slice of the global batch as the trainer hands it out, and checks per-token
 //! log-probs and entropy, the update metrics (losses, grad-norm) and the weights after each of 3
-//! AdamW updates against the one-rank engine's. `harness = false`: `main` is both the runner and
-//! the rank.
+//! AdamW updates against the one-rank engine's (verl-actor's conformance checks).
+//! `harness = false`: `main` is both the runner and the rank.
 //!
 //! `cargo test -p verl-plugin-megatron --test parallel [NAME-FILTER]`
-
-#[allow(dead_code, reason = "the fsdp engine tests' helpers, some used here")]
-#[path = "../../fsdp/tests/common/mod.rs"]
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::{Value, json};
+use verl_actor::Role;
+use verl_actor::testing::{
+    GROUPING_FREE_METRICS, Share, check_outputs, check_update, check_weights, layout, merge,
+    metric, plugin_engine, set_meta, update, weights, with_ppo_fields,
+};
+use verl_model::interop::{from_tch, to_tch};
+use verl_model::testing::fixture;
+use verl_model::{
+    Architecture, CausalLM, ModelConfig, ModelOptions, Rng, read_safetensors, write_safetensors,
+};
 use verl_plugin_api::{Batch, ComponentInit, ComponentKind, NamedTensor, RunContext, Tensor, keys};
 use verl_plugin_host::EngineHandle;
 use verl_testkit::{PluginHarness, built_plugin};
-use verl_torch_runtime::interop::{from_tch, to_tch};
-use verl_torch_runtime::{
-    Architecture, CausalLM, ModelConfig, ModelOptions, Rng, read_safetensors, write_safetensors,
-};
 
 const CASE: &str = "VERL_MEGATRON_TEST_CASE";
 const MODEL: &str = "VERL_MEGATRON_TEST_MODEL";
@@ -109,7 +111,7 @@ fn model_config(name: &str) -> ModelConfig {
 /// A Hugging Face directory for `name`: a generated model, or a committed fixture.
 fn model_dir(name: &str, root: &Path) -> PathBuf {
     if name.starts_with("tiny-") {
-        return common::fixture(name);
+        return fixture(name);
     }
     let dir = root.join(name);
     let options = ModelOptions {
@@ -171,17 +173,49 @@ fn megatron_engine(config: &Value) -> EngineHandle {
     if std::env::var_os(PACKED).is_some() {
         config["model"]["use_remove_padding"] = json!(true);
     }
-    let harness = PluginHarness::load_alone(built_plugin("verl_plugin_megatron"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    harness.assert_registers(ComponentKind::ENGINE, "megatron", 100);
-    let mut engine = harness
-        .component(ComponentKind::ENGINE, "megatron")
-        .create_engine()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let mut engine = plugin_engine("verl_plugin_megatron", "megatron", 100);
     engine
         .init(&ComponentInit::new(config, run_context()))
         .unwrap_or_else(|e| panic!("megatron init: {e}"));
     engine
+}
+
+/// The reference: the `fsdp` engine on one rank, given the whole batch.
+fn fsdp_engine(config: &Value) -> EngineHandle {
+    let mut run = RunContext::default();
+    run.seed = 7;
+    let mut engine = plugin_engine("verl_plugin_fsdp", "fsdp", 100);
+    engine
+        .init(&ComponentInit::new(config.clone(), run))
+        .unwrap_or_else(|e| panic!("fsdp init: {e}"));
+    engine
+}
+
+/// This rank's share of `batch`, as the trainer hands it out.
+fn share(batch: &Batch) -> Share<'_> {
+    Share::of_rank(
+        batch,
+        number("RANK") as usize,
+        number("WORLD_SIZE") as usize,
+    )
+}
+
+/// The actor's per-token outputs (log-probs, entropy, Σπ²) for this rank's share of `batch`
+/// against the reference's, each labelled `"{key}{context}"`.
+fn check_actor_outputs(
+    engine: &mut EngineHandle,
+    reference: &mut EngineHandle,
+    batch: &Batch,
+    context: &str,
+) {
+    check_outputs(
+        engine,
+        reference,
+        Role::Actor,
+        &share(batch),
+        &[keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED],
+        &mut |key, diff| assert_close(&format!("{key}{context}"), diff),
+    );
 }
 
 /// A global batch of `rows` sequences of 9–13 tokens (prompts left-padded, responses
@@ -195,110 +229,53 @@ fn global_batch(vocab: i64, rows: usize) -> Batch {
                 .collect()
         })
         .collect();
-    let (mut batch, _) = common::layout(&seqs);
-    common::set_meta(
+    let (mut batch, _) = layout(&seqs);
+    set_meta(
         &mut batch,
         json!({"temperature": 0.7, "calculate_entropy": true, "calculate_sum_pi_squared": true}),
     );
     batch
 }
 
-/// This rank's contiguous rows of `len`, as the trainer splits them: the first `len % world`
-/// ranks take one more.
-fn part(len: usize, rank: usize, world: usize) -> (usize, usize) {
-    let (base, extra) = (len / world, len % world);
-    let start = rank * base + rank.min(extra);
-    (start, base + usize::from(rank < extra))
-}
-
-fn narrow(tensor: &Tensor, start: usize, len: usize) -> Tensor {
-    let t = to_tch("rows", tensor, tch::Device::Cpu).unwrap();
-    from_tch("rows", &t.narrow(0, start as i64, len as i64)).unwrap()
-}
-
-fn narrow_batch(batch: &Batch, start: usize, len: usize) -> Batch {
-    let mut out = Batch {
-        meta_json: batch.meta_json.clone(),
-        ..Batch::default()
-    };
-    for named in &batch.tensors {
-        out.insert(named.name.as_str(), narrow(&named.tensor, start, len));
-    }
-    out
-}
-
-fn floats(tensor: &Tensor) -> Vec<f32> {
-    tensor.to_vec::<f32>().unwrap()
-}
-
 /// The PPO batch of update `step`: old log-probs from the reference engine (so the ratio starts
 /// at 1 and moves with later updates), advantages of both signs, the reference policy = old.
 fn ppo_batch(reference: &mut EngineHandle, step: u64, vocab: i64) -> Batch {
-    let mut batch = global_batch(vocab, ROWS);
-    let old = common::log_probs(reference, &batch);
-    let shape = old.shape.to_vec();
-    let (b, r) = (shape[0] as usize, shape[1] as usize);
-    let adv: Vec<f32> = (0..b)
-        .flat_map(|i| std::iter::repeat_n([1.0f32, -0.5, 0.25, -1.0][(i + step as usize) % 4], r))
-        .collect();
-    batch.insert(keys::ADVANTAGES, Tensor::from_slice(&shape, &adv).unwrap());
-    batch.insert(keys::REF_LOG_PROB, old.clone());
-    batch.insert(keys::OLD_LOG_PROBS, old);
-    batch
+    with_ppo_fields(reference, global_batch(vocab, ROWS), step)
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    common::max_abs_diff(&floats(a), &floats(b))
-}
-
-fn compare_weights(what: &str, got: &[NamedTensor], want: &[NamedTensor]) {
-    let names = |w: &[NamedTensor]| w.iter().map(|t| t.name.to_string()).collect::<Vec<_>>();
-    assert_eq!(names(got), names(want), "{what}: parameter names");
-    assert_close(what, common::weights_diff(got, want));
+/// The weights of `engine` and `reference` after update `step`.
+fn compare_weights(step: u64, engine: &mut EngineHandle, reference: &mut EngineHandle) {
+    check_weights(&weights(engine), &weights(reference), &mut |what, diff| {
+        assert_close(&format!("{what} after update {step}"), diff)
+    });
 }
 
 /// Log-probs, entropy, 3 updates (metrics and weights after each) and the export, against
 /// the one-rank `fsdp` engine.
 fn play_parity(model: &Path, megatron: Value, dir: &Path) {
-    let run = run_context();
-    let (rank, world) = (run.rank as usize, run.world_size as usize);
+    let rank = number("RANK");
     let vocab = vocab_of(model);
-    let mut reference = common::engine(&actor_config(model, None));
+    let mut reference = fsdp_engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
     // Forward only, also with slices of different sizes (7 rows).
     for rows in [ROWS, ROWS - 1] {
-        let (start, len) = part(rows, rank, world);
-        let batch = global_batch(vocab, rows);
-        let want = reference.compute_log_prob(&batch).unwrap();
-        let got = engine
-            .compute_log_prob(&narrow_batch(&batch, start, len))
-            .unwrap();
-        for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
-            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
-            assert_close(key, max_diff(g, &narrow(w, start, len)));
-        }
+        check_actor_outputs(&mut engine, &mut reference, &global_batch(vocab, rows), "");
     }
-    let (start, len) = part(ROWS, rank, world);
     for step in 0..UPDATES {
         let batch = ppo_batch(&mut reference, step, vocab);
-        let want = common::update(&mut reference, &batch);
-        let got = common::update(&mut engine, &narrow_batch(&batch, start, len));
-        for m in &want {
-            let mine = common::metric(&got, &m.key);
-            assert_close(
-                &format!("update {step} {}: {mine} vs {}", m.key, m.value),
-                (mine - m.value).abs() / m.value.abs().max(1.0),
-            );
-        }
+        let (_, want) = check_update(
+            &mut engine,
+            &mut reference,
+            Role::Actor,
+            &share(&batch),
+            None,
+            &mut |what, diff| assert_close(&format!("update {step} {what}"), diff),
+        );
         assert!(
-            common::metric(&want, "actor/grad_norm") > 0.05,
+            metric(&want, "actor/grad_norm") > 0.05,
             "clipping is active"
         );
-        compare_weights(
-            &format!("weights after update {step}"),
-            &common::weights(&mut engine),
-            &common::weights(&mut reference),
-        );
+        compare_weights(step, &mut engine, &mut reference);
     }
     // The export: what the fsdp engine writes for the same weights.
     engine
@@ -329,25 +306,22 @@ fn play_parity(model: &Path, megatron: Value, dir: &Path) {
 
 /// A critic (value head, replicated): values and 3 updates against the one-rank engine's.
 fn play_critic(model: &Path, megatron: Value) {
-    let run = run_context();
-    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
-    let mut reference = common::engine(&role_config("critic", model, None));
+    let mut reference = fsdp_engine(&role_config("critic", model, None));
     let mut engine = megatron_engine(&role_config("critic", model, Some(megatron)));
     for step in 0..UPDATES {
         let mut batch = global_batch(vocab_of(model), ROWS);
-        let values = reference.compute_values(&batch).unwrap();
-        let values = values.require(keys::VALUES).unwrap().clone();
-        let got = engine
-            .compute_values(&narrow_batch(&batch, start, len))
-            .unwrap();
-        assert_close(
-            &format!("values before update {step}"),
-            max_diff(
-                got.require(keys::VALUES).unwrap(),
-                &narrow(&values, start, len),
-            ),
+        let values = check_outputs(
+            &mut engine,
+            &mut reference,
+            Role::Critic,
+            &share(&batch),
+            &[keys::VALUES],
+            &mut |_, diff| assert_close(&format!("values before update {step}"), diff),
         );
-        let returns: Vec<f32> = floats(&values)
+        let values = values.require(keys::VALUES).unwrap().clone();
+        let returns: Vec<f32> = values
+            .to_vec::<f32>()
+            .unwrap()
             .iter()
             .enumerate()
             .map(|(i, v)| v + [0.5f32, -1.0, 0.25][i % 3])
@@ -355,22 +329,15 @@ fn play_critic(model: &Path, megatron: Value) {
         let shape = values.shape.to_vec();
         batch.insert(keys::RETURNS, Tensor::from_slice(&shape, &returns).unwrap());
         batch.insert(keys::VALUES, values);
-        let want = reference.update_critic(&batch).unwrap();
-        let got = engine
-            .update_critic(&narrow_batch(&batch, start, len))
-            .unwrap();
-        for m in &want {
-            let mine = common::metric(&got, &m.key);
-            assert_close(
-                &format!("critic update {step} {}: {mine} vs {}", m.key, m.value),
-                (mine - m.value).abs() / m.value.abs().max(1.0),
-            );
-        }
-        compare_weights(
-            &format!("critic weights after update {step}"),
-            &common::weights(&mut engine),
-            &common::weights(&mut reference),
+        check_update(
+            &mut engine,
+            &mut reference,
+            Role::Critic,
+            &share(&batch),
+            None,
+            &mut |what, diff| assert_close(&format!("critic update {step} {what}"), diff),
         );
+        compare_weights(step, &mut engine, &mut reference);
     }
 }
 
@@ -422,7 +389,7 @@ fn verl_batch(
         keys::RESPONSE_MASK,
         Tensor::from_slice(&[b, r], &response_mask).unwrap(),
     );
-    common::set_meta(
+    set_meta(
         &mut batch,
         json!({"temperature": temperature, "calculate_entropy": true,
                "calculate_sum_pi_squared": true}),
@@ -433,25 +400,18 @@ fn verl_batch(
 /// Every sequence width from 2 to `2·tp·cp·2 + 1` tokens (each padded to the layout's
 /// multiple inside the engine): the log-probs and entropy of the one-rank engine.
 fn play_widths(model: &Path, megatron: Value) {
-    let run = run_context();
-    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
     let tp = megatron["tensor_model_parallel_size"].as_u64().unwrap_or(1) as usize;
     let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
-    let mut reference = common::engine(&actor_config(model, None));
+    let mut reference = fsdp_engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
     for width in 2..=2 * tp * cp * 2 + 1 {
         let batch = batch_of_width(vocab_of(model), ROWS, width);
-        let want = reference.compute_log_prob(&batch).unwrap();
-        let got = engine
-            .compute_log_prob(&narrow_batch(&batch, start, len))
-            .unwrap();
-        for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
-            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
-            assert_close(
-                &format!("{key} at width {width}"),
-                max_diff(g, &narrow(w, start, len)),
-            );
-        }
+        check_actor_outputs(
+            &mut engine,
+            &mut reference,
+            &batch,
+            &format!(" at width {width}"),
+        );
     }
 }
 
@@ -474,7 +434,6 @@ fn batch_of_lengths(vocab: i64, lengths: &[usize]) -> Batch {
 /// and long rows interleaved) into each rank's one micro-batch, against the one-rank engine on
 /// the padded batch.
 fn play_lengths(model: &Path, megatron: Value) {
-    let run = run_context();
     let tp = megatron["tensor_model_parallel_size"].as_u64().unwrap_or(1) as usize;
     let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
     let longest = 2 * tp * cp * 2 + 1;
@@ -487,28 +446,20 @@ fn play_lengths(model: &Path, megatron: Value) {
             }
         })
         .collect();
-    let (start, len) = part(lengths.len(), run.rank as usize, run.world_size as usize);
-    let mut reference = common::engine(&actor_config(model, None));
+    let mut reference = fsdp_engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
     let batch = batch_of_lengths(vocab_of(model), &lengths);
-    let want = reference.compute_log_prob(&batch).unwrap();
-    let got = engine
-        .compute_log_prob(&narrow_batch(&batch, start, len))
-        .unwrap();
-    for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
-        let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
-        assert_close(
-            &format!("{key} of lengths 1..={longest}"),
-            max_diff(g, &narrow(w, start, len)),
-        );
-    }
+    check_actor_outputs(
+        &mut engine,
+        &mut reference,
+        &batch,
+        &format!(" of lengths 1..={longest}"),
+    );
 }
 
 /// Two updates, a checkpoint in DIR, then a third update whose weights rank 0 saves.
 fn play_save(model: &Path, megatron: Value, dir: &Path) {
-    let run = run_context();
-    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
-    let mut reference = common::engine(&actor_config(model, None));
+    let mut reference = fsdp_engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
     let vocab = vocab_of(model);
     for step in 0..UPDATES {
@@ -516,10 +467,10 @@ fn play_save(model: &Path, megatron: Value, dir: &Path) {
             engine.save_checkpoint(dir.to_str().unwrap(), step).unwrap();
         }
         let batch = ppo_batch(&mut reference, step, vocab);
-        common::update(&mut engine, &narrow_batch(&batch, start, len));
+        update(&mut engine, &share(&batch).local());
     }
-    let weights = common::weights(&mut engine);
-    if run.rank == 0 {
+    let weights = weights(&mut engine);
+    if number("RANK") == 0 {
         let tensors: Vec<(String, tch::Tensor)> = weights
             .iter()
             .map(|w| {
@@ -534,77 +485,66 @@ fn play_save(model: &Path, megatron: Value, dir: &Path) {
 /// The checkpoint of `play_save` (any tensor-parallel size) loaded, the last update made: the
 /// weights of the uninterrupted run.
 fn play_load(model: &Path, megatron: Value, dir: &Path) {
-    let run = run_context();
-    let (start, len) = part(ROWS, run.rank as usize, run.world_size as usize);
-    let mut reference = common::engine(&actor_config(model, None));
+    let mut reference = fsdp_engine(&actor_config(model, None));
     let mut engine = megatron_engine(&actor_config(model, Some(megatron)));
     assert_eq!(
         engine.load_checkpoint(dir.to_str().unwrap()).unwrap(),
         UPDATES - 1
     );
     let batch = ppo_batch(&mut reference, UPDATES - 1, vocab_of(model));
-    common::update(&mut engine, &narrow_batch(&batch, start, len));
-    let got = common::weights(&mut engine);
+    update(&mut engine, &share(&batch).local());
+    let got = weights(&mut engine);
     let want: Vec<NamedTensor> = read_safetensors(&dir.join(EXPECTED_FILE))
         .unwrap()
         .into_iter()
         .map(|(name, t)| NamedTensor::new(name.clone(), from_tch(&name, &t).unwrap()))
         .collect();
-    compare_weights("weights after resuming", &got, &want);
+    check_weights(&got, &want, &mut |what, diff| {
+        assert_close(&format!("{what} after resuming"), diff)
+    });
 }
 
 /// `use_dynamic_bsz` on the megatron engine: log-probs and 3 updates with micro-batches by a
 /// token budget — per rank the smallest verl accepts, which verl's Megatron worker multiplies by
 /// the context-parallel size — equal the one-rank `fsdp` engine's with fixed micro-batches.
 fn play_token_budget(model: &Path, megatron: Value) {
-    let run = run_context();
-    let (rank, world) = (run.rank as usize, run.world_size as usize);
     let vocab = vocab_of(model);
     let cp = megatron["context_parallel_size"].as_u64().unwrap_or(1) as usize;
     // AdamW amplifies fp32 summation-order differences in proportion to lr (see the fsdp
     // engine's token-budget test): half the parity tests' lr keeps them below the tolerance.
     let lr = json!({"optim": {"lr": 5e-4}});
     let mut reference_config = actor_config(model, None);
-    common::merge(&mut reference_config, lr.clone());
-    let mut reference = common::engine(&reference_config);
+    merge(&mut reference_config, lr.clone());
+    let mut reference = fsdp_engine(&reference_config);
     let width = global_batch(vocab, ROWS)
         .require(keys::INPUT_IDS)
         .unwrap()
         .shape[1] as usize;
     let mut config = actor_config(model, Some(megatron));
-    common::merge(&mut config, lr);
-    common::merge(
+    merge(&mut config, lr);
+    merge(
         &mut config,
         json!({"use_dynamic_bsz": true, "ppo_micro_batch_size_per_gpu": null,
                "ppo_max_token_len_per_gpu": width.div_ceil(cp)}),
     );
     let mut engine = megatron_engine(&config);
-    let (start, len) = part(ROWS, rank, world);
     for step in 0..UPDATES {
         let batch = ppo_batch(&mut reference, step, vocab);
-        let local = narrow_batch(&batch, start, len);
-        let (got, want) = (
-            engine.compute_log_prob(&local).unwrap(),
-            reference.compute_log_prob(&batch).unwrap(),
+        check_actor_outputs(
+            &mut engine,
+            &mut reference,
+            &batch,
+            &format!(" before update {step}"),
         );
-        for key in [keys::LOG_PROBS, keys::ENTROPYS, keys::SUM_PI_SQUARED] {
-            let (g, w) = (got.require(key).unwrap(), want.require(key).unwrap());
-            assert_close(
-                &format!("{key} before update {step}"),
-                max_diff(g, &narrow(w, start, len)),
-            );
-        }
-        let want = common::update(&mut reference, &batch);
-        let got = common::update(&mut engine, &local);
-        assert_close(
-            &format!("update {step}: {got:?} vs {want:?}"),
-            common::metrics_diff(&got, &want, &common::GROUPING_FREE_METRICS),
+        check_update(
+            &mut engine,
+            &mut reference,
+            Role::Actor,
+            &share(&batch),
+            Some(&GROUPING_FREE_METRICS),
+            &mut |what, diff| assert_close(&format!("update {step} {what}"), diff),
         );
-        compare_weights(
-            &format!("weights after update {step}"),
-            &common::weights(&mut engine),
-            &common::weights(&mut reference),
-        );
+        compare_weights(step, &mut engine, &mut reference);
     }
 }
 

@@ -44,6 +44,8 @@ use std::time::Instant;
 
 use common::{Driven, ISSUE14_VOCAB, load_average, median, threads, write_issue14_model};
 use serde_json::{Value, json};
+use verl_actor::{AdamW, AdamWConfig};
+use verl_model::{CausalLM, ModelOptions, Rng};
 use verl_plugin_api::{
     Batch, ComponentInit, ComponentKind, GenerateOutput, GenerateRequest, Rollout, RunContext,
     SamplingParams, Tensor, WeightSource, keys,
@@ -51,7 +53,6 @@ use verl_plugin_api::{
 use verl_plugin_host::EngineHandle;
 use verl_plugin_native::NativeRollout;
 use verl_testkit::{PluginHarness, built_plugin};
-use verl_torch_runtime::{AdamW, AdamWConfig, CausalLM, ModelOptions, Rng};
 
 const PROMPTS: usize = 8;
 const N: u32 = 4;

@@ -1,6 +1,6 @@
 //! # verl-plugin-native
 //!
-//! The `native` rollout component: in-process generation with verl-torch-runtime's batched KV-cache
+//! The `native` rollout component: in-process generation with verl-model's batched KV-cache
 //! decoder, the default when no inference server is configured. Prompts of different lengths are
 //! left-padded into one batch and prefilled once; `n` samples per prompt share the prefill.
 //!
@@ -22,13 +22,12 @@
 use serde::Deserialize;
 use std::path::Path;
 
+use verl_model::{CausalLM, Head, ModelError, ModelSpec, Rng, parse_device};
 use verl_plugin_api::{
     Completion, ComponentInit, ConfigKeys, FinishReason, GenerateOutput, GenerateRequest,
     PluginBuilder, PluginError, Rollout, RolloutCapabilities, RoutedExperts, SamplingParams,
     WeightSource, WeightSourceKind,
 };
-use verl_torch_runtime::interop::load_views;
-use verl_torch_runtime::{CausalLM, Head, ModelError, ModelSpec, Rng, parse_device};
 
 /// The keys of the rollout section this component acts on.
 #[derive(Debug, Deserialize)]
@@ -111,15 +110,11 @@ impl Generator {
         })
     }
 
-    fn sampling(
-        &mut self,
-        p: &SamplingParams,
-        prompt_seeds: &[u64],
-    ) -> verl_torch_runtime::SamplingParams {
-        verl_torch_runtime::SamplingParams {
+    fn sampling(&mut self, p: &SamplingParams, prompt_seeds: &[u64]) -> verl_model::SamplingParams {
+        verl_model::SamplingParams {
             n: p.n as usize,
             max_new_tokens: p.max_new_tokens as usize,
-            // verl-torch-runtime's greedy decoding is temperature 0.
+            // verl-model's greedy decoding is temperature 0.
             temperature: if p.greedy {
                 0.0
             } else {
@@ -153,8 +148,8 @@ impl Generator {
                     c.response_ids.iter().map(|&id| id as u32).collect(),
                     c.logprobs,
                     match c.finish_reason {
-                        verl_torch_runtime::FinishReason::Stop => FinishReason::Stop,
-                        verl_torch_runtime::FinishReason::Length => FinishReason::Length,
+                        verl_model::FinishReason::Stop => FinishReason::Stop,
+                        verl_model::FinishReason::Length => FinishReason::Length,
                     },
                 );
                 match self.routing {
@@ -175,7 +170,7 @@ impl Generator {
         let handover = source.handover()?;
         match handover.kind {
             WeightSourceKind::Memory => {
-                load_views(&self.model, &source.tensors)?;
+                self.model.load_views(&source.tensors)?;
             }
             WeightSourceKind::File => self.model.load_weights_dir(Path::new(&handover.path))?,
             other => {
@@ -233,7 +228,7 @@ verl_plugin_api::export_plugin!(
     .rollout(
         "native",
         100,
-        "batched KV-cache generation in the trainer's process (verl-torch-runtime)",
+        "batched KV-cache generation in the trainer's process (verl-model)",
         NativeRollout::default
     )
 );

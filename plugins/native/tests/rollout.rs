@@ -1,22 +1,14 @@
 //! The `native` rollout loaded from its built library and driven through the stable ABI, on
-//! verl-torch-runtime's committed fixtures (transformers' greedy continuations).
-
-use std::path::{Path, PathBuf};
-
+//! verl-model's committed fixtures (transformers' greedy continuations).
 use serde::Deserialize;
 use serde_json::{Value, json};
+use verl_model::testing::fixture;
 use verl_plugin_api::{
     Batch, ComponentInit, ComponentKind, ErrorKind, FinishReason, GenerateOutput, GenerateRequest,
     Handover, NamedTensor, RunContext, SamplingParams, Tensor, WeightSource, keys,
 };
 use verl_plugin_host::{EngineHandle, RolloutHandle};
 use verl_testkit::{PluginHarness, built_plugin};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../torch-runtime/fixtures")
-        .join(name)
-}
 
 #[derive(Deserialize)]
 struct Expected {

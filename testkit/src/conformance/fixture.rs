@@ -7,9 +7,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use verl_plugin_api::{Batch, DType, NamedTensor, Tensor, keys};
 
-/// The engine suite's default fixture: `plugins/torch-runtime/fixtures/tiny-llama` of a verl-core
-/// checkout (or where it lived before the torch runtime moved), looked for above the current
-/// directory and above the running executable.
+/// The engine suite's default fixture: `runtime/model/fixtures/tiny-llama` of a verl-core
+/// checkout, looked for above the current directory and above the running executable.
 pub fn locate_fixture() -> Option<PathBuf> {
     locate(&ENGINE_FIXTURE)
 }
@@ -22,10 +21,7 @@ pub fn locate_rollout_fixture() -> Option<PathBuf> {
     locate(&ROLLOUT_FIXTURE)
 }
 
-pub(super) const ENGINE_FIXTURE: [&str; 2] = [
-    "plugins/torch-runtime/fixtures/tiny-llama",
-    "model/fixtures/tiny-llama",
-];
+pub(super) const ENGINE_FIXTURE: [&str; 1] = ["runtime/model/fixtures/tiny-llama"];
 pub(super) const ROLLOUT_FIXTURE: [&str; 1] = ["plugins/vllm/fixtures/tiny-qwen2-hd32"];
 
 /// The first of `paths` holding an `expected.json` above the current directory, else above the
@@ -104,15 +100,16 @@ pub fn load(
 /// response length.
 pub fn layout(seqs: &[Vec<i64>]) -> (Batch, Vec<usize>) {
     let splits: Vec<usize> = (0..seqs.len()).map(|i| 3 + i).collect();
+    layout_split(seqs, &splits)
+}
+
+/// [`layout`] with sequence `i` split after `splits[i]` prompt tokens.
+pub fn layout_split(seqs: &[Vec<i64>], splits: &[usize]) -> (Batch, Vec<usize>) {
     let p = splits.iter().copied().max().unwrap_or(0);
-    let lens: Vec<usize> = seqs
-        .iter()
-        .zip(&splits)
-        .map(|(s, &k)| s.len() - k)
-        .collect();
+    let lens: Vec<usize> = seqs.iter().zip(splits).map(|(s, &k)| s.len() - k).collect();
     let r = lens.iter().copied().max().unwrap_or(0);
     let (mut ids, mut mask, mut responses, mut rmask) = (vec![], vec![], vec![], vec![]);
-    for (s, &k) in seqs.iter().zip(&splits) {
+    for (s, &k) in seqs.iter().zip(splits) {
         let (prompt, response) = s.split_at(k);
         let (pad_p, pad_r) = (p - prompt.len(), r - response.len());
         ids.extend(
@@ -319,7 +316,7 @@ mod tests {
         );
         assert!(VLLM_CPU.contains(&head_size(&rollout)));
         expected(&rollout).unwrap();
-        // The engines' stays torch-runtime's tiny Llama (head size 16).
+        // The engines' stays verl-model's tiny Llama (head size 16).
         let engine = locate_fixture().expect("the checkout's engine fixture");
         assert!(engine.ends_with(ENGINE_FIXTURE[0]), "{}", engine.display());
         assert_eq!(head_size(&engine), 16);

@@ -27,7 +27,7 @@
 //!
 //! **Reference fixtures.** Engine and rollout suites need a model directory with an
 //! `expected.json` computed by transformers: [`Options::fixture`] for engines (default
-//! [`locate_fixture`], `plugins/torch-runtime/fixtures/tiny-llama` of the verl-core repo, made by
+//! [`locate_fixture`], `runtime/model/fixtures/tiny-llama` of the verl-core repo, made by
 //! `make_fixtures.py`) and [`Options::rollout_fixture`] for rollouts (default
 //! [`locate_rollout_fixture`], `plugins/vllm/fixtures/tiny-qwen2-hd32`: head size 32, which vLLM's
 //! CPU attention needs, so every bundled rollout serves it). Without one, their numeric checks are
@@ -56,7 +56,7 @@ use verl_plugin_host::{Component, LoadError, Registry, vet::AllowList};
 
 use crate::FakeRoot;
 
-pub use fixture::{locate_fixture, locate_rollout_fixture};
+pub use fixture::{layout, layout_split, locate_fixture, locate_rollout_fixture};
 
 /// A fake machine with `n` devices of one family.
 pub type DeviceLayout = fn(u32) -> FakeRoot;

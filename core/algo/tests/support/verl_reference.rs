@@ -1,6 +1,6 @@
 //! Reading `data/verl_algos_reference.json` (values computed by verl's own `core_algos.py`, made by
 //! `scripts/reference/algos_reference.py`) and comparing with it. Shared by the parity tests of
-//! `verl-core` (estimators, KL, controllers) and `verl-torch-runtime` (losses) through `#[path]`.
+//! `verl-core` (estimators, KL, controllers) and `verl-actor` (losses) through `#[path]`.
 
 use std::collections::BTreeMap;
 

@@ -90,7 +90,7 @@ pub const ISSUE14_VOCAB: i64 = 512;
 /// layers, 4 heads / 2 key-value heads, vocab 512, untied head, fp32; ids 0/1/2 are pad/bos/eos.
 #[allow(dead_code)]
 pub fn write_issue14_model(dir: &std::path::Path) {
-    use verl_torch_runtime::{CausalLM, ModelConfig, ModelOptions};
+    use verl_model::{CausalLM, ModelConfig, ModelOptions};
     let config = serde_json::json!({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": ISSUE14_VOCAB,
         "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,

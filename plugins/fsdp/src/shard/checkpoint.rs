@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
-use verl_torch_runtime::{
-    ModelError, OPTIMIZER_FILE, SINGLE_FILE, TrainState, read_safetensors, write_safetensors,
-};
+use verl_actor::{OPTIMIZER_FILE, TrainState};
+use verl_model::{ModelError, SINGLE_FILE, read_safetensors, write_safetensors};
 
 use super::strategy::TRAIN_STATE_FILE;
 

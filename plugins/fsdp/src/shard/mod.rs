@@ -26,8 +26,9 @@ pub mod strategy;
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
+use verl_actor::{AdamW, AdamWConfig};
 use verl_distributed::{DistError, ProcessGroup, ReduceOp};
-use verl_torch_runtime::{AdamW, AdamWConfig, BlockContext, CausalLM, Head, ModelError};
+use verl_model::{BlockContext, CausalLM, Head, ModelError};
 
 use layout::BlockLayout;
 
@@ -356,7 +357,7 @@ impl ShardedModel {
         &mut self,
         group: &mut ProcessGroup,
         context: &BlockContext,
-        head: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<T>,
+        head: impl FnOnce(&CausalLM, &Tensor) -> verl_model::Result<T>,
     ) -> Result<T> {
         tch::no_grad(|| {
             let mut x = self.with_stage(group, Stage::Embed, |model, _| {
@@ -381,7 +382,7 @@ impl ShardedModel {
         &mut self,
         group: &mut ProcessGroup,
         context: &BlockContext,
-        loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<Tensor>,
+        loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_model::Result<Tensor>,
     ) -> Result<Tensor> {
         self.forward_backward_aux(group, context, None, loss_fn)
             .map(|(loss, _)| loss)
@@ -397,7 +398,7 @@ impl ShardedModel {
         group: &mut ProcessGroup,
         context: &BlockContext,
         aux_weight: Option<f64>,
-        loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_torch_runtime::Result<Tensor>,
+        loss_fn: impl FnOnce(&CausalLM, &Tensor) -> verl_model::Result<Tensor>,
     ) -> Result<(Tensor, Option<f64>)> {
         const OP: &str = "backward";
         if self.optimizer.is_none() {

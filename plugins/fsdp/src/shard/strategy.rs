@@ -1,5 +1,5 @@
 //! The sharded model as an engine [`Strategy`]: verl's actor/critic semantics
-//! ([`verl_torch_runtime::actor::ActorWorker`]) on a [`ShardedModel`] over the process's group
+//! ([`verl_actor::ActorWorker`]) on a [`ShardedModel`] over the process's group
 //! (shared with the other engines of the process, hence behind a mutex).
 //!
 //! Every method communicates, so every rank calls each one at the same point — including
@@ -14,14 +14,13 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Tensor};
+use verl_actor::{LrSchedule, Reduction, Rows, Strategy, TrainState};
 use verl_distributed::{Backend, Options, ProcessGroup, Rendezvous};
-use verl_plugin_api::{RunContext, TensorRef};
-use verl_torch_runtime::actor::{Reduction, Rows, Strategy};
-use verl_torch_runtime::interop::LentTensors;
-use verl_torch_runtime::{
-    BlockContext, CausalLM, LrSchedule, ModelError, ModelSpec, ResponseScores, Rng, ScoreOutputs,
-    TrainState,
+use verl_model::interop::LentTensors;
+use verl_model::{
+    BlockContext, CausalLM, ModelError, ModelSpec, ResponseScores, Rng, ScoreOutputs,
 };
+use verl_plugin_api::{RunContext, TensorRef};
 
 use super::{ShardError, ShardOptions, ShardedModel};
 use crate::dist::{Ranks, all_reduce};
@@ -74,7 +73,7 @@ impl ShardedStrategy {
         run: &RunContext,
         options: ShardOptions,
         spec: ModelSpec,
-    ) -> verl_torch_runtime::Result<Self> {
+    ) -> verl_model::Result<Self> {
         let group = match ranks.group() {
             Some(group) => Ok(Arc::clone(group)),
             None => {
@@ -101,7 +100,7 @@ impl ShardedStrategy {
     fn run<T>(
         &self,
         f: impl FnOnce(&mut ShardedModel, &mut ProcessGroup) -> Result<T, ShardError>,
-    ) -> verl_torch_runtime::Result<T> {
+    ) -> verl_model::Result<T> {
         if let Some(failed) = &self.failed {
             return Err(ModelError::Torch(format!("sharded model: {failed}")));
         }
@@ -123,8 +122,8 @@ impl ShardedStrategy {
         temperature: f64,
         outputs: ScoreOutputs,
         aux_weight: Option<f64>,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         self.run(|model, group| {
             let context = self.context(model, rows)?;
             model
@@ -147,7 +146,7 @@ impl ShardedStrategy {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<(ResponseScores, BlockContext)> {
+    ) -> verl_model::Result<(ResponseScores, BlockContext)> {
         self.run(|model, group| {
             let context = self.context(model, rows)?;
             let scores = model.forward(group, &context, |m, hidden| {
@@ -183,7 +182,7 @@ impl Strategy for ShardedStrategy {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<ResponseScores> {
+    ) -> verl_model::Result<ResponseScores> {
         self.scored(rows, temperature, outputs)
             .map(|(scores, _)| scores)
     }
@@ -195,12 +194,12 @@ impl Strategy for ShardedStrategy {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-    ) -> verl_torch_runtime::Result<(ResponseScores, Tensor)> {
+    ) -> verl_model::Result<(ResponseScores, Tensor)> {
         let (scores, context) = self.scored(rows, temperature, outputs)?;
         Ok((scores, context.take_routed_experts()?))
     }
 
-    fn values(&self, rows: &Rows) -> verl_torch_runtime::Result<Tensor> {
+    fn values(&self, rows: &Rows) -> verl_model::Result<Tensor> {
         self.run(|model, group| {
             let context = self.context(model, rows)?;
             model.forward(group, &context, |m, hidden| {
@@ -214,8 +213,8 @@ impl Strategy for ShardedStrategy {
         rows: &Rows,
         temperature: f64,
         outputs: ScoreOutputs,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         self.backward_with(rows, temperature, outputs, None, loss)
             .map(drop)
     }
@@ -226,16 +225,16 @@ impl Strategy for ShardedStrategy {
         temperature: f64,
         outputs: ScoreOutputs,
         aux_weight: f64,
-        loss: &mut dyn FnMut(&ResponseScores) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<Option<f64>> {
+        loss: &mut dyn FnMut(&ResponseScores) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<Option<f64>> {
         self.backward_with(rows, temperature, outputs, Some(aux_weight), loss)
     }
 
     fn backward_values(
         &self,
         rows: &Rows,
-        loss: &mut dyn FnMut(&Tensor) -> verl_torch_runtime::Result<Tensor>,
-    ) -> verl_torch_runtime::Result<()> {
+        loss: &mut dyn FnMut(&Tensor) -> verl_model::Result<Tensor>,
+    ) -> verl_model::Result<()> {
         self.run(|model, group| {
             let context = self.context(model, rows)?;
             model.forward_backward(group, &context, |m, hidden| {
@@ -259,7 +258,7 @@ impl Strategy for ShardedStrategy {
         self.run_or_keep(false, |model, group| model.step(group, lr))
     }
 
-    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_torch_runtime::Result<()> {
+    fn save(&self, dir: &Path, schedule: &LrSchedule, rng: &Rng) -> verl_model::Result<()> {
         self.run(|model, _| {
             model.save_shard(dir)?;
             let optimizer = model
@@ -281,7 +280,7 @@ impl Strategy for ShardedStrategy {
         })
     }
 
-    fn load(&mut self, dir: &Path) -> verl_torch_runtime::Result<(LrSchedule, Rng)> {
+    fn load(&mut self, dir: &Path) -> verl_model::Result<(LrSchedule, Rng)> {
         let path = dir.join(TRAIN_STATE_FILE);
         let text = std::fs::read(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
@@ -294,23 +293,23 @@ impl Strategy for ShardedStrategy {
     }
 
     /// Every rank gathers the whole model (each rank's rollout needs it).
-    fn weights(&mut self) -> verl_torch_runtime::Result<Vec<TensorRef<'_>>> {
+    fn weights(&mut self) -> verl_model::Result<Vec<TensorRef<'_>>> {
         let named = self.run(|model, group| model.gather_full_weights(group))?;
         self.lent.lend(named)?;
         self.lent.views()
     }
 
-    fn export_hf(&self, dir: &Path) -> verl_torch_runtime::Result<()> {
+    fn export_hf(&self, dir: &Path) -> verl_model::Result<()> {
         self.run(|model, group| model.export_hf(group, dir, Some(&self.spec.path)))
     }
 
-    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_torch_runtime::Result<()> {
+    fn all_reduce(&mut self, values: &mut [f64], op: Reduction) -> verl_model::Result<()> {
         self.run(|model, group| Ok(all_reduce(group, values, op, model.model().device())?))
     }
 
     /// Nothing to do: the backward pass has already reduce-scattered (summed) every block's
     /// gradients into the shards.
-    fn reduce_gradients(&mut self) -> verl_torch_runtime::Result<()> {
+    fn reduce_gradients(&mut self) -> verl_model::Result<()> {
         Ok(())
     }
 }

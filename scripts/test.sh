@@ -17,9 +17,11 @@
 #                               tools, the vllm rollout's against a real vLLM server, the sglang
 #                               rollout's against SGLang's protocol classes) and the
 #                               out-of-tree vendor example's own suite, built separately as a vendor would
-#   bash scripts/test.sh        (CI) the set-ups (cargo-semver-checks, mdbook and, once libtorch is
-#                               there, the integration tests' release build run meanwhile), lint,
-#                               fast, then the rest of full (the fast tier's tests are not run twice)
+#   bash scripts/test.sh        (CI) lint and full in one build: the tools (cargo-semver-checks,
+#                               mdbook), the integration tests' release build and the Python/vLLM
+#                               set-ups run in the background from the start; the test build runs
+#                               under clippy-driver (it is the clippy stage); then every test of the
+#                               workspace in one cargo invocation, the real-server ones in a second
 #
 # Each stage's wall time is printed at the end, also when a stage fails.
 set -euo pipefail
@@ -78,14 +80,18 @@ packages() {
   for p in "$@"; do printf '%s %s ' "$flag" "$p"; done
 }
 
-fast_tier() {
-  # Proof that the tier needs no libtorch: none of its crates depends on torch-sys.
+# Proof that the fast tier needs no libtorch: none of its crates depends on torch-sys.
+fast_tier_has_no_libtorch() {
   # shellcheck disable=SC2046
   if cargo tree -e normal,build,dev $(packages -p "${fast_crates[@]}" "$tools_crate") --prefix none |
     grep -q '^torch-sys '; then
     echo "test.sh fast: a fast-tier crate depends on torch-sys; move it to the full tier" >&2
     return 1
   fi
+}
+
+fast_tier() {
+  fast_tier_has_no_libtorch
   # shellcheck disable=SC2046
   "${test_env[@]}" cargo test --no-fail-fast $(packages -p "${fast_crates[@]}")
   "${test_env[@]}" cargo test --no-fail-fast -p "$tools_crate" --lib
@@ -333,17 +339,15 @@ case "$mode" in
     start_release_build
     start_setups
     lint
-    stage "fast tier (no libtorch, no Python)" fast_tier
+    stage "fast tier: no crate of it links libtorch" fast_tier_has_no_libtorch
     stage "release build for the integration tests (wait)" finish_release_build
     stage "Python tools, vLLM and SGLang set-ups (wait)" finish_setups
-    # shellcheck disable=SC2046
-    stage "full tier: the rest of the workspace tests" \
-      "${test_env[@]}" cargo test --workspace --no-fail-fast \
-      $(packages --exclude "${fast_crates[@]}" "$tools_crate") -- "${skip_servers[@]}"
-    stage "full tier: real vLLM server and SGLang protocol tests" \
-      "${test_env[@]}" cargo test --no-fail-fast "${vllm_tests[@]}"
-    stage "full tier: tracker tests against the tools" \
-      "${test_env[@]}" cargo test --no-fail-fast -p "$tools_crate" --test '*'
-    stage "full tier: vendor example tests" vendor_example
+    # Every cargo command here selects the whole workspace (and filters tests by name): a
+    # subset (`-p …`, `--exclude …`) unifies features differently and rebuilds dozens of crates.
+    stage "tests: every tier but the servers' (fast, full, trackers)" \
+      "${test_env[@]}" cargo test --workspace --no-fail-fast -- "${skip_servers[@]}"
+    stage "tests: real vLLM server and SGLang protocol" \
+      "${test_env[@]}" cargo test --workspace --no-fail-fast --test integration -- vllm:: sglang::
+    stage "tests: vendor example" vendor_example
     ;;
 esac

@@ -34,8 +34,8 @@ HTML_ID = re.compile(r"<[a-zA-Z][^>]*\s(?:id|name)=[\"']([^\"']+)[\"']")
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
-def mask_code(text):
-    """The text with fenced blocks and code spans blanked (newlines kept, so lines still count)."""
+def mask_fences(text):
+    """The text with fenced code blocks blanked (newlines kept, so lines still count)."""
     lines = text.split("\n")
     fence = None
     for i, line in enumerate(lines):
@@ -47,8 +47,12 @@ def mask_code(text):
         elif m:
             fence = m.group(1)
             lines[i] = ""
-    text = "\n".join(lines)
-    return CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    return "\n".join(lines)
+
+
+def mask_code(text):
+    """The text with fenced blocks and code spans blanked (newlines kept, so lines still count)."""
+    return CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), mask_fences(text))
 
 
 def heading_text(raw):
@@ -182,19 +186,7 @@ def check_summary(src):
 
 def cited_paths(path, root):
     """The repository paths cited in `path`'s code spans (outside fenced blocks), as (line, path)."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    fence = None
-    for i, line in enumerate(lines):
-        m = FENCE.match(line)
-        if fence:
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
-                fence = None
-            lines[i] = ""
-        elif m:
-            fence = m.group(1)
-            lines[i] = ""
-    text = "\n".join(lines)
+    text = mask_fences(path.read_text(encoding="utf-8"))
     tops = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
     tops -= {"target"}
     found = []
